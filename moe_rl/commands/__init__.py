@@ -1,0 +1,1 @@
+"""Sub-commands of ``moe-rl``: each module has ``add_arguments(parser)`` and ``run(args)``."""

@@ -1,0 +1,28 @@
+"""``moe-rl config``: print the resolved configuration or the documented table of keys."""
+from __future__ import annotations
+
+import argparse
+
+from moe_rl.config import ConfigError, dump_config, iter_keys, load_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file (default: built-in defaults)")
+    parser.add_argument("--keys", action="store_true",
+                        help="print every config key with its type, default and meaning (markdown)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.keys:
+        print("| key | type | default | meaning |\n|---|---|---|---|")
+        for key, tp, default, doc in iter_keys():
+            print(f"| `{key}` | {tp} | `{default!r}` | {doc} |")
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}")
+        return 2
+    print(dump_config(cfg), end="")
+    return 0

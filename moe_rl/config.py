@@ -1,0 +1,587 @@
+"""Typed configuration: YAML file + ``key.sub=value`` overrides, validated before anything starts.
+
+Every default lives in the dataclasses below and nowhere else. ``load_config`` reads a YAML file,
+applies command-line overrides, checks names, types, ranges and cross-field combinations, and
+raises :class:`ConfigError` naming the offending key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the dotted key it concerns."""
+
+
+def _rng(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+         hi_open: bool = False) -> dict:
+    return {"range": (lo, hi, lo_open, hi_open)}
+
+
+def _f(default: Any, doc: str, **meta: Any) -> Any:
+    """A dataclass field with a default, a one-line doc (for README) and optional range."""
+    meta = dict(meta)
+    meta["doc"] = doc
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _sub(cls: type, doc: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+@dataclass
+class ModelInitConfig:
+    """Shape of the tiny Qwen3-MoE model written by ``moe-rl init-model``."""
+    hidden_size: int = _f(64, "hidden size", **_rng(1))
+    num_hidden_layers: int = _f(2, "decoder layers", **_rng(1))
+    num_attention_heads: int = _f(4, "attention heads", **_rng(1))
+    num_key_value_heads: int = _f(2, "key/value heads (GQA)", **_rng(1))
+    head_dim: int = _f(16, "attention head dimension", **_rng(1))
+    intermediate_size: int = _f(128, "dense MLP size (dense layers only)", **_rng(1))
+    moe_intermediate_size: int = _f(64, "expert MLP size", **_rng(1))
+    num_experts: int = _f(8, "routed experts per MoE layer", **_rng(1, 65535))
+    num_experts_per_tok: int = _f(2, "router top-k", **_rng(1))
+    decoder_sparse_step: int = _f(1, "every n-th layer is MoE", **_rng(1))
+    norm_topk_prob: bool = _f(True, "renormalise the top-k gate probabilities")
+    max_position_embeddings: int = _f(256, "maximum sequence length", **_rng(1))
+    rope_theta: float = _f(10000.0, "rotary base", **_rng(0, lo_open=True))
+    rms_norm_eps: float = _f(1e-6, "RMSNorm epsilon", **_rng(0, lo_open=True))
+    tie_word_embeddings: bool = _f(False, "tie input and output embeddings")
+    seed: int = _f(0, "weight initialisation seed")
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("outputs/tiny_model", "Hugging Face model directory (config.json + safetensors)")
+    dtype: Literal["float32", "bfloat16"] = _f("float32", "trainer parameter dtype")
+    fp32_output_layer: bool = _f(False, "keep the output layer (LM head) in float32")
+    init: ModelInitConfig = _sub(ModelInitConfig, "tiny model shape for `moe-rl init-model`")
+
+
+@dataclass
+class SGLangConfig:
+    tp_size: int = _f(1, "SGLang --tp-size", **_rng(1))
+    dp_size: int = _f(1, "SGLang --dp-size", **_rng(1))
+    ep_size: int = _f(1, "SGLang --ep-size", **_rng(1))
+    mem_fraction_static: float = _f(0.7, "SGLang --mem-fraction-static", **_rng(0, 1, lo_open=True))
+    deterministic_inference: bool = _f(False, "SGLang --enable-deterministic-inference "
+                                       "(makes n-pass averaging useless)")
+    extra_args: list[str] = _f([], "extra command-line arguments passed to sglang.launch_server")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["reference", "sglang"] = _f("reference", "inference engine: CPU reference or SGLang")
+    num_servers: int = _f(1, "engine servers behind the dispatcher", **_rng(1))
+    host: str = _f("127.0.0.1", "address the engine servers bind")
+    base_port: int = _f(30000, "first server port (server i uses base_port + i)", **_rng(1, 65535))
+    api_key: str | None = _f(None, "API key the servers require (Authorization: Bearer)")
+    engine_dtype: Literal["float32", "bfloat16"] = _f("float32", "reference engine dtype")
+    prompts_per_step: int = _f(8, "prompts sampled per RL step", **_rng(1))
+    n_samples_per_prompt: int = _f(8, "responses per prompt (the GRPO group size)", **_rng(1))
+    max_new_tokens: int = _f(16, "response length cap", **_rng(1))
+    temperature: float = _f(1.0, "sampling temperature (0 = greedy)", **_rng(0))
+    top_p: float = _f(1.0, "nucleus sampling mass", **_rng(0, 1, lo_open=True))
+    top_k: int = _f(-1, "top-k sampling (-1 = off)", **_rng(-1))
+    min_p: float = _f(0.0, "min-p relative to the most likely token", **_rng(0, 1))
+    sampling_mask_max_tokens: int = _f(4096, "engine cap on the kept-set size (SGLang "
+                                       "--sampling-mask-max-tokens)", **_rng(2))
+    request_timeout_s: float = _f(300.0, "HTTP timeout per request", **_rng(0, lo_open=True))
+    max_retries: int = _f(3, "retries per request on connection errors / 5xx", **_rng(0))
+    concurrency: int = _f(64, "in-flight requests per server", **_rng(1))
+    health_timeout_s: float = _f(300.0, "wait for a starting server's /health", **_rng(0, lo_open=True))
+    sglang: SGLangConfig = _sub(SGLangConfig, "SGLang server settings")
+
+
+@dataclass
+class CorrectionParams:
+    tis_c: float = _f(2.0, "token-TIS and seq-TIS truncation C", **_rng(0, lo_open=True))
+    mis_c: float = _f(2.0, "seq-MIS threshold C", **_rng(0, lo_open=True))
+    rs_low: float = _f(0.5, "seq-RS lower bound", **_rng(0))
+    rs_high: float = _f(2.0, "seq-RS upper bound", **_rng(0, lo_open=True))
+    geo_low: float = _f(0.999, "geo-RS lower bound", **_rng(0))
+    geo_high: float = _f(1.001, "geo-RS upper bound", **_rng(0, lo_open=True))
+    icepop_low: float = _f(0.5, "IcePop lower bound alpha", **_rng(0))
+    icepop_high: float = _f(5.0, "IcePop upper bound beta", **_rng(0, lo_open=True))
+    opsm_delta: float | None = _f(None, "DeepSeek-V3.2 off-policy mask threshold delta", **_rng(0))
+    opsm_reference: Literal["engine", "pi_old"] = _f("engine", "behaviour policy of the DeepSeek mask")
+    metropolis_weight: Literal["seq", "geo", "token"] = _f("seq", "weight the Metropolis sampler uses")
+
+
+CORRECTIONS = ("token_tis", "seq_tis", "seq_mis", "seq_rs", "geo_rs", "icepop", "opsm",
+               "metropolis", "snis")
+
+
+@dataclass
+class KLConfig:
+    coef: float = _f(0.0, "KL coefficient (0 = no reference model)", **_rng(0))
+    estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator")
+    off_policy_corrected: bool = _f(False, "weight k3 by pi_theta/pi_old (DeepSeek-V3.2)")
+    in_reward: bool = _f(False, "fold the KL into the reward instead of the loss")
+    replay_routing: bool = _f(True, "the reference model replays the rollout routing too")
+
+
+@dataclass
+class EntropyControlConfig:
+    method: Literal["none", "clip_cov", "kl_cov"] = _f("none", "entropy-collapse control")
+    clip_cov_ratio: float = _f(2e-4, "Clip-Cov: fraction of tokens in the band detached",
+                               **_rng(0, 1))
+    clip_cov_low: float = _f(1.0, "Clip-Cov: lower covariance bound omega_low")
+    clip_cov_high: float = _f(5.0, "Clip-Cov: upper covariance bound omega_high")
+    kl_cov_ratio: float = _f(2e-3, "KL-Cov: top fraction by covariance penalised", **_rng(0, 1))
+    kl_cov_coef: float = _f(1.0, "KL-Cov: coefficient beta", **_rng(0))
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: Literal["grpo", "drgrpo", "rloo"] = _f("grpo", "advantage estimator")
+    loss: Literal["ppo", "gspo"] = _f("ppo", "policy loss: token PPO-clip (GRPO) or GSPO")
+    clip_low: float = _f(0.2, "epsilon_low of the ratio clip (GSPO paper: 3e-4)")
+    clip_high: float = _f(0.28, "epsilon_high of the ratio clip (GSPO paper: 4e-4)")
+    dual_clip_c: float | None = _f(3.0, "dual-clip cap c for negative advantages (null = off)",
+                                   **_rng(1, lo_open=True))
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                         "seq-mean-token-sum-norm"] = _f("token-mean", "loss aggregation")
+    max_len_norm: int | None = _f(None, "constant of seq-mean-token-sum-norm "
+                                  "(null = rollout.max_new_tokens)", **_rng(1))
+    pi_old: Literal["trainer", "rollout", "engine_avg"] = _f("trainer", "source of pi_old")
+    pi_old_passes: int = _f(1, "n scoring passes averaged for engine_avg")
+    replay: Literal["off", "r2", "r3"] = _f("r3", "routing replay mode")
+    keep_sampling_mask: bool = _f(False, "score tokens on the engine's top-k/top-p kept set")
+    corrections: list[str] = _f([], "training-inference corrections, applied in order: "
+                                + ", ".join(CORRECTIONS))
+    correction: CorrectionParams = _sub(CorrectionParams, "correction thresholds")
+    kl: KLConfig = _sub(KLConfig, "KL to the reference policy")
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient", **_rng(0))
+    entropy_control: EntropyControlConfig = _sub(EntropyControlConfig, "Clip-Cov / KL-Cov")
+    collapse_guard_k3: float | None = _f(None, "skip the update when mismatch/k3 exceeds this "
+                                         "(null = off)", **_rng(0, lo_open=True))
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = _f(20, "RL steps", **_rng(1))
+    seed: int = _f(1234, "global seed")
+    lr: float = _f(1e-5, "peak learning rate", **_rng(0, lo_open=True))
+    min_lr: float = _f(0.0, "final learning rate of the schedule", **_rng(0))
+    lr_warmup_steps: int = _f(0, "linear warm-up steps", **_rng(0))
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f("constant", "decay after warm-up")
+    weight_decay: float = _f(0.0, "AdamW weight decay", **_rng(0))
+    adam_beta1: float = _f(0.9, "Adam beta1", **_rng(0, 1, hi_open=True))
+    adam_beta2: float = _f(0.999, "Adam beta2", **_rng(0, 1, hi_open=True))
+    grad_clip: float = _f(1.0, "gradient-norm clip (0 = off)", **_rng(0))
+    epochs: int = _f(1, "passes over each rollout batch", **_rng(1))
+    mini_batches: int = _f(1, "optimizer steps per epoch (the batch is split in this many)",
+                           **_rng(1))
+    micro_batch_size: int = _f(8, "sequences per micro-batch (gradient accumulation)", **_rng(1))
+    tensor_parallel: int = _f(1, "tensor-parallel size", **_rng(1))
+    pipeline_parallel: int = _f(1, "pipeline-parallel size", **_rng(1))
+    expert_parallel: int = _f(1, "expert-parallel size", **_rng(1))
+    context_parallel: int = _f(1, "context-parallel size", **_rng(1))
+    sequence_parallel: bool = _f(False, "sequence parallelism (needs tensor_parallel > 1)")
+    recompute_activations: bool = _f(False, "full activation recomputation (replay in backward)")
+    distributed_optimizer: bool = _f(True, "megatron distributed optimizer where available")
+    ema_decay: float | None = _f(None, "EMA of the policy weights (null = off)",
+                                 **_rng(0, 1, lo_open=True, hi_open=True))
+    sft_warmup_steps: int = _f(0, "supervised warm-start steps before RL", **_rng(0))
+    sft_lr: float = _f(1e-3, "learning rate of the supervised warm-start", **_rng(0, lo_open=True))
+    save_interval: int = _f(0, "checkpoint every n steps (0 = only at the end)", **_rng(0))
+    checkpoint_dir: str | None = _f(None, "checkpoint folder (null = <logging.dir>/checkpoints)")
+    export_hf: bool = _f(True, "export the final policy as a Hugging Face model")
+
+
+@dataclass
+class ClusterConfig:
+    num_nodes: int = _f(1, "nodes", **_rng(1))
+    gpus_per_node: int = _f(0, "GPUs per node (0 = CPU run)", **_rng(0))
+    trainer_workers: int = _f(1, "trainer ranks (one Ray actor each)", **_rng(1))
+    colocate: bool = _f(False, "engines and trainer share devices; engine memory released "
+                        "during training")
+    ray_address: str | None = _f(None, "Ray cluster address (null = start a local Ray)")
+    cpus_per_worker: float = _f(1.0, "CPUs reserved per Ray actor", **_rng(0, lo_open=True))
+
+
+@dataclass
+class DataConfig:
+    source: Literal["toy", "jsonl", "parquet"] = _f("toy", "prompt source")
+    path: str | None = _f(None, "dataset file for jsonl / parquet")
+    prompt_key: str = _f("prompt", "column holding the prompt text")
+    answer_key: str = _f("answer", "column holding the reference answer")
+    chat_template: bool = _f(True, "wrap prompts with the tokenizer's chat template")
+    reward: str = _f("toy", "reward: toy | math | module:function")
+    toy_max_operand: int = _f(9, "toy task: largest operand of the additions", **_rng(1))
+    toy_size: int = _f(512, "toy task: number of prompts", **_rng(1))
+    shuffle_seed: int = _f(0, "seed of the deterministic shuffle")
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = _f("runs/default", "run directory: TensorBoard events, metrics.jsonl, checkpoints")
+    tensorboard: bool = _f(True, "write TensorBoard event files")
+    jsonl: bool = _f(True, "write metrics.jsonl")
+    progress: bool = _f(True, "console progress bars")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = _sub(ModelConfig, "policy model")
+    rollout: RolloutConfig = _sub(RolloutConfig, "rollout engine and sampling")
+    algorithm: AlgorithmConfig = _sub(AlgorithmConfig, "losses, pi_old, replay, corrections")
+    trainer: TrainerConfig = _sub(TrainerConfig, "optimisation and parallelism")
+    cluster: ClusterConfig = _sub(ClusterConfig, "devices and Ray")
+    data: DataConfig = _sub(DataConfig, "prompts and rewards")
+    logging: LoggingConfig = _sub(LoggingConfig, "outputs")
+
+
+# ----------------------------------------------------------------------------------------------
+# Building typed values from plain data
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off/on as false/true
+            value = {False: "off", True: "on"}[value]
+        if value in typing.get_args(tp):
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in typing.get_args(tp)], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}{hint}")
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        (arg,) = typing.get_args(tp)
+        return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected a boolean (true/false), got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads "1e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp!r}")  # pragma: no cover - schema error
+
+
+def _check_range(value: Any, meta: dict, key: str) -> None:
+    if value is None or "range" not in meta:
+        return
+    lo, hi, lo_open, hi_open = meta["range"]
+    bad = ((lo is not None and (value <= lo if lo_open else value < lo))
+           or (hi is not None and (value >= hi if hi_open else value > hi)))
+    if bad:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        lo_s = "-inf" if lo is None else repr(lo)
+        hi_s = "inf" if hi is None else repr(hi)
+        raise ConfigError(f"{key}: {value!r} is out of range, expected a value in "
+                          f"{left}{lo_s}, {hi_s}{right}")
+
+
+def _unknown_key(cls: type, name: str, prefix: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{prefix}{name}'{hint} "
+                       f"(valid keys under '{prefix or '<top>'}': {', '.join(names)})")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """Instantiate dataclass ``cls`` from a mapping, checking every key and value."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        if name not in fields:
+            raise _unknown_key(cls, str(name), prefix)
+        tp = hints[name]
+        key = prefix + name
+        if _is_dataclass_type(tp):
+            kwargs[name] = _build(tp, value, key + ".")
+        else:
+            kwargs[name] = _coerce(value, tp, key)
+            _check_range(kwargs[name], fields[name].metadata, key)
+    return cls(**kwargs)
+
+
+def _to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set ``tree[a][b][c] = value`` for ``a.b.c``, validating names against the schema."""
+    parts = dotted.split(".")
+    cls: type = Config
+    node = tree
+    for i, part in enumerate(parts):
+        prefix = ".".join(parts[:i]) + ("." if i else "")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if part not in names:
+            raise _unknown_key(cls, part, prefix)
+        tp = typing.get_type_hints(cls)[part]
+        if i == len(parts) - 1:
+            if _is_dataclass_type(tp) and not isinstance(value, dict):
+                raise ConfigError(f"{dotted}: is a section; set one of its keys, e.g. "
+                                  f"{dotted}.{dataclasses.fields(tp)[0].name}=...")
+            node[part] = value
+            return
+        if not _is_dataclass_type(tp):
+            raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, not a section "
+                              f"(cannot set '{dotted}')")
+        cls = tp
+        if node.get(part) is None:
+            node[part] = {}
+        if not isinstance(node[part], dict):
+            raise ConfigError(f"{'.'.join(parts[:i + 1])}: expected a mapping, got {node[part]!r}")
+        node = node[part]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``key.sub=value``; the value is parsed as YAML (numbers, booleans, null, lists)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: cannot parse value {raw!r}: {exc}") from None
+    return key, value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML ``path`` (optional), apply ``overrides`` and return a validated :class:`Config`."""
+    tree: dict = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                tree = yaml.safe_load(fh) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(tree: dict) -> Config:
+    """Build and validate a :class:`Config` from a plain nested dict."""
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved configuration as YAML (printed at start, saved in the run directory)."""
+    return yaml.safe_dump(_to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model facts needed by validation
+
+
+@dataclass(frozen=True)
+class MoEFacts:
+    """What validation needs to know about the model's MoE layers."""
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    topk: int
+    vocab_size: int | None
+
+
+def moe_facts_from_hf(hf: dict) -> MoEFacts:
+    """MoE layer indices, expert count and top-k from a Hugging Face ``config.json`` dict."""
+    n_layers = int(hf.get("num_hidden_layers", 0))
+    n_exp = int(hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts")
+                or 0)
+    topk = int(hf.get("num_experts_per_tok") or 0)
+    if n_exp <= 0 or topk <= 0:
+        moe: tuple[int, ...] = ()
+    elif "first_k_dense_replace" in hf:  # DeepSeek-V3 style
+        k = int(hf.get("first_k_dense_replace") or 0)
+        freq = int(hf.get("moe_layer_freq") or 1)
+        moe = tuple(i for i in range(n_layers) if i >= k and i % freq == 0)
+    else:  # Qwen3-MoE / Qwen2-MoE style; Mixtral has neither key (every layer MoE)
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = set(hf.get("mlp_only_layers") or [])
+        moe = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
+    return MoEFacts(n_layers, moe, n_exp, topk, hf.get("vocab_size"))
+
+
+def model_moe_facts(model: ModelConfig) -> MoEFacts:
+    """Facts of the configured model: its config.json when present, else the ``init`` shape."""
+    cfg_file = os.path.join(model.path, "config.json")
+    if os.path.isfile(cfg_file):
+        with open(cfg_file, encoding="utf-8") as fh:
+            return moe_facts_from_hf(json.load(fh))
+    return moe_facts_from_hf(_to_dict(model.init))
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-field validation
+
+
+def validate(cfg: Config) -> None:
+    """Raise :class:`ConfigError` for incompatible combinations of otherwise valid values."""
+    a, r, t, m = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.model
+    init = m.init
+    if init.num_experts_per_tok > init.num_experts:
+        raise ConfigError(f"model.init.num_experts_per_tok: {init.num_experts_per_tok} exceeds "
+                          f"model.init.num_experts = {init.num_experts}")
+    if init.num_attention_heads % init.num_key_value_heads:
+        raise ConfigError("model.init.num_key_value_heads: must divide model.init."
+                          f"num_attention_heads ({init.num_attention_heads})")
+    facts = model_moe_facts(m)
+    if a.replay != "off" and not facts.moe_layers:
+        raise ConfigError(f"algorithm.replay: '{a.replay}' needs a model with MoE layers, but "
+                          f"{m.path} has none; set algorithm.replay=off")
+    if r.top_k == 0:
+        raise ConfigError("rollout.top_k: 0 is not valid; use -1 for no top-k or a value >= 1")
+    if a.keep_sampling_mask:
+        if not (1 < r.top_k <= r.sampling_mask_max_tokens):
+            raise ConfigError(
+                "algorithm.keep_sampling_mask: needs a finite rollout.top_k with 1 < top_k <= "
+                f"rollout.sampling_mask_max_tokens ({r.sampling_mask_max_tokens}); got "
+                f"rollout.top_k={r.top_k}")
+        if r.temperature == 0:
+            raise ConfigError("algorithm.keep_sampling_mask: greedy sampling (rollout.temperature"
+                              "=0) keeps one token; turn the mask off")
+    if a.pi_old == "engine_avg" and a.pi_old_passes < 1:
+        raise ConfigError(f"algorithm.pi_old_passes: engine_avg needs n >= 1, got "
+                          f"{a.pi_old_passes}")
+    if a.pi_old_passes < 1:
+        raise ConfigError(f"algorithm.pi_old_passes: expected >= 1, got {a.pi_old_passes}")
+    if a.loss == "gspo" and (a.clip_low <= 0 or a.clip_high <= 0):
+        raise ConfigError(f"algorithm.clip_low/clip_high: GSPO needs positive clip ranges, got "
+                          f"{a.clip_low} / {a.clip_high}")
+    if a.clip_low < 0 or a.clip_high < 0:
+        raise ConfigError("algorithm.clip_low/clip_high: clip ranges must be >= 0")
+    if a.clip_low >= 1:
+        raise ConfigError(f"algorithm.clip_low: must be < 1 (ratio floor 1 - clip_low), got "
+                          f"{a.clip_low}")
+    for i, name in enumerate(a.corrections):
+        if name not in CORRECTIONS:
+            close = difflib.get_close_matches(name, CORRECTIONS, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"algorithm.corrections[{i}]: unknown correction '{name}'{hint}; "
+                              f"valid: {', '.join(CORRECTIONS)}")
+    if len(set(a.corrections)) != len(a.corrections):
+        raise ConfigError(f"algorithm.corrections: a correction is listed twice: {a.corrections}")
+    if "opsm" in a.corrections and a.correction.opsm_delta is None:
+        raise ConfigError("algorithm.correction.opsm_delta: the DeepSeek off-policy mask ('opsm' "
+                          "in algorithm.corrections) needs a threshold delta")
+    c = a.correction
+    for lo, hi in (("rs_low", "rs_high"), ("geo_low", "geo_high"), ("icepop_low", "icepop_high")):
+        if getattr(c, lo) >= getattr(c, hi):
+            raise ConfigError(f"algorithm.correction.{lo}: must be below algorithm.correction.{hi}"
+                              f" ({getattr(c, lo)} >= {getattr(c, hi)})")
+    if a.kl.in_reward and a.kl.coef == 0:
+        raise ConfigError("algorithm.kl.in_reward: needs algorithm.kl.coef > 0")
+    if a.entropy_control.method == "clip_cov" and (a.entropy_control.clip_cov_low
+                                                    >= a.entropy_control.clip_cov_high):
+        raise ConfigError("algorithm.entropy_control.clip_cov_low: must be below clip_cov_high")
+    if r.n_samples_per_prompt < 2 and a.advantage in ("grpo", "rloo"):
+        raise ConfigError(f"rollout.n_samples_per_prompt: '{a.advantage}' advantages need groups "
+                          f"of at least 2, got {r.n_samples_per_prompt}")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"trainer.min_lr: {t.min_lr} exceeds trainer.lr = {t.lr}")
+    if t.sequence_parallel and t.tensor_parallel == 1:
+        raise ConfigError("trainer.sequence_parallel: needs trainer.tensor_parallel > 1")
+    if facts.moe_layers and facts.num_experts % t.expert_parallel:
+        raise ConfigError(f"trainer.expert_parallel: {t.expert_parallel} does not divide the "
+                          f"{facts.num_experts} experts")
+    if cfg.cluster.gpus_per_node == 0:
+        if r.engine == "sglang":
+            raise ConfigError("rollout.engine: SGLang needs GPUs (cluster.gpus_per_node > 0); use "
+                              "rollout.engine=reference on CPU")
+        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+            if getattr(t, key) > 1:
+                raise ConfigError(f"trainer.{key}: > 1 is not supported on CPU (megatron-core's "
+                                  "local spec refuses sequence parallelism there); run it on GPUs")
+    if cfg.data.source in ("jsonl", "parquet") and not cfg.data.path:
+        raise ConfigError(f"data.path: data.source={cfg.data.source} needs a file path")
+    if r.engine == "reference" and r.sglang.deterministic_inference:
+        raise ConfigError("rollout.sglang.deterministic_inference: only applies to "
+                          "rollout.engine=sglang")
+
+
+def iter_keys(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str, str, Any, str]]:
+    """Yield (dotted key, type name, default, doc) for every leaf key: README's table."""
+    default_obj = cls()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _is_dataclass_type(tp):
+            yield from iter_keys(tp, prefix + f.name + ".")
+        else:
+            yield (prefix + f.name, _type_name(tp), getattr(default_obj, f.name),
+                   f.metadata.get("doc", ""))
