@@ -1,0 +1,187 @@
+"""Packing samples into padded micro-batches for the megatron-core forward, with the routing
+replay tensors in the order the router sees tokens and the kept-id sets re-indexed.
+
+Layout: sample b occupies positions 0..P+R-1 of row b (right padding). Position s predicts
+token s+1, so response token j of a sample is scored at position P-1+j. Megatron's GPTModel runs
+in [S, B, H] layout, so its router sees token (s, b) at index ``s * B + b``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.types import Sample
+
+
+@dataclass
+class MicroBatch:
+    """Padded tensors of one micro-batch (B rows, S positions)."""
+    input_ids: torch.Tensor          # [B, S] long
+    position_ids: torch.Tensor       # [B, S] long
+    attention_mask: torch.Tensor     # [1, 1, S, S] bool, True = masked (causal)
+    targets: torch.Tensor            # [B, S] long, the next token (0 where none)
+    score_mask: torch.Tensor         # [B, S] bool, predicts a response token with loss_mask
+    response_mask: torch.Tensor      # [B, S] bool, predicts any response token
+    rollout_logprobs: torch.Tensor   # [B, S] float32, at the scored positions
+    pass_logprobs: torch.Tensor | None   # [n, B, S]
+    routing: torch.Tensor | None     # [B, S, L, K] long, padding rows filled with valid ids
+    routing_valid: torch.Tensor | None   # [B, S] bool, rows that hold a recorded route
+    kept_offsets: torch.Tensor | None    # [B*S + 1] long, rows in b-major order (b * S + s)
+    kept_ids: torch.Tensor | None        # int32 global token ids
+    sample_indices: list[int]
+    prompt_lens: torch.Tensor        # [B]
+    response_lens: torch.Tensor      # [B]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)
+
+    def replay_indices(self) -> list[torch.Tensor]:
+        """One LongTensor [S*B, K] per MoE layer, in the router's token order (s * B + b)."""
+        if self.routing is None:
+            raise ValueError("routing: this micro-batch carries no routing to replay")
+        B, S, L, K = self.routing.shape
+        flat = self.routing.permute(1, 0, 2, 3).reshape(S * B, L, K)
+        return [flat[:, layer].contiguous() for layer in range(L)]
+
+    def routing_valid_router_order(self) -> torch.Tensor:
+        """``routing_valid`` flattened in the router's order (s * B + b)."""
+        return self.routing_valid.t().reshape(-1)
+
+    def response_slices(self) -> list[tuple[int, slice]]:
+        """(row, positions) scoring each sample's response tokens, in sample order."""
+        out = []
+        for b in range(self.input_ids.shape[0]):
+            P, R = int(self.prompt_lens[b]), int(self.response_lens[b])
+            out.append((b, slice(P - 1, P - 1 + R)))
+        return out
+
+    def unpack(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Per-position values [B, S] (or [..., B, S]) -> one [R] tensor per sample."""
+        return [values[..., b, sl] for b, sl in self.response_slices()]
+
+    def to_response_padded(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Per-position [B, S] values -> response-aligned [B, R_max] (the algorithm layout)."""
+        R_max = int(self.response_lens.max())
+        out = torch.full((values.shape[0], R_max), fill, dtype=values.dtype)
+        for b, sl in self.response_slices():
+            out[b, :sl.stop - sl.start] = values[b, sl]
+        return out
+
+
+def padding_routing_rows(n_rows: int, topk: int, num_experts: int, start: int = 0
+                         ) -> torch.Tensor:
+    """Valid, distinct-per-row expert ids for rows without a recorded route:
+    ``((start + r) * K + arange(K)) % E`` (never all zeros, which breaks the dispatcher)."""
+    if topk > num_experts:
+        raise ValueError(f"topk: {topk} exceeds num_experts {num_experts}")
+    r = torch.arange(start, start + n_rows, dtype=torch.long)[:, None]
+    return (r * topk + torch.arange(topk, dtype=torch.long)[None, :]) % num_experts
+
+
+def plan_micro_batches(lengths: list[int], *, micro_batch_size: int | None = None,
+                       max_tokens_per_micro_batch: int | None = None) -> list[list[int]]:
+    """Group sample indices into micro-batches: sorted by length (stable, longest first), then
+    filled greedily up to ``micro_batch_size`` rows and/or ``max_tokens`` padded tokens."""
+    if micro_batch_size is None and max_tokens_per_micro_batch is None:
+        raise ValueError("micro_batch_size / max_tokens_per_micro_batch: give at least one")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        longest = max([lengths[j] for j in cur] + [lengths[i]])
+        too_many = micro_batch_size is not None and len(cur) + 1 > micro_batch_size
+        too_long = (max_tokens_per_micro_batch is not None
+                    and longest * (len(cur) + 1) > max_tokens_per_micro_batch)
+        if cur and (too_many or too_long):
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def pack_micro_batches(samples: list[Sample], *, pad_token_id: int,
+                       micro_batch_size: int | None = None,
+                       max_tokens_per_micro_batch: int | None = None,
+                       num_experts: int | None = None, pad_to_multiple: int = 1
+                       ) -> list[MicroBatch]:
+    """Pack ``samples`` into padded micro-batches (see :class:`MicroBatch`)."""
+    lengths = [s.prompt_len + s.response_len for s in samples]
+    plan = plan_micro_batches(lengths, micro_batch_size=micro_batch_size,
+                              max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    return [pack_one(samples, idx, pad_token_id=pad_token_id, num_experts=num_experts,
+                     pad_to_multiple=pad_to_multiple) for idx in plan]
+
+
+def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,
+             num_experts: int | None = None, pad_to_multiple: int = 1) -> MicroBatch:
+    """Pack the samples ``indices`` (in that order) into one micro-batch."""
+    chosen = [samples[i] for i in indices]
+    B = len(chosen)
+    S = max(s.prompt_len + s.response_len for s in chosen)
+    S = -(-S // pad_to_multiple) * pad_to_multiple
+    input_ids = torch.full((B, S), pad_token_id, dtype=torch.long)
+    targets = torch.zeros((B, S), dtype=torch.long)
+    score = torch.zeros((B, S), dtype=torch.bool)
+    resp = torch.zeros((B, S), dtype=torch.bool)
+    roll = torch.zeros((B, S), dtype=torch.float32)
+    has_passes = [s.pass_logprobs is not None for s in chosen]
+    if any(has_passes) and not all(has_passes):
+        raise ValueError("pass_logprobs: either every sample of a micro-batch has them or none")
+    n_pass = chosen[0].pass_logprobs.shape[0] if all(has_passes) else 0
+    passes = torch.zeros((n_pass, B, S), dtype=torch.float32) if n_pass else None
+    has_routing = [s.routing is not None for s in chosen]
+    if any(has_routing) and not all(has_routing):
+        raise ValueError("routing: either every sample of a micro-batch has routing or none")
+    routing = valid = None
+    if all(has_routing):
+        if num_experts is None:
+            raise ValueError("num_experts: needed to fill routing rows without a recorded route")
+        L, K = chosen[0].routing.shape[1:]
+        # fill everything with distinct valid ids in router order (s * B + b), then copy routes
+        fill = padding_routing_rows(S * B, K, num_experts).reshape(S, B, K)
+        routing = fill.permute(1, 0, 2)[:, :, None, :].expand(B, S, L, K).clone()
+        valid = torch.zeros((B, S), dtype=torch.bool)
+    has_mask = [s.sampling_mask_offsets is not None for s in chosen]
+    if any(has_mask) and not all(has_mask):
+        raise ValueError("sampling mask: either every sample of a micro-batch has one or none")
+    row_lengths = torch.zeros(B * S, dtype=torch.long)
+    kept_parts: list[torch.Tensor] = []
+    for b, s in enumerate(chosen):
+        P, R = s.prompt_len, s.response_len
+        tokens = torch.cat([s.prompt_ids, s.response_ids]).long()
+        input_ids[b, :P + R] = tokens
+        targets[b, :P + R - 1] = tokens[1:]
+        pos = slice(P - 1, P - 1 + R)
+        resp[b, pos] = True
+        score[b, pos] = s.loss_mask
+        roll[b, pos] = s.rollout_logprobs
+        if passes is not None:
+            passes[:, b, pos] = s.pass_logprobs
+        if routing is not None:
+            if s.routing.shape[1:] != (L, K):
+                raise ValueError(f"sample {s.sample_id}: routing: expected [*, {L}, {K}], got "
+                                 f"{list(s.routing.shape)}")
+            routing[b, :P + R - 1] = s.routing.long()
+            valid[b, :P + R - 1] = True
+        if all(has_mask):
+            lens = s.sampling_mask_offsets[1:] - s.sampling_mask_offsets[:-1]
+            row_lengths[b * S + P - 1: b * S + P - 1 + R] = lens
+            kept_parts.append(s.sampling_mask_ids)
+    kept_offsets = kept_ids = None
+    if all(has_mask):
+        kept_offsets = torch.zeros(B * S + 1, dtype=torch.long)
+        kept_offsets[1:] = torch.cumsum(row_lengths, 0)
+        kept_ids = torch.cat(kept_parts).to(torch.int32)
+    position_ids = torch.arange(S, dtype=torch.long)[None, :].expand(B, S).clone()
+    attention_mask = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)[None, None]
+    return MicroBatch(input_ids=input_ids, position_ids=position_ids,
+                      attention_mask=attention_mask, targets=targets, score_mask=score,
+                      response_mask=resp, rollout_logprobs=roll, pass_logprobs=passes,
+                      routing=routing, routing_valid=valid, kept_offsets=kept_offsets,
+                      kept_ids=kept_ids, sample_indices=list(indices),
+                      prompt_lens=torch.tensor([s.prompt_len for s in chosen]),
+                      response_lens=torch.tensor([s.response_len for s in chosen]))

@@ -1,0 +1,218 @@
+"""The rollout record: validation messages, pickle-free round trips, compact routing, packing."""
+import pytest
+import torch
+
+from moe_rl.packing import pack_micro_batches, pack_one, padding_routing_rows, plan_micro_batches
+from moe_rl.types import (RecordError, RolloutBatch, RoutingSpec, Sample, compact_routing,
+                          routing_dtype)
+
+SPEC = RoutingSpec(num_moe_layers=2, topk=2, num_experts=8)
+
+
+def make_sample(P=3, R=4, sid=0, group=0, seed=0, routing=True, mask=True, passes=0, vocab=20):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (P,), generator=g)
+    resp = torch.randint(0, vocab, (R,), generator=g)
+    kw = {}
+    if routing:
+        kw["routing"] = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(
+            (P + R - 1) * 2)]).reshape(P + R - 1, 2, 2).to(torch.uint8)
+    if mask:
+        sets = []
+        for tok in resp.tolist():
+            extra = torch.randperm(vocab, generator=g)[:3].tolist()
+            sets.append(sorted(set(extra) | {tok}))
+        off = [0]
+        for s_ in sets:
+            off.append(off[-1] + len(s_))
+        kw["sampling_mask_offsets"] = torch.tensor(off)
+        kw["sampling_mask_ids"] = torch.tensor([i for s_ in sets for i in s_], dtype=torch.int32)
+    if passes:
+        kw["pass_logprobs"] = -torch.rand(passes, R, generator=g)
+    return Sample(prompt_ids=prompt, response_ids=resp, rollout_logprobs=-torch.rand(R, generator=g),
+                  loss_mask=torch.tensor([True] * (R - 1) + [False]), reward=0.5 * sid,
+                  group_id=group, weight_version=3, sample_id=sid, metadata={"answer": "42"}, **kw)
+
+
+def _same(a: Sample, b: Sample):
+    for name in ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "pass_logprobs",
+                 "routing", "sampling_mask_offsets", "sampling_mask_ids"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert (a.reward, a.group_id, a.weight_version, a.sample_id, a.metadata) == \
+        (b.reward, b.group_id, b.weight_version, b.sample_id, b.metadata)
+
+
+def test_routing_dtype_choice_and_compaction():
+    assert routing_dtype(256) == torch.uint8
+    assert routing_dtype(257) == torch.int16
+    r = torch.tensor([[[3, 255]]], dtype=torch.int32)
+    assert compact_routing(r, 256).dtype == torch.uint8
+    with pytest.raises(ValueError, match="expert ids must lie in"):
+        compact_routing(torch.tensor([[[256]]]), 256)
+
+
+def test_round_trip_bit_exact_with_shared_and_differing_prompt_routing(tmp_path):
+    a = make_sample(sid=0, group=7, seed=1, passes=2)
+    b = make_sample(sid=1, group=7, seed=2, passes=2)
+    b.prompt_ids = a.prompt_ids.clone()
+    b.routing[:a.prompt_len] = a.routing[:a.prompt_len]   # same prefix-cache routing
+    c = make_sample(sid=2, group=7, seed=3, passes=2)      # same group, different prompt rows
+    d = make_sample(sid=3, group=8, seed=4, passes=2, mask=False)
+    batch = RolloutBatch([a, b, c, d])
+    data = batch.to_bytes()
+    assert b"pickle" not in data[:200]
+    back = RolloutBatch.from_bytes(data, vocab_size=20, routing_spec=SPEC)
+    for x, y in zip(batch.samples, back.samples):
+        _same(x, y)
+    # the shared prompt block is stored once: 3 blocks for 4 samples
+    from safetensors.torch import load
+    t = load(data)
+    assert t["routing_prompt_offsets"].numel() - 1 == 3
+    batch.save(tmp_path / "b.st")
+    for x, y in zip(batch.samples, RolloutBatch.load(tmp_path / "b.st").samples):
+        _same(x, y)
+
+
+def test_int16_routing_round_trip():
+    s = make_sample(routing=False)
+    s.routing = torch.randint(0, 300, (s.routed_positions, 2, 2)).to(torch.int16)
+    s.validate()
+    back = RolloutBatch.from_bytes(RolloutBatch([s]).to_bytes(),
+                                   routing_spec=RoutingSpec(2, 2, 300))
+    _same(s, back.samples[0])
+
+
+def test_corrupt_and_truncated_data():
+    data = RolloutBatch([make_sample()]).to_bytes()
+    with pytest.raises(RecordError, match="truncated"):
+        RolloutBatch.from_bytes(data[:5])
+    with pytest.raises(RecordError):
+        RolloutBatch.from_bytes(data[:len(data) // 2])
+    with pytest.raises(RecordError, match="header"):
+        RolloutBatch.from_bytes(data[:8] + b"\xff" * (len(data) - 8))
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda s: setattr(s, "routing", s.routing[:-1]), "routing: expected 6 positions"),
+    (lambda s: setattr(s, "routing", s.routing.to(torch.int32)), "routing: expected dtype uint8"),
+    (lambda s: setattr(s, "loss_mask", s.loss_mask[:-1]), "loss_mask: expected 4 entries"),
+    (lambda s: s.rollout_logprobs.__setitem__(1, float("nan")), "rollout_logprobs: non-finite"),
+    (lambda s: s.rollout_logprobs.__setitem__(1, 0.5), "rollout_logprobs: log-probs must be <= 0"),
+    (lambda s: setattr(s, "pass_logprobs", torch.zeros(2, 3)), "pass_logprobs: expected [n_passes"),
+    (lambda s: s.sampling_mask_offsets.__setitem__(2, 100), "sampling_mask_offsets"),
+    (lambda s: setattr(s, "reward", float("inf")), "reward: expected a finite number"),
+])
+def test_validation_names_sample_and_field(mutate, field):
+    s = make_sample(sid=17)
+    mutate(s)
+    with pytest.raises(RecordError) as info:
+        s.validate()
+    assert str(info.value).startswith("sample 17: ") and field in str(info.value)
+
+
+def test_validation_against_model_spec_and_vocab():
+    s = make_sample(sid=5)
+    with pytest.raises(RecordError, match="sample 5: routing: expected 3 MoE layers"):
+        s.validate(routing_spec=RoutingSpec(3, 2, 8))
+    with pytest.raises(RecordError, match="sample 5: routing: expected top-k 4"):
+        s.validate(routing_spec=RoutingSpec(2, 4, 8))
+    with pytest.raises(RecordError, match="sample 5: routing: expert id"):
+        s.validate(routing_spec=RoutingSpec(2, 2, 4))
+    s.prompt_ids = s.prompt_ids.clamp(max=10)
+    s.response_ids = s.response_ids.clone()
+    s.response_ids[0] = 19
+    with pytest.raises(RecordError, match="sample 5: response_ids: token ids must lie in"):
+        s.validate(vocab_size=19)
+    with pytest.raises(RecordError, match="sample 6: sampling_mask_ids: response token 1 "
+                                          r"\(id 4\) is not in its kept set"):
+        Sample(prompt_ids=[1], response_ids=[3, 4], rollout_logprobs=[-1.0, -1.0], sample_id=6,
+               sampling_mask_offsets=[0, 1, 3], sampling_mask_ids=[3, 5, 6])
+    with pytest.raises(RecordError, match="sample 7: sampling_mask_ids: response token 0 has an "
+                                          "empty kept set"):
+        Sample(prompt_ids=[1], response_ids=[3], rollout_logprobs=[-1.0], sample_id=7,
+               sampling_mask_offsets=[0, 0], sampling_mask_ids=[])
+    s = make_sample(sid=5)
+    # validation also runs on load
+    data = RolloutBatch([s]).to_bytes()
+    with pytest.raises(RecordError, match="sample 5: routing"):
+        RolloutBatch.from_bytes(data, routing_spec=RoutingSpec(3, 2, 8))
+
+
+def test_padding_rows_distinct_and_never_all_zero():
+    rows = padding_routing_rows(10, 4, 8)
+    assert rows.shape == (10, 4)
+    for r in rows:
+        assert len(set(r.tolist())) == 4
+    assert rows.sum(-1).gt(0).all()
+    assert set(rows.flatten().tolist()) == set(range(8))
+
+
+def test_hand_worked_packing_two_samples():
+    # sample A: prompt [5, 6], response [7, 8, 9]; sample B: prompt [1], response [2, 3]
+    ra = torch.arange(4 * 2 * 2).reshape(4, 2, 2) % 8
+    rb = (torch.arange(2 * 2 * 2).reshape(2, 2, 2) + 3) % 8
+    a = Sample(prompt_ids=[5, 6], response_ids=[7, 8, 9], rollout_logprobs=[-0.1, -0.2, -0.3],
+               loss_mask=[True, False, True], routing=ra.to(torch.uint8), sample_id=0,
+               sampling_mask_offsets=[0, 2, 3, 5], sampling_mask_ids=[7, 1, 8, 9, 2])
+    b = Sample(prompt_ids=[1], response_ids=[2, 3], rollout_logprobs=[-0.4, -0.5],
+               routing=rb.to(torch.uint8), sample_id=1,
+               sampling_mask_offsets=[0, 1, 3], sampling_mask_ids=[2, 3, 4])
+    mb = pack_one([a, b], [0, 1], pad_token_id=0, num_experts=8)
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]]
+    assert mb.targets.tolist() == [[6, 7, 8, 9, 0], [2, 3, 0, 0, 0]]
+    assert mb.response_mask.tolist() == [[False, True, True, True, False],
+                                         [True, True, False, False, False]]
+    assert mb.score_mask.tolist() == [[False, True, False, True, False],
+                                      [True, True, False, False, False]]
+    assert mb.rollout_logprobs[0, 1:4].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert mb.rollout_logprobs[1, 0:2].tolist() == pytest.approx([-0.4, -0.5])
+    assert torch.equal(mb.routing[0, :4], ra.long())
+    assert torch.equal(mb.routing[1, :2], rb.long())
+    assert mb.routing_valid.tolist() == [[True] * 4 + [False], [True, True, False, False, False]]
+    B, S = 2, 5
+    for bb in range(B):
+        for s in range(S):
+            if not mb.routing_valid[bb, s]:
+                expect = padding_routing_rows(1, 2, 8, start=s * B + bb)[0]
+                for layer in range(2):
+                    assert mb.routing[bb, s, layer].tolist() == expect.tolist()
+    # replay order: token (s, b) at index s * B + b
+    replay = mb.replay_indices()
+    assert len(replay) == 2 and replay[0].shape == (S * B, 2)
+    for layer in range(2):
+        for s in range(S):
+            for bb in range(B):
+                assert replay[layer][s * B + bb].tolist() == mb.routing[bb, s, layer].tolist()
+    # kept sets re-indexed to rows b * S + s
+    off, ids = mb.kept_offsets, mb.kept_ids
+    def row(bb, s):
+        return ids[off[bb * S + s]:off[bb * S + s + 1]].tolist()
+    assert row(0, 1) == [7, 1] and row(0, 2) == [8] and row(0, 3) == [9, 2]
+    assert row(1, 0) == [2] and row(1, 1) == [3, 4]
+    assert row(0, 0) == [] and row(1, 4) == []
+    # unpack back to per-sample response tensors
+    lp = mb.unpack(mb.rollout_logprobs)
+    assert lp[0].tolist() == pytest.approx([-0.1, -0.2, -0.3]) and lp[1].tolist() == pytest.approx(
+        [-0.4, -0.5])
+    padded = mb.to_response_padded(mb.rollout_logprobs)
+    assert padded.shape == (2, 3) and padded[1, 2] == 0
+
+
+def test_micro_batch_plan_and_pass_logprobs():
+    assert plan_micro_batches([3, 9, 5, 9], micro_batch_size=2) == [[1, 3], [2, 0]]
+    assert plan_micro_batches([3, 9, 5, 9], max_tokens_per_micro_batch=18) == [[1, 3], [2, 0]]
+    assert plan_micro_batches([3, 9, 5, 9], max_tokens_per_micro_batch=10) == [[1], [3], [2, 0]]
+    samples = [make_sample(P=2 + i, R=3, sid=i, seed=i, passes=3) for i in range(5)]
+    mbs = pack_micro_batches(samples, pad_token_id=0, micro_batch_size=2, num_experts=8,
+                             pad_to_multiple=4)
+    assert sorted(i for mb in mbs for i in mb.sample_indices) == list(range(5))
+    for mb in mbs:
+        assert mb.input_ids.shape[1] % 4 == 0
+        assert mb.pass_logprobs.shape[0] == 3
+        for k, i in enumerate(mb.sample_indices):
+            assert torch.equal(mb.unpack(mb.pass_logprobs)[k], samples[i].pass_logprobs)
+    with pytest.raises(ValueError, match="num_experts"):
+        pack_micro_batches(samples, pad_token_id=0, micro_batch_size=2)
