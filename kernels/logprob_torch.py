@@ -58,12 +58,15 @@ def chunk_statistics(logits: torch.Tensor, temperature: float, targets_local: to
     logits: [C, V_local]. targets_local: [C] local column or -1 when the target is owned by
     another rank. Restricted rows reduce over their kept columns only.
     """
-    z = logits.to(acc_dtype(logits)) / temperature
+    z = logits.to(acc_dtype(logits))   # the caller's fresh chunk: scaled in place
+    if temperature != 1.0:
+        z = z.div_(temperature)
     C = z.shape[0]
     m = z.max(dim=-1).values
     e = torch.exp(z - m[:, None])
     s = e.sum(-1)
-    sz = (e * z).sum(-1)
+    sz = e.mul_(z).sum(-1)
+    del e
     if kept_row is not None and restricted.any():
         zk = z[kept_row, kept_col]
         mk = torch.full((C,), -torch.inf, dtype=z.dtype, device=z.device).scatter_reduce(
@@ -157,7 +160,10 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[a:b] = (gz @ weight).to(acc)
             if grad_w is not None:
-                grad_w += (gz.t() @ hidden[a:b]).to(acc)
+                if gz.dtype == acc:
+                    grad_w.addmm_(gz.t(), hidden[a:b])
+                else:
+                    grad_w += (gz.t() @ hidden[a:b]).to(acc)
             del logits, gz
         if grad_h is not None and group is not None:
             dist.all_reduce(grad_h, group=group)
@@ -170,22 +176,26 @@ def chunk_logit_grad(logits, temperature, lse, entropy, g_lp, g_ent, t_local, ke
                      restricted_all, a, b, vocab_start):
     """d(loss)/d(logits) for one chunk: [g_lp (onehot - p) - g_ent p (log p + H)] / temperature,
     p over the row's support (full vocabulary or its kept set)."""
-    z = logits.to(lse.dtype) / temperature
-    logp = z - lse[:, None]
+    # in place on the freshly recomputed chunk: two [C, V] buffers (log p -> gradient, and p)
+    logp = logits.to(lse.dtype)
+    if temperature != 1.0:
+        logp = logp.div_(temperature)
+    logp = logp.sub_(lse[:, None])
     p = torch.exp(logp)
-    gz = -p * (g_lp[:, None] + g_ent[:, None] * (logp + entropy[:, None]))
+    gz = logp.add_(entropy[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
+    del p
     if kept is not None:
         restricted = restricted_all[a:b]
         if restricted.any():
             row, ids = kept.rows(a, b)
-            kr, kc = _local_entries(row, ids, vocab_start, z.shape[1])
+            kr, kc = _local_entries(row, ids, vocab_start, gz.shape[1])
             kept_vals = gz[kr, kc]
             gz[restricted] = 0.0
             gz[kr, kc] = kept_vals
     has_t = t_local >= 0
     rows = torch.nonzero(has_t).squeeze(1)
     gz[rows, t_local[rows]] += g_lp[rows]
-    return gz / temperature
+    return gz.div_(temperature) if temperature != 1.0 else gz
 
 
 class TorchBackend:

@@ -167,3 +167,10 @@ def test_every_shipped_config_loads():
         if set(text) == {"model"}:
             continue  # a model-only file (written before its other sections exist)
         load_config(f)
+
+
+def test_readme_documents_every_key():
+    import pathlib
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [k for k, *_ in iter_keys() if f"`{k}`" not in readme]
+    assert not missing, f"README lacks config keys: {missing}"
