@@ -1,0 +1,95 @@
+"""Shims that let megatron-core (0.16+) run on a CPU-only torch; applied only without CUDA.
+
+1. ``torch.cuda.current_device`` returns "cpu" (rotary embedding moves ``inv_freq`` there).
+2. The model-parallel RNG tracker's ``fork`` is a no-op context (it needs CUDA RNG states);
+   dropout must be 0 on CPU because of it.
+3. ``moe_utils.te_general_gemm = None`` (0.16.1 raises NameError without Transformer Engine).
+4. ``optimizer.clip_grad_by_total_norm_fp32`` asserts CUDA gradients: replaced by a CPU version
+   that scales the gradients by ``max_norm / (total_norm + 1e-6)`` when below 1.
+5. Activation recomputation saves and restores the CUDA RNG state: on CPU there is none, so
+   ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` do nothing.
+6. :func:`cuda_factories_on_cpu`: a context in which ``device='cuda'`` arguments of tensor
+   factories become 'cpu' (megatron's optimizer builds flag tensors on CUDA).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+
+
+def cuda_absent() -> bool:
+    """True on a CPU-only machine (the shims apply)."""
+    return not torch.cuda.is_available()
+
+
+def _clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for p in parameters:
+            g = p.decoupled_grad if use_decoupled_grad else p.grad
+            if g is not None:
+                g.mul_(coeff)
+
+
+def apply_cpu_shims() -> bool:
+    """Install the shims once when CUDA is absent; returns whether they are active."""
+    global _APPLIED
+    if not cuda_absent():
+        return False
+    if _APPLIED:
+        return True
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core.tensor_parallel import random as tp_random
+    tp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+    tp_random._get_cuda_rng_state = lambda *a, **k: None
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    import megatron.core.optimizer.optimizer as mopt
+    mopt.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
+    _APPLIED = True
+    return True
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and str(device).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_factories_on_cpu():
+    """Within this context ``torch.xxx(..., device='cuda')`` allocates on the CPU (CPU only)."""
+    if not cuda_absent():
+        yield
+        return
+    with _CudaToCpu():
+        yield
+
+
+def check_cpu_settings(*, tensor_parallel: int, pipeline_parallel: int, context_parallel: int,
+                       sequence_parallel: bool, dispatcher: str) -> None:
+    """Refuse megatron settings that cannot run on CPU, naming the setting."""
+    if not cuda_absent():
+        return
+    if dispatcher != "allgather":
+        raise ValueError(f"moe_token_dispatcher_type: '{dispatcher}' needs CUDA (it creates a "
+                         f"torch.cuda.Stream); use 'allgather' on CPU")
+    if tensor_parallel > 1:
+        raise ValueError("trainer.tensor_parallel: > 1 needs sequence parallelism with MoE, which "
+                         "the local layer norm refuses on CPU; run tensor parallelism on GPUs")
+    if sequence_parallel:
+        raise ValueError("trainer.sequence_parallel: not supported on CPU")
+    if pipeline_parallel > 1:
+        raise ValueError("trainer.pipeline_parallel: > 1 is not supported on CPU (megatron's "
+                         "pipeline schedules use CUDA streams); run it on GPUs")
+    if context_parallel > 1:
+        raise ValueError("trainer.context_parallel: > 1 needs GPU attention kernels")

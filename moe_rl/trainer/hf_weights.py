@@ -1,0 +1,294 @@
+"""Hugging Face safetensors <-> megatron-core weights (Qwen3-MoE, Mixtral), with tensor- and
+expert-parallel sharding and pipeline-stage layer offsets.
+
+mbridge (the peers' bridge) maps to the Transformer Engine spec only and pins megatron versions;
+the CPU path uses the local spec, so the mapping is written here, for both specs: a parameter's
+megatron name (local or TE) is resolved to the HF tensors it is made of, and sliced for this
+rank. Export is the exact inverse (round trip HF -> Megatron -> HF is bit-identical).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moe_rl.trainer.model_builder import ModelSpec
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+# ---------------------------------------------------------------------------------------------
+# parallel layout
+
+def _ranks():
+    """(tp_rank, tp_size, ep_rank, ep_size) from megatron's parallel state (1/0 when absent)."""
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, 0, 1
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
+
+
+def qkv_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """HF q/k/v projections -> megatron's fused QKV, grouped as [q heads of g, k_g, v_g] per g."""
+    qs = q.reshape(n_groups, -1, q.shape[-1])
+    ks = k.reshape(n_groups, -1, k.shape[-1])
+    vs = v.reshape(n_groups, -1, v.shape[-1])
+    return torch.cat([qs, ks, vs], dim=1).reshape(-1, q.shape[-1])
+
+
+def qkv_split(qkv: torch.Tensor, n_groups: int, head_dim: int, heads_per_group: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`qkv_merge`."""
+    g = qkv.reshape(n_groups, (heads_per_group + 2) * head_dim, qkv.shape[-1])
+    q = g[:, :heads_per_group * head_dim].reshape(-1, qkv.shape[-1])
+    k = g[:, heads_per_group * head_dim:(heads_per_group + 1) * head_dim].reshape(-1, qkv.shape[-1])
+    v = g[:, (heads_per_group + 1) * head_dim:].reshape(-1, qkv.shape[-1])
+    return q, k, v
+
+
+def tp_split(full: torch.Tensor, kind: str, rank: int, size: int) -> torch.Tensor:
+    """This tensor-parallel rank's shard of a full megatron tensor.
+
+    kind: 'column' (rows split), 'row' (columns split), 'fc1' (gate and up halves split
+    separately, then concatenated), 'replicated'. QKV is column-split by query group, which is
+    the same as 'column' on the grouped layout.
+    """
+    if size == 1 or kind == "replicated":
+        return full
+    if kind == "column":
+        return full.chunk(size, dim=0)[rank]
+    if kind == "row":
+        return full.chunk(size, dim=1)[rank]
+    if kind == "fc1":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
+    raise ValueError(f"kind: unknown sharding {kind!r}")
+
+
+def tp_merge(shards: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """Inverse of :func:`tp_split` over all ranks' shards."""
+    if len(shards) == 1 or kind == "replicated":
+        return shards[0]
+    if kind == "column":
+        return torch.cat(shards, dim=0)
+    if kind == "row":
+        return torch.cat(shards, dim=1)
+    if kind == "fc1":
+        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
+        return torch.cat([torch.cat(gates), torch.cat(ups)])
+    raise ValueError(f"kind: unknown sharding {kind!r}")
+
+
+def _sharding(local_name: str) -> str:
+    if local_name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+        return "column"
+    if local_name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return "row"
+    if local_name.endswith("linear_fc1.weight"):
+        return "fc1"
+    return "replicated"
+
+
+# ---------------------------------------------------------------------------------------------
+# name mapping
+
+class _Names:
+    """HF tensor names for one architecture."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        if spec.arch == "qwen3_moe":
+            self.moe, self.router = "mlp", "mlp.gate.weight"
+            self.expert = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                           "mlp.experts.{e}.down_proj.weight")
+        else:  # mixtral
+            self.moe, self.router = "block_sparse_moe", "block_sparse_moe.gate.weight"
+            self.expert = ("block_sparse_moe.experts.{e}.w1.weight",
+                           "block_sparse_moe.experts.{e}.w3.weight",
+                           "block_sparse_moe.experts.{e}.w2.weight")
+
+    def hf_parts(self, name: str, layer_of: dict[int, int], ep_rank: int, e_local: int
+                 ) -> tuple[str, list[str]]:
+        """(how to combine, HF names) making up megatron parameter ``name``."""
+        if name == "embedding.word_embeddings.weight":
+            return "copy", ["model.embed_tokens.weight"]
+        if name == "output_layer.weight":
+            return "copy", ["lm_head.weight"]
+        if name == "decoder.final_layernorm.weight":
+            return "copy", ["model.norm.weight"]
+        m = _LAYER.match(name)
+        if not m:
+            raise KeyError(f"no Hugging Face tensor for megatron parameter {name!r}")
+        i = layer_of[int(m.group(1))]
+        rest = m.group(2)
+        p = f"model.layers.{i}."
+        e = _EXPERT.match(rest)
+        if e:
+            g = ep_rank * e_local + int(e.group(1))
+            gate, up, down = (p + t.format(e=g) for t in self.expert)
+            return ("cat", [gate, up]) if e.group(2) == "linear_fc1.weight" else ("copy", [down])
+        table = {
+            "input_layernorm.weight": ("copy", [p + "input_layernorm.weight"]),
+            "self_attention.linear_qkv.layer_norm_weight": ("copy", [p + "input_layernorm.weight"]),
+            "self_attention.linear_qkv.weight": ("qkv", [p + "self_attn.q_proj.weight",
+                                                        p + "self_attn.k_proj.weight",
+                                                        p + "self_attn.v_proj.weight"]),
+            "self_attention.linear_proj.weight": ("copy", [p + "self_attn.o_proj.weight"]),
+            "self_attention.q_layernorm.weight": ("copy", [p + "self_attn.q_norm.weight"]),
+            "self_attention.k_layernorm.weight": ("copy", [p + "self_attn.k_norm.weight"]),
+            "pre_mlp_layernorm.weight": ("copy", [p + "post_attention_layernorm.weight"]),
+            "mlp.linear_fc1.layer_norm_weight": ("copy", [p + "post_attention_layernorm.weight"]),
+            "mlp.router.weight": ("copy", [p + self.router]),
+            "mlp.router.expert_bias": ("copy", [p + self.moe + ".gate.e_score_correction_bias"]),
+            "mlp.linear_fc1.weight": ("cat", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            "mlp.linear_fc2.weight": ("copy", [p + "mlp.down_proj.weight"]),
+        }
+        if rest not in table:
+            raise KeyError(f"no Hugging Face tensor for megatron parameter {name!r}")
+        return table[rest]
+
+
+def _layer_numbers(model) -> dict[int, int]:
+    """Local decoder-layer index -> global (0-based) layer index (pipeline-stage offsets)."""
+    return {j: layer.layer_number - 1 for j, layer in enumerate(model.decoder.layers)}
+
+
+def _local_experts(spec: ModelSpec, ep_size: int) -> int:
+    if spec.facts.num_experts % ep_size:
+        raise ValueError(f"expert_parallel: {ep_size} does not divide {spec.facts.num_experts}")
+    return spec.facts.num_experts // ep_size
+
+
+# ---------------------------------------------------------------------------------------------
+# HF -> megatron
+
+class HFCheckpoint:
+    """Lazy reader of a HF safetensors checkpoint (single file or sharded with an index)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as fh:
+                self.where = {k: os.path.join(path, f) for k, f in json.load(fh)["weight_map"].items()}
+        else:
+            single = os.path.join(path, "model.safetensors")
+            if not os.path.isfile(single):
+                raise FileNotFoundError(f"model.path: no model.safetensors or index in {path}")
+            with safe_open(single, "pt") as f:
+                self.where = {k: single for k in f.keys()}
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` (KeyError naming it when absent)."""
+        if name not in self.where:
+            raise KeyError(f"{self.path}: checkpoint has no tensor {name!r}")
+        with safe_open(self.where[name], "pt") as f:
+            return f.get_tensor(name)
+
+
+def megatron_param_from_hf(name: str, get, spec: ModelSpec, layer_of: dict[int, int],
+                           ranks=(0, 1, 0, 1)) -> torch.Tensor:
+    """The value of megatron parameter ``name`` on this rank, read through ``get(hf_name)``."""
+    tp_rank, tp_size, ep_rank, ep_size = ranks
+    names = _Names(spec)
+    how, parts = names.hf_parts(name, layer_of, ep_rank, _local_experts(spec, ep_size))
+    tensors = [get(p) for p in parts]
+    if how == "copy":
+        full = tensors[0]
+    elif how == "cat":
+        full = torch.cat(tensors, dim=0)
+    else:
+        hf = spec.hf_config
+        full = qkv_merge(*tensors, n_groups=int(hf.get("num_key_value_heads")
+                                                or hf["num_attention_heads"]))
+    return tp_split(full, _sharding(name), tp_rank, tp_size)
+
+
+@torch.no_grad()
+def load_hf_into_megatron(model, spec: ModelSpec, hf_path: str) -> None:
+    """Copy the HF checkpoint at ``hf_path`` into ``model`` (this rank's shards)."""
+    ckpt = HFCheckpoint(hf_path)
+    layer_of = _layer_numbers(model)
+    ranks = _ranks()
+    for name, param in model.named_parameters():
+        value = megatron_param_from_hf(name, ckpt.get, spec, layer_of, ranks)
+        if value.shape != param.shape:
+            raise ValueError(f"{name}: checkpoint gives shape {list(value.shape)}, the model "
+                             f"expects {list(param.shape)}")
+        param.copy_(value.to(param.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron -> HF
+
+def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    if group is None or dist.get_world_size(group) == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+@torch.no_grad()
+def megatron_to_hf(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Full HF-named tensors of this pipeline stage, gathered across tensor- and expert-parallel
+    ranks (collective: every rank of those groups must call it)."""
+    from megatron.core import parallel_state as ps
+    tp_rank, tp_size, ep_rank, ep_size = _ranks()
+    tp_group = ps.get_tensor_model_parallel_group() if tp_size > 1 else None
+    ep_group = ps.get_expert_model_parallel_group() if ep_size > 1 else None
+    names = _Names(spec)
+    e_local = _local_experts(spec, ep_size)
+    layer_of = _layer_numbers(model)
+    hf = spec.hf_config
+    n_groups = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+    n_heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or spec.hidden_size // n_heads)
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        kind = _sharding(name)
+        is_expert = ".local_experts." in name
+        shards = _gather(param.detach(), tp_group) if kind != "replicated" else [param.detach()]
+        full = tp_merge(shards, kind)
+        owners = list(range(ep_size)) if is_expert else [ep_rank]
+        values = _gather(full, ep_group) if is_expert else [full]
+        for owner, value in zip(owners, values):
+            how, parts = names.hf_parts(name, layer_of, owner, e_local)
+            if how == "copy":
+                pieces = [value]
+            elif how == "cat":
+                pieces = list(value.chunk(2, dim=0))
+            else:
+                pieces = list(qkv_split(value, n_groups, head_dim, n_heads // n_groups))
+            for part, piece in zip(parts, pieces):
+                out[part] = piece.contiguous().clone()
+    if spec.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def save_hf_checkpoint(tensors: dict[str, torch.Tensor], spec: ModelSpec, out_dir: str,
+                       source_dir: str | None = None, dtype: torch.dtype | None = None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (and the tokenizer files of ``source_dir``)
+    in the layout SGLang and the reference engine load."""
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {k: (v.to(dtype) if dtype is not None else v).contiguous()
+               for k, v in sorted(tensors.items())}
+    tmp = os.path.join(out_dir, "model.safetensors.tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(spec.hf_config, fh, indent=2, sort_keys=True)
+    if source_dir:
+        for fname in os.listdir(source_dir):
+            if fname.startswith(("tokenizer", "special_tokens", "generation_config",
+                                 "chat_template", "vocab", "merges")):
+                shutil.copy2(os.path.join(source_dir, fname), os.path.join(out_dir, fname))

@@ -1,0 +1,75 @@
+"""torch.distributed and megatron-core parallel state for the trainer (gloo on CPU, NCCL on GPU)."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.trainer.cpu_compat import apply_cpu_shims, cuda_absent
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Model-parallel sizes; data parallel is what remains of the world size."""
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    context: int = 1
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int | None = None, world_size: int | None = None,
+                     master_addr: str | None = None, master_port: int | None = None) -> None:
+    """Initialise the default process group once (env:// style; single process by default)."""
+    if dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    os.environ.setdefault("MASTER_ADDR", master_addr or "127.0.0.1")
+    if master_port is not None:
+        os.environ["MASTER_PORT"] = str(master_port)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    backend = "gloo" if cuda_absent() else "nccl"
+    if not cuda_absent():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+
+
+def init_model_parallel(sizes: ParallelSizes = ParallelSizes()) -> None:
+    """Initialise megatron's parallel state (after :func:`init_distributed`) and the shims."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    apply_cpu_shims()
+    world = dist.get_world_size()
+    model = sizes.tensor * sizes.pipeline * sizes.context
+    if world % model:
+        raise ValueError(f"world size {world} is not divisible by tensor x pipeline x context "
+                         f"= {model}")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tensor,
+        pipeline_model_parallel_size=sizes.pipeline,
+        context_parallel_size=sizes.context,
+        expert_model_parallel_size=sizes.expert,
+    )
+    if not cuda_absent():
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+
+def destroy() -> None:
+    """Tear down megatron's parallel state and the process group."""
+    from megatron.core import parallel_state as ps
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,231 @@
+"""Routing replay (off / R2 / R3) on megatron-core's native RouterReplay, plus routing agreement.
+
+The controller binds to the routers of one model by walking its MoE layers (global layer
+index from ``layer_number``, so pipeline stages and dense layers are handled), never by position
+in megatron's global registry. It wraps each router's ``get_replay_topk`` to (a) count that the
+replay tensor was consumed and (b) compute, while replaying, the top-k the router would have
+chosen from its own scores, for the routing-agreement metric.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_rl.algo.metrics import routing_agreement
+
+MODES = ("off", "r2", "r3")
+
+
+def sequence_parallel_slice(indices: torch.Tensor, seq_len: int, batch: int, tp_rank: int,
+                            tp_size: int) -> torch.Tensor:
+    """The rows [S*B, K] (router order s*B+b) that sequence-parallel rank ``tp_rank`` routes: the
+    contiguous sequence shard ``[rank*S/tp, (rank+1)*S/tp)``."""
+    if seq_len % tp_size:
+        raise ValueError(f"sequence length {seq_len} is not divisible by tensor_parallel {tp_size}")
+    shard = seq_len // tp_size
+    return indices.reshape(seq_len, batch, -1)[tp_rank * shard:(tp_rank + 1) * shard].reshape(
+        shard * batch, -1)
+
+
+def context_parallel_positions(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Sequence positions held by context-parallel rank ``cp_rank`` under megatron's load-balanced
+    split: the sequence is cut in 2*cp chunks and rank r holds chunks r and 2*cp-1-r."""
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context_parallel")
+    chunk = seq_len // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
+    return torch.cat([first, second])
+
+
+def context_parallel_slice(indices: torch.Tensor, seq_len: int, batch: int, cp_rank: int,
+                           cp_size: int) -> torch.Tensor:
+    """Rows [S*B, K] -> the rows of context-parallel rank ``cp_rank`` (router order kept)."""
+    pos = context_parallel_positions(seq_len, cp_rank, cp_size)
+    return indices.reshape(seq_len, batch, -1)[pos].reshape(pos.numel() * batch, -1)
+
+
+@dataclass
+class _Router:
+    layer: int                  # global decoder-layer index
+    moe_index: int              # index among the model's MoE layers (routing record column)
+    replay: object              # megatron RouterReplay instance
+    calls: int = 0
+    own_topk: list = field(default_factory=list)
+
+
+class ReplayController:
+    """Drives the routers of one model. Typical use per micro-batch::
+
+        ctl.replay(indices)        # R3 / R2 updates: list of [tokens, K] per MoE layer
+        out = model(...)           # forward
+        ctl.finish_forward()       # checks every replay tensor was consumed
+        with ctl.backward():       # REPLAY_BACKWARD during activation recomputation
+            loss.backward()
+    """
+
+    def __init__(self, model, moe_layers: tuple[int, ...], topk: int, num_experts: int,
+                 recompute: bool = False):
+        from megatron.core.transformer.moe.router_replay import (RouterReplay,
+                                                                 RouterReplayAction)
+        self.action = RouterReplayAction
+        self.topk, self.num_experts, self.recompute = topk, num_experts, recompute
+        self.routers: list[_Router] = []
+        for layer in model.decoder.layers:
+            mlp = getattr(layer, "mlp", None)
+            router = getattr(mlp, "router", None)
+            if router is None:
+                continue
+            if router.config.moe_router_fusion:
+                raise ValueError("moe_router_fusion: the fused router skips routing replay; turn "
+                                 "it off to replay routing")
+            if router.router_replay is None:
+                raise ValueError("moe_enable_routing_replay: the model was built without routing "
+                                 "replay support")
+            g = layer.layer_number - 1
+            if g not in moe_layers:
+                raise ValueError(f"layer {g} is MoE in the model but not in the config's MoE "
+                                 f"layers {moe_layers}")
+            self.routers.append(_Router(g, moe_layers.index(g), router.router_replay))
+        self.layer_names = [r.layer for r in self.routers]
+        self._mode: str | None = None
+        self._expected_rows: int | None = None
+        self.collect_own = False
+        for r in self.routers:
+            self._wrap(r)
+        self.registry = RouterReplay
+
+    # -------------------------------------------------------------- wrapping
+    def _wrap(self, r: _Router) -> None:
+        original = r.replay.get_replay_topk
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None,
+                            default_compute_topk=None):
+            r.calls += 1
+            if self.collect_own and default_compute_topk is not None:
+                with torch.no_grad():
+                    _, own = default_compute_topk(scores.detach(), topk, num_groups=num_groups,
+                                                  group_topk=group_topk)
+                r.own_topk.append(own.detach().cpu())
+            return original(scores, topk, num_groups, group_topk, default_compute_topk)
+
+        r.replay.get_replay_topk = get_replay_topk
+
+    # -------------------------------------------------------------- control
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.routers)
+
+    def check(self, indices: list[torch.Tensor]) -> None:
+        """Layer count, top-k, id range and equal row counts, before any forward."""
+        if len(indices) != len(self.routers):
+            raise ValueError(f"routing: expected one replay tensor per MoE layer on this stage "
+                             f"({len(self.routers)}), got {len(indices)}")
+        rows = None
+        for r, t in zip(self.routers, indices):
+            if t.dim() != 2 or t.shape[1] != self.topk:
+                raise ValueError(f"routing: layer {r.layer}: expected [tokens, {self.topk}], got "
+                                 f"{list(t.shape)}")
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_experts):
+                raise ValueError(f"routing: layer {r.layer}: expert ids must lie in "
+                                 f"[0, {self.num_experts})")
+            if rows is not None and t.shape[0] != rows:
+                raise ValueError(f"routing: layer {r.layer}: {t.shape[0]} rows, other layers "
+                                 f"have {rows}")
+            rows = t.shape[0]
+
+    def _reset(self) -> None:
+        self.registry.clear_global_indices()
+        for r in self.routers:
+            r.replay.clear_indices()
+            r.calls = 0
+            r.own_topk = []
+
+    def replay(self, indices: list[torch.Tensor], collect_own: bool = True) -> None:
+        """Replay ``indices`` (one [tokens, K] LongTensor per MoE layer of this stage, router
+        order) in the next forward; with ``collect_own`` also record the router's own choice."""
+        self.check(indices)
+        self._reset()
+        for r, t in zip(self.routers, indices):
+            r.replay.set_target_indices(t.long())
+            r.replay.set_router_replay_action(self.action.REPLAY_FORWARD)
+        self._mode = "replay"
+        self._expected_rows = int(indices[0].shape[0]) if indices else None
+        self.collect_own = collect_own
+
+    def record(self) -> None:
+        """Let the routers choose (ordinary top-k) and record their choice."""
+        self._reset()
+        for r in self.routers:
+            r.replay.set_router_replay_action(self.action.RECORD)
+        self._mode = "record"
+        self.collect_own = False
+
+    def off(self) -> None:
+        """Ordinary routing, nothing recorded."""
+        self._reset()
+        for r in self.routers:
+            r.replay.clear_router_replay_action()
+        self._mode = None
+        self.collect_own = False
+
+    def recorded(self) -> list[torch.Tensor]:
+        """Top-k ids chosen in the last recording forward, one [tokens, K] per MoE layer."""
+        out = []
+        for r in self.routers:
+            t = r.replay.get_recorded_indices()
+            if t is None:
+                raise RuntimeError(f"routing: layer {r.layer} recorded nothing; did the forward "
+                                   f"run in record mode?")
+            out.append(t.detach().cpu())
+        return out
+
+    def finish_forward(self) -> None:
+        """Assert every MoE router of this stage ran exactly once in the last forward."""
+        for r in self.routers:
+            if self._mode is not None and r.calls != 1:
+                raise RuntimeError(f"routing replay: layer {r.layer} router ran {r.calls} times in "
+                                   f"one forward (expected 1): replay tensors not consumed")
+
+    @contextlib.contextmanager
+    def backward(self):
+        """Around ``loss.backward()``: with activation recomputation, recomputed forwards pop the
+        replayed ids (REPLAY_BACKWARD); afterwards every backward replay tensor must be used."""
+        if self._mode != "replay" or not self.recompute:
+            yield
+            return
+        for r in self.routers:
+            r.replay.set_router_replay_action(self.action.REPLAY_BACKWARD)
+        collect, self.collect_own = self.collect_own, False
+        try:
+            yield
+        finally:
+            self.collect_own = collect
+            for r in self.routers:
+                r.replay.set_router_replay_action(self.action.REPLAY_FORWARD)
+        left = [r.layer for r in self.routers if r.replay.replay_backward_list]
+        if left:
+            raise RuntimeError(f"routing replay: backward replay tensors of layers {left} were "
+                               f"not consumed by the recomputation")
+
+    def own_choice(self) -> list[torch.Tensor]:
+        """The top-k each router would have chosen from its own scores in the last forward."""
+        if any(len(r.own_topk) != 1 for r in self.routers):
+            raise RuntimeError("routing: the router's own choice was not collected once per layer")
+        return [r.own_topk[0] for r in self.routers]
+
+    def agreement(self, engine: list[torch.Tensor], valid: torch.Tensor | None = None,
+                  trainer: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """routing/agreement (+ per layer) between the trainer's own top-k (collected while
+        replaying, or ``trainer`` e.g. recorded with replay off) and the engine's."""
+        own = trainer if trainer is not None else self.own_choice()
+        a = torch.stack([t.long() for t in own], dim=1)
+        b = torch.stack([t.long().cpu() for t in engine], dim=1)
+        return routing_agreement(a, b, valid, layer_names=self.layer_names)
+
+    def close(self) -> None:
+        """Clear all replay state (call between model builds)."""
+        self.off()
+        self.registry.clear_global_router_replay_instances()

@@ -1,0 +1,237 @@
+"""megatron-core MoE model from HF configs: weights round trip, equivalence with transformers
+under replayed routing, replay controls and agreement, last-position claim, CPU shims."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moe_rl.packing import pack_one
+from moe_rl.trainer.forward import forward_logprobs
+from moe_rl.trainer.hf_weights import (load_hf_into_megatron, megatron_to_hf, qkv_merge, qkv_split,
+                                       save_hf_checkpoint, tp_merge, tp_split)
+from moe_rl.trainer.model_builder import build_model, load_hf_config
+from moe_rl.trainer.parallel import init_distributed, init_model_parallel
+from moe_rl.trainer.replay import (ReplayController, context_parallel_positions,
+                                   sequence_parallel_slice)
+from moe_rl.types import Sample
+
+QWEN = dict(model_type="qwen3_moe", vocab_size=48, hidden_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+            moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+            mlp_only_layers=[1], norm_topk_prob=True, max_position_embeddings=64,
+            rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+MIXTRAL = dict(model_type="mixtral", vocab_size=48, hidden_size=32, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=16,
+               num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+               rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel_state():
+    init_distributed()
+    init_model_parallel()
+    yield
+
+
+def write_hf_model(tmp_path, cfg, seed=0):
+    """A random transformers model of ``cfg`` saved as a HF checkpoint; returns (dir, model)."""
+    import transformers
+    torch.manual_seed(seed)
+    if cfg["model_type"] == "qwen3_moe":
+        hf_cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        model = transformers.Qwen3MoeForCausalLM(hf_cfg)
+    else:
+        hf_cfg = transformers.MixtralConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        model = transformers.MixtralForCausalLM(hf_cfg)
+    with torch.no_grad():   # non-trivial norms, so a mapping mix-up shows
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif "gate.weight" in n:
+                p.mul_(20.0)   # confident routers: no near-ties
+    model.eval()
+    path = tmp_path / cfg["model_type"]
+    model.save_pretrained(path)
+    return str(path), model
+
+
+def hf_routing(model, ids):
+    """Per-MoE-layer top-k ids [B, S, L, K] that transformers itself chose."""
+    with torch.no_grad():
+        out = model(input_ids=ids, output_router_logits=True)
+    B, S = ids.shape
+    k = model.config.num_experts_per_tok
+    layers = [r.reshape(B, S, -1).topk(k, dim=-1).indices for r in out.router_logits]
+    return torch.stack(layers, dim=2), torch.log_softmax(out.logits.float(), -1)
+
+
+def sample_from(ids, P, routing):
+    return Sample(prompt_ids=ids[:P], response_ids=ids[P:],
+                  rollout_logprobs=-torch.ones(len(ids) - P), routing=routing.to(torch.uint8))
+
+
+@pytest.mark.parametrize("cfg", [QWEN, MIXTRAL], ids=["qwen3_moe", "mixtral"])
+def test_round_trip_and_equivalence_with_transformers(tmp_path, cfg):
+    path, hf_model = write_hf_model(tmp_path, cfg)
+    model, spec = build_model(path)
+    load_hf_into_megatron(model, spec, path)
+    # round trip HF -> Megatron -> HF is bit-identical
+    original = load_file(os.path.join(path, "model.safetensors"))
+    exported = megatron_to_hf(model, spec)
+    assert set(exported) == set(original)
+    for k, v in original.items():
+        assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
+    # equivalence under replayed routing
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 48, (n,), generator=g) for n in (12, 9)]
+    P = [5, 4]
+    samples = []
+    for ids, p in zip(seqs, P):
+        routing, _ = hf_routing(hf_model, ids[None])
+        samples.append(sample_from(ids, p, routing[0, :-1]))
+    mb = pack_one(samples, [0, 1], pad_token_id=0, num_experts=spec.facts.num_experts)
+    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
+    model.eval()
+    ctl.replay(mb.replay_indices())
+    with torch.no_grad():
+        lp, ent = forward_logprobs(model, mb)
+    ctl.finish_forward()
+    for b, (ids, p) in enumerate(zip(seqs, P)):
+        _, ref = hf_routing(hf_model, ids[None])
+        want = ref[0, p - 1:len(ids) - 1].gather(1, ids[p:, None]).squeeze(1)
+        got = lp[b, p - 1:len(ids) - 1]
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    # the router's own choice equals transformers' (float32, confident routers)
+    agree = ctl.agreement(mb.replay_indices(), mb.routing_valid_router_order())
+    assert agree["routing/agreement"] == 1.0
+    assert set(agree) == {"routing/agreement"} | {f"routing/agreement_layer_{i}"
+                                                  for i in spec.facts.moe_layers}
+    ctl.close()
+
+
+def test_replay_changes_outputs_and_last_position_is_free(tmp_path):
+    path, hf_model = write_hf_model(tmp_path, QWEN, seed=3)
+    model, spec = build_model(path)
+    load_hf_into_megatron(model, spec, path)
+    model.eval()
+    ids = torch.randint(0, 48, (10,), generator=torch.Generator().manual_seed(2))
+    routing, _ = hf_routing(hf_model, ids[None])
+    s = sample_from(ids, 4, routing[0, :-1])
+    mb = pack_one([s], [0], pad_token_id=0, num_experts=8)
+    ctl = ReplayController(model, spec.facts.moe_layers, 2, 8)
+    ctl.replay(mb.replay_indices())
+    with torch.no_grad():
+        base, _ = forward_logprobs(model, mb)
+    # any valid ids at the last position (index P+R-1, no recorded route) change no scored value
+    for trial in range(3):
+        idx = [t.clone() for t in mb.replay_indices()]
+        last = 9  # s = 9, B = 1
+        for t in idx:
+            t[last] = torch.randperm(8, generator=torch.Generator().manual_seed(trial))[:2]
+        ctl.replay(idx)
+        with torch.no_grad():
+            other, _ = forward_logprobs(model, mb)
+        assert torch.equal(other, base)
+    # ... while changing a scored position's route does change the log-probs
+    idx = [t.clone() for t in mb.replay_indices()]
+    for t in idx:
+        t[5] = (t[5] + 3) % 8
+    ctl.replay(idx)
+    with torch.no_grad():
+        moved, _ = forward_logprobs(model, mb)
+    assert not torch.allclose(moved, base)
+    ctl.close()
+
+
+def test_record_mode_and_checks(tmp_path):
+    path, _ = write_hf_model(tmp_path, QWEN, seed=4)
+    model, spec = build_model(path)
+    load_hf_into_megatron(model, spec, path)
+    ids = torch.randint(0, 48, (7,), generator=torch.Generator().manual_seed(5))
+    s = Sample(prompt_ids=ids[:3], response_ids=ids[3:], rollout_logprobs=-torch.ones(4))
+    mb = pack_one([s], [0], pad_token_id=0)
+    ctl = ReplayController(model, spec.facts.moe_layers, 2, 8)
+    assert ctl.num_moe_layers == 2 and ctl.layer_names == [0, 2]
+    ctl.record()
+    with torch.no_grad():
+        free, _ = forward_logprobs(model, mb)
+    rec = ctl.recorded()
+    assert len(rec) == 2 and rec[0].shape == (7, 2)
+    ctl.replay(rec)   # replaying the router's own choice reproduces the free forward
+    with torch.no_grad():
+        again, _ = forward_logprobs(model, mb)
+    assert torch.allclose(again, free, atol=1e-6)
+    with pytest.raises(ValueError, match="expected one replay tensor per MoE layer"):
+        ctl.replay(rec[:1])
+    with pytest.raises(ValueError, match="expert ids must lie in"):
+        ctl.replay([rec[0], rec[1] + 8])
+    with pytest.raises(ValueError, match=r"expected \[tokens, 2\]"):
+        ctl.replay([rec[0][:, :1], rec[1][:, :1]])
+    ctl.close()
+
+
+def test_backward_replay_with_recomputation(tmp_path):
+    path, hf_model = write_hf_model(tmp_path, QWEN, seed=6)
+    model, spec = build_model(path, recompute=True)
+    load_hf_into_megatron(model, spec, path)
+    model.train()
+    ids = torch.randint(0, 48, (8,), generator=torch.Generator().manual_seed(7))
+    routing, _ = hf_routing(hf_model, ids[None])
+    mb = pack_one([sample_from(ids, 3, routing[0, :-1])], [0], pad_token_id=0, num_experts=8)
+    ctl = ReplayController(model, spec.facts.moe_layers, 2, 8, recompute=True)
+    ctl.replay(mb.replay_indices())
+    lp, _ = forward_logprobs(model, mb)
+    ctl.finish_forward()
+    with ctl.backward():
+        lp.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    ctl.close()
+
+
+def test_fused_router_is_refused(tmp_path):
+    path, _ = write_hf_model(tmp_path, QWEN, seed=8)
+    model, spec = build_model(path)
+    model.decoder.layers[0].mlp.router.config.moe_router_fusion = True
+    with pytest.raises(ValueError, match="moe_router_fusion"):
+        ReplayController(model, spec.facts.moe_layers, 2, 8)
+    model.decoder.layers[0].mlp.router.config.moe_router_fusion = False
+
+
+def test_replay_slicing_helpers():
+    S, B, K = 8, 2, 2
+    idx = torch.arange(S * B * K).reshape(S * B, K)
+    part = sequence_parallel_slice(idx, S, B, 1, 2)
+    assert torch.equal(part, idx[4 * B:8 * B])
+    assert context_parallel_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert context_parallel_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+
+
+def test_weight_mapping_helpers_invert():
+    q, k, v = torch.randn(16, 5), torch.randn(8, 5), torch.randn(8, 5)
+    fused = qkv_merge(q, k, v, n_groups=2)
+    for a, b in zip(qkv_split(fused, 2, 4, 2), (q, k, v)):
+        assert torch.equal(a, b)
+    full = torch.randn(8, 6)
+    for kind in ("column", "row", "fc1", "replicated"):
+        shards = [tp_split(full, kind, r, 2) for r in range(2)]
+        assert torch.equal(tp_merge(shards, kind), full)
+
+
+def test_save_hf_checkpoint_loads_in_transformers(tmp_path):
+    import transformers
+    path, hf_model = write_hf_model(tmp_path, QWEN, seed=9)
+    model, spec = build_model(path)
+    load_hf_into_megatron(model, spec, path)
+    out = tmp_path / "export"
+    save_hf_checkpoint(megatron_to_hf(model, spec), spec, str(out))
+    again = transformers.AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, 48, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf_model(ids).logits)
+    from moe_rl.config import moe_facts_from_hf
+    facts = moe_facts_from_hf(json.loads((out / "config.json").read_text()))
+    assert facts.num_experts == 8 and facts.moe_layers == (0, 2)
+    assert load_hf_config(str(out))["model_type"] == "qwen3_moe"
