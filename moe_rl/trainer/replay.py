@@ -137,7 +137,6 @@ class ReplayController:
             rows = t.shape[0]
 
     def _reset(self) -> None:
-        self.registry.clear_global_indices()
         for r in self.routers:
             r.replay.clear_indices()
             r.calls = 0

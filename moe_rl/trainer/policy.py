@@ -1,0 +1,387 @@
+"""The training step: pi_old, corrections, KL reference, mini-batch updates with routing replay,
+megatron-core's optimizer and LR schedule, EMA, checkpoints and HF export.
+
+One :class:`PolicyTrainer` per trainer rank. ``train_step`` receives this rank's share of the
+batch (whole prompt groups), computes advantages, and returns the step's metrics.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe_rl.algo import (CorrectionInputs, Normalisers, aggregate, apply_corrections,
+                         average_pass_logprobs, batch_metrics, clip_cov, collapse_guard,
+                         compute_advantages, gspo_loss, kept_set_sizes, kl_cov_penalty,
+                         kl_estimate, kl_reward_penalty, mismatch_metrics, ppo_clip_loss)
+from moe_rl.config import Config
+from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
+from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu, cuda_absent
+from moe_rl.trainer.forward import forward_logprobs
+from moe_rl.trainer.hf_weights import load_hf_into_megatron, megatron_to_hf, save_hf_checkpoint
+from moe_rl.trainer.model_builder import build_model
+from moe_rl.trainer.parallel import ParallelSizes
+from moe_rl.trainer.replay import ReplayController
+from moe_rl.types import RoutingSpec, Sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _pad_rows(rows: list[torch.Tensor], fill: float = 0.0, dtype=torch.float32) -> torch.Tensor:
+    """Stack 1-D tensors of different lengths into [N, max_len]."""
+    width = max(int(r.numel()) for r in rows)
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, :r.numel()] = r.to(dtype)
+    return out
+
+
+def _dp_group():
+    from megatron.core import parallel_state as ps
+    return ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
+
+
+def _dp_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    group = _dp_group()
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+@dataclass
+class StepBatch:
+    """Response-aligned [N, R_max] tensors of this rank's samples (sample order)."""
+    samples: list[Sample]
+    mask: torch.Tensor
+    lp_roll: torch.Tensor
+    lp_trainer: torch.Tensor
+    entropy: torch.Tensor
+    lp_old: torch.Tensor
+    lp_ref: torch.Tensor | None
+    weights: torch.Tensor
+    keep: torch.Tensor
+    advantages: torch.Tensor
+    r2_routing: dict[int, list[torch.Tensor]]
+
+
+class PolicyTrainer:
+    """The policy (and optional frozen reference) on this rank, built from ``hf_path``."""
+
+    def __init__(self, cfg: Config, hf_path: str):
+        from megatron.core.distributed import DistributedDataParallel, \
+            DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        self.cfg = cfg
+        self.hf_path = hf_path
+        t = cfg.trainer
+        sizes = ParallelSizes(t.tensor_parallel, t.pipeline_parallel, t.expert_parallel,
+                              t.context_parallel)
+        dtype = DTYPES[cfg.model.dtype]
+        model, self.spec = build_model(hf_path, sizes=sizes, dtype=dtype,
+                                       sequence_parallel=t.sequence_parallel,
+                                       recompute=t.recompute_activations)
+        load_hf_into_megatron(model, self.spec, hf_path)
+        facts = self.spec.facts
+        self.routing_spec = RoutingSpec(len(facts.moe_layers), facts.topk, facts.num_experts)
+        self.replay = ReplayController(model, facts.moe_layers, facts.topk, facts.num_experts,
+                                       recompute=t.recompute_activations)
+        use_dist_opt = t.distributed_optimizer and not cuda_absent()
+        self.model = DistributedDataParallel(
+            model.config, DistributedDataParallelConfig(
+                use_distributed_optimizer=use_dist_opt, grad_reduce_in_fp32=True), model)
+        with cuda_factories_on_cpu():
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+                adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.grad_clip,
+                bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
+                use_distributed_optimizer=use_dist_opt), [self.model])
+        decay_steps = max(t.steps * t.epochs * t.mini_batches, 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if t.lr_warmup_steps else t.lr, max_lr=t.lr,
+            min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_steps,
+            lr_decay_steps=max(decay_steps, t.lr_warmup_steps + 1),
+            lr_decay_style=t.lr_schedule, start_wd=t.weight_decay, end_wd=t.weight_decay,
+            wd_incr_steps=decay_steps, wd_incr_style="constant")
+        self.ref_model = self.ref_replay = None
+        if cfg.algorithm.kl.coef > 0:
+            ref, _ = build_model(hf_path, sizes=sizes, dtype=dtype,
+                                 sequence_parallel=t.sequence_parallel)
+            load_hf_into_megatron(ref, self.spec, hf_path)
+            ref.eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+            self.ref_model = ref
+            self.ref_replay = ReplayController(ref, facts.moe_layers, facts.topk,
+                                               facts.num_experts)
+        self.ema = None
+        if t.ema_decay is not None:
+            self.ema = {n: p.detach().clone().float() for n, p in model.named_parameters()}
+        self.step = 0
+        self.guard_skipped_total = 0
+        self.generator = torch.Generator().manual_seed(t.seed)
+
+    # ------------------------------------------------------------------ micro-batches
+    def _micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
+        lengths = [samples[i].prompt_len + samples[i].response_len for i in indices]
+        plan = plan_micro_batches(lengths, micro_batch_size=self.cfg.trainer.micro_batch_size)
+        return [pack_one(samples, [indices[j] for j in group], pad_token_id=0,
+                         num_experts=self.spec.facts.num_experts) for group in plan]
+
+    def _forward(self, model, replay: ReplayController, mb: MicroBatch, mode: str,
+                 recorded: dict | None = None, grad: bool = False, collect_own: bool = False):
+        """Forward one micro-batch under replay ``mode`` (r3: rollout routing; r2: recorded;
+        record: the router's own choice recorded; off: plain)."""
+        a = self.cfg.algorithm
+        if mode == "r3":
+            if mb.routing is None:
+                raise ValueError("algorithm.replay=r3: the rollout carries no routing (start "
+                                 "SGLang with --enable-return-routed-experts)")
+            replay.replay(mb.replay_indices(), collect_own=collect_own)
+        elif mode == "r2":
+            replay.replay(recorded[tuple(mb.sample_indices)], collect_own=False)
+        elif mode == "record":
+            replay.record()
+        else:
+            replay.off()
+        with torch.set_grad_enabled(grad):
+            lp, ent = forward_logprobs(model, mb, temperature=self.cfg.rollout.temperature or 1.0,
+                                       use_kept_sets=a.keep_sampling_mask,
+                                       fp32_output_layer=self.cfg.model.fp32_output_layer)
+        replay.finish_forward()
+        return lp, ent
+
+    # ------------------------------------------------------------------ step
+    def prepare(self, samples: list[Sample]) -> tuple[StepBatch, dict[str, float]]:
+        """pi_old / reference passes, advantages, corrections and the step's metrics."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        for s in samples:
+            s.validate(self.spec.vocab_size, self.routing_spec if s.routing is not None else None)
+        if a.replay == "r3" and any(s.routing is None for s in samples):
+            raise ValueError("algorithm.replay=r3 but a sample has no routing: start SGLang with "
+                             "--enable-return-routed-experts (the reference engine always "
+                             "returns it when asked)")
+        n = len(samples)
+        mask = _pad_rows([s.loss_mask for s in samples], dtype=torch.bool)
+        lp_roll = _pad_rows([s.rollout_logprobs for s in samples])
+        lp_tr = torch.zeros_like(lp_roll)
+        ent = torch.zeros_like(lp_roll)
+        lp_ref = torch.zeros_like(lp_roll) if self.ref_model is not None else None
+        metrics: dict[str, float] = {}
+        agree_rows: list[dict] = []
+        recorded: dict[tuple, list[torch.Tensor]] = {}
+        self.model.eval()
+        first_pass = "r3" if a.replay == "r3" else "record"
+        for mb in self._micro_batches(samples, list(range(n))):
+            lp, e = self._forward(self.model, self.replay, mb, first_pass,
+                                  collect_own=mb.routing is not None)
+            rows = mb.sample_indices
+            width = int(mb.response_lens.max())
+            lp_tr[rows, :width] = mb.to_response_padded(lp.float())
+            ent[rows, :width] = mb.to_response_padded(e.float())
+            if mb.routing is not None:
+                valid = mb.routing_valid_router_order()
+                trainer = None if first_pass == "r3" else self.replay.recorded()
+                w = float(valid.sum())
+                agree_rows.append({"w": w, **self.replay.agreement(mb.replay_indices(), valid,
+                                                                   trainer=trainer)})
+            if a.replay == "r2":
+                recorded[tuple(rows)] = self.replay.recorded()
+            if self.ref_model is not None:
+                mode = "r3" if (a.kl.replay_routing and mb.routing is not None) else "off"
+                lr_, _ = self._forward(self.ref_model, self.ref_replay, mb, mode)
+                lp_ref[rows, :width] = mb.to_response_padded(lr_.float())
+        if agree_rows:
+            total = sum(r["w"] for r in agree_rows)
+            for key in agree_rows[0]:
+                if key != "w":
+                    metrics[key] = sum(r[key] * r["w"] for r in agree_rows) / max(total, 1.0)
+        # pi_old
+        if a.pi_old == "trainer":
+            lp_old = lp_tr
+        elif a.pi_old == "rollout":
+            lp_old = lp_roll
+        else:
+            if any(s.pass_logprobs is None for s in samples):
+                raise ValueError("algorithm.pi_old=engine_avg: samples carry no pass log-probs "
+                                 "(the rollout must score them with n passes)")
+            passes = torch.stack([_pad_rows([s.pass_logprobs[j] for s in samples])
+                                  for j in range(samples[0].pass_logprobs.shape[0])])
+            lp_old, _, pass_metrics = average_pass_logprobs(passes, mask)
+            metrics.update(pass_metrics)
+        metrics.update(mismatch_metrics(lp_tr, lp_roll, mask))
+        # rewards, KL in reward, advantages
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        metrics.update(batch_metrics(rewards, mask, entropy=ent, kept_sizes=self._kept(samples)))
+        if lp_ref is not None and a.kl.in_reward:
+            rewards = rewards - kl_reward_penalty(lp_old, lp_ref, mask, a.kl.estimator,
+                                                  a.kl.coef).float()
+        groups = torch.tensor([s.group_id for s in samples])
+        adv = compute_advantages(rewards, groups, a.advantage)
+        corr = apply_corrections(a.corrections, a.correction, CorrectionInputs(
+            lp_old=lp_old.double(), lp_roll=lp_roll.double(), mask=mask, advantages=adv.double(),
+            group_ids=groups, lp=lp_tr.double(), generator=self.generator))
+        metrics.update(corr.metrics)
+        metrics["weight_version/min"] = float(min(s.weight_version for s in samples))
+        return StepBatch(samples, mask, lp_roll, lp_tr, ent, lp_old, lp_ref,
+                         corr.weights.float(), corr.keep, adv, recorded), metrics
+
+    @staticmethod
+    def _kept(samples: list[Sample]) -> torch.Tensor | None:
+        if any(s.sampling_mask_offsets is None for s in samples):
+            return None
+        return torch.cat([kept_set_sizes(s.sampling_mask_offsets) for s in samples])
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One RL step on this rank's samples: returns the metrics (floats)."""
+        cfg, a, t = self.cfg, self.cfg.algorithm, self.cfg.trainer
+        batch, metrics = self.prepare(samples)
+        skip = collapse_guard(metrics, a.collapse_guard_k3)
+        self.guard_skipped_total += int(skip)
+        metrics["guard/skipped"] = float(skip)
+        metrics["guard/skipped_total"] = float(self.guard_skipped_total)
+        if not skip:
+            metrics.update(self._update(batch))
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        self.step += 1
+        return metrics
+
+    def _update(self, batch: StepBatch) -> dict[str, float]:
+        cfg, a, t = self.cfg, self.cfg.algorithm, self.cfg.trainer
+        n = len(batch.samples)
+        order = list(range(n))
+        sums: dict[str, float] = {}
+        grad_norms = []
+        self.model.train()
+        for _ in range(t.epochs):
+            for mini in np.array_split(order, t.mini_batches):
+                mini = [int(i) for i in mini]
+                if not mini:
+                    continue
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                eff = batch.mask[mini] & batch.keep[mini]
+                counts = _dp_sum([float(eff.sum()), float(eff.any(-1).sum())])
+                norm = Normalisers(counts[0], counts[1],
+                                   float(a.max_len_norm or cfg.rollout.max_new_tokens))
+                for mb in self._micro_batches(batch.samples, mini):
+                    self._micro_step(batch, mb, norm, sums)
+                sums["_minibatches"] = sums.get("_minibatches", 0.0) + 1
+                self.model.finish_grad_sync()
+                with cuda_factories_on_cpu():
+                    ok, grad_norm, _ = self.optimizer.step()
+                self.scheduler.step(increment=1)
+                if grad_norm is not None:
+                    grad_norms.append(float(grad_norm))
+                self._ema_update()
+        out = {k: v / max(sums.get("_tokens", 1.0), 1.0) for k, v in sums.items()
+               if not k.startswith("_") and k != "loss"}
+        out["loss"] = sums.get("loss", 0.0) / max(sums.get("_minibatches", 1.0), 1.0)
+        out["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0
+        return out
+
+    def _micro_step(self, batch: StepBatch, mb: MicroBatch, norm: Normalisers,
+                    sums: dict[str, float]) -> None:
+        a = self.cfg.algorithm
+        rows = mb.sample_indices
+        width = int(mb.response_lens.max())
+        mode = {"r3": "r3", "r2": "r2", "off": "off"}[a.replay]
+        lp_pos, ent_pos = self._forward(self.model, self.replay, mb, mode,
+                                        recorded=batch.r2_routing, grad=True)
+        lp = mb.to_response_padded(lp_pos)
+        ent = mb.to_response_padded(ent_pos)
+        mask = batch.mask[rows, :width]
+        keep = batch.keep[rows, :width] & mask
+        lp_old = batch.lp_old[rows, :width].to(lp.dtype)
+        adv = batch.advantages[rows].to(lp.dtype)
+        if a.entropy_control.method == "clip_cov":
+            lp, cc = clip_cov(lp, adv, keep, ratio=a.entropy_control.clip_cov_ratio,
+                              cov_low=a.entropy_control.clip_cov_low,
+                              cov_high=a.entropy_control.clip_cov_high, generator=self.generator)
+        if a.loss == "gspo":
+            loss_tok, lm = gspo_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high)
+        else:
+            loss_tok, lm = ppo_clip_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high,
+                                         a.dual_clip_c)
+        loss_tok = loss_tok * batch.weights[rows, :width].to(lp.dtype)
+        if a.entropy_control.method == "kl_cov":
+            pen, _ = kl_cov_penalty(lp, lp_old, adv, keep, ratio=a.entropy_control.kl_cov_ratio,
+                                    coef=a.entropy_control.kl_cov_coef)
+            loss_tok = loss_tok + pen
+        kl_tok = None
+        if batch.lp_ref is not None and not a.kl.in_reward:
+            kl_tok = kl_estimate(lp, batch.lp_ref[rows, :width].to(lp.dtype), a.kl.estimator,
+                                 lp_old=lp_old, off_policy_corrected=a.kl.off_policy_corrected)
+            loss_tok = loss_tok + a.kl.coef * kl_tok
+        if a.entropy_coef:
+            loss_tok = loss_tok - a.entropy_coef * ent
+        loss = aggregate(loss_tok, keep, a.aggregation, norm)
+        with self.replay.backward():
+            loss.backward()
+        n_tok = float(keep.sum())
+        sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok
+        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+        for k, v in lm.items():
+            sums[k] = sums.get(k, 0.0) + v * n_tok
+        if kl_tok is not None:
+            sums["kl/ref"] = sums.get("kl/ref", 0.0) + float((kl_tok.detach() * keep).sum())
+
+    def _ema_update(self) -> None:
+        if self.ema is None:
+            return
+        d = self.cfg.trainer.ema_decay
+        model = self.model.module
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                self.ema[name].mul_(d).add_(p.detach().float(), alpha=1 - d)
+
+    # ------------------------------------------------------------------ weights out
+    def export_hf(self, out_dir: str, use_ema: bool = False) -> None:
+        """Write the current (or EMA) policy as a HF checkpoint (rank 0 writes)."""
+        model = self.model.module
+        if use_ema and self.ema is not None:
+            model = copy.deepcopy(model)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(self.ema[name].to(p.dtype))
+        tensors = megatron_to_hf(model, self.spec)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            save_hf_checkpoint(tensors, self.spec, out_dir, source_dir=self.hf_path)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Everything needed to resume bit-identically."""
+        return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "step": self.step,
+                "guard_skipped_total": self.guard_skipped_total,
+                "ema": self.ema, "generator": self.generator.get_state(),
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                "numpy_rng": np.random.get_state()}
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save this rank's state to ``path`` (a file per rank)."""
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = path + ".tmp"
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a state saved by :meth:`save_checkpoint` (a file this run wrote)."""
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.model.module.load_state_dict(state["model"])
+        with cuda_factories_on_cpu():
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self.guard_skipped_total = state["guard_skipped_total"]
+        self.ema = state["ema"]
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        np.random.set_state(state["numpy_rng"])
