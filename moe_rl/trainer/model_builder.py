@@ -99,6 +99,9 @@ def transformer_config(spec: ModelSpec, *, sizes: ParallelSizes = ParallelSizes(
         apply_rope_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        # the loss is already normalised by global token/sequence counts: data-parallel
+        # gradients must be summed, not averaged (megatron's DDP sums under this flag)
+        calculate_per_token_loss=True,
     )
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform",
