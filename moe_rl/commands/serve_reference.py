@@ -1,0 +1,22 @@
+"""``moe-rl serve-reference``: serve a HF MoE model on CPU with SGLang's HTTP protocol."""
+from __future__ import annotations
+
+import argparse
+
+from moe_rl.rollout.reference_server import serve
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF model directory")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    parser.add_argument("--seed", type=int, default=0, help="seed of requests without one")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+
+
+def run(args: argparse.Namespace) -> int:
+    serve(args.model, host=args.host, port=args.port, dtype=args.dtype, api_key=args.api_key,
+          seed=args.seed, max_batch_size=args.max_batch_size)
+    return 0

@@ -1,0 +1,66 @@
+"""The tiny Qwen3-MoE model and character-level tokenizer of the CPU demo, built locally and
+deterministically (same config -> byte-identical files); nothing is downloaded."""
+from __future__ import annotations
+
+import os
+import string
+from dataclasses import asdict
+
+import torch
+
+from moe_rl.config import ModelInitConfig
+
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
+CHARSET = (string.digits + string.ascii_letters + " +-*/=().,:;!?'\"#%&<>[]_\n")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tokenizer():
+    """A character-level PreTrainedTokenizerFast with Qwen-style chat special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARSET:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>",
+                                   eos_token="<|endoftext|>", unk_token="<|unk|>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def padded_vocab_size(n: int, multiple: int = 8) -> int:
+    """The model's vocabulary: the tokenizer's size rounded up to a multiple of 8."""
+    return -(-n // multiple) * multiple
+
+
+def write_tiny_model(init: ModelInitConfig, out_dir: str) -> str:
+    """Write config.json, model.safetensors and the tokenizer of a tiny Qwen3-MoE to
+    ``out_dir``, deterministically from ``init.seed``. Returns ``out_dir``."""
+    import transformers
+    tokenizer = build_tokenizer()
+    shape = asdict(init)
+    seed = shape.pop("seed")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=padded_vocab_size(len(tokenizer)), bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        mlp_only_layers=[], output_router_logits=False, router_aux_loss_coef=0.0, **shape)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():   # explicit seeded init: independent of transformers' init order
+        for name, p in sorted(model.named_parameters()):
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

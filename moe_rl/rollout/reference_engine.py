@@ -1,0 +1,306 @@
+"""CPU reference inference engine: a Hugging Face ``transformers`` MoE model that generates and
+scores with SGLang's semantics, recording per-layer routing and the sampler's kept sets.
+
+Semantics (as SGLang): output log-probs are ``log_softmax(logits / T)`` before truncation
+(raw ``log_softmax(logits)`` when the environment sets SGLANG_RETURN_ORIGINAL_LOGPROB=1, and for
+greedy sampling); input (prefill) log-probs are raw. The kept set of a sampled token is
+top-k ∩ top-p on the temperature-scaled probabilities (top-p keeps a token when the mass ranked
+strictly above it is <= p, so the crossing token is kept), then min-p relative to the most likely
+token; the token is drawn from the renormalised kept set. Routing covers every position the model
+ran: all prompt tokens and every generated token but the last, ``[P+R-1, num_hidden_layers, K]``
+with dense layers 0.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from moe_rl.config import moe_facts_from_hf
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class RequestError(ValueError):
+    """A malformed request (HTTP 400); the message names the field."""
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+
+@dataclass
+class Request:
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    return_sampling_mask: bool = False
+
+
+def _num(value, name, kind=float, lo=None, hi=None, lo_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            kind is int and not isinstance(value, int)):
+        raise RequestError(f"{name}: expected {'an integer' if kind is int else 'a number'}, "
+                           f"got {value!r}")
+    if (lo is not None and (value <= lo if lo_open else value < lo)) or (
+            hi is not None and value > hi):
+        raise RequestError(f"{name}: {value!r} is out of range")
+    return kind(value)
+
+
+def parse_sampling_params(raw: dict | None, mask_cap: int, want_mask: bool) -> SamplingParams:
+    """Validate SGLang ``sampling_params``; RequestError names the bad field."""
+    raw = dict(raw or {})
+    known = {f for f in SamplingParams.__dataclass_fields__} | {"n", "skip_special_tokens",
+                                                                 "no_stop_trim", "stop"}
+    unknown = set(raw) - known
+    if unknown:
+        raise RequestError(f"sampling_params: unknown field(s) {sorted(unknown)}")
+    if raw.get("n", 1) != 1:
+        raise RequestError("sampling_params.n: only n = 1 per request (send the prompt n times)")
+    p = SamplingParams()
+    if "temperature" in raw:
+        p.temperature = _num(raw["temperature"], "sampling_params.temperature", lo=0)
+    if "top_p" in raw:
+        p.top_p = _num(raw["top_p"], "sampling_params.top_p", lo=0, hi=1, lo_open=True)
+    if "top_k" in raw:
+        p.top_k = _num(raw["top_k"], "sampling_params.top_k", int)
+        if p.top_k == 0 or p.top_k < -1:
+            raise RequestError("sampling_params.top_k: expected -1 (off) or >= 1")
+    if "min_p" in raw:
+        p.min_p = _num(raw["min_p"], "sampling_params.min_p", lo=0, hi=1)
+    if "max_new_tokens" in raw:
+        p.max_new_tokens = _num(raw["max_new_tokens"], "sampling_params.max_new_tokens", int, lo=0)
+    if "stop_token_ids" in raw and raw["stop_token_ids"] is not None:
+        ids = raw["stop_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise RequestError("sampling_params.stop_token_ids: expected a list of integers")
+        p.stop_token_ids = ids
+    if "ignore_eos" in raw:
+        if not isinstance(raw["ignore_eos"], bool):
+            raise RequestError("sampling_params.ignore_eos: expected a boolean")
+        p.ignore_eos = raw["ignore_eos"]
+    if raw.get("sampling_seed") is not None:
+        p.sampling_seed = _num(raw["sampling_seed"], "sampling_params.sampling_seed", int)
+    if want_mask and p.temperature > 0 and not (1 < p.top_k <= mask_cap):
+        raise RequestError(f"return_sampling_mask: needs a finite sampling_params.top_k with "
+                           f"1 < top_k <= {mask_cap} (--sampling-mask-max-tokens) or greedy "
+                           f"sampling; got top_k={p.top_k}")
+    return p
+
+
+def kept_set(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Token ids kept by top-k ∩ top-p (crossing token kept) then min-p, most likely first."""
+    sorted_p, order = probs.sort(descending=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    above = torch.cumsum(sorted_p, 0) - sorted_p
+    keep &= above <= top_p
+    if min_p > 0:
+        keep &= sorted_p >= min_p * sorted_p[0]
+    keep[0] = True
+    return order[keep]
+
+
+def encode_routing(rows: np.ndarray) -> str:
+    """SGLang's routed_experts payload: base64 of little-endian int32, flat."""
+    return base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode("ascii")
+
+
+class ReferenceEngine:
+    """Holds the model; ``run`` executes a batch of requests (generation and scoring)."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0,
+                 sampling_mask_max_tokens: int = 4096):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+        self.dtype_name = dtype
+        self.seed = seed
+        self.mask_cap = sampling_mask_max_tokens
+        self.lock = threading.Lock()
+        self.weight_version = "0"
+        self._requests_seen = 0
+        self.load(model_path)
+
+    def load(self, model_path: str) -> None:
+        """(Re)load weights from a HF checkpoint directory."""
+        import transformers
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=DTYPES[self.dtype_name])
+        model.eval()
+        hf = model.config.to_dict()
+        facts = moe_facts_from_hf(hf)
+        if not facts.moe_layers:
+            raise ValueError(f"{model_path}: the reference engine serves MoE models only")
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+        except (OSError, ValueError):
+            tokenizer = None
+        with self.lock:
+            self.tokenizer = tokenizer
+            self.model = model
+            self.model_path = model_path
+            self.facts = facts
+            self.vocab_size = int(hf["vocab_size"])
+            self.eos = hf.get("eos_token_id")
+
+    # ------------------------------------------------------------------ forward helpers
+    def _forward(self, ids, mask, pos, cache):
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         past_key_values=cache, use_cache=True, output_router_logits=True)
+        k = self.facts.topk
+        B, S = ids.shape
+        topk = torch.stack([r.reshape(B, S, -1).topk(k, dim=-1).indices
+                            for r in out.router_logits], dim=2)   # [B, S, L_moe, K]
+        return out.logits.float(), topk, out.past_key_values
+
+    def _full_routing(self, moe_rows: torch.Tensor) -> np.ndarray:
+        """[N, L_moe, K] -> [N, num_hidden_layers, K] with dense layers 0 (SGLang layout)."""
+        full = np.zeros((moe_rows.shape[0], self.facts.num_layers, self.facts.topk), np.int32)
+        full[:, list(self.facts.moe_layers)] = moe_rows.numpy()
+        return full
+
+    def validate(self, req: Request) -> None:
+        """Token ids in range, lengths consistent; RequestError names the field."""
+        ids = req.input_ids
+        if not ids:
+            raise RequestError("input_ids: expected at least one token")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size
+               for t in ids):
+            raise RequestError(f"input_ids: token ids must be integers in [0, {self.vocab_size})")
+        if req.logprob_start_len >= len(ids):
+            raise RequestError(f"logprob_start_len: {req.logprob_start_len} must be < the input "
+                               f"length {len(ids)}")
+        if req.routed_experts_start_len < 0 or req.routed_experts_start_len >= len(ids):
+            raise RequestError("routed_experts_start_len: must lie in [0, input length)")
+
+    # ------------------------------------------------------------------ batch execution
+    @torch.no_grad()
+    def run(self, reqs: list[Request]) -> list[dict]:
+        """Run generation and scoring requests together; one SGLang response dict each."""
+        with self.lock:
+            return self._run(reqs)
+
+    def _run(self, reqs: list[Request]) -> list[dict]:
+        B = len(reqs)
+        lens = [len(r.input_ids) for r in reqs]
+        P = max(lens)
+        pad = 0
+        ids = torch.full((B, P), pad, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for b, r in enumerate(reqs):   # left padding
+            ids[b, P - lens[b]:] = torch.tensor(r.input_ids)
+            mask[b, P - lens[b]:] = 1
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        logits, topk, cache = self._forward(ids, mask, pos, None)
+        gens = []
+        for b, r in enumerate(reqs):
+            seed = r.params.sampling_seed
+            if seed is None:
+                seed = self.seed * 1_000_003 + self._requests_seen
+            self._requests_seen += 1
+            gens.append(torch.Generator().manual_seed(seed))
+        state = [{"out": [], "lp": [], "mask": [], "mask_lp": [], "routing": [],
+                  "finish": None} for _ in reqs]
+        for b, r in enumerate(reqs):
+            state[b]["routing"].append(topk[b, P - lens[b]:])
+            if r.params.max_new_tokens == 0:
+                state[b]["finish"] = {"type": "length", "length": 0}
+        raw_env = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in ("1", "true")
+        last = logits[:, -1]
+        while any(s["finish"] is None for s in state):
+            next_ids = torch.full((B, 1), pad, dtype=torch.long)
+            for b, r in enumerate(reqs):
+                s = state[b]
+                if s["finish"] is not None:
+                    continue
+                tok = self._sample(last[b], r, s, gens[b], raw_env)
+                next_ids[b, 0] = tok
+                s["out"].append(tok)
+                stop = (tok == self.eos and not r.params.ignore_eos) or tok in r.params.stop_token_ids
+                if stop:
+                    s["finish"] = {"type": "stop", "matched": tok}
+                elif len(s["out"]) >= r.params.max_new_tokens:
+                    s["finish"] = {"type": "length", "length": r.params.max_new_tokens}
+            # a token is fed back only when more will follow: its routing is recorded then
+            feed = [st["finish"] is None for st in state]
+            if not any(feed):
+                break
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+            pos = pos[:, -1:] + 1
+            logits, topk, cache = self._forward(next_ids, mask, pos, cache)
+            last = logits[:, -1]
+            for b, st in enumerate(state):
+                if feed[b]:
+                    st["routing"].append(topk[b, -1:])
+        return [self._response(r, s, b, reqs) for b, (r, s) in enumerate(zip(reqs, state))]
+
+    def _sample(self, logits: torch.Tensor, r: Request, s: dict, gen: torch.Generator,
+                raw_env: bool) -> int:
+        p = r.params
+        raw = torch.log_softmax(logits, -1)
+        if p.temperature == 0:
+            tok = int(logits.argmax())
+            s["lp"].append(float(raw[tok]))
+            s["mask"].append([tok])
+            s["mask_lp"].append(0.0)
+            return tok
+        scaled = torch.log_softmax(logits / p.temperature, -1)
+        probs = scaled.exp()
+        kept = kept_set(probs, p.top_k, p.top_p, p.min_p)
+        q = probs[kept] / probs[kept].sum()
+        choice = int(torch.multinomial(q, 1, generator=gen))
+        tok = int(kept[choice])
+        s["lp"].append(float(raw[tok] if raw_env else scaled[tok]))
+        s["mask"].append(kept.tolist())
+        s["mask_lp"].append(float(torch.log(q[choice])))
+        return tok
+
+    def _response(self, r: Request, s: dict, b: int, reqs) -> dict:
+        out = s["out"]
+        meta = {"id": r.rid, "finish_reason": s["finish"], "prompt_tokens": len(r.input_ids),
+                "completion_tokens": len(out), "cached_tokens": 0,
+                "weight_version": self.weight_version}
+        if r.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s["lp"], out)]
+            meta["input_token_logprobs"] = (self._input_logprobs(r)
+                                            if r.logprob_start_len >= 0 else [])
+        if r.return_routed_experts:
+            moe_rows = torch.cat(s["routing"], dim=0)        # prompt + fed generated tokens
+            n_rows = len(r.input_ids) + len(out) - 1
+            rows = self._full_routing(moe_rows[:n_rows])
+            meta["routed_experts"] = encode_routing(rows[r.routed_experts_start_len:])
+        if r.return_sampling_mask:
+            meta["output_token_sampling_mask"] = s["mask"]
+            meta["output_token_sampling_mask_length"] = [len(m) for m in s["mask"]]
+            meta["output_token_sampling_logprobs"] = s["mask_lp"]
+        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer else ""
+        return {"text": text, "output_ids": out, "meta_info": meta}
+
+    def _input_logprobs(self, r: Request) -> list:
+        """Raw (T = 1) log-probs of the input tokens from ``logprob_start_len``; first is None."""
+        ids = torch.tensor(r.input_ids)[None]
+        out = self.model(input_ids=ids)
+        logp = torch.log_softmax(out.logits.float()[0], -1)
+        start = r.logprob_start_len
+        entries = [[None, r.input_ids[start], None]]
+        for t in range(start + 1, len(r.input_ids)):
+            entries.append([float(logp[t - 1, r.input_ids[t]]), r.input_ids[t], None])
+        return entries

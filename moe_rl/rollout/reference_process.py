@@ -1,0 +1,75 @@
+"""Start, wait for, and stop a reference-engine server process on 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+class ServerProcess:
+    """One ``moe-rl serve-reference`` subprocess; restartable after a crash."""
+
+    def __init__(self, model: str, port: int, host: str = "127.0.0.1", dtype: str = "float32",
+                 api_key: str | None = None, seed: int = 0, log_path: str | None = None):
+        self.model, self.port, self.host, self.dtype = model, port, host, dtype
+        self.api_key, self.seed, self.log_path = api_key, seed, log_path
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> "ServerProcess":
+        """Launch the server and wait until /health answers (RuntimeError on timeout/exit)."""
+        cmd = [sys.executable, "-m", "moe_rl.cli", "serve-reference", "--model", self.model,
+               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
+               "--seed", str(self.seed)]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Poll /health until it answers 200."""
+        deadline = time.monotonic() + timeout
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"reference server on port {self.port} exited with code "
+                                   f"{self.proc.returncode} (log: {self.log_path})")
+            try:
+                if httpx.get(self.url + "/health", headers=headers, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"reference server on port {self.port} not healthy after {timeout} s")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self, timeout: float = 120.0) -> None:
+        """Stop (if needed) and start again."""
+        self.stop()
+        self.restarts += 1
+        self.start(timeout)
+
+    def stop(self) -> None:
+        """Terminate the process (kill after 10 s)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None

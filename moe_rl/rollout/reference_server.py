@@ -1,0 +1,167 @@
+"""HTTP server (FastAPI + uvicorn) for the CPU reference engine, with SGLang's endpoints, field
+names and encodings. Concurrent requests are batched: a worker takes every queued request (up to
+``max_batch_size``) and runs them through the model together."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse
+
+from moe_rl.rollout.reference_engine import (ReferenceEngine, Request, RequestError,
+                                             parse_sampling_params)
+
+_BOOL_FIELDS = ("return_logprob", "return_routed_experts", "return_sampling_mask", "stream")
+
+
+def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Request], bool]:
+    """Parse a /generate body into requests; returns (requests, whether it was a batch)."""
+    if not isinstance(body, dict):
+        raise RequestError("body: expected a JSON object")
+    if "text" in body and "input_ids" not in body:
+        raise RequestError("text: the reference engine takes input_ids only (tokenize first)")
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids:
+        raise RequestError("input_ids: expected a non-empty list of token ids (or of lists)")
+    batch = isinstance(ids[0], list)
+    seqs = ids if batch else [ids]
+    for name in _BOOL_FIELDS:
+        if name in body and not isinstance(body[name], bool):
+            raise RequestError(f"{name}: expected a boolean")
+    if body.get("stream"):
+        raise RequestError("stream: the reference engine does not stream")
+    params = body.get("sampling_params") or {}
+    plist = params if isinstance(params, list) else [params] * len(seqs)
+    if len(plist) != len(seqs):
+        raise RequestError("sampling_params: a list must have one entry per input")
+    rids = body.get("rid")
+    rids = rids if isinstance(rids, list) else [rids] * len(seqs)
+    start = body.get("logprob_start_len", -1)
+    if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+        raise RequestError("logprob_start_len: expected an integer >= -1")
+    r_start = body.get("routed_experts_start_len", 0)
+    if not isinstance(r_start, int) or isinstance(r_start, bool):
+        raise RequestError("routed_experts_start_len: expected an integer")
+    want_mask = bool(body.get("return_sampling_mask", False))
+    out = []
+    for seq, p, rid in zip(seqs, plist, rids):
+        if not isinstance(p, dict):
+            raise RequestError("sampling_params: expected an object")
+        req = Request(input_ids=seq, params=parse_sampling_params(p, engine.mask_cap, want_mask),
+                      rid=rid or f"ref-{next(counter)}",
+                      return_logprob=bool(body.get("return_logprob", False)),
+                      logprob_start_len=start,
+                      return_routed_experts=bool(body.get("return_routed_experts", False)),
+                      routed_experts_start_len=r_start, return_sampling_mask=want_mask)
+        engine.validate(req)
+        out.append(req)
+    return out, batch
+
+
+def build_app(engine: ReferenceEngine, api_key: str | None = None,
+              max_batch_size: int = 64) -> FastAPI:
+    """The FastAPI application serving ``engine``."""
+    app = FastAPI(title="moe_rl reference engine")
+    queue: asyncio.Queue = asyncio.Queue()
+    counter = itertools.count()
+
+    async def worker():
+        loop = asyncio.get_running_loop()
+        while True:
+            items = [await queue.get()]
+            while not queue.empty() and len(items) < max_batch_size:
+                items.append(queue.get_nowait())
+            reqs = [r for r, _ in items]
+            try:
+                results = await loop.run_in_executor(None, engine.run, reqs)
+                for (_, fut), res in zip(items, results):
+                    if not fut.done():
+                        fut.set_result(res)
+            except Exception as exc:  # surfaced to every waiting request as HTTP 500
+                for _, fut in items:
+                    if not fut.done():
+                        fut.set_exception(exc)
+
+    @app.on_event("startup")
+    async def _start():
+        app.state.worker = asyncio.create_task(worker())
+
+    @app.middleware("http")
+    async def _auth(request: HTTPRequest, call_next):
+        if api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given, f"Bearer {api_key}"):
+                return JSONResponse({"error": "unauthorized: send Authorization: Bearer <key>"},
+                                    status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path,
+                "is_generation": True, "weight_version": engine.weight_version,
+                "dtype": engine.dtype_name}
+
+    @app.get("/get_weight_version")
+    async def weight_version():
+        return {"weight_version": engine.weight_version}
+
+    @app.post("/generate")
+    async def generate(request: HTTPRequest):
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": "body: not valid JSON"}, status_code=400)
+        try:
+            reqs, batch = _as_requests(body, engine, counter)
+        except RequestError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        loop = asyncio.get_running_loop()
+        futures = []
+        for r in reqs:
+            fut = loop.create_future()
+            await queue.put((r, fut))
+            futures.append(fut)
+        try:
+            results = await asyncio.gather(*futures)
+        except Exception as exc:
+            return JSONResponse({"error": f"engine failure: {exc}"}, status_code=500)
+        return results if batch else results[0]
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights(request: HTTPRequest):
+        body = await request.json()
+        path = body.get("model_path") if isinstance(body, dict) else None
+        if not isinstance(path, str):
+            return JSONResponse({"success": False, "message": "model_path: expected a string"},
+                                status_code=400)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, engine.load, path)
+        except Exception as exc:
+            return JSONResponse({"success": False, "message": f"{path}: {exc}"}, status_code=400)
+        version = body.get("weight_version")
+        engine.weight_version = str(version) if version is not None else str(
+            int(engine.weight_version) + 1 if engine.weight_version.isdigit() else 1)
+        return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0,
+                "weight_version": engine.weight_version}
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        return {"success": True, "message": "no prefix cache is kept between requests"}
+
+    return app
+
+
+def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32",
+          api_key: str | None = None, seed: int = 0, max_batch_size: int = 64) -> None:
+    """Load the model and serve until interrupted."""
+    import uvicorn
+    engine = ReferenceEngine(model_path, dtype=dtype, seed=seed)
+    uvicorn.run(build_app(engine, api_key, max_batch_size), host=host, port=port,
+                log_level="warning")
