@@ -154,21 +154,31 @@ class ReferenceEngine:
         except (OSError, ValueError):
             tokenizer = None
         with self.lock:
+            self.facts = facts
+            self._captured: list[torch.Tensor] = []
+            self._hook_routers(model)
             self.tokenizer = tokenizer
             self.model = model
             self.model_path = model_path
-            self.facts = facts
             self.vocab_size = int(hf["vocab_size"])
             self.eos = hf.get("eos_token_id")
 
     # ------------------------------------------------------------------ forward helpers
+    def _hook_routers(self, model) -> None:
+        """Capture the expert ids each MoE router actually selects (its third output)."""
+        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if len(routers) != len(self.facts.moe_layers):
+            raise ValueError(f"found {len(routers)} routers for {len(self.facts.moe_layers)} MoE "
+                             f"layers")
+        for m in routers:
+            m.register_forward_hook(lambda mod, inp, out: self._captured.append(out[2].detach()))
+
     def _forward(self, ids, mask, pos, cache):
+        self._captured = []
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache, use_cache=True, output_router_logits=True)
-        k = self.facts.topk
+                         past_key_values=cache, use_cache=True)
         B, S = ids.shape
-        topk = torch.stack([r.reshape(B, S, -1).topk(k, dim=-1).indices
-                            for r in out.router_logits], dim=2)   # [B, S, L_moe, K]
+        topk = torch.stack([t.reshape(B, S, -1) for t in self._captured], dim=2)  # [B,S,L,K]
         return out.logits.float(), topk, out.past_key_values
 
     def _full_routing(self, moe_rows: torch.Tensor) -> np.ndarray:
@@ -298,6 +308,7 @@ class ReferenceEngine:
         """Raw (T = 1) log-probs of the input tokens from ``logprob_start_len``; first is None."""
         ids = torch.tensor(r.input_ids)[None]
         out = self.model(input_ids=ids)
+        self._captured = []
         logp = torch.log_softmax(out.logits.float()[0], -1)
         start = r.logprob_start_len
         entries = [[None, r.input_ids[start], None]]

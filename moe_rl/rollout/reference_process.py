@@ -23,16 +23,20 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 120.0) -> "ServerProcess":
-        """Launch the server and wait until /health answers (RuntimeError on timeout/exit)."""
+    def command(self) -> tuple[list[str], dict]:
+        """(argv, environment) of the server process."""
         cmd = [sys.executable, "-m", "moe_rl.cli", "serve-reference", "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
                "--seed", str(self.seed)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        return cmd, dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def start(self, timeout: float = 120.0) -> "ServerProcess":
+        """Launch the server and wait until /health answers (RuntimeError on timeout/exit)."""
+        cmd, env = self.command()
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.wait_healthy(timeout)
         return self
 

@@ -1,0 +1,117 @@
+"""Decode SGLang ``/generate`` responses into rollout records (never unpickling anything).
+
+routed_experts: base64 of little-endian int32, flat [P+R-1-start, num_hidden_layers, K]; dense
+layers (zeros) are dropped by the model's MoE-layer list and ids stored as uint8/int16.
+output_token_logprobs: [(logprob, token_id, text)]; output_token_sampling_mask: kept ids per token.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moe_rl.types import Sample, compact_routing
+
+R3_FIX = ("start SGLang with --enable-return-routed-experts and send return_routed_experts: "
+          "true (routing replay r3 needs the routing of every token)")
+MASK_FIX = ("start SGLang with --sampling-mask-max-tokens N and send return_sampling_mask: true "
+            "with a finite top_k (the keep-sampling-mask needs the kept sets)")
+
+
+class ResponseError(ValueError):
+    """An engine response that cannot become a rollout record; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What decoding needs to know about the served model."""
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    topk: int
+    num_experts: int
+
+
+def decode_routing(payload: str, positions: int, layout: ModelLayout) -> torch.Tensor:
+    """base64 int32 routing -> compact [positions, moe_layers, K] (uint8 / int16)."""
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ResponseError(f"routed_experts: not valid base64: {exc}") from None
+    expect = positions * layout.num_layers * layout.topk * 4
+    if len(raw) != expect:
+        raise ResponseError(f"routed_experts: {len(raw)} bytes, expected {expect} for "
+                            f"[{positions}, {layout.num_layers}, {layout.topk}] int32")
+    arr = np.frombuffer(raw, dtype="<i4").reshape(positions, layout.num_layers, layout.topk)
+    moe = torch.from_numpy(arr[:, list(layout.moe_layers)].copy())
+    try:
+        return compact_routing(moe, layout.num_experts)
+    except ValueError as exc:
+        raise ResponseError(f"routed_experts: {exc}") from None
+
+
+def decode_kept_sets(meta: dict, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """output_token_sampling_mask -> (offsets int64 [R+1], ids int32)."""
+    sets = meta.get("output_token_sampling_mask")
+    if sets is None:
+        raise ResponseError(f"output_token_sampling_mask: missing; {MASK_FIX}")
+    if len(sets) != n_tokens:
+        raise ResponseError(f"output_token_sampling_mask: {len(sets)} sets for {n_tokens} tokens")
+    lengths = [len(s) for s in sets]
+    offsets = torch.zeros(n_tokens + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    ids = torch.tensor([i for s in sets for i in s], dtype=torch.int32)
+    return offsets, ids
+
+
+def decode_logprobs(entries: list, n_tokens: int, field: str) -> torch.Tensor:
+    """[(logprob, token_id, text)] -> float32 [n]; entries with a None log-prob are refused."""
+    if entries is None or len(entries) != n_tokens:
+        raise ResponseError(f"{field}: expected {n_tokens} entries, got "
+                            f"{None if entries is None else len(entries)}")
+    vals = [e[0] for e in entries]
+    if any(v is None for v in vals):
+        raise ResponseError(f"{field}: a log-prob is null")
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+def sample_from_response(resp: dict, prompt_ids: list[int], layout: ModelLayout, *,
+                         need_routing: bool, need_mask: bool, group_id: int, sample_id: int,
+                         metadata: dict | None = None) -> Sample:
+    """One generation response -> a validated :class:`Sample` (reward filled in later)."""
+    meta = resp.get("meta_info") or {}
+    out = resp.get("output_ids")
+    if not isinstance(out, list) or not out:
+        raise ResponseError(f"output_ids: expected a non-empty list (request {meta.get('id')})")
+    R = len(out)
+    lp = decode_logprobs(meta.get("output_token_logprobs"), R, "output_token_logprobs")
+    routing = None
+    if need_routing:
+        if not meta.get("routed_experts"):
+            raise ResponseError(f"routed_experts: missing from the response; {R3_FIX}")
+        routing = decode_routing(meta["routed_experts"], len(prompt_ids) + R - 1, layout)
+    offsets = ids = None
+    if need_mask:
+        offsets, ids = decode_kept_sets(meta, R)
+    version = meta.get("weight_version")
+    try:
+        version = int(version)
+    except (TypeError, ValueError):
+        version = 0
+    return Sample(prompt_ids=prompt_ids, response_ids=out, rollout_logprobs=lp,
+                  routing=routing, sampling_mask_offsets=offsets, sampling_mask_ids=ids,
+                  group_id=group_id, weight_version=version, sample_id=sample_id,
+                  metadata={**(metadata or {}),
+                            "finish_reason": (meta.get("finish_reason") or {}).get("type", "")})
+
+
+def score_from_response(resp: dict, prompt_len: int, total_len: int) -> torch.Tensor:
+    """A scoring response (max_new_tokens 0, logprob_start_len P-1) -> response log-probs."""
+    entries = (resp.get("meta_info") or {}).get("input_token_logprobs")
+    n = total_len - prompt_len + 1
+    if entries is None or len(entries) != n:
+        raise ResponseError(f"input_token_logprobs: expected {n} entries (first None), got "
+                            f"{None if entries is None else len(entries)}")
+    return decode_logprobs(entries[1:], n - 1, "input_token_logprobs")

@@ -1,0 +1,135 @@
+"""The rollout-engine interface used by the loop, and its implementation over SGLang's HTTP
+protocol (SGLang servers on GPUs, or the CPU reference engine, which speaks the same protocol).
+
+generate: prompts -> n samples each (tokens, log-probs, routing, kept sets, weight version);
+score: finished samples -> n per-pass log-probs (pi_old as the mean of n engine passes);
+update_weights_from_disk; flush_cache; health; weight_version.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.rollout.decode import ModelLayout, sample_from_response, score_from_response
+from moe_rl.rollout.pool import ServerPool
+from moe_rl.types import Sample
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The SGLang sampling_params the loop sends."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 16
+
+    def to_json(self, seed: int | None = None) -> dict:
+        out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+               "min_p": self.min_p, "max_new_tokens": self.max_new_tokens}
+        if seed is not None:
+            out["sampling_seed"] = seed
+        return out
+
+
+class HTTPRolloutEngine:
+    """Engine over a pool of SGLang-protocol servers."""
+
+    def __init__(self, pool_factory, layout: ModelLayout, *, need_routing: bool,
+                 need_mask: bool):
+        self.pool_factory = pool_factory   # () -> ServerPool (fresh httpx client per call)
+        self.layout = layout
+        self.need_routing = need_routing
+        self.need_mask = need_mask
+
+    def _run(self, coro_fn):
+        async def main():
+            async with self.pool_factory() as pool:
+                return await coro_fn(pool)
+        return asyncio.run(main())
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, *,
+                 group_ids: list[int] | None = None, seed: int | None = None,
+                 metadata: list[dict] | None = None, progress=None) -> list[Sample]:
+        """n samples per prompt, in prompt-major order; sample_id = position in that order."""
+        group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
+        jobs = [(i, j) for i in range(len(prompts)) for j in range(n)]
+
+        async def one(pool: ServerPool, k: int, i: int, j: int) -> Sample:
+            body = {"input_ids": prompts[i],
+                    "sampling_params": sampling.to_json(None if seed is None else seed + k),
+                    "return_logprob": True, "return_routed_experts": self.need_routing,
+                    "return_sampling_mask": self.need_mask}
+            resp = await pool.request("/generate", body)
+            if progress is not None:
+                progress(1)
+            return sample_from_response(resp, prompts[i], self.layout,
+                                        need_routing=self.need_routing, need_mask=self.need_mask,
+                                        group_id=group_ids[i], sample_id=k,
+                                        metadata=(metadata[i] if metadata else None))
+
+        async def all_jobs(pool: ServerPool):
+            return await asyncio.gather(*(one(pool, k, i, j) for k, (i, j) in enumerate(jobs)))
+
+        return list(self._run(all_jobs))
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, samples: list[Sample], n_passes: int) -> None:
+        """Fill ``pass_logprobs`` [n, R] of every sample with n scoring passes. Pass j of sample i
+        goes to server (i + j) % num_servers and passes are sent in a shuffled order, so passes
+        are co-batched with different sequences (different numerics unless the servers run
+        deterministic inference)."""
+        if n_passes < 1:
+            raise ValueError(f"algorithm.pi_old_passes: expected >= 1, got {n_passes}")
+
+        async def one(pool, s: Sample, server) -> torch.Tensor:
+            ids = s.prompt_ids.tolist() + s.response_ids.tolist()
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+                    "return_logprob": True, "logprob_start_len": s.prompt_len - 1}
+            resp = await pool.request("/generate", body, server=server)
+            return score_from_response(resp, s.prompt_len, len(ids))
+
+        async def all_passes(pool: ServerPool):
+            jobs = [(i, j) for j in range(n_passes) for i in range(len(samples))]
+            gen = torch.Generator().manual_seed(len(samples) * 7919 + n_passes)
+            order = torch.randperm(len(jobs), generator=gen).tolist()
+            servers = pool.servers
+            coros = {}
+            for k in order:
+                i, j = jobs[k]
+                coros[(i, j)] = one(pool, samples[i], servers[(i + j) % len(servers)])
+            keys = list(coros)
+            results = await asyncio.gather(*(coros[k] for k in keys))
+            return dict(zip(keys, results))
+
+        res = self._run(all_passes)
+        for i, s in enumerate(samples):
+            s.pass_logprobs = torch.stack([res[(i, j)] for j in range(n_passes)])
+            s.validate()
+
+    # ------------------------------------------------------------------ weights and control
+    def update_weights_from_disk(self, path: str, version: int) -> list[dict]:
+        """Every server loads the HF checkpoint at ``path`` and reports ``version``."""
+        body = {"model_path": path, "weight_version": str(version)}
+        return self._run(lambda pool: pool.broadcast("/update_weights_from_disk", body))
+
+    def flush_cache(self) -> list[dict]:
+        """Drop every server's prefix cache (after a weight update)."""
+        return self._run(lambda pool: pool.broadcast("/flush_cache", {}))
+
+    def health(self) -> bool:
+        """True when every server answers /health."""
+        try:
+            self._run(lambda pool: pool.broadcast("/health", None, method="GET"))
+            return True
+        except Exception:
+            return False
+
+    def weight_versions(self) -> list[str]:
+        """The weight version each server reports."""
+        infos = self._run(lambda pool: pool.broadcast("/get_model_info", None, method="GET"))
+        return [str(i.get("weight_version")) for i in infos]
+

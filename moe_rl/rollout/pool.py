@@ -1,0 +1,125 @@
+"""Several engine servers behind one dispatcher: async HTTP (httpx) with a connection pool,
+bounded concurrency per server, timeouts, retries with backoff, least-loaded dispatch, and
+re-dispatch plus restart when a server dies mid-rollout."""
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+
+
+class EngineHTTPError(RuntimeError):
+    """A request every server refused or that kept failing after its retries."""
+
+
+@dataclass
+class Server:
+    url: str
+    restart: Callable[[], None] | None = None   # blocking restart (e.g. ServerProcess.restart)
+    in_flight: int = 0
+    alive: bool = True
+    failures: int = 0
+    semaphore: asyncio.Semaphore | None = None
+    restarting: asyncio.Task | None = field(default=None, repr=False)
+
+
+class ServerPool:
+    """Dispatch JSON requests to the least-loaded live server."""
+
+    def __init__(self, urls: list[str], *, api_key: str | None = None, timeout: float = 300.0,
+                 max_retries: int = 3, concurrency: int = 64,
+                 restarters: list[Callable[[], None] | None] | None = None,
+                 backoff: float = 0.5):
+        if not urls:
+            raise ValueError("rollout.num_servers: the pool needs at least one server")
+        restarters = restarters or [None] * len(urls)
+        self.servers = [Server(u.rstrip("/"), r) for u, r in zip(urls, restarters)]
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout, self.max_retries = timeout, max_retries
+        self.concurrency, self.backoff = concurrency, backoff
+        self.restarts = 0
+        self._client: httpx.AsyncClient | None = None
+
+    async def __aenter__(self) -> "ServerPool":
+        limits = httpx.Limits(max_connections=self.concurrency * len(self.servers))
+        self._client = httpx.AsyncClient(timeout=self.timeout, headers=self.headers,
+                                         limits=limits)
+        for s in self.servers:
+            s.semaphore = asyncio.Semaphore(self.concurrency)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for s in self.servers:
+            if s.restarting is not None:
+                await s.restarting
+        await self._client.aclose()
+        self._client = None
+
+    def _pick(self, avoid: set[str]) -> Server:
+        live = [s for s in self.servers if s.alive and s.url not in avoid] or \
+               [s for s in self.servers if s.alive]
+        if not live:
+            raise EngineHTTPError("no live engine server (all marked dead)")
+        return min(live, key=lambda s: (s.in_flight, random.random()))
+
+    def _mark_dead(self, server: Server) -> None:
+        if not server.alive:
+            return
+        server.alive = False
+        if server.restart is not None:
+            async def restart():
+                await asyncio.get_running_loop().run_in_executor(None, server.restart)
+                server.alive, server.failures = True, 0
+                self.restarts += 1
+            server.restarting = asyncio.create_task(restart())
+
+    async def request(self, path: str, body: dict | None = None, *, server: Server | None = None,
+                      method: str = "POST") -> dict:
+        """Send to ``server`` (pinned: its failure raises) or else to the least-loaded live one,
+        where connection errors and 5xx mark the server dead (and restart it) and the request
+        goes to another server; 4xx raise at once."""
+        pinned = server is not None
+        avoid: set[str] = set()
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            target = server if (server is not None and server.alive) else self._pick(avoid)
+            target.in_flight += 1
+            try:
+                async with target.semaphore:
+                    resp = await self._client.request(method, target.url + path, json=body)
+            except (httpx.TransportError, httpx.TimeoutException) as exc:
+                last = exc
+                if pinned:
+                    raise EngineHTTPError(f"{target.url}{path}: {exc}") from None
+                self._mark_dead(target)
+                avoid.add(target.url)
+                server = None
+            else:
+                if resp.status_code < 400:
+                    return resp.json()
+                if resp.status_code < 500:
+                    raise EngineHTTPError(f"{target.url}{path}: HTTP {resp.status_code}: "
+                                          f"{resp.text[:500]}")
+                last = EngineHTTPError(f"{target.url}{path}: HTTP {resp.status_code}")
+                if pinned:
+                    raise last
+                target.failures += 1
+                avoid.add(target.url)
+                server = None
+            finally:
+                target.in_flight -= 1
+            await asyncio.sleep(self.backoff * (2 ** attempt) * (0.5 + random.random() / 2))
+        raise EngineHTTPError(f"{path}: failed after {self.max_retries + 1} attempts: {last}")
+
+    async def broadcast(self, path: str, body: dict | None = None, method: str = "POST"
+                        ) -> list[dict]:
+        """Send to every server (e.g. weight updates); waits for restarting servers first."""
+        for s in self.servers:
+            if s.restarting is not None:
+                await s.restarting
+                s.restarting = None
+        return list(await asyncio.gather(*(self.request(path, body, server=s, method=method)
+                                           for s in self.servers)))

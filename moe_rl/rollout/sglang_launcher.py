@@ -1,0 +1,51 @@
+"""Launch SGLang servers with the flags the configuration needs, wait for health, restart."""
+from __future__ import annotations
+
+import os
+import sys
+
+from moe_rl.config import Config
+from moe_rl.rollout.reference_process import ServerProcess
+
+
+def sglang_command(cfg: Config, port: int, model_path: str | None = None) -> tuple[list[str],
+                                                                                   dict]:
+    """(argv, extra environment) of ``python -m sglang.launch_server`` for server ``port``."""
+    r, a = cfg.rollout, cfg.algorithm
+    g = r.sglang
+    argv = [sys.executable, "-m", "sglang.launch_server",
+            "--model-path", model_path or cfg.model.path, "--host", r.host, "--port", str(port),
+            "--tp-size", str(g.tp_size), "--dp-size", str(g.dp_size), "--ep-size", str(g.ep_size),
+            "--mem-fraction-static", str(g.mem_fraction_static)]
+    if a.replay == "r3":
+        argv.append("--enable-return-routed-experts")
+    if a.keep_sampling_mask:
+        argv += ["--sampling-mask-max-tokens", str(r.sampling_mask_max_tokens)]
+    if cfg.cluster.colocate:
+        argv.append("--enable-memory-saver")
+    if g.deterministic_inference:
+        argv.append("--enable-deterministic-inference")
+    if r.api_key:
+        argv += ["--api-key", r.api_key]
+    argv += list(g.extra_args)
+    env = {}
+    if r.temperature not in (0.0, 1.0):
+        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    return argv, env
+
+
+class SGLangProcess(ServerProcess):
+    """One SGLang server subprocess (same start / health / restart logic as the reference)."""
+
+    def __init__(self, cfg: Config, port: int, log_path: str | None = None):
+        super().__init__(cfg.model.path, port, host=cfg.rollout.host, api_key=cfg.rollout.api_key,
+                         log_path=log_path)
+        self.cfg = cfg
+
+    def command(self) -> tuple[list[str], dict]:
+        argv, env = sglang_command(self.cfg, self.port, self.model)
+        return argv, dict(os.environ, **env)
+
+    def start(self, timeout: float | None = None) -> "SGLangProcess":
+        """Launch SGLang and wait for /health up to rollout.health_timeout_s."""
+        return super().start(timeout or self.cfg.rollout.health_timeout_s)

@@ -1,0 +1,208 @@
+"""SGLang-protocol client against the CPU reference engine over real HTTP on 127.0.0.1, golden
+responses, kept sets, routing consistency, errors, weight updates, n-pass scoring, launcher."""
+import base64
+import json
+import math
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from moe_rl.config import config_from_dict, moe_facts_from_hf
+from moe_rl.models.tiny import write_tiny_model
+from moe_rl.config import ModelInitConfig
+from moe_rl.rollout.decode import (ModelLayout, ResponseError, decode_routing,
+                                   sample_from_response)
+from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
+from moe_rl.rollout.pool import EngineHTTPError, ServerPool
+from moe_rl.rollout.reference_engine import kept_set
+from moe_rl.rollout.reference_process import ServerProcess
+from moe_rl.rollout.sglang_launcher import sglang_command
+from moe_rl.trainer.parallel import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_model")
+    write_tiny_model(ModelInitConfig(seed=5), str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def layout(tiny_dir):
+    facts = moe_facts_from_hf(json.load(open(f"{tiny_dir}/config.json")))
+    return ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "ref.log"
+    proc = ServerProcess(tiny_dir, free_port(), api_key="k3y", log_path=str(log)).start()
+    yield proc
+    proc.stop()
+
+
+def engine_for(urls, layout, need_mask=True, api_key="k3y"):
+    return HTTPRolloutEngine(lambda: ServerPool(urls, api_key=api_key, max_retries=2,
+                                                backoff=0.05),
+                             layout, need_routing=True, need_mask=need_mask)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_dir):
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+
+
+def test_generate_decodes_to_valid_samples_with_kept_sets(server, layout, hf_model):
+    eng = engine_for([server.url], layout)
+    prompts = [[6, 7, 68, 12, 72], [9, 68, 9, 72]]
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9, top_k=12, min_p=0.01, max_new_tokens=6)
+    samples = eng.generate(prompts, 3, sampling, seed=11)
+    assert len(samples) == 6 and [s.group_id for s in samples] == [0, 0, 0, 1, 1, 1]
+    for s in samples:
+        s.validate(96, None)
+        assert s.routing.shape == (s.prompt_len + s.response_len - 1, 2, 2)
+        assert s.routing.dtype == torch.uint8
+        ids = torch.cat([s.prompt_ids, s.response_ids]).long()[None]
+        with torch.no_grad():
+            logits = hf_model(ids).logits[0].float()
+        for j in range(s.response_len):
+            z = logits[s.prompt_len - 1 + j]
+            probs = torch.softmax(z / 0.8, -1)
+            expect = kept_set(probs, 12, 0.9, 0.01)
+            got = s.kept_set(j)
+            assert int(s.response_ids[j]) in got.tolist()
+            assert sorted(got.tolist()) == sorted(expect.tolist())
+            assert len(got) <= 12
+            # the reported log-prob is log_softmax(logits / T) before truncation
+            assert float(s.rollout_logprobs[j]) == pytest.approx(
+                float(torch.log_softmax(z / 0.8, -1)[s.response_ids[j]]), abs=1e-4)
+    # seeded: the same seeds give the same samples
+    again = eng.generate(prompts, 3, sampling, seed=11)
+    assert [s.response_ids.tolist() for s in again] == [s.response_ids.tolist() for s in samples]
+
+
+def test_independent_kept_set_rule():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    # top-p 0.7: mass above token 1 is 0.5 <= 0.7 (kept, the crossing token); above 2 is 0.8
+    assert kept_set(probs, -1, 0.7, 0.0).tolist() == [0, 1]
+    assert kept_set(probs, 1, 1.0, 0.0).tolist() == [0]
+    assert kept_set(probs, -1, 1.0, 0.25).tolist() == [0, 1, 2]   # min-p: >= 0.125
+
+
+def test_scored_routing_matches_generation_routing(server, layout):
+    eng = engine_for([server.url], layout, need_mask=False)
+    s = eng.generate([[6, 7, 68, 12, 72]], 1, SamplingConfig(max_new_tokens=5), seed=3)[0]
+    ids = s.prompt_ids.tolist() + s.response_ids.tolist()
+    r = httpx.post(server.url + "/generate", headers={"Authorization": "Bearer k3y"},
+                   json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+                         "return_routed_experts": True}, timeout=60).json()
+    scored = decode_routing(r["meta_info"]["routed_experts"], len(ids) - 1, layout)
+    assert torch.equal(scored, s.routing)   # float32, same weights: exact
+
+
+def test_n_pass_scoring_matches_independent_logprobs(server, layout, hf_model):
+    eng = engine_for([server.url], layout, need_mask=False)
+    samples = eng.generate([[6, 7, 68, 12, 72], [9, 9]], 2, SamplingConfig(max_new_tokens=4),
+                           seed=5)
+    eng.score(samples, 3)
+    for s in samples:
+        assert s.pass_logprobs.shape == (3, s.response_len)
+        ids = torch.cat([s.prompt_ids, s.response_ids]).long()[None]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf_model(ids).logits[0].float(), -1)
+        want = logp[s.prompt_len - 1:-1].gather(1, s.response_ids.long()[:, None]).squeeze(1)
+        for j in range(3):
+            assert torch.allclose(s.pass_logprobs[j], want, atol=1e-4)
+        # temperature 1: the generation log-probs equal the scoring ones
+        assert torch.allclose(s.rollout_logprobs, want, atol=1e-4)
+
+
+def test_golden_response_decodes_exactly():
+    layout = ModelLayout(num_layers=3, moe_layers=(1, 2), topk=2, num_experts=8)
+    P, R = 3, 2
+    rows = np.zeros((P + R - 1, 3, 2), dtype="<i4")
+    rows[:, 1] = [[0, 5], [1, 2], [7, 3], [4, 6]]
+    rows[:, 2] = [[2, 3], [6, 1], [0, 4], [5, 7]]
+    golden = {"text": "ab", "output_ids": [11, 1],
+              "meta_info": {"id": "r1", "finish_reason": {"type": "stop", "matched": 1},
+                            "prompt_tokens": 3, "completion_tokens": 2, "weight_version": "4",
+                            "output_token_logprobs": [[-0.5, 11, "a"], [-0.25, 1, None]],
+                            "routed_experts": base64.b64encode(rows.tobytes()).decode(),
+                            "output_token_sampling_mask": [[11, 3], [1]],
+                            "output_token_sampling_mask_length": [2, 1],
+                            "output_token_sampling_logprobs": [-0.1, 0.0]}}
+    s = sample_from_response(golden, [5, 6, 7], layout, need_routing=True, need_mask=True,
+                             group_id=2, sample_id=9)
+    assert s.response_ids.tolist() == [11, 1]
+    assert s.rollout_logprobs.tolist() == [-0.5, -0.25]
+    assert s.routing.tolist() == rows[:, 1:].tolist() and s.routing.dtype == torch.uint8
+    assert s.sampling_mask_offsets.tolist() == [0, 2, 3] and s.sampling_mask_ids.tolist() == [11, 3, 1]
+    assert s.weight_version == 4 and s.group_id == 2 and s.metadata["finish_reason"] == "stop"
+    # missing routing under R3: fail at once with the fix in the message
+    no_route = json.loads(json.dumps(golden))
+    del no_route["meta_info"]["routed_experts"]
+    with pytest.raises(ResponseError, match="start SGLang with --enable-return-routed-experts"):
+        sample_from_response(no_route, [5, 6, 7], layout, need_routing=True, need_mask=False,
+                             group_id=0, sample_id=0)
+    with pytest.raises(ResponseError, match="sampling-mask-max-tokens"):
+        del no_route["meta_info"]["output_token_sampling_mask"]
+        sample_from_response(no_route, [5, 6, 7], layout, need_routing=False, need_mask=True,
+                             group_id=0, sample_id=0)
+    with pytest.raises(ResponseError, match="bytes, expected"):
+        decode_routing(base64.b64encode(b"\0" * 12).decode(), 4, layout)
+
+
+def test_malformed_requests_get_400_and_key_401(server):
+    h = {"Authorization": "Bearer k3y"}
+    bad = [({"input_ids": [1, 2, 999]}, "input_ids"),
+           ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+           ({"input_ids": [1, 2], "return_sampling_mask": True}, "top_k"),
+           ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature"),
+           ({"input_ids": []}, "input_ids")]
+    for body, field in bad:
+        r = httpx.post(server.url + "/generate", json=body, headers=h, timeout=30)
+        assert r.status_code == 400 and field in r.json()["error"], (body, r.text)
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 401
+    assert httpx.get(server.url + "/health", headers=h, timeout=5).status_code == 200
+
+
+def test_weight_update_changes_outputs_and_version(server, layout, tiny_dir, tmp_path):
+    other = str(tmp_path / "other")
+    write_tiny_model(ModelInitConfig(seed=99), other)
+    eng = engine_for([server.url], layout, need_mask=False)
+    before = eng.generate([[6, 7, 68]], 1, SamplingConfig(max_new_tokens=4), seed=1)[0]
+    res = eng.update_weights_from_disk(other, 7)
+    assert res[0]["success"] and eng.weight_versions() == ["7"]
+    after = eng.generate([[6, 7, 68]], 1, SamplingConfig(max_new_tokens=4), seed=1)[0]
+    assert after.weight_version == 7
+    assert not torch.allclose(before.rollout_logprobs[:1], after.rollout_logprobs[:1])
+    eng.update_weights_from_disk(tiny_dir, 8)   # restore for the other tests
+    with pytest.raises(EngineHTTPError, match="HTTP 400"):
+        eng.update_weights_from_disk(str(tmp_path / "missing"), 9)
+
+
+def test_sglang_command_lines():
+    cfg = config_from_dict({"model": {"path": "/m"}, "cluster": {"gpus_per_node": 8,
+                                                                 "colocate": True},
+                            "rollout": {"engine": "sglang", "temperature": 0.7, "top_k": 50,
+                                        "api_key": "s", "sglang": {"tp_size": 4, "ep_size": 8,
+                                                                   "extra_args": ["--x", "1"]}},
+                            "algorithm": {"replay": "r3", "keep_sampling_mask": True}})
+    argv, env = sglang_command(cfg, 30001)
+    line = " ".join(argv)
+    for part in ("-m sglang.launch_server", "--model-path /m", "--port 30001", "--tp-size 4",
+                 "--ep-size 8", "--enable-return-routed-experts",
+                 "--sampling-mask-max-tokens 4096", "--enable-memory-saver", "--api-key s",
+                 "--x 1", "--host 127.0.0.1"):
+        assert part in line, part
+    assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    plain = config_from_dict({"cluster": {"gpus_per_node": 8}, "rollout": {"engine": "sglang"},
+                              "algorithm": {"replay": "off"}})
+    argv, env = sglang_command(plain, 30000)
+    assert "--enable-return-routed-experts" not in argv and "--enable-memory-saver" not in argv
+    assert "--sampling-mask-max-tokens" not in argv and env == {}

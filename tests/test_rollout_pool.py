@@ -1,0 +1,55 @@
+"""Two reference servers behind the pool; one is killed mid-rollout (multiproc)."""
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from moe_rl.config import ModelInitConfig, moe_facts_from_hf
+from moe_rl.models.tiny import write_tiny_model
+from moe_rl.rollout.decode import ModelLayout
+from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
+from moe_rl.rollout.pool import ServerPool
+from moe_rl.rollout.reference_process import ServerProcess
+from moe_rl.trainer.parallel import free_port
+
+
+@pytest.mark.multiproc
+def test_killed_server_loses_and_duplicates_nothing_and_restarts(tmp_path):
+    model = str(tmp_path / "m")
+    write_tiny_model(ModelInitConfig(seed=1), model)
+    facts = moe_facts_from_hf(json.load(open(f"{model}/config.json")))
+    layout = ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts)
+    procs = [ServerProcess(model, free_port(), log_path=str(tmp_path / f"s{i}.log")).start()
+             for i in range(2)]
+    try:
+        engine = HTTPRolloutEngine(
+            lambda: ServerPool([p.url for p in procs], restarters=[p.restart for p in procs],
+                               max_retries=4, backoff=0.05, concurrency=4),
+            layout, need_routing=True, need_mask=False)
+        done = []
+        killed = threading.Event()
+
+        def progress(n):
+            done.append(n)
+            if len(done) == 6 and not killed.is_set():   # mid-rollout
+                os.kill(procs[0].proc.pid, signal.SIGKILL)
+                killed.set()
+
+        prompts = [[6, 7, 68, 12 + (i % 10), 72] for i in range(24)]
+        samples = engine.generate(prompts, 2, SamplingConfig(max_new_tokens=24), seed=0,
+                                  progress=progress)
+        assert killed.is_set()
+        # every (prompt, sample) exactly once, in order, each a valid record
+        assert [s.sample_id for s in samples] == list(range(48))
+        assert [s.group_id for s in samples] == [i // 2 for i in range(48)]
+        for s, want in zip(samples, [p for p in prompts for _ in range(2)]):
+            assert s.prompt_ids.tolist() == want and s.routing is not None
+        # the dead server was restarted and answers again
+        assert procs[0].restarts == 1 and procs[0].alive()
+        assert engine.health()
+    finally:
+        for p in procs:
+            p.stop()
