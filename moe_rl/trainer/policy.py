@@ -332,6 +332,31 @@ class PolicyTrainer:
         if kl_tok is not None:
             sums["kl/ref"] = sums.get("kl/ref", 0.0) + float((kl_tok.detach() * keep).sum())
 
+    def sft_step(self, samples: list[Sample], lr: float) -> dict[str, float]:
+        """One supervised step (mean negative log-likelihood of the response tokens, ordinary
+        routing) at learning rate ``lr``: the demo's warm start."""
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        n_tok = sum(int(s.loss_mask.sum()) for s in samples)
+        norm = Normalisers(*_dp_sum([float(n_tok), float(len(samples))]))
+        total = 0.0
+        for mb in self._micro_batches(samples, list(range(len(samples)))):
+            lp, _ = self._forward(self.model, self.replay, mb, "off", grad=True)
+            mask = mb.score_mask.to(lp.device)
+            loss = aggregate(-lp, mask, "token-mean", norm)
+            loss.backward()
+            total += float(loss.detach())
+        self.model.finish_grad_sync()
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        with cuda_factories_on_cpu():
+            _, grad_norm, _ = self.optimizer.step()
+        for g, v in zip(self.optimizer.param_groups, saved):
+            g["lr"] = v
+        return {"sft/loss": total, "sft/grad_norm": float(grad_norm or 0.0)}
+
     def _ema_update(self) -> None:
         if self.ema is None:
             return

@@ -1,0 +1,232 @@
+"""The RL loop, top to bottom: prompts -> n samples per prompt -> rewards -> pi_old -> advantages
+and corrections -> updates -> weight sync -> metrics -> checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import ray
+import torch
+
+from moe_rl.config import Config, dump_config
+from moe_rl.data.prompts import PromptSampler, load_prompts
+from moe_rl.metrics_log import MetricsLogger, PhaseTimer, progress_bar
+from moe_rl.orchestration.workers import RolloutWorker, TrainerWorker
+from moe_rl.rewards.functions import RewardFunction
+from moe_rl.trainer.parallel import free_port
+from moe_rl.types import RolloutBatch, Sample
+
+STATE_FILE = "loop_state.json"
+
+
+def _cfg_tree(cfg: Config) -> dict:
+    import yaml
+    return yaml.safe_load(dump_config(cfg))
+
+
+def _start_ray(cfg: Config) -> None:
+    if ray.is_initialized():
+        return
+    if cfg.cluster.ray_address:
+        ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
+    else:
+        need = cfg.cluster.trainer_workers * cfg.cluster.cpus_per_worker + 1
+        ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), log_to_driver=False,
+                 include_dashboard=False)
+
+
+def _placement(cfg: Config):
+    """One bundle per trainer rank (and its GPU on GPU runs) and one for the rollout worker."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    c = cfg.cluster
+    trainer_bundle = {"CPU": c.cpus_per_worker}
+    if c.gpus_per_node > 0:
+        trainer_bundle["GPU"] = 1
+    bundles = [dict(trainer_bundle) for _ in range(c.trainer_workers)] + [{"CPU": 1}]
+    pg = placement_group(bundles, strategy="PACK")
+    ray.get(pg.ready(), timeout=600)
+    return [PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+            for i in range(len(bundles))], pg
+
+
+def score_rewards(samples: list[Sample], tokenizer, prompts, reward_fn: RewardFunction) -> None:
+    """Decode each response and fill its reward."""
+    eos = tokenizer.eos_token_id
+    for s in samples:
+        rec = prompts[s.metadata["prompt_index"]] if "prompt_index" in s.metadata else None
+        ids = s.response_ids.tolist()
+        stopped = bool(ids) and ids[-1] == eos
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        s.reward = reward_fn(rec.text if rec else "", text, rec.answer if rec else None,
+                             {**s.metadata, "stopped": stopped})
+
+
+def shard_by_group(samples: list[Sample], ranks: int) -> list[list[Sample]]:
+    """Whole prompt groups per data-parallel rank, balanced by token count."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    shards: list[list[Sample]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for g in sorted(groups, key=lambda g: -sum(s.prompt_len + s.response_len for s in groups[g])):
+        i = load.index(min(load))
+        shards[i] += groups[g]
+        load[i] += sum(s.prompt_len + s.response_len for s in groups[g])
+    return shards
+
+
+def sft_samples(prompts, indices: list[int], tokenizer) -> list[Sample]:
+    """Supervised warm-start examples: prompt + reference answer + end of text."""
+    out = []
+    for k, i in enumerate(indices):
+        rec = prompts[i]
+        ans = tokenizer(rec.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        out.append(Sample(prompt_ids=rec.ids, response_ids=ans,
+                          rollout_logprobs=torch.zeros(len(ans)), sample_id=k, group_id=k))
+    return out
+
+
+class Trainers:
+    """The trainer worker group: one Ray actor per rank."""
+
+    def __init__(self, cfg: Config, strategies):
+        tree = _cfg_tree(cfg)
+        port = free_port()
+        n = cfg.cluster.trainer_workers
+        self.actors = [TrainerWorker.options(scheduling_strategy=strategies[r]).remote(
+            tree, r, n, "127.0.0.1" if cfg.cluster.num_nodes == 1 else
+            ray.util.get_node_ip_address(), port) for r in range(n)]
+
+    def train_step(self, samples: list[Sample]) -> dict:
+        shards = shard_by_group(samples, len(self.actors))
+        outs = ray.get([a.train_step.remote(RolloutBatch(s).to_bytes())
+                        for a, s in zip(self.actors, shards)])
+        return outs[0]
+
+    def sft_step(self, samples: list[Sample], lr: float) -> dict:
+        shards = [samples[i::len(self.actors)] for i in range(len(self.actors))]
+        return ray.get([a.sft_step.remote(RolloutBatch(s).to_bytes(), lr)
+                        for a, s in zip(self.actors, shards)])[0]
+
+    def export(self, out_dir: str) -> None:
+        ray.get([a.export_hf.remote(out_dir) for a in self.actors])
+
+    def save(self, path: str) -> None:
+        ray.get([a.save.remote(path) for a in self.actors])
+
+    def load(self, path: str) -> int:
+        return ray.get([a.load.remote(path) for a in self.actors])[0]
+
+
+def run_training(cfg: Config, resume: bool = False) -> list[dict]:
+    """Run the configured RL job; returns the per-step metrics."""
+    from transformers import AutoTokenizer
+    run_dir = cfg.logging.dir
+    ckpt_dir = cfg.trainer.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        raise FileNotFoundError(f"model.path: no HF model at {cfg.model.path} (write the tiny "
+                                f"one with `moe-rl init-model --config FILE`)")
+    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
+        fh.write(dump_config(cfg))
+    print(dump_config(cfg), flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    prompts = load_prompts(cfg.data, tokenizer)
+    reward_fn = RewardFunction(cfg.data.reward)
+    sampler = PromptSampler(len(prompts), cfg.rollout.prompts_per_step, cfg.data.shuffle_seed)
+    start_step = 0
+    state_path = os.path.join(ckpt_dir, STATE_FILE)
+    if resume and os.path.exists(state_path):
+        with open(state_path, encoding="utf-8") as fh:
+            state = json.load(fh)
+        start_step = state["step"]
+        sampler.load_state_dict(state["sampler"])
+    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.jsonl, start_step)
+    _start_ray(cfg)
+    strategies, pg = _placement(cfg)
+    trainers = Trainers(cfg, strategies)
+    rollout = RolloutWorker.options(scheduling_strategy=strategies[-1]).remote(
+        _cfg_tree(cfg), os.path.join(run_dir, "logs"))
+    weights_dir = os.path.join(run_dir, "weights")
+    history: list[dict] = []
+    try:
+        if start_step:
+            trainers.load(os.path.join(ckpt_dir, "trainer.pt"))
+            sync_weights(trainers, rollout, weights_dir, start_step)
+        elif cfg.trainer.sft_warmup_steps:
+            sft = PromptSampler(len(prompts), cfg.rollout.prompts_per_step * 4,
+                                cfg.data.shuffle_seed + 1)
+            for k in range(cfg.trainer.sft_warmup_steps):
+                m = trainers.sft_step(sft_samples(prompts, sft.next_batch(), tokenizer),
+                                      cfg.trainer.sft_lr)
+            print(f"warm start: {cfg.trainer.sft_warmup_steps} supervised steps, last loss "
+                  f"{m['sft/loss']:.3f}", flush=True)
+            sync_weights(trainers, rollout, weights_dir, 0)
+        bar = progress_bar(cfg.trainer.steps - start_step, "RL steps", cfg.logging.progress)
+        for step in range(start_step, cfg.trainer.steps):
+            timer = PhaseTimer()
+            t0 = time.perf_counter()
+            with timer.phase("rollout"):
+                idx = sampler.next_batch()
+                data = ray.get(rollout.generate.remote(
+                    [prompts[i].ids for i in idx], list(range(len(idx))),
+                    cfg.trainer.seed * 100_003 + step * 10_007))
+                samples = RolloutBatch.from_bytes(data).samples
+                per = cfg.rollout.n_samples_per_prompt
+                for s in samples:
+                    s.metadata["prompt_index"] = idx[s.sample_id // per]
+            with timer.phase("reward"):
+                score_rewards(samples, tokenizer, prompts, reward_fn)
+            if cfg.algorithm.pi_old == "engine_avg":
+                with timer.phase("engine_scoring"):
+                    samples = RolloutBatch.from_bytes(ray.get(rollout.score.remote(
+                        RolloutBatch(samples).to_bytes(), cfg.algorithm.pi_old_passes))).samples
+            with timer.phase("train"):
+                metrics = trainers.train_step(samples)
+            with timer.phase("weight_sync"):
+                sync_weights(trainers, rollout, weights_dir, step + 1)
+            metrics.update(timer.metrics)
+            metrics["timing/step_s"] = time.perf_counter() - t0
+            metrics["reward/errors"] = float(reward_fn.errors)
+            metrics["rollout/stale_samples"] = float(sum(s.weight_version < step
+                                                         for s in samples))
+            metrics["rollout/engine_restarts"] = float(ray.get(rollout.restarts.remote()))
+            logger.log(step, metrics)
+            history.append({"step": step, **metrics})
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
+            last = step + 1 == cfg.trainer.steps
+            if last or (cfg.trainer.save_interval and (step + 1) % cfg.trainer.save_interval == 0):
+                save_checkpoint(trainers, sampler, ckpt_dir, step + 1)
+        bar.close()
+        if cfg.trainer.export_hf:
+            final = os.path.join(run_dir, "final_hf")
+            trainers.export(final)
+            print(f"final policy exported to {final}", flush=True)
+    finally:
+        logger.close()
+        ray.get(rollout.shutdown.remote())
+        ray.util.remove_placement_group(pg)
+    return history
+
+
+def sync_weights(trainers: Trainers, rollout, weights_dir: str, version: int) -> None:
+    """Export the policy to disk and have every engine server load it (CPU weight sync)."""
+    target = os.path.join(weights_dir, f"v{version}")
+    trainers.export(target)
+    ray.get(rollout.update_weights.remote(target, version))
+    for name in os.listdir(weights_dir):
+        if name != f"v{version}":
+            shutil.rmtree(os.path.join(weights_dir, name), ignore_errors=True)
+
+
+def save_checkpoint(trainers: Trainers, sampler: PromptSampler, ckpt_dir: str, step: int) -> None:
+    """Trainer state of every rank plus the loop state (step, data order)."""
+    trainers.save(os.path.join(ckpt_dir, "trainer.pt"))
+    tmp = os.path.join(ckpt_dir, STATE_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"step": step, "sampler": sampler.state_dict()}, fh)
+    os.replace(tmp, os.path.join(ckpt_dir, STATE_FILE))

@@ -1,0 +1,123 @@
+"""Ray actors: one trainer worker per rank (torch.distributed inside: gloo on CPU, NCCL on GPU)
+and a rollout worker that owns its engine servers. Batches cross actors as safetensors bytes."""
+from __future__ import annotations
+
+import json
+import os
+
+import ray
+
+from moe_rl.config import config_from_dict, moe_facts_from_hf
+from moe_rl.types import RolloutBatch
+
+
+@ray.remote
+class TrainerWorker:
+    """Rank ``rank`` of the trainer: megatron parallel state, the policy, its optimizer."""
+
+    def __init__(self, cfg_tree: dict, rank: int, world: int, master_addr: str,
+                 master_port: int):
+        from moe_rl.trainer.parallel import ParallelSizes, init_distributed, init_model_parallel
+        from moe_rl.trainer.policy import PolicyTrainer
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        cfg = config_from_dict(cfg_tree)
+        t = cfg.trainer
+        init_distributed(rank=rank, world_size=world, master_addr=master_addr,
+                         master_port=master_port)
+        init_model_parallel(ParallelSizes(t.tensor_parallel, t.pipeline_parallel,
+                                          t.expert_parallel, t.context_parallel))
+        self.rank = rank
+        self.trainer = PolicyTrainer(cfg, cfg.model.path)
+
+    def train_step(self, data: bytes) -> dict:
+        return self.trainer.train_step(RolloutBatch.from_bytes(data).samples)
+
+    def sft_step(self, data: bytes, lr: float) -> dict:
+        return self.trainer.sft_step(RolloutBatch.from_bytes(data).samples, lr)
+
+    def export_hf(self, out_dir: str) -> str:
+        self.trainer.export_hf(out_dir, use_ema=False)
+        return out_dir
+
+    def save(self, path: str) -> None:
+        self.trainer.save_checkpoint(f"{path}.rank{self.rank}")
+
+    def load(self, path: str) -> int:
+        self.trainer.load_checkpoint(f"{path}.rank{self.rank}")
+        return self.trainer.step
+
+
+@ray.remote
+class RolloutWorker:
+    """Starts the engine servers (CPU reference engine or SGLang) and serves the loop's rollout
+    calls through the SGLang-protocol client."""
+
+    def __init__(self, cfg_tree: dict, log_dir: str):
+        from moe_rl.rollout.decode import ModelLayout
+        from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
+        from moe_rl.rollout.pool import ServerPool
+        from moe_rl.rollout.reference_process import ServerProcess
+        from moe_rl.rollout.sglang_launcher import SGLangProcess
+        cfg = config_from_dict(cfg_tree)
+        self.cfg = cfg
+        r = cfg.rollout
+        os.makedirs(log_dir, exist_ok=True)
+        self.procs = []
+        for i in range(r.num_servers):
+            port, log = r.base_port + i, os.path.join(log_dir, f"engine_{i}.log")
+            if r.engine == "sglang":
+                proc = SGLangProcess(cfg, port, log_path=log)
+            else:
+                proc = ServerProcess(cfg.model.path, port, host=r.host, dtype=r.engine_dtype,
+                                     api_key=r.api_key, seed=cfg.trainer.seed + i, log_path=log)
+            self.procs.append(proc)
+        for p in self.procs:
+            p.start(r.health_timeout_s)
+        with open(os.path.join(cfg.model.path, "config.json"), encoding="utf-8") as fh:
+            facts = moe_facts_from_hf(json.load(fh))
+        layout = ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts)
+        self.weights_path: str | None = None
+        self.version = 0
+        procs = self.procs
+
+        def restarter(proc):
+            def restart():
+                proc.restart(r.health_timeout_s)
+                if self.weights_path is not None:   # a restarted server reloads the latest weights
+                    import httpx
+                    headers = {"Authorization": f"Bearer {r.api_key}"} if r.api_key else {}
+                    httpx.post(proc.url + "/update_weights_from_disk", headers=headers,
+                               json={"model_path": self.weights_path,
+                                     "weight_version": str(self.version)},
+                               timeout=r.request_timeout_s).raise_for_status()
+            return restart
+
+        self.engine = HTTPRolloutEngine(
+            lambda: ServerPool([p.url for p in procs], api_key=r.api_key,
+                               timeout=r.request_timeout_s, max_retries=r.max_retries,
+                               concurrency=r.concurrency,
+                               restarters=[restarter(p) for p in procs]),
+            layout, need_routing=True, need_mask=cfg.algorithm.keep_sampling_mask)
+        self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
+
+    def generate(self, prompts: list[list[int]], group_ids: list[int], seed: int) -> bytes:
+        samples = self.engine.generate(prompts, self.cfg.rollout.n_samples_per_prompt,
+                                       self.sampling, group_ids=group_ids, seed=seed)
+        return RolloutBatch(samples).to_bytes()
+
+    def score(self, data: bytes, n_passes: int) -> bytes:
+        samples = RolloutBatch.from_bytes(data).samples
+        self.engine.score(samples, n_passes)
+        return RolloutBatch(samples).to_bytes()
+
+    def update_weights(self, path: str, version: int) -> list[str]:
+        self.engine.update_weights_from_disk(path, version)
+        self.weights_path, self.version = path, version
+        return self.engine.weight_versions()
+
+    def restarts(self) -> int:
+        return sum(p.restarts for p in self.procs)
+
+    def shutdown(self) -> None:
+        for p in self.procs:
+            p.stop()

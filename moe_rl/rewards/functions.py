@@ -1,0 +1,114 @@
+"""Reward functions: the toy task's, rule-based math answer checking, and a user function given
+as ``module:function`` whose failures score 0 and are counted instead of crashing the run."""
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import re
+from fractions import Fraction
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+def toy_reward(prompt: str, response: str, answer: str | None, metadata: dict) -> float:
+    """1 for exactly the answer then end of text; 0.5 when the answer is followed by more text;
+    0.1 when the response at least starts with a number; 0 otherwise. ``metadata["stopped"]``
+    tells whether the engine stopped on end of text."""
+    text = response.strip()
+    if answer is None:
+        return 0.0
+    if text == answer and metadata.get("stopped", True):
+        return 1.0
+    if text.startswith(answer) and (len(text) == len(answer) or not text[len(answer)].isdigit()):
+        return 0.5
+    return 0.1 if text[:1].isdigit() else 0.0
+
+
+_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+_ANSWER_IS = re.compile(r"answer(?: is|:)\s*\$?([^\s$]+)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a solution: the last \\boxed{...}, else "answer is X", else the last
+    number."""
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return boxed[-1]
+    m = _ANSWER_IS.findall(text)
+    if m:
+        return m[-1]
+    nums = _NUMBER.findall(text)
+    return nums[-1] if nums else None
+
+
+def normalise_answer(ans: str) -> Fraction | str:
+    """A number as an exact Fraction when possible (3/4 == 0.75 == \\frac{3}{4}), else the
+    cleaned string."""
+    s = ans.strip().rstrip(".").strip("$ ").replace(",", "").replace("\\!", "")
+    s = re.sub(r"\\(?:d|t)?frac\{([^{}]+)\}\{([^{}]+)\}", r"(\1)/(\2)", s)
+    s = s.replace("\\left", "").replace("\\right", "").replace(" ", "")
+    m = re.fullmatch(r"\(?(-?[\d.]+)\)?/\(?(-?[\d.]+)\)?", s)
+    try:
+        if m:
+            return Fraction(m.group(1)) / Fraction(m.group(2))
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return s.lower()
+
+
+def math_reward(prompt: str, response: str, answer: str | None, metadata: dict) -> float:
+    """1 when the extracted final answer equals the reference (numerically or textually)."""
+    if answer is None:
+        return 0.0
+    got = extract_answer(response)
+    if got is None:
+        return 0.0
+    return 1.0 if normalise_answer(got) == normalise_answer(answer) else 0.0
+
+
+BUILTIN = {"toy": toy_reward, "math": math_reward}
+
+
+class RewardFunction:
+    """Calls the reward; exceptions and non-finite or non-numeric values score 0 and are counted
+    (``errors``, metric ``reward/errors``); the first message is logged."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.fn: Callable = load_reward(spec)
+        self.errors = 0
+        self.first_error: str | None = None
+
+    def __call__(self, prompt: str, response: str, answer: str | None, metadata: dict) -> float:
+        try:
+            value = self.fn(prompt, response, answer, metadata)
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"non-finite reward {value}")
+            return value
+        except Exception as exc:   # the user's code must never stop the run
+            self.errors += 1
+            if self.first_error is None:
+                self.first_error = f"{type(exc).__name__}: {exc}"
+                log.warning("reward %s failed (scored 0): %s", self.spec, self.first_error)
+            return 0.0
+
+
+def load_reward(spec: str) -> Callable:
+    """A built-in reward name, or ``module:function`` (error naming data.reward otherwise)."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    if ":" not in spec:
+        raise ValueError(f"data.reward: expected one of {sorted(BUILTIN)} or module:function, "
+                         f"got {spec!r}")
+    module, name = spec.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"data.reward: cannot load {spec!r}: {exc}") from None
+    if not callable(fn):
+        raise ValueError(f"data.reward: {spec!r} is not callable")
+    return fn
