@@ -11,7 +11,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "build the tiny model and run the CPU demo (what `make demo` runs)"),
     "init-model": ("init_model", "write the tiny Qwen3-MoE model and tokenizer in HF format"),
     "serve-reference": ("serve_reference", "serve a HF MoE model with SGLang's HTTP protocol on CPU"),
-    "convert": ("convert", "convert checkpoints between Hugging Face and Megatron layouts"),
     "report": ("report", "plot and summarise runs from their TensorBoard events"),
     "config": ("show_config", "print the resolved configuration, or the table of every key"),
 }

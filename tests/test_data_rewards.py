@@ -27,8 +27,10 @@ def test_toy_reward_cases():
     assert toy_reward("3+4=", "7", "7", {"stopped": True}) == 1.0
     assert toy_reward("3+4=", "7", "7", {"stopped": False}) == 0.5
     assert toy_reward("3+4=", "7+1", "7", {}) == 0.5
-    assert toy_reward("3+4=", "71", "7", {}) == 0.1     # a longer (wrong) number
-    assert toy_reward("3+4=", "8", "7", {}) == 0.1
+    assert toy_reward("3+4=", "71", "7", {"stopped": True}) == 0.2   # a wrong number, stopped
+    assert toy_reward("3+4=", "8", "7", {"stopped": True}) == 0.2
+    assert toy_reward("3+4=", "8", "7", {"stopped": False}) == 0.1
+    assert toy_reward("3+4=", "8+", "7", {"stopped": True}) == 0.1
     assert toy_reward("3+4=", "x", "7", {}) == 0.0
     assert toy_reward("3+4=", "7", None, {}) == 0.0
 

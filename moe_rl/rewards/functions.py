@@ -13,16 +13,20 @@ log = logging.getLogger(__name__)
 
 
 def toy_reward(prompt: str, response: str, answer: str | None, metadata: dict) -> float:
-    """1 for exactly the answer then end of text; 0.5 when the answer is followed by more text;
-    0.1 when the response at least starts with a number; 0 otherwise. ``metadata["stopped"]``
-    tells whether the engine stopped on end of text."""
+    """The demo task's reward: 1 for exactly the answer then end of text; 0.5 for the right
+    number followed by more text (or cut off); 0.2 for a wrong number then end of text; 0.1 when
+    the response at least starts with a digit; 0 otherwise. ``metadata["stopped"]``: the engine
+    stopped on end of text."""
     text = response.strip()
     if answer is None:
         return 0.0
-    if text == answer and metadata.get("stopped", True):
+    stopped = metadata.get("stopped", True)
+    if text == answer and stopped:
         return 1.0
     if text.startswith(answer) and (len(text) == len(answer) or not text[len(answer)].isdigit()):
         return 0.5
+    if text.isdigit() and stopped:
+        return 0.2
     return 0.1 if text[:1].isdigit() else 0.0
 
 
