@@ -1,0 +1,68 @@
+"""The report command renders plots and a summary from a short real run's TensorBoard events."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moe_rl.metrics_log import MetricsLogger
+from moe_rl.report import degradation_step, make_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _fake_run(path, rewards):
+    log = MetricsLogger(str(path))
+    for step, r in enumerate(rewards):
+        log.log(step, {"reward/mean": r, "mismatch/k3": 0.01 * step, "grad_norm": 1.0 + step,
+                       "is/ess": 0.9, "routing/agreement": 0.95, "mismatch/k1": float("nan")})
+    log.close()
+    return path
+
+
+def test_degradation_rule():
+    steps = np.arange(12)
+    assert degradation_step(steps, np.linspace(0, 1, 12)) is None
+    crash = np.array([0.1, 0.3, 0.5, 0.7, 0.8, 0.8, 0.8, 0.2, 0.1, 0.0, 0.0, 0.0])
+    assert degradation_step(steps, crash) == 8
+
+
+def test_report_from_event_files(tmp_path):
+    a = _fake_run(tmp_path / "stable", [0.1 * i for i in range(10)])
+    b = _fake_run(tmp_path / "crash", [0.5, 0.6, 0.7, 0.8, 0.8, 0.8, 0.1, 0.0, 0.0, 0.0])
+    md = make_report([str(a), str(b)], str(tmp_path / "out"))
+    text = pathlib.Path(md).read_text()
+    assert "## stable" in text and "## crash" in text
+    assert "| reward/mean | 0 | 0.9 | 0 | 0.9 | 0.45 |" in text
+    assert "degraded at step: never" in text and "degraded at step: 8" in text
+    for panel in ("reward", "mismatch", "routing_agreement", "ess", "grad_norm"):
+        data = (tmp_path / "out" / f"{panel}.png").read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000
+    # non-finite values: null in JSONL, skipped in TensorBoard
+    row = json.loads((a / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["mismatch/k1"] is None
+
+
+@pytest.mark.e2e
+def test_report_command_on_a_real_run(tmp_path):
+    root = pathlib.Path(__file__).resolve().parents[1]
+    from moe_rl.trainer.parallel import free_port
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(root / "configs/tiny_cpu.yaml"), "--out", str(tmp_path / "m")], check=True,
+                   capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config",
+                    str(root / "configs/tiny_cpu.yaml"), f"model.path={tmp_path / 'm'}",
+                    f"logging.dir={tmp_path / 'run'}", "trainer.steps=2",
+                    "trainer.sft_warmup_steps=0", "logging.progress=false",
+                    "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+                    f"rollout.base_port={free_port()}", "trainer.export_hf=false"],
+                   check=True, capture_output=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "report", str(tmp_path / "run"),
+                          "--out", str(tmp_path / "rep")], check=True, capture_output=True,
+                         text=True, timeout=120)
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "| routing/agreement |" in text and "| mismatch/k3 |" in text
+    assert (tmp_path / "rep" / "reward.png").read_bytes().startswith(PNG)
+    assert out.stdout.strip().endswith("report.md")
