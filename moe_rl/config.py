@@ -559,11 +559,15 @@ def validate(cfg: Config) -> None:
     if facts.moe_layers and facts.num_experts % t.expert_parallel:
         raise ConfigError(f"trainer.expert_parallel: {t.expert_parallel} does not divide the "
                           f"{facts.num_experts} experts")
+    if t.pipeline_parallel > 1:
+        raise ConfigError("trainer.pipeline_parallel: the training step runs the model without "
+                          "megatron's pipeline schedules; use 1 (data, expert, tensor and context "
+                          "parallelism are supported)")
     if cfg.cluster.gpus_per_node == 0:
         if r.engine == "sglang":
             raise ConfigError("rollout.engine: SGLang needs GPUs (cluster.gpus_per_node > 0); use "
                               "rollout.engine=reference on CPU")
-        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+        for key in ("tensor_parallel", "context_parallel"):
             if getattr(t, key) > 1:
                 raise ConfigError(f"trainer.{key}: > 1 is not supported on CPU (megatron-core's "
                                   "local spec refuses sequence parallelism there); run it on GPUs")

@@ -235,3 +235,36 @@ def test_save_hf_checkpoint_loads_in_transformers(tmp_path):
     facts = moe_facts_from_hf(json.loads((out / "config.json").read_text()))
     assert facts.num_experts == 8 and facts.moe_layers == (0, 2)
     assert load_hf_config(str(out))["model_type"] == "qwen3_moe"
+
+
+def test_cpu_compat_refusals_and_shims():
+    from moe_rl.trainer.cpu_compat import apply_cpu_shims, check_cpu_settings, cuda_factories_on_cpu
+    assert apply_cpu_shims() and apply_cpu_shims()   # idempotent
+    assert torch.cuda.current_device() == "cpu"
+    with cuda_factories_on_cpu():
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+    base = dict(tensor_parallel=1, pipeline_parallel=1, context_parallel=1,
+                sequence_parallel=False, dispatcher="allgather")
+    check_cpu_settings(**base)
+    for change, key in ((dict(dispatcher="alltoall"), "moe_token_dispatcher_type"),
+                        (dict(tensor_parallel=2), "trainer.tensor_parallel"),
+                        (dict(sequence_parallel=True), "trainer.sequence_parallel"),
+                        (dict(pipeline_parallel=2), "trainer.pipeline_parallel"),
+                        (dict(context_parallel=2), "trainer.context_parallel")):
+        with pytest.raises(ValueError, match=key):
+            check_cpu_settings(**{**base, **change})
+
+
+def test_local_indices_select_this_stage_layers(tmp_path):
+    path, _ = write_hf_model(tmp_path, QWEN, seed=10)
+    model, spec = build_model(path)
+    ctl = ReplayController(model, spec.facts.moe_layers, 2, 8)
+    full = [torch.zeros(6, 2, dtype=torch.long), torch.ones(6, 2, dtype=torch.long)]
+    local = ctl.local_indices(full, 3, 2)
+    assert [int(t[0, 0]) for t in local] == [0, 1]
+    # a stage holding only global layer 2 (the model's second MoE layer) gets the second tensor
+    ctl.routers = ctl.routers[1:]
+    assert int(ctl.local_indices(full, 3, 2)[0][0, 0]) == 1
+    with pytest.raises(ValueError, match="one replay tensor per MoE layer of the model"):
+        ctl.local_indices(full[:1], 3, 2)
+    ctl.close()

@@ -139,12 +139,14 @@ class PolicyTrainer:
         """Forward one micro-batch under replay ``mode`` (r3: rollout routing; r2: recorded;
         record: the router's own choice recorded; off: plain)."""
         a = self.cfg.algorithm
+        B, S = mb.input_ids.shape
         if mode == "r3":
             if mb.routing is None:
                 raise ValueError("algorithm.replay=r3: the rollout carries no routing (start "
                                  "SGLang with --enable-return-routed-experts)")
-            replay.replay(mb.replay_indices(), collect_own=collect_own)
-        elif mode == "r2":
+            replay.replay(replay.local_indices(mb.replay_indices(), S, B),
+                          collect_own=collect_own)
+        elif mode == "r2":   # recorded by this rank's own routers: already local
             replay.replay(recorded[tuple(mb.sample_indices)], collect_own=False)
         elif mode == "record":
             replay.record()
@@ -186,11 +188,12 @@ class PolicyTrainer:
             lp_tr[rows, :width] = mb.to_response_padded(lp.float())
             ent[rows, :width] = mb.to_response_padded(e.float())
             if mb.routing is not None:
-                valid = mb.routing_valid_router_order()
+                B, S = mb.input_ids.shape
+                valid = self.replay.local_rows(mb.routing_valid_router_order(), S, B)
                 trainer = None if first_pass == "r3" else self.replay.recorded()
-                w = float(valid.sum())
-                agree_rows.append({"w": w, **self.replay.agreement(mb.replay_indices(), valid,
-                                                                   trainer=trainer)})
+                engine = self.replay.local_indices(mb.replay_indices(), S, B)
+                agree_rows.append({"w": float(valid.sum()),
+                                   **self.replay.agreement(engine, valid, trainer=trainer)})
             if a.replay == "r2":
                 recorded[tuple(rows)] = self.replay.recorded()
             if self.ref_model is not None:

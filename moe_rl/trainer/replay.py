@@ -68,6 +68,7 @@ class ReplayController:
 
     def __init__(self, model, moe_layers: tuple[int, ...], topk: int, num_experts: int,
                  recompute: bool = False):
+        self.num_model_moe_layers = len(moe_layers)
         from megatron.core.transformer.moe.router_replay import (RouterReplay,
                                                                  RouterReplayAction)
         self.action = RouterReplayAction
@@ -96,6 +97,8 @@ class ReplayController:
         for r in self.routers:
             self._wrap(r)
         self.registry = RouterReplay
+        config = getattr(model, "config", None)
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     # -------------------------------------------------------------- wrapping
     def _wrap(self, r: _Router) -> None:
@@ -142,9 +145,37 @@ class ReplayController:
             r.calls = 0
             r.own_topk = []
 
+    def local_rows(self, rows: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
+        """Rows [S*B, ...] (router order) -> the rows this rank's routers see: the
+        context-parallel chunks of the sequence, then the sequence-parallel shard."""
+        from megatron.core import parallel_state as ps
+        flat = rows.dim() == 1
+        out = rows[:, None] if flat else rows
+        if ps.model_parallel_is_initialized():
+            cp = ps.get_context_parallel_world_size()
+            if cp > 1:
+                out = context_parallel_slice(out, seq_len, batch, ps.get_context_parallel_rank(),
+                                             cp)
+                seq_len //= cp
+            tp = ps.get_tensor_model_parallel_world_size()
+            if tp > 1 and self.sequence_parallel:
+                out = sequence_parallel_slice(out, seq_len, batch,
+                                              ps.get_tensor_model_parallel_rank(), tp)
+        return out[:, 0] if flat else out
+
+    def local_indices(self, indices: list[torch.Tensor], seq_len: int, batch: int
+                      ) -> list[torch.Tensor]:
+        """From the whole model's routing (one [S*B, K] tensor per MoE layer, router order) to
+        this rank's routers: this pipeline stage's MoE layers, then :meth:`local_rows`."""
+        if len(indices) != self.num_model_moe_layers:
+            raise ValueError(f"routing: expected one replay tensor per MoE layer of the model "
+                             f"({self.num_model_moe_layers}), got {len(indices)}")
+        return [self.local_rows(indices[r.moe_index], seq_len, batch) for r in self.routers]
+
     def replay(self, indices: list[torch.Tensor], collect_own: bool = True) -> None:
-        """Replay ``indices`` (one [tokens, K] LongTensor per MoE layer of this stage, router
-        order) in the next forward; with ``collect_own`` also record the router's own choice."""
+        """Replay ``indices`` (one [tokens, K] LongTensor per MoE layer of this stage, in the
+        order its routers see tokens; see :meth:`local_indices`) in the next forward; with
+        ``collect_own`` also record the router's own choice."""
         self.check(indices)
         self._reset()
         for r, t in zip(self.routers, indices):
