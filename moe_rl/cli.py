@@ -11,25 +11,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "build the tiny model and run the CPU demo (what `make demo` runs)"),
     "init-model": ("init_model", "write the tiny Qwen3-MoE model and tokenizer in HF format"),
     "serve-reference": ("serve_reference", "serve a HF MoE model with SGLang's HTTP protocol on CPU"),
+    "convert": ("convert", "convert checkpoints between Hugging Face and Megatron layouts"),
     "report": ("report", "plot and summarise runs from their TensorBoard events"),
     "config": ("show_config", "print the resolved configuration, or the table of every key"),
 }
-
-
-def _available() -> dict[str, tuple[str, str]]:
-    """Sub-commands whose module is present in this installation."""
-    out = {}
-    for name, (module, help_text) in COMMANDS.items():
-        if importlib.util.find_spec(f"moe_rl.commands.{module}") is not None:
-            out[name] = (module, help_text)
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every available sub-command."""
     parser = argparse.ArgumentParser(prog="moe-rl", description="RL for Mixture-of-Experts LLMs: megatron-core trainer, SGLang or CPU reference engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help_text) in _available().items():
+    for name, (module, help_text) in COMMANDS.items():
         mod = importlib.import_module(f"moe_rl.commands.{module}")
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
