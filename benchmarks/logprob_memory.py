@@ -15,15 +15,10 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.memory import proc_status_bytes, reset_peak_rss  # noqa: E402
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def run_variant(variant: str, tokens: int, vocab: int, hidden: int, chunk: int, device: str
@@ -52,9 +47,7 @@ def run_variant(variant: str, tokens: int, vocab: int, hidden: int, chunk: int, 
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        base = _rss_kib("VmRSS") * 1024
+        base = reset_peak_rss()
     start = time.perf_counter()
     lp, ent = fn()
     (lp.sum() + 0.1 * ent.sum()).backward()
@@ -62,7 +55,7 @@ def run_variant(variant: str, tokens: int, vocab: int, hidden: int, chunk: int, 
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = _rss_kib("VmHWM") * 1024 - base
+        peak = proc_status_bytes("VmHWM") - base
     elapsed = time.perf_counter() - start
     return {"variant": variant, "peak_bytes": peak, "seconds": elapsed}
 

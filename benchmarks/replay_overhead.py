@@ -20,6 +20,8 @@ import time
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.memory import proc_status_bytes, reset_peak_rss  # noqa: E402
 MODELS = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, moe_intermediate_size=64, num_experts=8,
@@ -30,18 +32,9 @@ MODELS = {
 }
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def run_one(model: str, mode: str, steps: int) -> dict:
     """One (model, replay mode) measurement in this process."""
     import torch
-    sys.path.insert(0, str(ROOT))
     from moe_rl.config import ModelInitConfig, config_from_dict
     from moe_rl.models.tiny import write_tiny_model
     from moe_rl.trainer.parallel import init_distributed, init_model_parallel
@@ -68,9 +61,7 @@ def run_one(model: str, mode: str, steps: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        base = _rss("VmRSS")
+        base = reset_peak_rss()
     times = []
     for _ in range(steps):
         batch = copy.deepcopy(samples)
@@ -79,8 +70,8 @@ def run_one(model: str, mode: str, steps: int) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    peak = (torch.cuda.max_memory_allocated() if cuda else _rss("VmHWM")) - base
-    total = _rss("VmHWM")
+    peak = (torch.cuda.max_memory_allocated() if cuda else proc_status_bytes("VmHWM")) - base
+    total = proc_status_bytes("VmHWM")
     return {"model": model, "mode": mode, "step_s": statistics.median(times), "times": times,
             "peak_extra_bytes": peak, "process_peak_bytes": total,
             "tokens": sum(s.prompt_len + s.response_len for s in samples)}

@@ -83,6 +83,44 @@ def engine_tokens_per_second(n_prompts: int = 32, new_tokens: int = 32) -> dict:
             "tokens_per_s": tokens / dt, "with": "routing + sampling masks, top_k 20"}
 
 
+def routing_consistency(dtype: str, n_prompts: int = 32, new_tokens: int = 24) -> dict:
+    """Agreement of the routing returned when scoring a generated sequence with the routing of
+    its generation (same weights), per (position, MoE layer), for an engine in ``dtype``."""
+    import httpx
+    import torch
+    from moe_rl.algo.metrics import routing_agreement
+    from moe_rl.config import ModelInitConfig, moe_facts_from_hf
+    from moe_rl.models.tiny import write_tiny_model
+    from moe_rl.rollout.decode import ModelLayout, decode_routing
+    from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
+    from moe_rl.rollout.pool import ServerPool
+    from moe_rl.rollout.reference_process import ServerProcess
+    from moe_rl.trainer.parallel import free_port
+    with tempfile.TemporaryDirectory() as d:
+        write_tiny_model(ModelInitConfig(), d)
+        facts = moe_facts_from_hf(json.load(open(f"{d}/config.json")))
+        layout = ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts)
+        proc = ServerProcess(d, free_port(), dtype=dtype).start()
+        try:
+            eng = HTTPRolloutEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
+                                    need_mask=False)
+            samples = eng.generate([[6, 7, 68, 12 + i % 9] for i in range(n_prompts)], 1,
+                                   SamplingConfig(max_new_tokens=new_tokens), seed=2)
+            gen, scored = [], []
+            for s in samples:
+                ids = s.prompt_ids.tolist() + s.response_ids.tolist()
+                r = httpx.post(proc.url + "/generate", timeout=120, json={
+                    "input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+                    "return_routed_experts": True}).json()
+                scored.append(decode_routing(r["meta_info"]["routed_experts"], len(ids) - 1,
+                                             layout))
+                gen.append(s.routing)
+        finally:
+            proc.stop()
+    m = routing_agreement(torch.cat(scored).long(), torch.cat(gen).long())
+    return {"dtype": dtype, "positions": int(sum(g.shape[0] for g in gen)), **m}
+
+
 def main() -> int:
     """Measure and write benchmarks/results/rollout_payload.{json,md}."""
     res = {
@@ -93,6 +131,7 @@ def main() -> int:
         "sampling_mask": [mask_bytes(k) for k in (1, 20, 50, 200)],
         "decode": decode_throughput(),
         "engine": engine_tokens_per_second(),
+        "routing_consistency": [routing_consistency("float32"), routing_consistency("bfloat16")],
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "rollout_payload.json").write_text(json.dumps(res, indent=2))
@@ -112,6 +151,14 @@ def main() -> int:
            f"{d['mb_per_s']:.0f} MB/s of payload.", "",
            f"Reference engine (tiny model, CPU, {e['prompts']} concurrent requests, "
            f"{e['with']}): {e['tokens_per_s']:.0f} generated tokens/s."]
+    md += ["", "## Routing of a scored sequence vs its generation (same weights)", "",
+           "| engine dtype | positions | agreement | per MoE layer |", "|---|---|---|---|"]
+    for r in res["routing_consistency"]:
+        layers = ", ".join(f"{r[k]:.4f}" for k in sorted(r) if k.startswith("routing/agreement_"))
+        md.append(f"| {r['dtype']} | {r['positions']} | {r['routing/agreement']:.4f} | {layers} |")
+    md += ["", "Generation runs the prompt as one prefill and then one token at a time with a KV "
+           "cache, in a batch; scoring runs the whole sequence as one prefill: in bfloat16 the "
+           "different kernels and batch shapes round differently and some top-k choices flip."]
     (RESULTS / "rollout_payload.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0

@@ -10,8 +10,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 def main() -> int:
-    """Run each ``benchmarks/*.py`` script (except this one) in a fresh interpreter."""
-    scripts = sorted(p for p in HERE.glob("*.py") if p.name not in {"run_all.py", "__init__.py"})
+    """Run each benchmark script (a ``benchmarks/*.py`` with a ``__main__`` entry, except this
+    one) in a fresh interpreter."""
+    scripts = sorted(p for p in HERE.glob("*.py")
+                     if p.name != "run_all.py" and "__main__" in p.read_text())
     failed = []
     for script in scripts:
         print(f"== {script.name}", flush=True)

@@ -1,1 +1,13 @@
 """Sub-commands of ``moe-rl``: each module has ``add_arguments(parser)`` and ``run(args)``."""
+from __future__ import annotations
+
+from moe_rl.config import Config, ConfigError, load_config
+
+
+def load_or_report(path: str | None, overrides: list[str]) -> Config | None:
+    """The validated config, or None after printing the error (the command then exits 2)."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}")
+        return None

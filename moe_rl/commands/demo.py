@@ -6,7 +6,7 @@ import argparse
 import os
 import time
 
-from moe_rl.config import ConfigError, load_config
+from moe_rl.commands import load_or_report
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_cpu.yaml")
 
@@ -17,10 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}")
+    cfg = load_or_report(args.config, args.overrides)
+    if cfg is None:
         return 2
     from moe_rl.models.tiny import write_tiny_model
     from moe_rl.orchestration.loop import run_training

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_rl.config import ConfigError, load_config
+from moe_rl.commands import load_or_report
 from moe_rl.models.tiny import write_tiny_model
 
 
@@ -14,10 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}")
+    cfg = load_or_report(args.config, args.overrides)
+    if cfg is None:
         return 2
     out = write_tiny_model(cfg.model.init, args.out or cfg.model.path)
     print(f"wrote {out}")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from moe_rl.config import ConfigError, dump_config, iter_keys, load_config
+from moe_rl.commands import load_or_report
+from moe_rl.config import dump_config, iter_keys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,10 +20,8 @@ def run(args: argparse.Namespace) -> int:
         for key, tp, default, doc in iter_keys():
             print(f"| `{key}` | {tp} | `{default!r}` | {doc} |")
         return 0
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}")
+    cfg = load_or_report(args.config, args.overrides)
+    if cfg is None:
         return 2
     print(dump_config(cfg), end="")
     return 0
