@@ -78,11 +78,14 @@ def test_round_trip_bit_exact_with_shared_and_differing_prompt_routing(tmp_path)
 
 def test_int16_routing_round_trip():
     s = make_sample(routing=False)
-    s.routing = torch.randint(0, 300, (s.routed_positions, 2, 2)).to(torch.int16)
+    s.routing = torch.randint(0, 300, (s.routed_positions, 2, 2),
+                              generator=torch.Generator().manual_seed(0)).to(torch.int16)
+    s.routing[0, 0, 0] = 299   # an id beyond uint8
     s.validate()
     back = RolloutBatch.from_bytes(RolloutBatch([s]).to_bytes(),
                                    routing_spec=RoutingSpec(2, 2, 300))
     _same(s, back.samples[0])
+    assert back.samples[0].routing.dtype == torch.int16 and int(back.samples[0].routing.max()) > 255
 
 
 def test_corrupt_and_truncated_data():
