@@ -208,6 +208,9 @@ class ClusterConfig:
     trainer_workers: int = _f(1, "trainer ranks (one Ray actor each)", **_rng(1))
     colocate: bool = _f(False, "engines and trainer share devices; engine memory released "
                         "during training")
+    weight_sync: Literal["disk", "distributed"] = _f(
+        "disk", "trainer -> engine weights: HF checkpoint on disk, or broadcast over a process "
+        "group (NCCL on GPUs, gloo on CPU)")
     ray_address: str | None = _f(None, "Ray cluster address (null = start a local Ray)")
     cpus_per_worker: float = _f(1.0, "CPUs reserved per Ray actor", **_rng(0, lo_open=True))
 

@@ -150,12 +150,12 @@ def run_training(cfg: Config, resume: bool = False) -> list[dict]:
     trainers = Trainers(cfg, strategies)
     rollout = RolloutWorker.options(scheduling_strategy=strategies[-1]).remote(
         _cfg_tree(cfg), os.path.join(run_dir, "logs"))
-    weights_dir = os.path.join(run_dir, "weights")
     history: list[dict] = []
     try:
+        weights = WeightSync(cfg, trainers, rollout, os.path.join(run_dir, "weights"))
         if start_step:
             trainers.load(os.path.join(ckpt_dir, "trainer.pt"))
-            sync_weights(trainers, rollout, weights_dir, start_step)
+            weights.sync(start_step)
         elif cfg.trainer.sft_warmup_steps:
             sft = PromptSampler(len(prompts), cfg.rollout.prompts_per_step * 4,
                                 cfg.data.shuffle_seed + 1)
@@ -164,7 +164,7 @@ def run_training(cfg: Config, resume: bool = False) -> list[dict]:
                                       cfg.trainer.sft_lr)
             print(f"warm start: {cfg.trainer.sft_warmup_steps} supervised steps, last loss "
                   f"{m['sft/loss']:.3f}", flush=True)
-            sync_weights(trainers, rollout, weights_dir, 0)
+            weights.sync(0)
         bar = progress_bar(cfg.trainer.steps - start_step, "RL steps", cfg.logging.progress)
         for step in range(start_step, cfg.trainer.steps):
             timer = PhaseTimer()
@@ -184,10 +184,16 @@ def run_training(cfg: Config, resume: bool = False) -> list[dict]:
                 with timer.phase("engine_scoring"):
                     samples = RolloutBatch.from_bytes(ray.get(rollout.score.remote(
                         RolloutBatch(samples).to_bytes(), cfg.algorithm.pi_old_passes))).samples
+            if cfg.cluster.colocate:   # the engines give their memory to the trainer
+                with timer.phase("engine_release"):
+                    ray.get(rollout.release_memory.remote())
             with timer.phase("train"):
                 metrics = trainers.train_step(samples)
+            if cfg.cluster.colocate:
+                with timer.phase("engine_resume"):
+                    ray.get(rollout.resume_memory.remote())
             with timer.phase("weight_sync"):
-                sync_weights(trainers, rollout, weights_dir, step + 1)
+                weights.sync(step + 1)
             metrics.update(timer.metrics)
             metrics["timing/step_s"] = time.perf_counter() - t0
             metrics["reward/errors"] = float(reward_fn.errors)
@@ -213,14 +219,42 @@ def run_training(cfg: Config, resume: bool = False) -> list[dict]:
     return history
 
 
-def sync_weights(trainers: Trainers, rollout, weights_dir: str, version: int) -> None:
-    """Export the policy to disk and have every engine server load it (CPU weight sync)."""
-    target = os.path.join(weights_dir, f"v{version}")
-    trainers.export(target)
-    ray.get(rollout.update_weights.remote(target, version))
-    for name in os.listdir(weights_dir):
-        if name != f"v{version}":
-            shutil.rmtree(os.path.join(weights_dir, name), ignore_errors=True)
+class WeightSync:
+    """Trainer -> engines after every update: a HF checkpoint on disk that every server loads
+    (``cluster.weight_sync: disk``), or a broadcast from trainer rank 0 over a process group the
+    servers joined at start (``distributed``: NCCL on GPUs, gloo on CPU)."""
+
+    def __init__(self, cfg: Config, trainers: Trainers, rollout, weights_dir: str):
+        self.cfg, self.trainers, self.rollout = cfg, trainers, rollout
+        self.weights_dir = weights_dir
+        self.mode = cfg.cluster.weight_sync
+        if self.mode == "distributed":
+            r = cfg.rollout
+            ranks = r.sglang.tp_size if r.engine == "sglang" else 1
+            world = 1 + r.num_servers * ranks
+            backend = "nccl" if cfg.cluster.gpus_per_node > 0 else "gloo"
+            rank0 = trainers.actors[0]
+            address = ray.get(rank0.node_ip.remote())
+            port = free_port()
+            ray.get([rank0.open_weight_group.remote(backend, address, port, world,
+                                                    "moe_rl_weights"),
+                     rollout.init_weight_group.remote(address, port, "moe_rl_weights",
+                                                      backend)])
+
+    def sync(self, version: int) -> None:
+        """Bring every engine server to the trainer's current weights as ``version``."""
+        if self.mode == "distributed":
+            body = ray.get([a.weight_update_request.remote(version)
+                            for a in self.trainers.actors])[0]
+            ray.get([self.rollout.update_weights_distributed.remote(body),
+                     self.trainers.actors[0].broadcast_weights.remote()])
+            return
+        target = os.path.join(self.weights_dir, f"v{version}")
+        self.trainers.export(target)
+        ray.get(self.rollout.update_weights.remote(target, version))
+        for name in os.listdir(self.weights_dir):
+            if name != f"v{version}":
+                shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
 
 
 def save_checkpoint(trainers: Trainers, sampler: PromptSampler, ckpt_dir: str, step: int) -> None:

@@ -29,6 +29,9 @@ class TrainerWorker:
         self.rank = rank
         self.trainer = PolicyTrainer(cfg, cfg.model.path)
 
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
     def train_step(self, data: bytes) -> dict:
         return self.trainer.train_step(RolloutBatch.from_bytes(data).samples)
 
@@ -38,6 +41,29 @@ class TrainerWorker:
     def export_hf(self, out_dir: str) -> str:
         self.trainer.export_hf(out_dir, use_ema=False)
         return out_dir
+
+    def open_weight_group(self, backend: str, address: str, port: int, world: int,
+                          group_name: str) -> None:
+        """Rank 0 creates the weight-update group with the engines (blocks until they join)."""
+        from moe_rl.weight_sync import open_group
+        self.group_name = group_name
+        self.weight_group = open_group(backend, address, port, 0, world, group_name)
+
+    def weight_update_request(self, version: int) -> dict | None:
+        """Gather the weights (collective); rank 0 keeps them and returns the request body."""
+        from moe_rl.weight_sync import update_request
+        tensors = self.trainer.hf_tensors()
+        if self.rank != 0:
+            return None
+        self.pending = sorted(tensors.items())
+        return update_request(self.pending, version, self.group_name)
+
+    def broadcast_weights(self) -> int:
+        """Rank 0 sends the weights announced by :meth:`weight_update_request`."""
+        from moe_rl.weight_sync import broadcast_tensors
+        broadcast_tensors(self.weight_group, self.pending)
+        n, self.pending = len(self.pending), []
+        return n
 
     def save(self, path: str) -> None:
         self.trainer.save_checkpoint(f"{path}.rank{self.rank}")
@@ -114,6 +140,22 @@ class RolloutWorker:
         self.engine.update_weights_from_disk(path, version)
         self.weights_path, self.version = path, version
         return self.engine.weight_versions()
+
+    def init_weight_group(self, address: str, port: int, group_name: str, backend: str
+                          ) -> list[dict]:
+        ranks = self.cfg.rollout.sglang.tp_size if self.cfg.rollout.engine == "sglang" else 1
+        return self.engine.init_weights_update_group(address, port, ranks, group_name, backend)
+
+    def update_weights_distributed(self, body: dict) -> list[str]:
+        self.engine.update_weights_from_distributed(body)
+        self.version = int(body["weight_version"])
+        return self.engine.weight_versions()
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
 
     def restarts(self) -> int:
         return sum(p.restarts for p in self.procs)

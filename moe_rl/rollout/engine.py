@@ -3,7 +3,8 @@ protocol (SGLang servers on GPUs, or the CPU reference engine, which speaks the 
 
 generate: prompts -> n samples each (tokens, log-probs, routing, kept sets, weight version);
 score: finished samples -> n per-pass log-probs (pi_old as the mean of n engine passes);
-update_weights_from_disk; flush_cache; health; weight_version.
+update_weights_from_disk or from a distributed group (NCCL on GPUs, gloo on CPU);
+release/resume memory (colocated); flush_cache; health; weight_version.
 """
 from __future__ import annotations
 
@@ -115,6 +116,35 @@ class HTTPRolloutEngine:
         """Every server loads the HF checkpoint at ``path`` and reports ``version``."""
         body = {"model_path": path, "weight_version": str(version)}
         return self._run(lambda pool: pool.broadcast("/update_weights_from_disk", body))
+
+    def init_weights_update_group(self, master_address: str, master_port: int,
+                                  ranks_per_server: int, group_name: str,
+                                  backend: str) -> list[dict]:
+        """Have every server join the trainer's weight-update group: server i takes ranks
+        ``1 + i * ranks_per_server ...`` (rank 0 is the trainer, which must join concurrently)."""
+        from moe_rl.weight_sync import init_group_request
+
+        async def run(pool: ServerPool):
+            n = len(pool.servers)
+            world = 1 + n * ranks_per_server
+            return list(await asyncio.gather(*(pool.request(
+                "/init_weights_update_group",
+                init_group_request(master_address, master_port, 1 + i * ranks_per_server, world,
+                                   group_name, backend), server=s)
+                for i, s in enumerate(pool.servers))))
+        return self._run(run)
+
+    def update_weights_from_distributed(self, body: dict) -> list[dict]:
+        """Every server receives the tensors the trainer broadcasts (the body lists them)."""
+        return self._run(lambda pool: pool.broadcast("/update_weights_from_distributed", body))
+
+    def release_memory(self) -> list[dict]:
+        """Colocated training: the servers free their weights (and KV cache) until resumed."""
+        return self._run(lambda pool: pool.broadcast("/release_memory_occupation", {}))
+
+    def resume_memory(self) -> list[dict]:
+        """Colocated training: the servers take their memory back."""
+        return self._run(lambda pool: pool.broadcast("/resume_memory_occupation", {}))
 
     def flush_cache(self) -> list[dict]:
         """Drop every server's prefix cache (after a weight update)."""

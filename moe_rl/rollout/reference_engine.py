@@ -137,6 +137,8 @@ class ReferenceEngine:
         self.lock = threading.Lock()
         self.weight_version = "0"
         self._requests_seen = 0
+        self.groups: dict = {}
+        self._received_dir: str | None = None
         self.load(model_path)
 
     def load(self, model_path: str) -> None:
@@ -202,10 +204,59 @@ class ReferenceEngine:
             raise RequestError("routed_experts_start_len: must lie in [0, input length)")
 
     # ------------------------------------------------------------------ batch execution
+    # ------------------------------------------------------------------ memory and weight sync
+    def release_memory(self) -> None:
+        """Drop the model's weights from memory (colocated training); /generate is refused until
+        :meth:`resume_memory`."""
+        import gc
+        with self.lock:
+            self.model = None
+            gc.collect()
+
+    def resume_memory(self) -> None:
+        """Reload the weights released by :meth:`release_memory`."""
+        if self.model is None:
+            self.load(self.model_path)
+
+    def init_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                          world_size: int, group_name: str, backend: str) -> None:
+        """Join the trainer's weight-update group (blocks until every member joined)."""
+        from moe_rl.weight_sync import open_group
+        if backend != "gloo":
+            raise RequestError(f"backend: the CPU reference engine supports 'gloo', got "
+                               f"{backend!r}")
+        self.groups[group_name] = open_group(backend, master_address, master_port, rank_offset,
+                                             world_size, group_name)
+
+    def update_from_distributed(self, names, dtypes, shapes, group_name: str) -> None:
+        """Receive the broadcast weights (HF names) and load them."""
+        import shutil
+        import tempfile
+        from safetensors.torch import save_file
+        from moe_rl.weight_sync import receive_tensors
+        if group_name not in self.groups:
+            raise RequestError(f"group_name: no weight-update group {group_name!r}; call "
+                               f"/init_weights_update_group first")
+        tensors = receive_tensors(self.groups[group_name], names, dtypes, shapes)
+        target = tempfile.mkdtemp(prefix="moe_rl_weights_")
+        save_file(tensors, os.path.join(target, "model.safetensors"))
+        for fname in os.listdir(self.model_path):
+            if fname.endswith(".json") and fname != "model.safetensors.index.json" or \
+                    fname.endswith(".jinja"):
+                shutil.copy2(os.path.join(self.model_path, fname), target)
+        previous = self._received_dir
+        self.load(target)
+        self._received_dir = target
+        if previous:
+            shutil.rmtree(previous, ignore_errors=True)
+
     @torch.no_grad()
     def run(self, reqs: list[Request]) -> list[dict]:
         """Run generation and scoring requests together; one SGLang response dict each."""
         with self.lock:
+            if self.model is None:
+                raise RequestError("the engine's memory is released: POST "
+                                   "/resume_memory_occupation first")
             return self._run(reqs)
 
     def _run(self, reqs: list[Request]) -> list[dict]:

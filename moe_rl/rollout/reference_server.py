@@ -79,7 +79,7 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
                 for (_, fut), res in zip(items, results):
                     if not fut.done():
                         fut.set_result(res)
-            except Exception as exc:  # surfaced to every waiting request as HTTP 500
+            except Exception as exc:  # surfaced to every waiting request (400 or 500)
                 for _, fut in items:
                     if not fut.done():
                         fut.set_exception(exc)
@@ -129,9 +129,57 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
             futures.append(fut)
         try:
             results = await asyncio.gather(*futures)
+        except RequestError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
         except Exception as exc:
             return JSONResponse({"error": f"engine failure: {exc}"}, status_code=500)
         return results if batch else results[0]
+
+    async def _blocking(fn, *args):
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        except (RequestError, ValueError, KeyError, TypeError) as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+        return None
+
+    @app.post("/release_memory_occupation")
+    async def release_memory(request: HTTPRequest):
+        return await _blocking(engine.release_memory) or {"success": True,
+                                                          "message": "weights released"}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory(request: HTTPRequest):
+        return await _blocking(engine.resume_memory) or {"success": True,
+                                                         "message": "weights reloaded"}
+
+    @app.post("/init_weights_update_group")
+    async def init_group(request: HTTPRequest):
+        b = await request.json()
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size")
+                   if k not in b]
+        if missing:
+            return JSONResponse({"success": False, "message": f"missing fields {missing}"},
+                                status_code=400)
+        return await _blocking(engine.init_update_group, b["master_address"],
+                               int(b["master_port"]), int(b["rank_offset"]),
+                               int(b["world_size"]), b.get("group_name", "weight_update_group"),
+                               b.get("backend", "nccl")) or {"success": True,
+                                                             "message": "joined"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_distributed(request: HTTPRequest):
+        b = await request.json()
+        if not all(isinstance(b.get(k), list) for k in ("names", "dtypes", "shapes")):
+            return JSONResponse({"success": False, "message": "names, dtypes, shapes: expected "
+                                 "lists"}, status_code=400)
+        err = await _blocking(engine.update_from_distributed, b["names"], b["dtypes"],
+                              b["shapes"], b.get("group_name", "weight_update_group"))
+        if err is not None:
+            return err
+        if b.get("weight_version") is not None:
+            engine.weight_version = str(b["weight_version"])
+        return {"success": True, "message": f"received {len(b['names'])} tensors",
+                "weight_version": engine.weight_version}
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: HTTPRequest):

@@ -370,6 +370,10 @@ class PolicyTrainer:
                 self.ema[name].mul_(d).add_(p.detach().float(), alpha=1 - d)
 
     # ------------------------------------------------------------------ weights out
+    def hf_tensors(self) -> dict[str, torch.Tensor]:
+        """The policy as full HF-named tensors (collective across tensor/expert ranks)."""
+        return megatron_to_hf(self.model.module, self.spec)
+
     def export_hf(self, out_dir: str, use_ema: bool = False) -> None:
         """Write the current (or EMA) policy as a HF checkpoint (rank 0 writes)."""
         model = self.model.module
