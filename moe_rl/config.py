@@ -208,9 +208,9 @@ class ClusterConfig:
     trainer_workers: int = _f(1, "trainer ranks (one Ray actor each)", **_rng(1))
     colocate: bool = _f(False, "engines and trainer share devices; engine memory released "
                         "during training")
-    weight_sync: Literal["disk", "distributed"] = _f(
-        "disk", "trainer -> engine weights: HF checkpoint on disk, or broadcast over a process "
-        "group (NCCL on GPUs, gloo on CPU)")
+    weight_sync: Literal["disk", "distributed", "tensor"] = _f(
+        "disk", "trainer -> engine weights: HF checkpoint on disk; broadcast over a process "
+        "group (NCCL on GPUs, gloo on CPU); or CUDA tensors handed to colocated SGLang")
     ray_address: str | None = _f(None, "Ray cluster address (null = start a local Ray)")
     cpus_per_worker: float = _f(1.0, "CPUs reserved per Ray actor", **_rng(0, lo_open=True))
 
@@ -574,6 +574,11 @@ def validate(cfg: Config) -> None:
             if getattr(t, key) > 1:
                 raise ConfigError(f"trainer.{key}: > 1 is not supported on CPU (megatron-core's "
                                   "local spec refuses sequence parallelism there); run it on GPUs")
+    if cfg.cluster.weight_sync == "tensor" and not (cfg.cluster.colocate and r.engine == "sglang"
+                                                    and cfg.cluster.gpus_per_node > 0):
+        raise ConfigError("cluster.weight_sync: 'tensor' hands CUDA tensors to SGLang on the same "
+                          "GPUs: it needs cluster.colocate=true, rollout.engine=sglang and GPUs; "
+                          "use 'distributed' or 'disk' otherwise")
     if cfg.data.source in ("jsonl", "parquet") and not cfg.data.path:
         raise ConfigError(f"data.path: data.source={cfg.data.source} needs a file path")
     if r.engine == "reference" and r.sglang.deterministic_inference:

@@ -1,6 +1,11 @@
-"""Weight sync over a process group between trainer rank 0 and the engine servers (SGLang's
+"""Weight sync from the trainer to the engine servers.
+
+Distributed: a process group between trainer rank 0 and the servers (SGLang's
 ``/init_weights_update_group`` + ``/update_weights_from_distributed``): NCCL between GPUs, gloo on
 CPU (the reference engine implements the same protocol, so the path is tested here).
+Tensor (colocated SGLang on the same GPUs): ``/update_weights_from_tensor`` with the tensors in
+SGLang's own serialisation (torch's ForkingPickler, CUDA IPC handles, base64), one copy per
+tensor-parallel rank of the server.
 
 The group is separate from the trainer's own: a TCP store at the trainer's address, rank 0 the
 trainer, ranks ``rank_offset ..`` the engines. Tensors travel by broadcast from rank 0 in the
@@ -8,7 +13,9 @@ order of the update request's ``names``; nothing is pickled.
 """
 from __future__ import annotations
 
+import base64
 import datetime
+import io
 
 import torch
 from torch.distributed import PrefixStore, TCPStore
@@ -89,3 +96,23 @@ def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[lis
         group.broadcast(t, 0).wait()
         out[name] = t
     return out
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """SGLang's ``MultiprocessingSerializer`` format: ForkingPickler dump (CUDA tensors travel as
+    IPC handles, so the tensors must stay alive until the server has loaded them), base64. This
+    produces a pickle for SGLang to read; moe_rl itself never unpickles network data."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions)
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def tensor_update_request(named: list[tuple[str, torch.Tensor]], tp_size: int,
+                          version: int) -> dict:
+    """Body of SGLang's ``/update_weights_from_tensor`` (one serialised list per TP rank)."""
+    payload = serialize_named_tensors(named)
+    return {"serialized_named_tensors": [payload] * tp_size, "load_format": None,
+            "flush_cache": True, "weight_version": str(version)}

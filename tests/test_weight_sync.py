@@ -80,3 +80,25 @@ def test_request_bodies():
         parse_dtype("int8")
     with pytest.raises(ValueError, match="backend"):
         open_group("mpi", "127.0.0.1", free_port(), 0, 1, "g")
+
+
+def test_tensor_update_body_is_sglangs_serialisation():
+    import base64
+    import pickle
+    from moe_rl.weight_sync import tensor_update_request
+    named = [("model.norm.weight", torch.arange(4.0))]
+    body = tensor_update_request(named, tp_size=2, version=3)
+    assert body["weight_version"] == "3" and body["flush_cache"] is True
+    assert len(body["serialized_named_tensors"]) == 2
+    # bytes produced in this process (what SGLang's MultiprocessingSerializer.deserialize reads)
+    back = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
+    assert back[0][0] == "model.norm.weight" and torch.equal(back[0][1], named[0][1])
+
+
+def test_tensor_sync_config_requirements():
+    from moe_rl.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="cluster.weight_sync"):
+        load_config(None, ["cluster.weight_sync=tensor"])
+    cfg = load_config(None, ["cluster.weight_sync=tensor", "cluster.colocate=true",
+                             "rollout.engine=sglang", "cluster.gpus_per_node=8"])
+    assert cfg.cluster.weight_sync == "tensor"

@@ -221,8 +221,9 @@ def run_training(cfg: Config, resume: bool = False) -> list[dict]:
 
 class WeightSync:
     """Trainer -> engines after every update: a HF checkpoint on disk that every server loads
-    (``cluster.weight_sync: disk``), or a broadcast from trainer rank 0 over a process group the
-    servers joined at start (``distributed``: NCCL on GPUs, gloo on CPU)."""
+    (``cluster.weight_sync: disk``); a broadcast from trainer rank 0 over a process group the
+    servers joined at start (``distributed``: NCCL on GPUs, gloo on CPU); or CUDA tensors handed
+    to colocated SGLang servers (``tensor``)."""
 
     def __init__(self, cfg: Config, trainers: Trainers, rollout, weights_dir: str):
         self.cfg, self.trainers, self.rollout = cfg, trainers, rollout
@@ -243,6 +244,14 @@ class WeightSync:
 
     def sync(self, version: int) -> None:
         """Bring every engine server to the trainer's current weights as ``version``."""
+        if self.mode == "tensor":
+            r = self.cfg.rollout
+            urls = ray.get(self.rollout.urls.remote())
+            ray.get([a.push_weights_tensor.remote(urls, r.api_key, r.sglang.tp_size, version,
+                                                  r.request_timeout_s)
+                     for a in self.trainers.actors])
+            ray.get(self.rollout.set_version.remote(version))
+            return
         if self.mode == "distributed":
             body = ray.get([a.weight_update_request.remote(version)
                             for a in self.trainers.actors])[0]

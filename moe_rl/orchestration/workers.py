@@ -65,6 +65,22 @@ class TrainerWorker:
         n, self.pending = len(self.pending), []
         return n
 
+    def push_weights_tensor(self, urls: list[str], api_key: str | None, tp_size: int,
+                            version: int, timeout: float) -> int:
+        """Colocated SGLang: hand the weights to every server as CUDA tensors (collective; rank 0
+        sends, keeping the tensors alive until the servers answered)."""
+        import httpx
+        from moe_rl.weight_sync import tensor_update_request
+        tensors = self.trainer.hf_tensors()
+        if self.rank != 0:
+            return 0
+        body = tensor_update_request(sorted(tensors.items()), tp_size, version)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        for url in urls:
+            httpx.post(url + "/update_weights_from_tensor", json=body, headers=headers,
+                       timeout=timeout).raise_for_status()
+        return len(tensors)
+
     def save(self, path: str) -> None:
         self.trainer.save_checkpoint(f"{path}.rank{self.rank}")
 
@@ -156,6 +172,13 @@ class RolloutWorker:
 
     def resume_memory(self) -> None:
         self.engine.resume_memory()
+
+    def urls(self) -> list[str]:
+        return [p.url for p in self.procs]
+
+    def set_version(self, version: int) -> list[str]:
+        self.version = version
+        return self.engine.weight_versions()
 
     def restarts(self) -> int:
         return sum(p.restarts for p in self.procs)
