@@ -1,7 +1,5 @@
 """Prompt data (toy, JSONL, Parquet, chat template, resumable order) and reward functions."""
 import json
-import math
-import sys
 import textwrap
 
 import pytest

@@ -2,7 +2,6 @@
 metrics, TensorBoard events with the metric names, a checkpoint written and resumed."""
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys

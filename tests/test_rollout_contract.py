@@ -2,7 +2,6 @@
 responses, kept sets, routing consistency, errors, weight updates, n-pass scoring, launcher."""
 import base64
 import json
-import math
 
 import httpx
 import numpy as np

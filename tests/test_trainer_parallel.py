@@ -1,6 +1,5 @@
 """Expert parallel and data parallel over two gloo processes (multiproc)."""
 import os
-import pathlib
 
 import pytest
 import torch

@@ -162,7 +162,7 @@ class PolicyTrainer:
     # ------------------------------------------------------------------ step
     def prepare(self, samples: list[Sample]) -> tuple[StepBatch, dict[str, float]]:
         """pi_old / reference passes, advantages, corrections and the step's metrics."""
-        cfg, a = self.cfg, self.cfg.algorithm
+        a = self.cfg.algorithm
         for s in samples:
             s.validate(self.spec.vocab_size, self.routing_spec if s.routing is not None else None)
         if a.replay == "r3" and any(s.routing is None for s in samples):
@@ -243,7 +243,7 @@ class PolicyTrainer:
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One RL step on this rank's samples: returns the metrics (floats)."""
-        cfg, a, t = self.cfg, self.cfg.algorithm, self.cfg.trainer
+        a = self.cfg.algorithm
         batch, metrics = self.prepare(samples)
         skip = collapse_guard(metrics, a.collapse_guard_k3)
         self.guard_skipped_total += int(skip)
