@@ -97,6 +97,12 @@ class RolloutConfig:
     min_p: float = _f(0.0, "min-p relative to the most likely token", **_rng(0, 1))
     sampling_mask_max_tokens: int = _f(4096, "engine cap on the kept-set size (SGLang "
                                        "--sampling-mask-max-tokens)", **_rng(2))
+    score_window_tokens: int = _f(32, "response tokens per engine scoring request when pi_old "
+                                  "passes are renormalised from listed ids (kept sets, or the "
+                                  "vocabulary at temperature != 1)", **_rng(1))
+    score_full_vocab_max: int = _f(4096, "largest vocabulary for which engine_avg scoring at "
+                                   "temperature != 1 without the sampling mask lists every id",
+                                   **_rng(1))
     request_timeout_s: float = _f(300.0, "HTTP timeout per request", **_rng(0, lo_open=True))
     max_retries: int = _f(3, "retries per request on connection errors / 5xx", **_rng(0))
     concurrency: int = _f(64, "in-flight requests per server", **_rng(1))
@@ -493,6 +499,24 @@ def model_moe_facts(model: ModelConfig) -> MoEFacts:
 # Cross-field validation
 
 
+def engine_avg_refusal(cfg: Config, vocab_size: int | None) -> None:
+    """engine_avg pi_old at temperature T != 1 without the sampling mask needs the engine's raw
+    log-probs of the whole vocabulary at every position (SGLang's prefill log-probs ignore T):
+    exact, but refused above ``rollout.score_full_vocab_max`` ids (``vocab_size`` None: unknown
+    yet; the rollout worker checks again with the served model)."""
+    a, r = cfg.algorithm, cfg.rollout
+    if a.pi_old != "engine_avg" or a.keep_sampling_mask or r.temperature in (0.0, 1.0):
+        return
+    if vocab_size is not None and vocab_size > r.score_full_vocab_max:
+        raise ConfigError(
+            f"algorithm.pi_old: engine_avg at rollout.temperature={r.temperature} needs the "
+            f"engine's log-probs at that temperature, but SGLang's prefill (scoring) log-probs "
+            f"are at T = 1; renormalising them exactly needs all {vocab_size} vocabulary ids at "
+            f"every position (rollout.score_full_vocab_max={r.score_full_vocab_max}). Use "
+            f"algorithm.keep_sampling_mask=true (exact from the kept ids), rollout.temperature=1, "
+            f"or algorithm.pi_old=trainer")
+
+
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` for incompatible combinations of otherwise valid values."""
     a, r, t, m = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.model
@@ -518,6 +542,7 @@ def validate(cfg: Config) -> None:
         if r.temperature == 0:
             raise ConfigError("algorithm.keep_sampling_mask: greedy sampling (rollout.temperature"
                               "=0) keeps one token; turn the mask off")
+    engine_avg_refusal(cfg, facts.vocab_size)
     if a.pi_old == "engine_avg" and a.pi_old_passes < 1:
         raise ConfigError(f"algorithm.pi_old_passes: engine_avg needs n >= 1, got "
                           f"{a.pi_old_passes}")

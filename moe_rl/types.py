@@ -56,6 +56,7 @@ class Sample:
     routing: torch.Tensor | None = None
     sampling_mask_offsets: torch.Tensor | None = None
     sampling_mask_ids: torch.Tensor | None = None
+    kept_logmass: torch.Tensor | None = None
     reward: float = 0.0
     group_id: int = 0
     weight_version: int = 0
@@ -75,6 +76,8 @@ class Sample:
             self.sampling_mask_offsets = torch.as_tensor(self.sampling_mask_offsets,
                                                          dtype=torch.int64)
             self.sampling_mask_ids = torch.as_tensor(self.sampling_mask_ids, dtype=torch.int32)
+        if self.kept_logmass is not None:
+            self.kept_logmass = torch.as_tensor(self.kept_logmass, dtype=torch.float32)
         self.reward = float(self.reward)
         self.validate()
 
@@ -129,6 +132,8 @@ class Sample:
             raise self._fail("sampling_mask_ids", "offsets and ids must be given together")
         if self.sampling_mask_offsets is not None:
             self._check_sampling_mask(vocab_size)
+        if self.kept_logmass is not None:
+            self._check_logprobs("kept_logmass", self.kept_logmass, (R,))
         if not math.isfinite(self.reward):
             raise self._fail("reward", f"expected a finite number, got {self.reward}")
 
@@ -257,6 +262,7 @@ class RolloutBatch:
             raise RecordError(f"pass_logprobs: every sample of a batch needs the same number of "
                               f"passes, got {sorted(n_passes)}")
         pass_parts, prompt_blocks, resp_parts, mask_len_parts, mask_id_parts = [], [], [], [], []
+        logmass_parts: list[torch.Tensor] = []
         block_of_group: dict[int, list[tuple[int, torch.Tensor]]] = {}
         rdtypes = {s.routing.dtype for s in ss if s.routing is not None}
         if len(rdtypes) > 1:
@@ -266,9 +272,12 @@ class RolloutBatch:
                      "reward": s.reward, "group_id": s.group_id, "weight_version": s.weight_version,
                      "sample_id": s.sample_id, "metadata": s.metadata,
                      "has_passes": s.pass_logprobs is not None, "prompt_block": -1,
-                     "has_mask": s.sampling_mask_offsets is not None}
+                     "has_mask": s.sampling_mask_offsets is not None,
+                     "has_logmass": s.kept_logmass is not None}
             if s.pass_logprobs is not None:
                 pass_parts.append(s.pass_logprobs)
+            if s.kept_logmass is not None:
+                logmass_parts.append(s.kept_logmass)
             if s.routing is not None:
                 prompt_rows = s.routing[:s.prompt_len]
                 block = -1
@@ -289,6 +298,8 @@ class RolloutBatch:
             meta_samples.append(entry)
         if pass_parts:
             tensors["pass_logprobs"] = torch.cat(pass_parts, dim=1).contiguous()
+        if logmass_parts:
+            tensors["kept_logmass"] = torch.cat(logmass_parts)
         if prompt_blocks:
             rd = rdtypes.pop()
             L, K = prompt_blocks[0].shape[1:]
@@ -317,7 +328,7 @@ class RolloutBatch:
         except Exception as exc:  # safetensors raises its own error types
             raise RecordError(f"rollout batch: corrupt payload: {exc}") from None
         out = []
-        p_off = r_off = pass_off = rr_off = m_off = mid_off = 0
+        p_off = r_off = pass_off = rr_off = m_off = mid_off = lm_off = 0
         for e in entries:
             P, R = e["prompt_len"], e["response_len"]
             kw: dict[str, Any] = {}
@@ -328,6 +339,9 @@ class RolloutBatch:
             if e["has_passes"]:
                 kw["pass_logprobs"] = t["pass_logprobs"][:, pass_off:pass_off + R]
                 pass_off += R
+            if e.get("has_logmass"):
+                kw["kept_logmass"] = t["kept_logmass"][lm_off:lm_off + R]
+                lm_off += R
             if e["prompt_block"] >= 0:
                 po = t["routing_prompt_offsets"]
                 b = e["prompt_block"]

@@ -77,9 +77,13 @@ def test_generate_decodes_to_valid_samples_with_kept_sets(server, layout, hf_mod
             assert int(s.response_ids[j]) in got.tolist()
             assert sorted(got.tolist()) == sorted(expect.tolist())
             assert len(got) <= 12
-            # the reported log-prob is log_softmax(logits / T) before truncation
+            # with the mask on, the rollout log-prob is the token's on the renormalised kept set
+            # at T (output_token_sampling_logprobs); the kept set's mass is recorded beside it
+            full = torch.log_softmax(z.double() / 0.8, -1)
+            kept_mass = torch.logsumexp(full[expect], 0)
             assert float(s.rollout_logprobs[j]) == pytest.approx(
-                float(torch.log_softmax(z / 0.8, -1)[s.response_ids[j]]), abs=1e-4)
+                float(full[s.response_ids[j]] - kept_mass), abs=1e-4)
+            assert float(s.kept_logmass[j]) == pytest.approx(float(kept_mass), abs=1e-4)
     # seeded: the same seeds give the same samples
     again = eng.generate(prompts, 3, sampling, seed=11)
     assert [s.response_ids.tolist() for s in again] == [s.response_ids.tolist() for s in samples]
@@ -138,7 +142,13 @@ def test_golden_response_decodes_exactly():
     s = sample_from_response(golden, [5, 6, 7], layout, need_routing=True, need_mask=True,
                              group_id=2, sample_id=9)
     assert s.response_ids.tolist() == [11, 1]
-    assert s.rollout_logprobs.tolist() == [-0.5, -0.25]
+    # keep-sampling-mask on: the rollout log-prob is the post-truncation one, and the kept set's
+    # full-vocabulary mass is exp(output_token_logprobs - output_token_sampling_logprobs)
+    assert s.rollout_logprobs.tolist() == pytest.approx([-0.1, 0.0])
+    assert s.kept_logmass.tolist() == pytest.approx([-0.4, -0.25])
+    plain = sample_from_response(golden, [5, 6, 7], layout, need_routing=False, need_mask=False,
+                                 group_id=2, sample_id=9)
+    assert plain.rollout_logprobs.tolist() == [-0.5, -0.25] and plain.kept_logmass is None
     assert s.routing.tolist() == rows[:, 1:].tolist() and s.routing.dtype == torch.uint8
     assert s.sampling_mask_offsets.tolist() == [0, 2, 3] and s.sampling_mask_ids.tolist() == [11, 3, 1]
     assert s.weight_version == 4 and s.group_id == 2 and s.metadata["finish_reason"] == "stop"
@@ -199,9 +209,72 @@ def test_sglang_command_lines():
                  "--sampling-mask-max-tokens 4096", "--enable-memory-saver", "--api-key s",
                  "--x 1", "--host 127.0.0.1"):
         assert part in line, part
-    assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    # output log-probs stay log_softmax(logits / T) (the trainer's distribution), never raw
+    assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
     plain = config_from_dict({"cluster": {"gpus_per_node": 8}, "rollout": {"engine": "sglang"},
                               "algorithm": {"replay": "off"}})
     argv, env = sglang_command(plain, 30000)
     assert "--enable-return-routed-experts" not in argv and "--enable-memory-saver" not in argv
-    assert "--sampling-mask-max-tokens" not in argv and env == {}
+    assert "--sampling-mask-max-tokens" not in argv
+    assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+
+
+def test_scoring_passes_give_the_rollout_distribution_at_any_temperature(server, layout,
+                                                                        hf_model):
+    """pi_old passes describe the distribution the engine sampled from: the kept set at T with
+    the mask on (renormalised from the listed kept ids, window by window), the full vocabulary at
+    T with it off (renormalised from every id): each pass equals the rollout log-prob."""
+    prompts = [[6, 7, 68, 12, 72], [9, 9]]
+    masked = engine_for([server.url], layout, need_mask=True)
+    sampling = SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, min_p=0.02, max_new_tokens=5)
+    samples = masked.generate(prompts, 2, sampling, seed=21)
+    masked.score(samples, 2, temperature=0.7, window=2)
+    for s in samples:
+        assert torch.allclose(s.pass_logprobs, s.rollout_logprobs.expand(2, -1), atol=2e-6)
+    full_layout = ModelLayout(layout.num_layers, layout.moe_layers, layout.topk,
+                              layout.num_experts, hf_model.config.vocab_size)
+    plain = engine_for([server.url], full_layout, need_mask=False)
+    samples = plain.generate(prompts, 2, SamplingConfig(temperature=0.7, max_new_tokens=5),
+                             seed=22)
+    plain.score(samples, 1, temperature=0.7, window=3)
+    for s in samples:
+        ids = torch.cat([s.prompt_ids, s.response_ids]).long()[None]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf_model(ids).logits[0].double() / 0.7, -1)
+        want = logp[s.prompt_len - 1:-1].gather(1, s.response_ids.long()[:, None]).squeeze(1)
+        assert torch.allclose(s.pass_logprobs[0].double(), want, atol=2e-6)
+        assert torch.allclose(s.rollout_logprobs.double(), want, atol=2e-6)
+
+
+def test_support_mode_and_listed_ids_follow_sglang(server):
+    """sampling_logprobs_mode 'support': one log-prob per kept id, aligned, summing to 1;
+    'selected': the sampled one's. token_ids_logprob: raw per-position log-probs, first None."""
+    h = {"Authorization": "Bearer k3y"}
+    params = {"temperature": 0.8, "top_k": 5, "max_new_tokens": 3, "sampling_seed": 4}
+    sup = httpx.post(server.url + "/generate", headers=h, timeout=60, json={
+        "input_ids": [6, 7, 68], "sampling_params": params, "return_logprob": True,
+        "return_sampling_mask": True, "sampling_logprobs_mode": "support"}).json()["meta_info"]
+    sel = httpx.post(server.url + "/generate", headers=h, timeout=60, json={
+        "input_ids": [6, 7, 68], "sampling_params": params, "return_logprob": True,
+        "return_sampling_mask": True}).json()["meta_info"]
+    for ids, row, chosen, out in zip(sup["output_token_sampling_mask"],
+                                     sup["output_token_sampling_logprobs"],
+                                     sel["output_token_sampling_logprobs"],
+                                     sel["output_token_logprobs"]):
+        assert len(row) == len(ids) and sum(np.exp(row)) == pytest.approx(1.0, abs=1e-5)
+        assert row[ids.index(out[1])] == pytest.approx(chosen, abs=1e-6)
+    bad = httpx.post(server.url + "/generate", headers=h, timeout=60, json={
+        "input_ids": [6, 7], "sampling_params": params, "return_sampling_mask": True,
+        "sampling_logprobs_mode": "all"})
+    assert bad.status_code == 400 and "sampling_logprobs_mode" in bad.json()["error"]
+    r = httpx.post(server.url + "/generate", headers=h, timeout=60, json={
+        "input_ids": [6, 7, 68, 12], "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": 1, "token_ids_logprob": [12, 3]}).json()
+    listed, inputs = r["meta_info"]["input_token_ids_logprobs"], \
+        r["meta_info"]["input_token_logprobs"]
+    assert listed[0] is None and len(listed) == len(inputs) == 3
+    assert [e[1] for e in listed[2]] == [12, 3]
+    assert listed[2][0][0] == pytest.approx(inputs[2][0], abs=1e-6)   # token 12 at position 3
+    bad = httpx.post(server.url + "/generate", headers=h, timeout=60, json={
+        "input_ids": [6, 7], "token_ids_logprob": [10 ** 6]})
+    assert bad.status_code == 400 and "token_ids_logprob" in bad.json()["error"]

@@ -7,7 +7,7 @@ import os
 
 import ray
 
-from moe_rl.config import config_from_dict, moe_facts_from_hf
+from moe_rl.config import config_from_dict, engine_avg_refusal, moe_facts_from_hf
 from moe_rl.types import RolloutBatch
 
 
@@ -117,7 +117,9 @@ class RolloutWorker:
             p.start(r.health_timeout_s)
         with open(os.path.join(cfg.model.path, "config.json"), encoding="utf-8") as fh:
             facts = moe_facts_from_hf(json.load(fh))
-        layout = ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts)
+        layout = ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts,
+                             facts.vocab_size)
+        engine_avg_refusal(cfg, facts.vocab_size)
         self.weights_path: str | None = None
         self.version = 0
         procs = self.procs
@@ -149,7 +151,9 @@ class RolloutWorker:
 
     def score(self, data: bytes, n_passes: int) -> bytes:
         samples = RolloutBatch.from_bytes(data).samples
-        self.engine.score(samples, n_passes)
+        r = self.cfg.rollout
+        self.engine.score(samples, n_passes, temperature=r.temperature,
+                          window=r.score_window_tokens)
         return RolloutBatch(samples).to_bytes()
 
     def update_weights(self, path: str, version: int) -> list[str]:

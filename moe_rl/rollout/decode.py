@@ -2,7 +2,11 @@
 
 routed_experts: base64 of little-endian int32, flat [P+R-1-start, num_hidden_layers, K]; dense
 layers (zeros) are dropped by the model's MoE-layer list and ids stored as uint8/int16.
-output_token_logprobs: [(logprob, token_id, text)]; output_token_sampling_mask: kept ids per token.
+output_token_logprobs: [(logprob, token_id, text)], log_softmax(logits / T) over the whole
+vocabulary; output_token_sampling_mask: kept ids per token; output_token_sampling_logprobs
+(sampling_logprobs_mode "selected"): the sampled token's log-prob on the renormalised kept set at T.
+With the keep-sampling-mask on, the rollout log-prob is the latter (the distribution the token was
+drawn from and the trainer scores); the difference of the two is log(mass of the kept set).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class ModelLayout:
     moe_layers: tuple[int, ...]
     topk: int
     num_experts: int
+    vocab_size: int | None = None
 
 
 def decode_routing(payload: str, positions: int, layout: ModelLayout) -> torch.Tensor:
@@ -77,6 +82,20 @@ def decode_logprobs(entries: list, n_tokens: int, field: str) -> torch.Tensor:
     return torch.tensor(vals, dtype=torch.float32)
 
 
+def decode_sampling_logprobs(values, n_tokens: int) -> torch.Tensor:
+    """output_token_sampling_logprobs ("selected" mode: one number per token) -> float32 [n]."""
+    field = "output_token_sampling_logprobs"
+    if values is None:
+        raise ResponseError(f"{field}: missing; {MASK_FIX}")
+    if not isinstance(values, list) or len(values) != n_tokens:
+        raise ResponseError(f"{field}: expected {n_tokens} numbers, got "
+                            f"{len(values) if isinstance(values, list) else type(values).__name__}")
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+        raise ResponseError(f"{field}: expected one number per token (sampling_logprobs_mode "
+                            f"'selected')")
+    return torch.tensor(values, dtype=torch.float32)
+
+
 def sample_from_response(resp: dict, prompt_ids: list[int], layout: ModelLayout, *,
                          need_routing: bool, need_mask: bool, group_id: int, sample_id: int,
                          metadata: dict | None = None) -> Sample:
@@ -92,9 +111,12 @@ def sample_from_response(resp: dict, prompt_ids: list[int], layout: ModelLayout,
         if not meta.get("routed_experts"):
             raise ResponseError(f"routed_experts: missing from the response; {R3_FIX}")
         routing = decode_routing(meta["routed_experts"], len(prompt_ids) + R - 1, layout)
-    offsets = ids = None
+    offsets = ids = logmass = None
     if need_mask:
         offsets, ids = decode_kept_sets(meta, R)
+        kept_lp = decode_sampling_logprobs(meta.get("output_token_sampling_logprobs"), R)
+        logmass = (lp - kept_lp).clamp(max=0.0)   # log of the kept set's full-vocabulary mass
+        lp = kept_lp
     version = meta.get("weight_version")
     try:
         version = int(version)
@@ -102,9 +124,33 @@ def sample_from_response(resp: dict, prompt_ids: list[int], layout: ModelLayout,
         version = 0
     return Sample(prompt_ids=prompt_ids, response_ids=out, rollout_logprobs=lp,
                   routing=routing, sampling_mask_offsets=offsets, sampling_mask_ids=ids,
+                  kept_logmass=logmass,
                   group_id=group_id, weight_version=version, sample_id=sample_id,
                   metadata={**(metadata or {}),
                             "finish_reason": (meta.get("finish_reason") or {}).get("type", "")})
+
+
+def decode_listed_logprobs(resp: dict, n_tokens: int, ids: list[int]) -> torch.Tensor:
+    """``input_token_ids_logprobs`` of a scoring request that listed ``ids`` in
+    ``token_ids_logprob`` (first entry None) -> float64 [n_tokens, len(ids)] raw log-probs."""
+    field = "input_token_ids_logprobs"
+    entries = (resp.get("meta_info") or {}).get(field)
+    if not isinstance(entries, list) or len(entries) != n_tokens + 1:
+        raise ResponseError(f"{field}: expected {n_tokens + 1} entries (first None), got "
+                            f"{len(entries) if isinstance(entries, list) else entries!r}")
+    col = {v: j for j, v in enumerate(ids)}
+    out = torch.full((n_tokens, len(ids)), float("nan"), dtype=torch.float64)
+    for t, row in enumerate(entries[1:]):
+        if not isinstance(row, list):
+            raise ResponseError(f"{field}[{t + 1}]: expected a list of (logprob, token_id, text)")
+        for item in row:
+            if not isinstance(item, (list, tuple)) or len(item) < 2 or item[1] not in col \
+                    or isinstance(item[0], bool) or not isinstance(item[0], (int, float)):
+                raise ResponseError(f"{field}[{t + 1}]: unexpected entry {item!r}")
+            out[t, col[item[1]]] = float(item[0])
+    if torch.isnan(out).any():
+        raise ResponseError(f"{field}: a requested token id is missing from a position")
+    return out
 
 
 def score_from_response(resp: dict, prompt_len: int, total_len: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.rollout.decode import ModelLayout, sample_from_response, score_from_response
+from moe_rl.rollout.decode import (ModelLayout, decode_listed_logprobs, sample_from_response,
+                                   score_from_response)
 from moe_rl.rollout.pool import ServerPool
 from moe_rl.types import Sample
 
@@ -64,6 +65,8 @@ class HTTPRolloutEngine:
                     "sampling_params": sampling.to_json(None if seed is None else seed + k),
                     "return_logprob": True, "return_routed_experts": self.need_routing,
                     "return_sampling_mask": self.need_mask}
+            if self.need_mask:   # one post-truncation log-prob per sampled token
+                body["sampling_logprobs_mode"] = "selected"
             resp = await pool.request("/generate", body)
             if progress is not None:
                 progress(1)
@@ -78,20 +81,69 @@ class HTTPRolloutEngine:
         return list(self._run(all_jobs))
 
     # ------------------------------------------------------------------ scoring
-    def score(self, samples: list[Sample], n_passes: int) -> None:
-        """Fill ``pass_logprobs`` [n, R] of every sample with n scoring passes. Pass j of sample i
-        goes to server (i + j) % num_servers and passes are sent in a shuffled order, so passes
-        are co-batched with different sequences (different numerics unless the servers run
-        deterministic inference)."""
+    def score(self, samples: list[Sample], n_passes: int, temperature: float = 1.0,
+              window: int = 32) -> None:
+        """Fill ``pass_logprobs`` [n, R] of every sample with n scoring passes, each the same
+        distribution the trainer scores as pi_theta:
+
+        - keep-sampling-mask on: the token's log-prob on its kept set at ``temperature``,
+          renormalised here from the engine's raw per-position log-probs of the kept ids
+          (``token_ids_logprob``; the full-vocabulary normaliser cancels), ``window`` response
+          tokens per request so the listed ids stay few;
+        - off, temperature 0 or 1: the engine's prefill log-probs (raw, T = 1) as they are;
+        - off, any other temperature: log_softmax(logits / T) renormalised from the raw log-probs
+          of the whole vocabulary (``layout.vocab_size`` ids per position: small vocabularies
+          only, the configuration refuses large ones).
+
+        Pass j of sample i goes to server (i + j) % num_servers and requests are sent in a
+        shuffled order, so passes are co-batched with different sequences (different numerics
+        unless the servers run deterministic inference)."""
         if n_passes < 1:
             raise ValueError(f"algorithm.pi_old_passes: expected >= 1, got {n_passes}")
+        if window < 1:
+            raise ValueError(f"rollout.score_window_tokens: expected >= 1, got {window}")
+        T = temperature if temperature > 0 else 1.0
+        renorm = self.need_mask or T != 1.0
+        if renorm and not self.need_mask and not self.layout.vocab_size:
+            raise ValueError("scoring at temperature != 1 needs the model's vocab_size")
+
+        def listed_ids(s: Sample, w0: int, w1: int) -> list[int]:
+            if not self.need_mask:
+                return list(range(int(self.layout.vocab_size)))
+            off = s.sampling_mask_offsets
+            return sorted(set(s.sampling_mask_ids[int(off[w0]):int(off[w1])].tolist()))
+
+        async def window_lp(pool, s: Sample, w0: int, w1: int, server) -> torch.Tensor:
+            ids = s.prompt_ids.tolist() + s.response_ids[:w1].tolist()
+            listed = listed_ids(s, w0, w1)
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+                    "return_logprob": True, "logprob_start_len": s.prompt_len - 1 + w0,
+                    "token_ids_logprob": listed}
+            resp = await pool.request("/generate", body, server=server)
+            raw = decode_listed_logprobs(resp, w1 - w0, listed) / T
+            col = {v: j for j, v in enumerate(listed)}
+            target = torch.tensor([col[int(y)] for y in s.response_ids[w0:w1]])
+            if self.need_mask:
+                off = s.sampling_mask_offsets
+                support = torch.zeros_like(raw, dtype=torch.bool)
+                for t in range(w0, w1):
+                    kept = s.sampling_mask_ids[int(off[t]):int(off[t + 1])].tolist()
+                    support[t - w0, [col[v] for v in kept]] = True
+                raw = raw.masked_fill(~support, -torch.inf)
+            lse = torch.logsumexp(raw, dim=-1)
+            return (raw.gather(1, target[:, None]).squeeze(1) - lse).float()
 
         async def one(pool, s: Sample, server) -> torch.Tensor:
-            ids = s.prompt_ids.tolist() + s.response_ids.tolist()
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
-                    "return_logprob": True, "logprob_start_len": s.prompt_len - 1}
-            resp = await pool.request("/generate", body, server=server)
-            return score_from_response(resp, s.prompt_len, len(ids))
+            if not renorm:
+                ids = s.prompt_ids.tolist() + s.response_ids.tolist()
+                body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+                        "return_logprob": True, "logprob_start_len": s.prompt_len - 1}
+                resp = await pool.request("/generate", body, server=server)
+                return score_from_response(resp, s.prompt_len, len(ids))
+            R = s.response_len
+            parts = await asyncio.gather(*(window_lp(pool, s, w0, min(w0 + window, R), server)
+                                           for w0 in range(0, R, window)))
+            return torch.cat(parts)
 
         async def all_passes(pool: ServerPool):
             jobs = [(i, j) for j in range(n_passes) for i in range(len(samples))]

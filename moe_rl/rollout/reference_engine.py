@@ -3,7 +3,12 @@ scores with SGLang's semantics, recording per-layer routing and the sampler's ke
 
 Semantics (as SGLang): output log-probs are ``log_softmax(logits / T)`` before truncation
 (raw ``log_softmax(logits)`` when the environment sets SGLANG_RETURN_ORIGINAL_LOGPROB=1, and for
-greedy sampling); input (prefill) log-probs are raw. The kept set of a sampled token is
+greedy sampling); input (prefill) log-probs are raw (T = 1), and so are the per-position
+log-probs of the ids a request lists in ``token_ids_logprob`` (``input_token_ids_logprobs``,
+``output_token_ids_logprobs``). With ``return_sampling_mask`` the response carries the kept ids
+and ``output_token_sampling_logprobs``: with ``sampling_logprobs_mode`` "selected" (the default)
+the sampled token's log-prob under the renormalised kept set at temperature T, with "support"
+one such log-prob per kept id, aligned with the ids. The kept set of a sampled token is
 top-k ∩ top-p on the temperature-scaled probabilities (top-p keeps a token when the mass ranked
 strictly above it is <= p, so the crossing token is kept), then min-p relative to the most likely
 token; the token is drawn from the renormalised kept set. Routing covers every position the model
@@ -51,6 +56,11 @@ class Request:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     return_sampling_mask: bool = False
+    sampling_logprobs_mode: str = "selected"
+    token_ids_logprob: list[int] | None = None
+
+
+SAMPLING_LOGPROBS_MODES = ("selected", "support")
 
 
 def _num(value, name, kind=float, lo=None, hi=None, lo_open=False):
@@ -202,6 +212,15 @@ class ReferenceEngine:
                                f"length {len(ids)}")
         if req.routed_experts_start_len < 0 or req.routed_experts_start_len >= len(ids):
             raise RequestError("routed_experts_start_len: must lie in [0, input length)")
+        if req.sampling_logprobs_mode not in SAMPLING_LOGPROBS_MODES:
+            raise RequestError(f"sampling_logprobs_mode: expected one of "
+                               f"{list(SAMPLING_LOGPROBS_MODES)}, got "
+                               f"{req.sampling_logprobs_mode!r}")
+        if req.token_ids_logprob is not None and any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size
+                for t in req.token_ids_logprob):
+            raise RequestError(f"token_ids_logprob: token ids must be integers in "
+                               f"[0, {self.vocab_size})")
 
     # ------------------------------------------------------------------ batch execution
     # ------------------------------------------------------------------ memory and weight sync
@@ -278,7 +297,7 @@ class ReferenceEngine:
                 seed = self.seed * 1_000_003 + self._requests_seen
             self._requests_seen += 1
             gens.append(torch.Generator().manual_seed(seed))
-        state = [{"out": [], "lp": [], "mask": [], "mask_lp": [], "routing": [],
+        state = [{"out": [], "lp": [], "mask": [], "mask_lp": [], "ids_lp": [], "routing": [],
                   "finish": None} for _ in reqs]
         for b, r in enumerate(reqs):
             state[b]["routing"].append(topk[b, P - lens[b]:])
@@ -317,21 +336,23 @@ class ReferenceEngine:
                 raw_env: bool) -> int:
         p = r.params
         raw = torch.log_softmax(logits, -1)
+        if r.token_ids_logprob:
+            s["ids_lp"].append([[float(raw[t]), t, None] for t in r.token_ids_logprob])
         if p.temperature == 0:
             tok = int(logits.argmax())
             s["lp"].append(float(raw[tok]))
             s["mask"].append([tok])
-            s["mask_lp"].append(0.0)
+            s["mask_lp"].append([0.0] if r.sampling_logprobs_mode == "support" else 0.0)
             return tok
         scaled = torch.log_softmax(logits / p.temperature, -1)
-        probs = scaled.exp()
-        kept = kept_set(probs, p.top_k, p.top_p, p.min_p)
-        q = probs[kept] / probs[kept].sum()
-        choice = int(torch.multinomial(q, 1, generator=gen))
+        kept = kept_set(scaled.exp(), p.top_k, p.top_p, p.min_p)
+        kept_lp = scaled[kept] - torch.logsumexp(scaled[kept], 0)   # renormalised on the set
+        choice = int(torch.multinomial(kept_lp.exp(), 1, generator=gen))
         tok = int(kept[choice])
         s["lp"].append(float(raw[tok] if raw_env else scaled[tok]))
         s["mask"].append(kept.tolist())
-        s["mask_lp"].append(float(torch.log(q[choice])))
+        s["mask_lp"].append(kept_lp.tolist() if r.sampling_logprobs_mode == "support"
+                            else float(kept_lp[choice]))
         return tok
 
     def _response(self, r: Request, s: dict, b: int, reqs) -> dict:
@@ -341,8 +362,12 @@ class ReferenceEngine:
                 "weight_version": self.weight_version}
         if r.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s["lp"], out)]
-            meta["input_token_logprobs"] = (self._input_logprobs(r)
-                                            if r.logprob_start_len >= 0 else [])
+            inputs, listed = (self._input_logprobs(r) if r.logprob_start_len >= 0
+                              else ([], []))
+            meta["input_token_logprobs"] = inputs
+            if r.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = listed
+                meta["output_token_ids_logprobs"] = s["ids_lp"]
         if r.return_routed_experts:
             moe_rows = torch.cat(s["routing"], dim=0)        # prompt + fed generated tokens
             n_rows = len(r.input_ids) + len(out) - 1
@@ -355,14 +380,18 @@ class ReferenceEngine:
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer else ""
         return {"text": text, "output_ids": out, "meta_info": meta}
 
-    def _input_logprobs(self, r: Request) -> list:
-        """Raw (T = 1) log-probs of the input tokens from ``logprob_start_len``; first is None."""
+    def _input_logprobs(self, r: Request) -> tuple[list, list]:
+        """Raw (T = 1) log-probs of the input tokens from ``logprob_start_len`` (first None), and
+        per position those of the ids in ``token_ids_logprob`` (first None; [] when none asked)."""
         ids = torch.tensor(r.input_ids)[None]
         out = self.model(input_ids=ids)
         self._captured = []
         logp = torch.log_softmax(out.logits.float()[0], -1)
         start = r.logprob_start_len
         entries = [[None, r.input_ids[start], None]]
+        listed = [None] if r.token_ids_logprob else []
         for t in range(start + 1, len(r.input_ids)):
             entries.append([float(logp[t - 1, r.input_ids[t]]), r.input_ids[t], None])
-        return entries
+            if r.token_ids_logprob:
+                listed.append([[float(logp[t - 1, v]), v, None] for v in r.token_ids_logprob])
+        return entries, listed

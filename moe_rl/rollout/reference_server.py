@@ -45,8 +45,16 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Req
     if not isinstance(r_start, int) or isinstance(r_start, bool):
         raise RequestError("routed_experts_start_len: expected an integer")
     want_mask = bool(body.get("return_sampling_mask", False))
+    mode = body.get("sampling_logprobs_mode", "selected")
+    listed = body.get("token_ids_logprob")
+    if listed is not None and not isinstance(listed, list):
+        raise RequestError("token_ids_logprob: expected a list of token ids (or one per input)")
+    listed_per = (listed if batch and listed and isinstance(listed[0], list)
+                  else [listed] * len(seqs))
+    if len(listed_per) != len(seqs):
+        raise RequestError("token_ids_logprob: a list of lists must have one entry per input")
     out = []
-    for seq, p, rid in zip(seqs, plist, rids):
+    for seq, p, rid, ids_lp in zip(seqs, plist, rids, listed_per):
         if not isinstance(p, dict):
             raise RequestError("sampling_params: expected an object")
         req = Request(input_ids=seq, params=parse_sampling_params(p, engine.mask_cap, want_mask),
@@ -54,7 +62,8 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Req
                       return_logprob=bool(body.get("return_logprob", False)),
                       logprob_start_len=start,
                       return_routed_experts=bool(body.get("return_routed_experts", False)),
-                      routed_experts_start_len=r_start, return_sampling_mask=want_mask)
+                      routed_experts_start_len=r_start, return_sampling_mask=want_mask,
+                      sampling_logprobs_mode=mode, token_ids_logprob=ids_lp)
         engine.validate(req)
         out.append(req)
     return out, batch

@@ -28,9 +28,10 @@ def sglang_command(cfg: Config, port: int, model_path: str | None = None) -> tup
     if r.api_key:
         argv += ["--api-key", r.api_key]
     argv += list(g.extra_args)
-    env = {}
-    if r.temperature not in (0.0, 1.0):
-        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    # Output log-probs must be log_softmax(logits / T), the distribution the trainer scores at the
+    # sampling temperature: SGLang's default. SGLANG_RETURN_ORIGINAL_LOGPROB=1 would make them raw
+    # (T = 1), so it is pinned off even when the caller's environment sets it.
+    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
     return argv, env
 
 

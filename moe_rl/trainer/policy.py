@@ -219,6 +219,9 @@ class PolicyTrainer:
             lp_old, _, pass_metrics = average_pass_logprobs(passes, mask)
             metrics.update(pass_metrics)
         metrics.update(mismatch_metrics(lp_tr, lp_roll, mask))
+        if samples and all(s.kept_logmass is not None for s in samples):
+            mass = _pad_rows([s.kept_logmass for s in samples]).double().exp()
+            metrics["mismatch/kept_mass_mean"] = float(mass[mask].mean()) if mask.any() else 1.0
         # rewards, KL in reward, advantages
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         metrics.update(batch_metrics(rewards, mask, entropy=ent, kept_sizes=self._kept(samples)))
