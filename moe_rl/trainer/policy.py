@@ -265,6 +265,7 @@ class PolicyTrainer:
         sums: dict[str, float] = {}
         grad_norms = []
         self.model.train()
+        first = True
         for _ in range(t.epochs):
             for mini in np.array_split(order, t.mini_batches):
                 mini = [int(i) for i in mini]
@@ -277,7 +278,8 @@ class PolicyTrainer:
                 norm = Normalisers(counts[0], counts[1],
                                    float(a.max_len_norm or cfg.rollout.max_new_tokens))
                 for mb in self._micro_batches(batch.samples, mini):
-                    self._micro_step(batch, mb, norm, sums)
+                    self._micro_step(batch, mb, norm, sums, first)
+                first = False
                 sums["_minibatches"] = sums.get("_minibatches", 0.0) + 1
                 self.model.finish_grad_sync()
                 with cuda_factories_on_cpu():
@@ -290,10 +292,12 @@ class PolicyTrainer:
                if not k.startswith("_") and k != "loss"}
         out["loss"] = sums.get("loss", 0.0) / max(sums.get("_minibatches", 1.0), 1.0)
         out["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0
+        if "_first_dev" in sums:
+            out["ratio/first_minibatch_max_dev"] = sums["_first_dev"]
         return out
 
     def _micro_step(self, batch: StepBatch, mb: MicroBatch, norm: Normalisers,
-                    sums: dict[str, float]) -> None:
+                    sums: dict[str, float], first: bool = False) -> None:
         a = self.cfg.algorithm
         rows = mb.sample_indices
         width = int(mb.response_lens.max())
@@ -306,6 +310,9 @@ class PolicyTrainer:
         keep = batch.keep[rows, :width] & mask
         lp_old = batch.lp_old[rows, :width].to(lp.dtype)
         adv = batch.advantages[rows].to(lp.dtype)
+        if first and bool(keep.any()):   # before any update pi_theta must equal pi_old
+            dev = float(((lp.detach().double() - lp_old.double()).exp() - 1).abs()[keep].max())
+            sums["_first_dev"] = max(sums.get("_first_dev", 0.0), dev)
         if a.entropy_control.method == "clip_cov":
             lp, cc = clip_cov(lp, adv, keep, ratio=a.entropy_control.clip_cov_ratio,
                               cov_low=a.entropy_control.clip_cov_low,
