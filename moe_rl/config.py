@@ -123,6 +123,8 @@ class CorrectionParams:
     opsm_delta: float | None = _f(None, "DeepSeek-V3.2 off-policy mask threshold delta", **_rng(0))
     opsm_reference: Literal["engine", "pi_old"] = _f("engine", "behaviour policy of the DeepSeek mask")
     metropolis_weight: Literal["seq", "geo", "token"] = _f("seq", "weight the Metropolis sampler uses")
+    metropolis_count_repeats: bool = _f(True, "Metropolis as a chain: a sample weighs the steps "
+                                        "it was the state (false: accept-or-mask, biased)")
 
 
 CORRECTIONS = ("token_tis", "seq_tis", "seq_mis", "seq_rs", "geo_rs", "icepop", "opsm",

@@ -109,43 +109,56 @@ def _opsm(x: CorrectionInputs, p: Any):
 
 def _metropolis(x: CorrectionInputs, p: Any):
     """Metropolis independence sampler: walk each group (or each sequence's tokens) in order,
-    accept candidate c with probability min(1, w_c / w_current); rejected ones are masked."""
+    accepting candidate c with probability min(1, w_c / w_current).
+
+    ``metropolis_count_repeats`` (default): the walk is a Metropolis-Hastings chain whose states
+    are the samples; a rejected candidate repeats the current state, so each sample's weight is
+    the number of chain steps it was the state (1 + the candidates rejected while it was
+    current) and rejected candidates get 0: the weighted average is the chain average, an
+    estimate under the target. Off: accepted samples weigh 1 and rejected ones are masked (the
+    literal variant, biased toward low-weight samples)."""
     mode = _param(p, "metropolis_weight")
+    repeats = bool(_param(p, "metropolis_count_repeats"))
     gen = x.generator
-    keep = torch.zeros_like(x.valid)
+    counts = torch.zeros(x.valid.shape, dtype=torch.float64)
     if mode == "token":
         for i in range(x.valid.shape[0]):
             idx = x.valid[i].nonzero().squeeze(1).tolist()
-            keep[i] = _metropolis_walk(x.log_rho_tok[i], idx, keep[i], gen)
-        return None, keep
-    if mode not in ("seq", "geo"):
+            counts[i] = metropolis_chain(x.log_rho_tok[i], idx, gen)
+    elif mode in ("seq", "geo"):
+        if x.group_ids is None:
+            raise ValueError("group_ids: the Metropolis sampler walks each prompt group")
+        log_w = x.log_rho_seq if mode == "seq" else x.log_rho_geo
+        seq_counts = torch.zeros(x.valid.shape[0], dtype=torch.float64)
+        has_tok = x.valid.any(-1)
+        for g in torch.unique(x.group_ids).tolist():
+            idx = ((x.group_ids == g) & has_tok).nonzero().squeeze(1).tolist()
+            seq_counts += metropolis_chain(log_w, idx, gen)
+        counts = _seq(seq_counts, x.valid).to(torch.float64)
+    else:
         raise ValueError(f"algorithm.correction.metropolis_weight: expected seq, geo or token, "
                          f"got {mode!r}")
-    if x.group_ids is None:
-        raise ValueError("group_ids: the Metropolis sampler walks each prompt group")
-    log_w = x.log_rho_seq if mode == "seq" else x.log_rho_geo
-    seq_keep = torch.zeros(x.valid.shape[0], dtype=torch.bool)
-    has_tok = x.valid.any(-1)
-    for g in torch.unique(x.group_ids).tolist():
-        idx = ((x.group_ids == g) & has_tok).nonzero().squeeze(1).tolist()
-        seq_keep = _metropolis_walk(log_w, idx, seq_keep, gen)
-    return None, _seq(seq_keep, x.valid)
+    keep = counts > 0
+    return (counts if repeats else None), keep
 
 
-def _metropolis_walk(log_w: torch.Tensor, order: list[int], keep: torch.Tensor,
-                     gen: torch.Generator | None) -> torch.Tensor:
-    keep = keep.clone()
+def metropolis_chain(log_w: torch.Tensor, order: list[int], gen: torch.Generator | None
+                     ) -> torch.Tensor:
+    """Walk ``order`` as an independence Metropolis-Hastings chain on importance weights
+    ``exp(log_w)`` (first element = initial state); returns, per index of ``log_w``, the number
+    of chain steps it was the state (0 for rejected candidates and indices not in ``order``)."""
+    counts = torch.zeros(log_w.shape[0], dtype=torch.float64)
     if not order:
-        return keep
+        return counts
     current = order[0]
-    keep[current] = True
+    counts[current] = 1.0
     for cand in order[1:]:
         log_acc = float(log_w[cand] - log_w[current])
         u = float(torch.rand((), generator=gen, dtype=torch.float64))
         if log_acc >= 0 or u < math.exp(log_acc):
-            keep[cand] = True
             current = cand
-    return keep
+        counts[current] += 1.0
+    return counts
 
 
 def _snis(x: CorrectionInputs, p: Any, weights: torch.Tensor, keep: torch.Tensor):
