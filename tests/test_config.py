@@ -178,3 +178,31 @@ def test_readme_documents_every_key():
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     missing = [k for k, *_ in iter_keys() if f"`{k}`" not in readme]
     assert not missing, f"README lacks config keys: {missing}"
+
+
+def test_every_shipped_config_resolves_through_the_cli():
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for f in sorted((root / "configs").glob("*.yaml")):
+        res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", "--config", str(f)],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, (f.name, res.stderr[-2000:])
+        assert "algorithm:" in res.stdout
+
+
+def test_engine_avg_at_temperature_needs_the_mask_for_large_vocabularies(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 151936}))
+    base = [f"model.path={tmp_path}", "algorithm.pi_old=engine_avg", "algorithm.pi_old_passes=2",
+            "rollout.temperature=0.7"]
+    with pytest.raises(ConfigError, match="algorithm.pi_old: engine_avg at rollout.temperature"
+                                          "=0.7 .*keep_sampling_mask=true"):
+        load_config(None, base)
+    # exact alternatives are accepted: the kept-set renormalisation, T = 1, or a small vocabulary
+    load_config(None, base + ["algorithm.keep_sampling_mask=true", "rollout.top_k=20"])
+    load_config(None, base[:-1] + ["rollout.temperature=1.0"])
+    load_config(None, base + ["rollout.score_full_vocab_max=200000"])
