@@ -10,6 +10,7 @@ import importlib.util
 import os
 
 import torch
+import torch.distributed as dist
 
 from moe_rl_kernels.logprob_torch import (DEFAULT_CHUNK, ChunkedLogprobEntropy, KeptSets,
                                           TorchBackend)
@@ -72,13 +73,31 @@ def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     chunk = DEFAULT_CHUNK if chunk_size is None else int(chunk_size)
     if chunk < 1:
         raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
-    kept = _kept_sets(kept_offsets, kept_ids, T, targets, hidden.device)
+    vocab = int(vocab_start) + weight.shape[0]
+    if tp_group is not None and kept_ids is not None:   # the full vocabulary (shards may differ)
+        end = torch.tensor([vocab], dtype=torch.long, device=weight.device)
+        dist.all_reduce(end, op=dist.ReduceOp.MAX, group=tp_group)
+        vocab = int(end)
+    kept = _kept_sets(kept_offsets, kept_ids, T, targets, hidden.device, vocab)
     impl = _backend(backend, hidden, kept)
     return ChunkedLogprobEntropy.apply(hidden, weight, targets.long(), float(temperature), kept,
                                        chunk, tp_group, int(vocab_start), impl)
 
 
-def _kept_sets(offsets, ids, T, targets, device) -> KeptSets | None:
+def check_kept_ids(row: torch.Tensor, ids: torch.Tensor, vocab: int) -> None:
+    """Kept ids must lie in [0, vocab) (the full vocabulary, all tensor-parallel shards) and
+    appear once per row: an id out of range would be dropped silently, a repeat counted twice."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"kept_ids: expected ids in [0, {vocab}), got "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+    key = row.long() * vocab + ids.long()
+    if key.unique().numel() != key.numel():
+        dup = key.sort().values
+        first = int(dup[1:][dup[1:] == dup[:-1]][0])
+        raise ValueError(f"kept_ids: row {first // vocab} lists id {first % vocab} twice")
+
+
+def _kept_sets(offsets, ids, T, targets, device, vocab: int) -> KeptSets | None:
     if offsets is None and ids is None:
         return None
     if offsets is None or ids is None:
@@ -93,6 +112,7 @@ def _kept_sets(offsets, ids, T, targets, device) -> KeptSets | None:
                          f"len(kept_ids) = {ids.numel()}")
     kept = KeptSets(offsets, ids)
     row, kid = kept.rows(0, T)
+    check_kept_ids(row, kid, vocab)
     hit = torch.zeros(T, dtype=torch.long, device=device).index_add_(
         0, row, (kid == targets.to(device).long()[row]).long())
     missing = kept.restricted() & (hit == 0)
@@ -102,4 +122,4 @@ def _kept_sets(offsets, ids, T, targets, device) -> KeptSets | None:
     return kept
 
 
-__all__ = ["BACKENDS", "KeptSets", "logprob_entropy", "triton_available"]
+__all__ = ["BACKENDS", "KeptSets", "check_kept_ids", "logprob_entropy", "triton_available"]

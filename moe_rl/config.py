@@ -161,6 +161,10 @@ class AlgorithmConfig:
                                    **_rng(1, lo_open=True))
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                          "seq-mean-token-sum-norm"] = _f("token-mean", "loss aggregation")
+    loss_denominator: Literal["original", "kept"] = _f(
+        "original", "normaliser of the aggregated loss: every response token (as verl, NeMo-RL, "
+        "OpenRLHF: a masked token is a zero-weight sample) or only the tokens the corrections "
+        "kept")
     max_len_norm: int | None = _f(None, "constant of seq-mean-token-sum-norm "
                                   "(null = rollout.max_new_tokens)", **_rng(1))
     pi_old: Literal["trainer", "rollout", "engine_avg"] = _f("trainer", "source of pi_old")
@@ -550,11 +554,17 @@ def validate(cfg: Config) -> None:
                           f"{a.pi_old_passes}")
     if a.pi_old_passes < 1:
         raise ConfigError(f"algorithm.pi_old_passes: expected >= 1, got {a.pi_old_passes}")
+    if a.entropy_control.method == "kl_cov" and a.loss != "ppo":
+        raise ConfigError("algorithm.entropy_control.method: kl_cov replaces the token PPO "
+                          "surrogate (unclipped -A r + penalty); it needs algorithm.loss=ppo")
     if a.loss == "gspo" and (a.clip_low <= 0 or a.clip_high <= 0):
         raise ConfigError(f"algorithm.clip_low/clip_high: GSPO needs positive clip ranges, got "
                           f"{a.clip_low} / {a.clip_high}")
     if a.clip_low < 0 or a.clip_high < 0:
         raise ConfigError("algorithm.clip_low/clip_high: clip ranges must be >= 0")
+    if a.loss == "gspo" and a.aggregation != "seq-mean-token-mean":
+        raise ConfigError(f"algorithm.aggregation: GSPO's token form has the sequence objective's "
+                          f"gradient only under seq-mean-token-mean; got {a.aggregation!r}")
     if a.clip_low >= 1:
         raise ConfigError(f"algorithm.clip_low: must be < 1 (ratio floor 1 - clip_low), got "
                           f"{a.clip_low}")

@@ -312,8 +312,8 @@ def test_mismatch_metrics_reference():
     cov = sum((x - mt) * (y - mr) for x, y in zip(pt, pr))
     pear = cov / math.sqrt(sum((x - mt) ** 2 for x in pt) * sum((y - mr) ** 2 for y in pr))
     assert m["mismatch/prob_pearson"] == pytest.approx(pear)
-    assert m["ppl/train"] == pytest.approx(math.exp(-sum(a for a, _ in pairs) / n))
-    assert m["ppl/rollout"] == pytest.approx(math.exp(-sum(b for _, b in pairs) / n))
+    assert m["ppl/token_pooled_train"] == pytest.approx(math.exp(-sum(a for a, _ in pairs) / n))
+    assert m["ppl/token_pooled_rollout"] == pytest.approx(math.exp(-sum(b for _, b in pairs) / n))
     assert m["chi2/token"] == pytest.approx(sum(math.exp(2 * x) for x in d) / n - 1)
     seq = []
     for i in range(3):

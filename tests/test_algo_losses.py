@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moe_rl.algo import (Normalisers, aggregate, clip_cov, compute_advantages, count_normalisers,
-                         gspo_loss, kl_cov_penalty, kl_estimate, kl_reward_penalty, ppo_clip_loss)
+                         gspo_loss, kl_cov_loss, kl_estimate, kl_reward_penalty, ppo_clip_loss)
 
 torch.manual_seed(0)
 
@@ -239,7 +239,9 @@ def test_clip_cov_band_membership_reference():
 
 def test_kl_cov_penalises_top_covariance_tokens():
     lp, lp_old, mask, adv = _batch(B=3, T=4, seed=4)
-    pen, m = kl_cov_penalty(lp, lp_old, adv, mask, ratio=0.2, coef=2.0)
+    loss, m = kl_cov_loss(lp, lp_old, adv, mask, ratio=0.2, coef=2.0)
+    surrogate = -torch.exp(lp - lp_old) * adv.to(lp.dtype)[:, None]   # unclipped
+    pen = loss - surrogate
     vals = [(i, t) for i in range(3) for t in range(4) if mask[i, t]]
     mlp = sum(float(lp[i, t]) for i, t in vals) / len(vals)
     madv = sum(float(adv[i]) for i, t in vals) / len(vals)
@@ -273,8 +275,8 @@ def test_off_policy_corrected_k3_and_reward_penalty():
     d = lp_ref - lp
     ref = torch.exp(lp - lp_old) * (torch.exp(d) - d - 1)
     assert torch.allclose(got, ref, atol=1e-12)
-    got.sum().backward()   # the weight is detached: gradient = w * dk3/dlp
-    assert torch.allclose(p.grad, torch.exp(lp - lp_old) * (1 - torch.exp(d)), atol=1e-12)
+    got.sum().backward()   # the weight carries gradient: d(w k3)/dlp = w (k3 + 1 - e^d) = -w d
+    assert torch.allclose(p.grad, -torch.exp(lp - lp_old) * d, atol=1e-12)
     pen = kl_reward_penalty(lp_old, lp_ref, mask, "k1", 0.5)
     for i in range(lp.shape[0]):
         ref_i = 0.5 * sum(float(lp_old[i, t] - lp_ref[i, t]) for t in range(lp.shape[1])

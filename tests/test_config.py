@@ -27,7 +27,8 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"trainer": {"lr": 1e-4, "steps": 3},
                                  "algorithm": {"loss": "gspo", "clip_low": 3e-4,
-                                               "clip_high": 4e-4}}))
+                                               "clip_high": 4e-4,
+                                               "aggregation": "seq-mean-token-mean"}}))
     cfg = load_config(f, ["trainer.steps=7", "algorithm.corrections=[icepop,seq_mis]",
                           "algorithm.correction.mis_c=3", "trainer.lr=2e-6"])
     assert cfg.trainer.steps == 7

@@ -127,3 +127,40 @@ def test_export_hf_matches_trained_weights(tiny, tmp_path):
     assert abs(m["mismatch/k1"]) < 1e-4   # the engine now serves the trained weights
     with torch.no_grad():
         assert not torch.allclose(exported(ids).logits, hf_model(ids).logits)
+
+
+def _all_negative(samples):
+    for s in samples:   # every sample below its group's mean: some with A < 0 in every group
+        s.reward = float(s.sample_id % 2)
+    return samples
+
+
+def test_deepseek_mask_fires_on_live_logprobs_after_an_update(tiny):
+    """opsm with opsm_reference=pi_old and pi_old=trainer: before any update pi_theta = pi_old,
+    so nothing is masked in the first mini-batch; after one large update pi_theta has drifted and
+    the mask fires on the negative-advantage sequences of the later mini-batches (evaluated
+    once in preparation, as before, its statistic was always 0)."""
+    path, hf_model = tiny
+    cfg = make_cfg(path, corrections=["opsm"],
+                   correction={"opsm_delta": 1e-4, "opsm_reference": "pi_old"})
+    cfg.trainer.lr, cfg.trainer.mini_batches, cfg.trainer.epochs = 5e-2, 2, 2
+    trainer = PolicyTrainer(cfg, path)
+    m = trainer.train_step(_all_negative(engine_samples(hf_model, n_groups=2, group_size=2,
+                                                        seed=4)))
+    assert m["ratio/first_minibatch_max_dev"] < 1e-5
+    assert m["correction/opsm/masked_seq_frac"] > 0
+
+
+def test_bypass_mode_corrections_act_on_pi_theta_over_pi_roll(tiny):
+    """pi_old=rollout: rho = pi_old/pi_roll = 1, so corrections evaluated on it never act; in
+    bypass they run on pi_theta/pi_roll in the loss and do (noisy engine log-probs here)."""
+    path, hf_model = tiny
+    samples = engine_samples(hf_model, n_groups=2, group_size=2, seed=5, noise=0.5)
+    trainer = PolicyTrainer(make_cfg(path, pi_old="rollout", corrections=["icepop"],
+                                     correction={"icepop_low": 0.9, "icepop_high": 1.1}), path)
+    m = trainer.train_step(samples)
+    assert m["correction/icepop/masked_token_frac"] > 0.2
+    exact = engine_samples(hf_model, n_groups=2, group_size=2, seed=5)
+    trainer = PolicyTrainer(make_cfg(path, pi_old="rollout", corrections=["icepop"],
+                                     correction={"icepop_low": 0.9, "icepop_high": 1.1}), path)
+    assert trainer.train_step(exact)["correction/icepop/masked_token_frac"] == 0.0

@@ -93,7 +93,7 @@ def train_one_step(model: pathlib.Path, run_dir: pathlib.Path, combo: dict) -> d
     """One RL step of `moe-rl train` with ``combo``; returns the step's metrics."""
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(CONFIG),
            f"model.path={model}", f"logging.dir={run_dir}", "trainer.steps=1",
-           "trainer.sft_warmup_steps=0", "trainer.mini_batches=2", "trainer.export_hf=false",
+           "trainer.sft_warmup_steps=0", "trainer.export_hf=false",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
            "rollout.max_new_tokens=3", f"rollout.base_port={free_port()}",
            "logging.progress=false", "logging.tensorboard=false", *overrides(combo)]

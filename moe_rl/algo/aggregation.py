@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_rl.algo.common import zero_masked
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                 "seq-mean-token-sum-norm")
 
@@ -29,9 +31,12 @@ def count_normalisers(mask: torch.Tensor, max_len: int | None = None) -> Normali
                        None if max_len is None else float(max_len))
 
 
-def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normalisers
-              ) -> torch.Tensor:
-    """This part's share of the batch loss.
+def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normalisers,
+              count_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """This part's share of the batch loss, summing ``loss_tok`` over ``mask`` (by selection: a
+    NaN at a masked position never reaches the sum). ``count_mask`` (default ``mask``) gives
+    each sequence's token count n_i: pass the response mask to keep tokens that a correction
+    removed in the denominator (``algorithm.loss_denominator: original``).
 
     token-mean:              sum_(i,t) l / N_tokens
     seq-mean-token-mean:     sum_i (sum_t l / n_i) / N_seqs
@@ -42,8 +47,8 @@ def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, mode: str, norm: Norma
         raise ValueError(f"aggregation: expected one of {AGGREGATIONS}, got {mode!r}")
     if loss_tok.shape != mask.shape:
         raise ValueError(f"mask: expected shape {list(loss_tok.shape)}, got {list(mask.shape)}")
-    m = mask.to(loss_tok.dtype)
-    tok_sum = (loss_tok * m).sum(-1)
+    m = (mask if count_mask is None else count_mask).to(loss_tok.dtype)
+    tok_sum = zero_masked(loss_tok, mask).sum(-1)
     if mode == "token-mean":
         return tok_sum.sum() / max(norm.num_tokens, 1.0)
     if mode == "seq-mean-token-mean":

@@ -4,9 +4,17 @@ from __future__ import annotations
 import torch
 
 
-def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """float32, or float64 when any input is float64 (tests use float64 references)."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float32, or float64 when any input is float64: per-token algorithm arithmetic never runs
+    in bfloat16 / float16 (a GSPO ratio of 1.002 reads as 1.0 there)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) \
+        else torch.float32
+
+
+def zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with every position outside ``mask`` set to 0 by selection, so a NaN or inf at a
+    masked position never reaches a sum (0 * NaN would)."""
+    return torch.where(mask.to(torch.bool), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def as_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -21,20 +29,18 @@ def seq_token_counts(mask: torch.Tensor) -> torch.Tensor:
 
 def masked_seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence sum of ``x`` over masked tokens, [B]."""
-    return (x * mask.to(x.dtype)).sum(-1)
+    return zero_masked(x, mask).sum(-1)
 
 
 def masked_seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence mean of ``x`` over masked tokens ([B]); 0 for a sequence with no token."""
-    m = mask.to(x.dtype)
-    n = m.sum(-1)
-    return (x * m).sum(-1) / n.clamp_min(1)
+    n = mask.to(x.dtype).sum(-1)
+    return zero_masked(x, mask).sum(-1) / n.clamp_min(1)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` over all masked tokens of the batch (0 when there is none)."""
-    m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp_min(1)
+    return zero_masked(x, mask).sum() / mask.to(x.dtype).sum().clamp_min(1)
 
 
 def broadcast_to_tokens(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,10 @@ class CorrectionInputs:
     def __post_init__(self) -> None:
         check_same_shape(lp_old=self.lp_old, lp_roll=self.lp_roll, mask=self.mask, lp=self.lp)
         self.valid = self.mask.to(torch.bool)
+        for name in ("lp_old", "lp_roll", "lp"):
+            t = getattr(self, name)
+            if t is not None and not bool(torch.isfinite(t[self.valid]).all()):
+                raise ValueError(f"{name}: non-finite log-prob on a response token")
         with torch.no_grad():
             d = (self.lp_old - self.lp_roll).detach()
             d = torch.where(self.valid, d, torch.zeros_like(d))

@@ -3,25 +3,33 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.algo.common import broadcast_to_tokens, check_same_shape, masked_mean, masked_seq_mean
+from moe_rl.algo.common import (broadcast_to_tokens, check_same_shape, compute_dtype, masked_mean,
+                               masked_seq_mean)
+
+
+EXP_CLAMP = 20.0      # PPO: the token log-ratio is clamped to +-20 before exp (as verl)
+GSPO_LOG_CAP = 10.0   # GSPO: the sequence and token log-ratios are capped at 10 (as verl)
 
 
 def ppo_clip_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, clip_low: float, clip_high: float,
                   dual_clip_c: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-level PPO-clip: ``-min(r A, clip(r, 1-clip_low, 1+clip_high) A)``.
+    """Token-level PPO-clip: ``-min(r A, clip(r, 1-clip_low, 1+clip_high) A)``, in float32
+    (float64 for float64 inputs), with ``log r`` clamped to +-20 before the exp.
 
     clip-higher is ``clip_high > clip_low``; dual-clip caps the loss of negative-advantage
     tokens at ``c |A|``. Returns the per-token loss [B, T] and metrics (clip_frac,
     dual_clip_frac) over the masked tokens.
     """
     check_same_shape(lp=lp, lp_old=lp_old, mask=mask)
-    adv = broadcast_to_tokens(advantages.to(lp.dtype), lp)
-    ratio = torch.exp(lp - lp_old)
+    dtype = compute_dtype(lp, lp_old, advantages)
+    lp, lp_old = lp.to(dtype), lp_old.to(dtype)
+    adv = broadcast_to_tokens(advantages.to(dtype), lp)
+    ratio = torch.exp((lp - lp_old).clamp(-EXP_CLAMP, EXP_CLAMP))
     loss_unclipped = -ratio * adv
     loss_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     loss = torch.maximum(loss_unclipped, loss_clipped)
-    clipped = (loss_clipped > loss_unclipped).to(lp.dtype)
+    clipped = (loss_clipped > loss_unclipped).to(dtype)
     dual = torch.zeros_like(loss)
     if dual_clip_c is not None:
         if dual_clip_c <= 1:
@@ -29,7 +37,7 @@ def ppo_clip_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tens
         cap = -dual_clip_c * adv  # = c|A| where A < 0
         capped = (adv < 0) & (loss > cap)
         loss = torch.where(capped, cap, loss)
-        dual = capped.to(lp.dtype)
+        dual = capped.to(dtype)
     with torch.no_grad():
         metrics = {"clip_frac": float(masked_mean(clipped, mask)),
                    "dual_clip_frac": float(masked_mean(dual, mask))}
@@ -39,7 +47,9 @@ def ppo_clip_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tens
 def gspo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO in token form: ``s_it = sg[s_i] * exp(lp - sg[lp])`` with ``s_i`` the length-normalised
-    sequence ratio ``exp(mean_t (lp - lp_old))``; loss ``-min(s_it A_i, clip(s_it) A_i)``.
+    sequence ratio ``exp(mean_t (lp - lp_old))``; loss ``-min(s_it A_i, clip(s_it) A_i)``, in
+    float32 (float64 for float64 inputs). ``log s_i`` and ``log s_it`` are capped at 10 (verl's
+    bound; no gradient beyond).
 
     Aggregated seq-mean-token-mean its gradient equals that of the sequence-level objective.
     Returns the per-token loss [B, T] and metrics (clip_frac = fraction of sequences clipped,
@@ -49,15 +59,19 @@ def gspo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor, 
     if advantages.dim() != 1:
         raise ValueError(f"advantages: GSPO needs one advantage per sequence [B], got "
                          f"{list(advantages.shape)}")
-    log_s = masked_seq_mean(lp - lp_old, mask).clamp(-20.0, 20.0)
-    s_tok = torch.exp(log_s.detach()[:, None] + lp - lp.detach())
-    adv = broadcast_to_tokens(advantages.to(lp.dtype), lp)
+    dtype = compute_dtype(lp, lp_old, advantages)
+    lp, lp_old = lp.to(dtype), lp_old.to(dtype)
+    log_s = masked_seq_mean(lp - lp_old, mask).clamp(max=GSPO_LOG_CAP)
+    log_tok = log_s.detach()[:, None] + lp - lp.detach()
+    beyond = (log_s.detach() >= GSPO_LOG_CAP)[:, None]   # capped sequences carry no gradient
+    s_tok = torch.exp(torch.where(beyond, log_tok.detach(), log_tok))
+    adv = broadcast_to_tokens(advantages.to(dtype), lp)
     loss_unclipped = -s_tok * adv
     loss_clipped = -s_tok.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     loss = torch.maximum(loss_unclipped, loss_clipped)
     with torch.no_grad():
         has_tok = mask.to(torch.bool).any(-1)
-        clipped_seq = (loss_clipped > loss_unclipped).any(-1) & has_tok
+        clipped_seq = ((loss_clipped > loss_unclipped) & mask.to(torch.bool)).any(-1) & has_tok
         n = has_tok.sum().clamp_min(1)
         metrics = {"clip_frac": float(clipped_seq.sum() / n),
                    "gspo/seq_ratio_mean": float(torch.exp(log_s)[has_tok].mean())
@@ -87,7 +101,8 @@ def clip_cov(lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, 
     cov = _token_covariance(lp, advantages, mask)
     valid = mask.to(torch.bool)
     band = valid & (cov >= cov_low) & (cov <= cov_high)
-    n_pick = min(int(round(ratio * int(valid.sum()))), int(band.sum()))
+    # at least one token when the band is not empty (round(r N) is 0 for small batches)
+    n_pick = min(max(int(round(ratio * int(valid.sum()))), 1), int(band.sum()))
     chosen = torch.zeros_like(valid)
     if n_pick > 0:
         idx = band.flatten().nonzero().squeeze(1)
@@ -97,18 +112,24 @@ def clip_cov(lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, 
     return out, {"clip_cov/frac": float(chosen.sum()) / max(int(valid.sum()), 1)}
 
 
-def kl_cov_penalty(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
-                   mask: torch.Tensor, *, ratio: float, coef: float
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL-Cov: per-token penalty ``coef * |lp - lp_old|`` on the top ``ratio`` fraction of masked
-    tokens by covariance ``c_t``; zero elsewhere. Add it to the per-token policy loss."""
+def kl_cov_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, *, ratio: float, coef: float
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al., 2025): the UNCLIPPED surrogate ``-A r`` on every token, plus
+    ``coef * |lp - lp_old|`` on the top ``ratio`` fraction of masked tokens by covariance
+    ``c_t`` (at least one when there are tokens). Replaces the PPO-clip loss; float32 or better,
+    ``log r`` clamped to +-20 before the exp."""
+    dtype = compute_dtype(lp, lp_old, advantages)
+    lp, lp_old = lp.to(dtype), lp_old.to(dtype)
     cov = _token_covariance(lp, advantages, mask)
     valid = mask.to(torch.bool)
     n_valid = int(valid.sum())
-    k = min(int(round(ratio * n_valid)), n_valid)
+    k = min(max(int(round(ratio * n_valid)), 1), n_valid)
     chosen = torch.zeros_like(valid)
     if k > 0:
         scores = torch.where(valid, cov, torch.full_like(cov, -torch.inf)).flatten()
         chosen.view(-1)[torch.topk(scores, k).indices] = True
-    penalty = coef * (lp - lp_old).abs() * chosen.to(lp.dtype)
-    return penalty, {"kl_cov/frac": k / max(n_valid, 1)}
+    adv = broadcast_to_tokens(advantages.to(dtype), lp)
+    surrogate = -torch.exp((lp - lp_old).clamp(-EXP_CLAMP, EXP_CLAMP)) * adv
+    penalty = torch.where(chosen, coef * (lp - lp_old).abs(), torch.zeros_like(lp))
+    return surrogate + penalty, {"kl_cov/frac": k / max(n_valid, 1)}

@@ -1,6 +1,8 @@
 """Mismatch, routing and batch metrics, with the names of ALGORITHMS.md; plus the collapse guard."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 LOG_CLAMP = 20.0
@@ -11,7 +13,9 @@ def mismatch_metrics(lp_old: torch.Tensor, lp_roll: torch.Tensor, mask: torch.Te
     """Training-inference mismatch between ``lt = lp_old`` (trainer, before the update) and
     ``lr = lp_roll`` (engine) over the response tokens: mismatch/k1, mismatch/k3,
     mismatch/abs_diff_mean, mismatch/abs_diff_max, mismatch/extreme_frac,
-    mismatch/prob_pearson, ppl/train, ppl/rollout, chi2/token, chi2/seq."""
+    mismatch/prob_pearson, ppl/token_pooled_train, ppl/token_pooled_rollout (exp of minus the
+    mean log-prob pooled over every token of the batch, not verl's per-sequence mean),
+    chi2/token, chi2/seq."""
     valid = mask.to(torch.bool)
     lt = lp_old.detach().to(torch.float64)
     lr = lp_roll.detach().to(torch.float64)
@@ -35,8 +39,8 @@ def mismatch_metrics(lp_old: torch.Tensor, lp_roll: torch.Tensor, mask: torch.Te
         "mismatch/abs_diff_max": float(d.abs().max()),
         "mismatch/extreme_frac": float(((ratio < 0.5) | (ratio > 2.0)).double().mean()),
         "mismatch/prob_pearson": pearson,
-        "ppl/train": float(torch.exp(-ltv.mean())),
-        "ppl/rollout": float(torch.exp(-lrv.mean())),
+        "ppl/token_pooled_train": float(torch.exp(-ltv.mean())),
+        "ppl/token_pooled_rollout": float(torch.exp(-lrv.mean())),
         "chi2/token": float((ratio * ratio).mean() - 1.0),
         "chi2/seq": float((rho_seq * rho_seq).mean() - 1.0),
     }
@@ -85,8 +89,9 @@ def batch_metrics(rewards: torch.Tensor, mask: torch.Tensor, entropy: torch.Tens
 
 
 def collapse_guard(metrics: dict[str, float], threshold: float | None) -> bool:
-    """True when the batch must be skipped: ``mismatch/k3`` above ``threshold`` (None = off)."""
-    if threshold is None:
-        return False
+    """True when the batch must be skipped: a non-finite ``mismatch/k3`` (always, guard on or
+    off: such a batch cannot be trusted), or one above ``threshold`` (None = off)."""
     k3 = metrics.get("mismatch/k3")
-    return k3 is not None and k3 > threshold
+    if k3 is not None and not math.isfinite(k3):
+        return True
+    return threshold is not None and k3 is not None and k3 > threshold

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_rl_kernels import check_kept_ids
+
 
 def check_ragged(offsets: torch.Tensor, ids: torch.Tensor, rows: int, vocab: int) -> None:
     """Validate a ragged kept-id table of ``rows`` rows over a vocabulary of ``vocab``."""
@@ -17,9 +19,8 @@ def check_ragged(offsets: torch.Tensor, ids: torch.Tensor, rows: int, vocab: int
                          f"{ids.numel()}, got {int(offsets[0])} .. {int(offsets[-1])}")
     if (offsets[1:] < offsets[:-1]).any():
         raise ValueError("kept_offsets: expected non-decreasing offsets")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(f"kept_ids: expected ids in [0, {vocab}), got "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
+    row = torch.repeat_interleave(torch.arange(rows), (offsets[1:] - offsets[:-1]).long())
+    check_kept_ids(row, ids, vocab)
 
 
 def masked_logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, kept_offsets: torch.Tensor,
@@ -46,7 +47,7 @@ def masked_logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, kept_off
     # full-vocabulary rows
     full_lse = torch.logsumexp(z, dim=-1)
     full_p = torch.softmax(z, dim=-1)
-    full_ent = full_lse - (full_p * z).sum(-1)
+    full_ent = full_lse - torch.where(full_p > 0, full_p * z, torch.zeros_like(z)).sum(-1)
     # kept-set rows: gather the kept logits and reduce per segment
     row = torch.repeat_interleave(torch.arange(n), lengths)
     zk = z[row, kept_ids.long()]
@@ -55,7 +56,8 @@ def masked_logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, kept_off
     seg_max = torch.where(restricted, seg_max, torch.zeros_like(seg_max))
     ek = torch.exp(zk - seg_max[row])
     sum_e = torch.zeros(n, dtype=dtype).index_add(0, row, ek)
-    sum_ez = torch.zeros(n, dtype=dtype).index_add(0, row, ek * zk)
+    sum_ez = torch.zeros(n, dtype=dtype).index_add(
+        0, row, torch.where(ek > 0, ek * zk, torch.zeros_like(zk)))   # -inf logits add nothing
     safe_sum = torch.where(restricted, sum_e, torch.ones_like(sum_e))
     kept_lse = seg_max + torch.log(safe_sum)
     kept_ent = kept_lse - sum_ez / safe_sum

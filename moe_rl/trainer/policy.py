@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from moe_rl.algo import (CorrectionInputs, Normalisers, aggregate, apply_corrections,
                          average_pass_logprobs, batch_metrics, clip_cov, collapse_guard,
-                         compute_advantages, gspo_loss, kept_set_sizes, kl_cov_penalty,
+                         compute_advantages, gspo_loss, kept_set_sizes, kl_cov_loss,
                          kl_estimate, kl_reward_penalty, mismatch_metrics, ppo_clip_loss)
 from moe_rl.config import Config
 from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
@@ -68,6 +68,19 @@ class StepBatch:
     keep: torch.Tensor
     advantages: torch.Tensor
     r2_routing: dict[int, list[torch.Tensor]]
+
+
+GROUP_CORRECTIONS = ("metropolis", "snis")
+
+
+def live_corrections(a) -> list[str]:
+    """Corrections evaluated in each micro-step on the current pi_theta (detached): the
+    DeepSeek-V3.2 off-policy mask always (its statistic is pi_behaviour vs pi_theta); in bypass
+    mode (pi_old = rollout, where pi_old/pi_roll = 1) every per-token and per-sequence
+    correction, on pi_theta/pi_roll as verl and slime do."""
+    if a.pi_old == "rollout":
+        return [c for c in a.corrections if c not in GROUP_CORRECTIONS]
+    return [c for c in a.corrections if c == "opsm"]
 
 
 class PolicyTrainer:
@@ -123,6 +136,7 @@ class PolicyTrainer:
         self.ema = None
         if t.ema_decay is not None:
             self.ema = {n: p.detach().clone().float() for n, p in model.named_parameters()}
+        self.live_corrections = live_corrections(cfg.algorithm)
         self.step = 0
         self.guard_skipped_total = 0
         self.generator = torch.Generator().manual_seed(t.seed)
@@ -230,8 +244,13 @@ class PolicyTrainer:
                                                   a.kl.coef).float()
         groups = torch.tensor([s.group_id for s in samples])
         adv = compute_advantages(rewards, groups, a.advantage)
-        corr = apply_corrections(a.corrections, a.correction, CorrectionInputs(
-            lp_old=lp_old.double(), lp_roll=lp_roll.double(), mask=mask, advantages=adv.double(),
+        # corrections that read pi_theta run inside each micro-step on the live (detached)
+        # log-probs; the rest here. Bypass (pi_old = rollout) makes rho = pi_old/pi_roll = 1, so
+        # there the group-wise ones (metropolis, snis) use pi_theta before the update (lp_tr)
+        now = [c for c in a.corrections if c not in self.live_corrections]
+        target = lp_tr if a.pi_old == "rollout" else lp_old
+        corr = apply_corrections(now, a.correction, CorrectionInputs(
+            lp_old=target.double(), lp_roll=lp_roll.double(), mask=mask, advantages=adv.double(),
             group_ids=groups, lp=lp_tr.double(), generator=self.generator))
         metrics.update(corr.metrics)
         metrics["weight_version/min"] = float(min(s.weight_version for s in samples))
@@ -273,7 +292,9 @@ class PolicyTrainer:
                     continue
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                eff = batch.mask[mini] & batch.keep[mini]
+                eff = batch.mask[mini]
+                if a.loss_denominator == "kept":
+                    eff = eff & batch.keep[mini]
                 counts = _dp_sum([float(eff.sum()), float(eff.any(-1).sum())])
                 norm = Normalisers(counts[0], counts[1],
                                    float(a.max_len_norm or cfg.rollout.max_new_tokens))
@@ -292,6 +313,9 @@ class PolicyTrainer:
                if not k.startswith("_") and k != "loss"}
         out["loss"] = sums.get("loss", 0.0) / max(sums.get("_minibatches", 1.0), 1.0)
         out["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0
+        for k, v in sums.items():
+            if k.startswith("_live/"):
+                out[k[len("_live/"):]] = v / max(sums["_live_tokens"], 1.0)
         if "_first_dev" in sums:
             out["ratio/first_minibatch_max_dev"] = sums["_first_dev"]
         return out
@@ -308,8 +332,21 @@ class PolicyTrainer:
         ent = mb.to_response_padded(ent_pos)
         mask = batch.mask[rows, :width]
         keep = batch.keep[rows, :width] & mask
-        lp_old = batch.lp_old[rows, :width].to(lp.dtype)
-        adv = batch.advantages[rows].to(lp.dtype)
+        lp_old = batch.lp_old[rows, :width].float()   # the losses compute in float32 or better
+        adv = batch.advantages[rows].float()
+        weights = batch.weights[rows, :width]
+        if self.live_corrections:
+            live = apply_corrections(self.live_corrections, a.correction, CorrectionInputs(
+                lp_old=(lp.detach() if a.pi_old == "rollout" else lp_old).double(),
+                lp_roll=batch.lp_roll[rows, :width].double(), mask=keep,
+                advantages=adv.double(), lp=lp.detach().double()))
+            n_live = float(keep.sum())
+            sums["_live_tokens"] = sums.get("_live_tokens", 0.0) + n_live
+            for k, v in live.metrics.items():
+                if k.startswith("correction/"):
+                    sums["_live/" + k] = sums.get("_live/" + k, 0.0) + v * n_live
+            keep = keep & live.keep
+            weights = weights * live.weights.to(weights.dtype)
         if first and bool(keep.any()):   # before any update pi_theta must equal pi_old
             dev = float(((lp.detach().double() - lp_old.double()).exp() - 1).abs()[keep].max())
             sums["_first_dev"] = max(sums.get("_first_dev", 0.0), dev)
@@ -317,24 +354,25 @@ class PolicyTrainer:
             lp, cc = clip_cov(lp, adv, keep, ratio=a.entropy_control.clip_cov_ratio,
                               cov_low=a.entropy_control.clip_cov_low,
                               cov_high=a.entropy_control.clip_cov_high, generator=self.generator)
-        if a.loss == "gspo":
+        if a.entropy_control.method == "kl_cov":   # replaces the clipped surrogate
+            loss_tok, lm = kl_cov_loss(lp, lp_old, adv, keep,
+                                       ratio=a.entropy_control.kl_cov_ratio,
+                                       coef=a.entropy_control.kl_cov_coef)
+        elif a.loss == "gspo":
             loss_tok, lm = gspo_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high)
         else:
             loss_tok, lm = ppo_clip_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high,
                                          a.dual_clip_c)
-        loss_tok = loss_tok * batch.weights[rows, :width].to(lp.dtype)
-        if a.entropy_control.method == "kl_cov":
-            pen, _ = kl_cov_penalty(lp, lp_old, adv, keep, ratio=a.entropy_control.kl_cov_ratio,
-                                    coef=a.entropy_control.kl_cov_coef)
-            loss_tok = loss_tok + pen
+        loss_tok = loss_tok * weights.to(loss_tok.dtype)
         kl_tok = None
         if batch.lp_ref is not None and not a.kl.in_reward:
-            kl_tok = kl_estimate(lp, batch.lp_ref[rows, :width].to(lp.dtype), a.kl.estimator,
+            kl_tok = kl_estimate(lp, batch.lp_ref[rows, :width], a.kl.estimator,
                                  lp_old=lp_old, off_policy_corrected=a.kl.off_policy_corrected)
             loss_tok = loss_tok + a.kl.coef * kl_tok
         if a.entropy_coef:
             loss_tok = loss_tok - a.entropy_coef * ent
-        loss = aggregate(loss_tok, keep, a.aggregation, norm)
+        loss = aggregate(loss_tok, keep, a.aggregation, norm,
+                         count_mask=mask if a.loss_denominator == "original" else None)
         with self.replay.backward():
             loss.backward()
         n_tok = float(keep.sum())
