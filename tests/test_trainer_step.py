@@ -164,3 +164,24 @@ def test_bypass_mode_corrections_act_on_pi_theta_over_pi_roll(tiny):
     trainer = PolicyTrainer(make_cfg(path, pi_old="rollout", corrections=["icepop"],
                                      correction={"icepop_low": 0.9, "icepop_high": 1.1}), path)
     assert trainer.train_step(exact)["correction/icepop/masked_token_frac"] == 0.0
+
+
+@pytest.mark.parametrize("method", ["clip_cov", "kl_cov"])
+def test_covariance_selection_is_made_over_the_whole_mini_batch(tiny, method):
+    """round(r N) tokens of the whole batch, not of each micro-batch: one micro-batch or four give
+    the same selection, loss and update (per micro-batch, four would each pick one token)."""
+    path, hf_model = tiny
+    out = []
+    for mbs in (4, 1):
+        cfg = make_cfg(path, loss="ppo", entropy_control={
+            "method": method, "clip_cov_ratio": 0.01, "clip_cov_low": -100.0,
+            "clip_cov_high": 100.0, "kl_cov_ratio": 0.01, "kl_cov_coef": 1.0})
+        cfg.trainer.micro_batch_size = mbs
+        trainer = PolicyTrainer(cfg, path)
+        samples = engine_samples(hf_model, n_groups=2, group_size=2, seed=7)
+        m = trainer.train_step(samples)
+        n_tok = sum(int(s.response_len) for s in samples)
+        assert m[f"{method}/frac"] == pytest.approx(1 / n_tok)
+        out.append((m["loss"], m["grad_norm"]))
+    assert out[0][0] == pytest.approx(out[1][0], rel=1e-4, abs=1e-7)
+    assert out[0][1] == pytest.approx(out[1][1], rel=1e-4)

@@ -89,38 +89,43 @@ def _token_covariance(lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
         return lp_c * adv_c
 
 
-def clip_cov(lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, ratio: float,
-             cov_low: float, cov_high: float, generator: torch.Generator | None = None
-             ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clip-Cov: detach ``lp`` on ``round(ratio * N)`` tokens drawn uniformly (seeded) among the
-    masked tokens whose covariance ``c_t`` lies in ``[cov_low, cov_high]``.
-
-    Returns ``lp`` with those tokens detached (no gradient through them) and the metric
-    ``clip_cov/frac`` (fraction of masked tokens detached).
-    """
+def clip_cov_select(lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                    ratio: float, cov_low: float, cov_high: float,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """Clip-Cov's tokens [B, T] bool: ``max(1, round(ratio * N))`` drawn uniformly (seeded)
+    among the masked tokens whose covariance ``c_t`` lies in ``[cov_low, cov_high]`` (none when
+    that band is empty). Call it on the whole (mini-)batch, not per micro-batch."""
     cov = _token_covariance(lp, advantages, mask)
     valid = mask.to(torch.bool)
     band = valid & (cov >= cov_low) & (cov <= cov_high)
-    # at least one token when the band is not empty (round(r N) is 0 for small batches)
     n_pick = min(max(int(round(ratio * int(valid.sum()))), 1), int(band.sum()))
     chosen = torch.zeros_like(valid)
     if n_pick > 0:
         idx = band.flatten().nonzero().squeeze(1)
         perm = torch.randperm(idx.numel(), generator=generator)[:n_pick]
         chosen.view(-1)[idx[perm]] = True
+    return chosen
+
+
+def clip_cov(lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, ratio: float,
+             cov_low: float, cov_high: float, generator: torch.Generator | None = None,
+             chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov: ``lp`` with the selected tokens detached (no gradient through them) and the
+    metric ``clip_cov/frac`` (fraction of masked tokens detached). ``chosen``: a selection made
+    on the whole batch by :func:`clip_cov_select` (default: select here)."""
+    valid = mask.to(torch.bool)
+    if chosen is None:
+        chosen = clip_cov_select(lp, advantages, mask, ratio=ratio, cov_low=cov_low,
+                                 cov_high=cov_high, generator=generator)
+    chosen = chosen & valid
     out = torch.where(chosen, lp.detach(), lp)
     return out, {"clip_cov/frac": float(chosen.sum()) / max(int(valid.sum()), 1)}
 
 
-def kl_cov_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, *, ratio: float, coef: float
-                ) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL-Cov (Cui et al., 2025): the UNCLIPPED surrogate ``-A r`` on every token, plus
-    ``coef * |lp - lp_old|`` on the top ``ratio`` fraction of masked tokens by covariance
-    ``c_t`` (at least one when there are tokens). Replaces the PPO-clip loss; float32 or better,
-    ``log r`` clamped to +-20 before the exp."""
-    dtype = compute_dtype(lp, lp_old, advantages)
-    lp, lp_old = lp.to(dtype), lp_old.to(dtype)
+def kl_cov_select(lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                  ratio: float) -> torch.Tensor:
+    """KL-Cov's tokens [B, T] bool: the top ``max(1, round(ratio * N))`` masked tokens by
+    covariance ``c_t`` (none without masked tokens). Call it on the whole (mini-)batch."""
     cov = _token_covariance(lp, advantages, mask)
     valid = mask.to(torch.bool)
     n_valid = int(valid.sum())
@@ -129,7 +134,23 @@ def kl_cov_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor
     if k > 0:
         scores = torch.where(valid, cov, torch.full_like(cov, -torch.inf)).flatten()
         chosen.view(-1)[torch.topk(scores, k).indices] = True
+    return chosen
+
+
+def kl_cov_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, *, ratio: float, coef: float,
+                chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al., 2025): the UNCLIPPED surrogate ``-A r`` on every token, plus
+    ``coef * |lp - lp_old|`` on the selected tokens (``chosen`` from :func:`kl_cov_select` on
+    the whole batch; default: select here). Replaces the PPO-clip loss; float32 or better,
+    ``log r`` clamped to +-20 before the exp."""
+    dtype = compute_dtype(lp, lp_old, advantages)
+    lp, lp_old = lp.to(dtype), lp_old.to(dtype)
+    valid = mask.to(torch.bool)
+    if chosen is None:
+        chosen = kl_cov_select(lp, advantages, mask, ratio=ratio)
+    chosen = chosen & valid
     adv = broadcast_to_tokens(advantages.to(dtype), lp)
     surrogate = -torch.exp((lp - lp_old).clamp(-EXP_CLAMP, EXP_CLAMP)) * adv
     penalty = torch.where(chosen, coef * (lp - lp_old).abs(), torch.zeros_like(lp))
-    return surrogate + penalty, {"kl_cov/frac": k / max(n_valid, 1)}
+    return surrogate + penalty, {"kl_cov/frac": float(chosen.sum()) / max(int(valid.sum()), 1)}

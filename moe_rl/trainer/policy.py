@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.algo import (CorrectionInputs, Normalisers, aggregate, apply_corrections,
-                         average_pass_logprobs, batch_metrics, clip_cov, collapse_guard,
-                         compute_advantages, gspo_loss, kept_set_sizes, kl_cov_loss,
+                         average_pass_logprobs, batch_metrics, clip_cov, clip_cov_select,
+                         collapse_guard, compute_advantages, gspo_loss, kept_set_sizes,
+                         kl_cov_loss, kl_cov_select,
                          kl_estimate, kl_reward_penalty, mismatch_metrics, ppo_clip_loss)
 from moe_rl.config import Config
 from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
@@ -298,8 +299,9 @@ class PolicyTrainer:
                 counts = _dp_sum([float(eff.sum()), float(eff.any(-1).sum())])
                 norm = Normalisers(counts[0], counts[1],
                                    float(a.max_len_norm or cfg.rollout.max_new_tokens))
+                selection = self._covariance_selection(batch, mini)
                 for mb in self._micro_batches(batch.samples, mini):
-                    self._micro_step(batch, mb, norm, sums, first)
+                    self._micro_step(batch, mb, norm, sums, first, selection)
                 first = False
                 sums["_minibatches"] = sums.get("_minibatches", 0.0) + 1
                 self.model.finish_grad_sync()
@@ -320,8 +322,35 @@ class PolicyTrainer:
             out["ratio/first_minibatch_max_dev"] = sums["_first_dev"]
         return out
 
+    def _covariance_selection(self, batch: StepBatch, mini: list[int]) -> torch.Tensor | None:
+        """Clip-Cov / KL-Cov tokens chosen over the whole mini-batch (not per micro-batch, where
+        round(r N) of a small micro-batch is 0), from a no-grad forward with the weights the
+        mini-batch's micro-steps will use (so the same log-probs) under the step's replay."""
+        a = self.cfg.algorithm
+        e = a.entropy_control
+        if e.method not in ("clip_cov", "kl_cov"):
+            return None
+        lp_now = torch.zeros_like(batch.lp_old)
+        for mb in self._micro_batches(batch.samples, mini):
+            lp, _ = self._forward(self.model, self.replay, mb, a.replay,
+                                  recorded=batch.r2_routing)
+            width = int(mb.response_lens.max())
+            lp_now[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
+        keep = batch.mask[mini] & batch.keep[mini]
+        if e.method == "clip_cov":
+            chosen = clip_cov_select(lp_now[mini], batch.advantages[mini].float(), keep,
+                                     ratio=e.clip_cov_ratio, cov_low=e.clip_cov_low,
+                                     cov_high=e.clip_cov_high, generator=self.generator)
+        else:
+            chosen = kl_cov_select(lp_now[mini], batch.advantages[mini].float(), keep,
+                                   ratio=e.kl_cov_ratio)
+        selection = torch.zeros_like(batch.mask)
+        selection[mini] = chosen
+        return selection
+
     def _micro_step(self, batch: StepBatch, mb: MicroBatch, norm: Normalisers,
-                    sums: dict[str, float], first: bool = False) -> None:
+                    sums: dict[str, float], first: bool = False,
+                    selection: torch.Tensor | None = None) -> None:
         a = self.cfg.algorithm
         rows = mb.sample_indices
         width = int(mb.response_lens.max())
@@ -350,19 +379,23 @@ class PolicyTrainer:
         if first and bool(keep.any()):   # before any update pi_theta must equal pi_old
             dev = float(((lp.detach().double() - lp_old.double()).exp() - 1).abs()[keep].max())
             sums["_first_dev"] = max(sums.get("_first_dev", 0.0), dev)
+        cc: dict[str, float] = {}
         if a.entropy_control.method == "clip_cov":
             lp, cc = clip_cov(lp, adv, keep, ratio=a.entropy_control.clip_cov_ratio,
                               cov_low=a.entropy_control.clip_cov_low,
-                              cov_high=a.entropy_control.clip_cov_high, generator=self.generator)
+                              cov_high=a.entropy_control.clip_cov_high,
+                              chosen=selection[rows, :width])
         if a.entropy_control.method == "kl_cov":   # replaces the clipped surrogate
             loss_tok, lm = kl_cov_loss(lp, lp_old, adv, keep,
                                        ratio=a.entropy_control.kl_cov_ratio,
-                                       coef=a.entropy_control.kl_cov_coef)
+                                       coef=a.entropy_control.kl_cov_coef,
+                                       chosen=selection[rows, :width])
         elif a.loss == "gspo":
             loss_tok, lm = gspo_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high)
         else:
             loss_tok, lm = ppo_clip_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high,
                                          a.dual_clip_c)
+        lm = {**lm, **cc}
         loss_tok = loss_tok * weights.to(loss_tok.dtype)
         kl_tok = None
         if batch.lp_ref is not None and not a.kl.in_reward:
