@@ -542,7 +542,7 @@ def validate(cfg: Config) -> None:
     if a.keep_sampling_mask:
         if not (1 < r.top_k <= r.sampling_mask_max_tokens):
             raise ConfigError(
-                "algorithm.keep_sampling_mask: needs a finite rollout.top_k with 1 < top_k <= "
+                "algorithm.keep_sampling_mask: needs a finite rollout.top_k with 1 < top_k < "
                 f"rollout.sampling_mask_max_tokens ({r.sampling_mask_max_tokens}); got "
                 f"rollout.top_k={r.top_k}")
         if r.temperature == 0:
@@ -616,6 +616,33 @@ def validate(cfg: Config) -> None:
         raise ConfigError("cluster.weight_sync: 'tensor' hands CUDA tensors to SGLang on the same "
                           "GPUs: it needs cluster.colocate=true, rollout.engine=sglang and GPUs; "
                           "use 'distributed' or 'disk' otherwise")
+    if r.engine == "sglang" and cfg.cluster.weight_sync in ("distributed", "tensor") \
+            and r.sglang.dp_size > 1:
+        raise ConfigError(f"rollout.sglang.dp_size: SGLang updates weights from a process group "
+                          f"or from tensors only with dp_size 1 (it asserts so); got "
+                          f"{r.sglang.dp_size} with cluster.weight_sync={cfg.cluster.weight_sync}"
+                          f"; use more servers (rollout.num_servers) or weight_sync=disk")
+    if cfg.cluster.weight_sync == "tensor" and \
+            t.tensor_parallel * t.context_parallel * t.expert_parallel == 1 and \
+            cfg.cluster.trainer_workers != r.num_servers * r.sglang.tp_size:
+        raise ConfigError(f"cluster.trainer_workers: colocated tensor sync builds each SGLang TP "
+                          f"rank's payload on the trainer rank sharing its GPU, so it needs "
+                          f"trainer_workers == rollout.num_servers * rollout.sglang.tp_size "
+                          f"({r.num_servers * r.sglang.tp_size}); got {cfg.cluster.trainer_workers}")
+    if t.tensor_parallel > 1 and facts.moe_layers and not t.sequence_parallel:
+        raise ConfigError("trainer.sequence_parallel: megatron-core's MoE layers need sequence "
+                          "parallelism when trainer.tensor_parallel > 1; set it true")
+    if t.context_parallel > 1:
+        raise ConfigError("trainer.context_parallel: > 1 is refused until the inputs are split "
+                          "per CP rank in megatron's layout (the replay slices are ready, the "
+                          "input split is not); use 1")
+    if r.engine == "sglang" and r.sglang.deterministic_inference and r.min_p > 0:
+        raise ConfigError("rollout.min_p: SGLang's deterministic inference does not support min_p "
+                          "sampling; set rollout.min_p=0 or turn deterministic_inference off")
+    if a.keep_sampling_mask and r.top_k >= r.sampling_mask_max_tokens:
+        raise ConfigError(f"rollout.top_k: {r.top_k} must stay below "
+                          f"rollout.sampling_mask_max_tokens ({r.sampling_mask_max_tokens}): "
+                          f"tokens tied at the top-k cut overflow the cap and SGLang answers 400")
     if cfg.data.source in ("jsonl", "parquet") and not cfg.data.path:
         raise ConfigError(f"data.path: data.source={cfg.data.source} needs a file path")
     if r.engine == "reference" and r.sglang.deterministic_inference:

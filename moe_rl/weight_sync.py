@@ -7,8 +7,8 @@ Tensor (colocated SGLang on the same GPUs): ``/update_weights_from_tensor`` with
 SGLang's own serialisation (torch's ForkingPickler, CUDA IPC handles, base64), one copy per
 tensor-parallel rank of the server.
 
-The group is separate from the trainer's own: a TCP store at the trainer's address, rank 0 the
-trainer, ranks ``rank_offset ..`` the engines. Tensors travel by broadcast from rank 0 in the
+The group is separate from the trainer's own and built exactly as SGLang builds its side: rank 0
+the trainer, ranks ``rank_offset ..`` the engines. Tensors travel by broadcast from rank 0 in the
 order of the update request's ``names``; nothing is pickled.
 """
 from __future__ import annotations
@@ -18,13 +18,13 @@ import datetime
 import io
 
 import torch
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import PrefixStore
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class WeightGroup:
-    """A process group plus the TCP store it was built on (kept alive together)."""
+    """The weight-update process group and the store it was built on (kept alive together)."""
 
     def __init__(self, store, group):
         self.store, self.group = store, group
@@ -36,18 +36,28 @@ class WeightGroup:
 
 def open_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
                group_name: str, timeout_s: float = 600.0) -> WeightGroup:
-    """Join (rank 0: create) the weight-update group; blocks until every member has joined."""
-    store = TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
-                     timeout=datetime.timedelta(seconds=timeout_s))
-    prefixed = PrefixStore(group_name, store)
-    if backend == "gloo":
-        from torch.distributed import ProcessGroupGloo
-        group = ProcessGroupGloo(prefixed, rank, world_size)
-    elif backend == "nccl":
-        from torch.distributed import ProcessGroupNCCL
-        group = ProcessGroupNCCL(prefixed, rank, world_size)
-    else:
+    """Join (rank 0: host) the weight-update group, built the way SGLang builds its side in
+    ``init_weights_update_group`` (``init_custom_process_group`` in ``sglang/srt/utils``): a
+    ``tcp://address:port`` rendezvous store, wrapped in ``PrefixStore(group_name)``, handed to
+    torch's process-group constructor under ``group_name`` (which prefixes ``group_name/`` again)
+    with the identity rank map. Any other construction waits on other store keys and hangs.
+    Blocks until every member has joined."""
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+    if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend: expected 'nccl' or 'gloo', got {backend!r}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(c10d.rendezvous(
+        f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    options = ("backend_options" if "backend_options"
+               in inspect.signature(c10d._new_process_group_helper).parameters else "pg_options")
+    group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                              group_name=group_name, timeout=timeout,
+                                              **{options: None})
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return WeightGroup(store, group)
 
 
@@ -98,21 +108,85 @@ def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[lis
     return out
 
 
+CUDA_IPC_DEVICE_ARG = 6   # position of the device in torch's CUDA-tensor rebuild arguments
+
+
+def patch_cuda_ipc_device_uuid() -> None:
+    """Make torch's pickling of CUDA tensors name the device by GPU UUID instead of its index, as
+    SGLang's ``monkey_patch_torch_reductions`` does on both of its ends (an index names another
+    GPU in a process with other ``CUDA_VISIBLE_DEVICES``). Idempotent, and a no-op when SGLang's
+    patch is already in place (same marker attribute)."""
+    from torch.multiprocessing import reductions
+    if hasattr(reductions, "_reduce_tensor_original"):
+        return
+    original_reduce = reductions.reduce_tensor
+    original_rebuild = reductions.rebuild_cuda_tensor
+
+    def uuid_of(index):
+        return str(torch.cuda.get_device_properties(index).uuid)
+
+    def index_of(device):
+        if not isinstance(device, str):
+            return device
+        for i in range(torch.cuda.device_count()):
+            if uuid_of(i) == device:
+                return i
+        raise RuntimeError(f"no visible GPU has UUID {device}")
+
+    def reduce_by_uuid(tensor):
+        fn, args = original_reduce(tensor)
+        if tensor.is_cuda:
+            args = tuple(uuid_of(a) if i == CUDA_IPC_DEVICE_ARG else a
+                         for i, a in enumerate(args))
+        return fn, args
+
+    def rebuild_by_uuid(*args):
+        return original_rebuild(*(index_of(a) if i == CUDA_IPC_DEVICE_ARG else a
+                                  for i, a in enumerate(args)))
+
+    reductions._reduce_tensor_original = original_reduce
+    reductions._rebuild_cuda_tensor_original = original_rebuild
+    reductions.reduce_tensor = reduce_by_uuid
+    reductions.rebuild_cuda_tensor = rebuild_by_uuid
+    reductions.init_reductions()
+
+
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     """SGLang's ``MultiprocessingSerializer`` format: ForkingPickler dump (CUDA tensors travel as
-    IPC handles, so the tensors must stay alive until the server has loaded them), base64. This
-    produces a pickle for SGLang to read; moe_rl itself never unpickles network data."""
+    IPC handles naming their GPU by UUID, so the tensors must stay alive until the server has
+    loaded them), base64. This produces a pickle for SGLang to read; moe_rl itself never
+    unpickles network data."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions)
+    if any(t.is_cuda for _, t in named):
+        patch_cuda_ipc_device_uuid()
     buf = io.BytesIO()
     ForkingPickler(buf).dump(named)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def tensor_update_request(named: list[tuple[str, torch.Tensor]], tp_size: int,
-                          version: int) -> dict:
-    """Body of SGLang's ``/update_weights_from_tensor`` (one serialised list per TP rank)."""
-    payload = serialize_named_tensors(named)
-    return {"serialized_named_tensors": [payload] * tp_size, "load_format": None,
+def gather_strings(text: str, group=None) -> list[str] | None:
+    """Every rank's ``text`` in rank order on rank 0 (None elsewhere), as bytes tensors over the
+    trainer's process group (no pickling)."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [text]
+    data = torch.tensor(list(text.encode("ascii")), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([data.numel()]), group=group)
+    width = int(max(int(n) for n in sizes))
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    parts = [torch.zeros(width, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    if dist.get_rank(group) != 0:
+        return None
+    return [bytes(p[:int(n)].tolist()).decode("ascii") for p, n in zip(parts, sizes)]
+
+
+def tensor_update_request(payloads: list[str], version: int) -> dict:
+    """Body of SGLang's ``/update_weights_from_tensor`` for one server: ``payloads[j]`` is the
+    serialisation (:func:`serialize_named_tensors`) of the tensors on its TP rank j's GPU."""
+    return {"serialized_named_tensors": list(payloads), "load_format": None,
             "flush_cache": True, "weight_version": str(version)}

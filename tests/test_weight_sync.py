@@ -40,10 +40,19 @@ def test_broadcast_update_and_memory_release(tmp_path):
         assert all(r["success"] for r in res) and "group" in joined
         named = sorted(load_file(f"{b}/model.safetensors").items())
         body = update_request(named, 5, "w")
+        # SGLang loads a distributed update only inside a weight-update session
+        with pytest.raises(EngineHTTPError, match="begin_weight_update first"):
+            eng.update_weights_from_distributed(body)
+        eng.begin_weight_update()
+        with pytest.raises(EngineHTTPError, match="already open"):
+            eng.begin_weight_update()
         sender = threading.Thread(target=broadcast_tensors, args=(joined["group"], named))
         sender.start()
         eng.update_weights_from_distributed(body)
         sender.join(60)
+        eng.end_weight_update()
+        with pytest.raises(EngineHTTPError, match="no weight-update session"):
+            eng.end_weight_update()
         assert eng.weight_versions() == ["5", "5"]
         prompt = [[6, 7, 68, 12, 72]]
         got = eng.generate(prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
@@ -62,8 +71,10 @@ def test_broadcast_update_and_memory_release(tmp_path):
         again = eng.generate(prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
         assert torch.equal(again.rollout_logprobs, want.rollout_logprobs)
         # bad update bodies are refused with the field named
+        eng.begin_weight_update()
         with pytest.raises(EngineHTTPError, match="group_name"):
             eng.update_weights_from_distributed({**body, "group_name": "nope"})
+        eng.end_weight_update()
     finally:
         for p in procs + [ref]:
             p.stop()
@@ -85,20 +96,96 @@ def test_request_bodies():
 def test_tensor_update_body_is_sglangs_serialisation():
     import base64
     import pickle
-    from moe_rl.weight_sync import tensor_update_request
+    from moe_rl.weight_sync import serialize_named_tensors, tensor_update_request
     named = [("model.norm.weight", torch.arange(4.0))]
-    body = tensor_update_request(named, tp_size=2, version=3)
+    per_rank = [serialize_named_tensors(named), serialize_named_tensors([("x", torch.ones(2))])]
+    body = tensor_update_request(per_rank, version=3)
     assert body["weight_version"] == "3" and body["flush_cache"] is True
-    assert len(body["serialized_named_tensors"]) == 2
+    assert body["serialized_named_tensors"] == per_rank   # TP rank j reads entry j
     # bytes produced in this process (what SGLang's MultiprocessingSerializer.deserialize reads)
     back = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
     assert back[0][0] == "model.norm.weight" and torch.equal(back[0][1], named[0][1])
+
+
+def _gather_worker(rank, port, out):
+    import os
+
+    import torch.distributed as dist
+    from moe_rl.weight_sync import gather_strings
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    got = gather_strings("payload-" + "x" * rank * 5)
+    if rank == 0:
+        with open(out, "w") as fh:
+            fh.write("|".join(got))
+    else:
+        assert got is None
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_each_rank_payload_reaches_rank_zero_in_order(tmp_path):
+    import torch.multiprocessing as tmp
+    out = tmp_path / "g.txt"
+    tmp.spawn(_gather_worker, args=(free_port(), str(out)), nprocs=3, join=True)
+    assert out.read_text() == "payload-|payload-xxxxx|payload-xxxxxxxxxx"
 
 
 def test_tensor_sync_config_requirements():
     from moe_rl.config import ConfigError, load_config
     with pytest.raises(ConfigError, match="cluster.weight_sync"):
         load_config(None, ["cluster.weight_sync=tensor"])
-    cfg = load_config(None, ["cluster.weight_sync=tensor", "cluster.colocate=true",
-                             "rollout.engine=sglang", "cluster.gpus_per_node=8"])
+    base = ["cluster.weight_sync=tensor", "cluster.colocate=true", "rollout.engine=sglang",
+            "cluster.gpus_per_node=8"]
+    cfg = load_config(None, base)
     assert cfg.cluster.weight_sync == "tensor"
+    # one trainer rank per SGLang TP rank (each builds its GPU's payload)
+    with pytest.raises(ConfigError, match="trainer_workers == rollout.num_servers"):
+        load_config(None, base + ["rollout.sglang.tp_size=2"])
+    load_config(None, base + ["rollout.sglang.tp_size=2", "cluster.trainer_workers=2"])
+    # SGLang asserts dp_size 1 for distributed and tensor updates
+    for mode in ("tensor", "distributed"):
+        with pytest.raises(ConfigError, match="rollout.sglang.dp_size"):
+            load_config(None, base[1:] + [f"cluster.weight_sync={mode}",
+                                          "rollout.sglang.dp_size=2"])
+
+
+def _sglang_side(port, world, rank, out):
+    """The engine's side as SGLang's ``init_weights_update_group`` builds it, step by step (written
+    here independently of moe_rl.weight_sync), then SGLang's receive: torch.distributed.broadcast
+    from group rank 0."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    timeout = timedelta(seconds=60)
+    store, rank, world = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", rank, world,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore("moe_rl_weights", store)
+    pg, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend("gloo"), store,
+                                           group_name="moe_rl_weights", backend_options=None,
+                                           timeout=timeout)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    t = torch.empty(3, 2)
+    dist.broadcast(t, src=0, group=pg)
+    torch.save(t, out)
+
+
+@pytest.mark.multiproc
+def test_trainer_group_meets_sglangs_construction(tmp_path):
+    import multiprocessing as mp
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    kids = [ctx.Process(target=_sglang_side, args=(port, 3, r, str(tmp_path / f"r{r}.pt")))
+            for r in (1, 2)]
+    for k in kids:
+        k.start()
+    group = open_group("gloo", "127.0.0.1", port, 0, 3, "moe_rl_weights", timeout_s=60)
+    sent = torch.arange(6.0).reshape(3, 2)
+    broadcast_tensors(group, [("w", sent)])
+    for k in kids:
+        k.join(60)
+        assert k.exitcode == 0
+    for r in (1, 2):
+        assert torch.equal(torch.load(tmp_path / f"r{r}.pt"), sent)

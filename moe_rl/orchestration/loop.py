@@ -255,8 +255,12 @@ class WeightSync:
         if self.mode == "distributed":
             body = ray.get([a.weight_update_request.remote(version)
                             for a in self.trainers.actors])[0]
-            ray.get([self.rollout.update_weights_distributed.remote(body),
-                     self.trainers.actors[0].broadcast_weights.remote()])
+            ray.get(self.rollout.begin_weight_update.remote())
+            try:
+                ray.get([self.rollout.update_weights_distributed.remote(body),
+                         self.trainers.actors[0].broadcast_weights.remote()])
+            finally:
+                ray.get(self.rollout.end_weight_update.remote())
             return
         target = os.path.join(self.weights_dir, f"v{version}")
         self.trainers.export(target)

@@ -67,19 +67,30 @@ class TrainerWorker:
 
     def push_weights_tensor(self, urls: list[str], api_key: str | None, tp_size: int,
                             version: int, timeout: float) -> int:
-        """Colocated SGLang: hand the weights to every server as CUDA tensors (collective; rank 0
-        sends, keeping the tensors alive until the servers answered)."""
+        """Colocated SGLang: hand the weights to every server as CUDA tensors (collective). Each
+        trainer rank serialises the tensors on its own GPU, which is the GPU of SGLang's
+        TP rank ``rank % tp_size`` of server ``rank // tp_size``; rank 0 gathers the payloads
+        and posts each server its TP ranks' ones inside a weight-update session, keeping its
+        tensors alive until the servers answered."""
         import httpx
-        from moe_rl.weight_sync import tensor_update_request
-        tensors = self.trainer.hf_tensors()
+        from moe_rl.weight_sync import (gather_strings, serialize_named_tensors,
+                                        tensor_update_request)
+        named = sorted(self.trainer.hf_tensors().items())
+        payloads = gather_strings(serialize_named_tensors(named))
         if self.rank != 0:
             return 0
-        body = tensor_update_request(sorted(tensors.items()), tp_size, version)
+        if len(payloads) < len(urls) * tp_size:
+            raise ValueError(f"cluster.trainer_workers: {len(payloads)} trainer ranks cannot feed "
+                             f"{len(urls)} servers of TP {tp_size}")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        for url in urls:
-            httpx.post(url + "/update_weights_from_tensor", json=body, headers=headers,
-                       timeout=timeout).raise_for_status()
-        return len(tensors)
+        for s, url in enumerate(urls):   # SGLang loads tensor updates only inside a session
+            body = tensor_update_request(payloads[s * tp_size:(s + 1) * tp_size], version)
+            for path, payload in (("/begin_weight_update", {}),
+                                  ("/update_weights_from_tensor", body),
+                                  ("/end_weight_update", {})):
+                httpx.post(url + path, json=payload, headers=headers,
+                           timeout=timeout).raise_for_status()
+        return len(named)
 
     def save(self, path: str) -> None:
         self.trainer.save_checkpoint(f"{path}.rank{self.rank}")
@@ -165,6 +176,12 @@ class RolloutWorker:
                           ) -> list[dict]:
         ranks = self.cfg.rollout.sglang.tp_size if self.cfg.rollout.engine == "sglang" else 1
         return self.engine.init_weights_update_group(address, port, ranks, group_name, backend)
+
+    def begin_weight_update(self) -> None:
+        self.engine.begin_weight_update()
+
+    def end_weight_update(self) -> None:
+        self.engine.end_weight_update()
 
     def update_weights_distributed(self, body: dict) -> list[str]:
         self.engine.update_weights_from_distributed(body)

@@ -187,8 +187,18 @@ class HTTPRolloutEngine:
         return self._run(run)
 
     def update_weights_from_distributed(self, body: dict) -> list[dict]:
-        """Every server receives the tensors the trainer broadcasts (the body lists them)."""
+        """Every server receives the tensors the trainer broadcasts (the body lists them); call
+        it between :meth:`begin_weight_update` and :meth:`end_weight_update`."""
         return self._run(lambda pool: pool.broadcast("/update_weights_from_distributed", body))
+
+    def begin_weight_update(self) -> list[dict]:
+        """Open every server's weight-update session (SGLang refuses distributed and tensor
+        updates outside one)."""
+        return self._run(lambda pool: pool.broadcast("/begin_weight_update", {}))
+
+    def end_weight_update(self) -> list[dict]:
+        """Close every server's weight-update session."""
+        return self._run(lambda pool: pool.broadcast("/end_weight_update", {}))
 
     def release_memory(self) -> list[dict]:
         """Colocated training: the servers free their weights (and KV cache) until resumed."""

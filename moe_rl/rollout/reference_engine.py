@@ -148,6 +148,7 @@ class ReferenceEngine:
         self.weight_version = "0"
         self._requests_seen = 0
         self.groups: dict = {}
+        self.in_update_session = False
         self._received_dir: str | None = None
         self.load(model_path)
 
@@ -247,12 +248,28 @@ class ReferenceEngine:
         self.groups[group_name] = open_group(backend, master_address, master_port, rank_offset,
                                              world_size, group_name)
 
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session (SGLang 0.5.23 loads distributed and tensor updates only
+        between /begin_weight_update and /end_weight_update; a second begin is refused)."""
+        if self.in_update_session:
+            raise RequestError("begin_weight_update: a weight-update session is already open")
+        self.in_update_session = True
+
+    def end_weight_update(self) -> None:
+        """Close the session opened by :meth:`begin_weight_update`."""
+        if not self.in_update_session:
+            raise RequestError("end_weight_update: no weight-update session is open")
+        self.in_update_session = False
+
     def update_from_distributed(self, names, dtypes, shapes, group_name: str) -> None:
-        """Receive the broadcast weights (HF names) and load them."""
+        """Receive the broadcast weights (HF names) and load them (inside a session)."""
         import shutil
         import tempfile
         from safetensors.torch import save_file
         from moe_rl.weight_sync import receive_tensors
+        if not self.in_update_session:
+            raise RequestError("update_weights_from_distributed: outside a weight-update "
+                               "session; POST /begin_weight_update first")
         if group_name not in self.groups:
             raise RequestError(f"group_name: no weight-update group {group_name!r}; call "
                                f"/init_weights_update_group first")

@@ -175,6 +175,16 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
                                b.get("backend", "nccl")) or {"success": True,
                                                              "message": "joined"}
 
+    @app.post("/begin_weight_update")
+    async def begin_update(request: HTTPRequest):
+        return await _blocking(engine.begin_weight_update) or {"success": True,
+                                                              "message": "session open"}
+
+    @app.post("/end_weight_update")
+    async def end_update(request: HTTPRequest):
+        return await _blocking(engine.end_weight_update) or {"success": True,
+                                                            "message": "session closed"}
+
     @app.post("/update_weights_from_distributed")
     async def update_distributed(request: HTTPRequest):
         b = await request.json()
