@@ -35,8 +35,10 @@ def parallel_state():
     yield
 
 
-def write_hf_model(tmp_path, cfg, seed=0):
-    """A random transformers model of ``cfg`` saved as a HF checkpoint; returns (dir, model)."""
+def write_hf_model(tmp_path, cfg, seed=0, old_rope_layout=False):
+    """A random transformers model of ``cfg`` saved as a HF checkpoint; returns (dir, model).
+    ``old_rope_layout``: config.json rewritten with a top-level ``rope_theta`` and
+    ``rope_scaling: null`` (transformers < 5) instead of ``rope_parameters``."""
     import transformers
     torch.manual_seed(seed)
     if cfg["model_type"] == "qwen3_moe":
@@ -54,6 +56,11 @@ def write_hf_model(tmp_path, cfg, seed=0):
     model.eval()
     path = tmp_path / cfg["model_type"]
     model.save_pretrained(path)
+    if old_rope_layout:
+        conf = json.loads((path / "config.json").read_text())
+        params = conf.pop("rope_parameters")
+        conf.update(rope_theta=params["rope_theta"], rope_scaling=None)
+        (path / "config.json").write_text(json.dumps(conf))
     return str(path), model
 
 
@@ -72,9 +79,15 @@ def sample_from(ids, P, routing):
                   rollout_logprobs=-torch.ones(len(ids) - P), routing=routing.to(torch.uint8))
 
 
-@pytest.mark.parametrize("cfg", [QWEN, MIXTRAL], ids=["qwen3_moe", "mixtral"])
-def test_round_trip_and_equivalence_with_transformers(tmp_path, cfg):
-    path, hf_model = write_hf_model(tmp_path, cfg)
+@pytest.mark.parametrize("cfg,old", [(QWEN, False), (MIXTRAL, False),
+                                     ({**QWEN, "rope_theta": 1e6}, False),
+                                     ({**QWEN, "rope_theta": 1e6}, True)],
+                         ids=["qwen3_moe", "mixtral", "qwen3_theta1e6_rope_parameters",
+                              "qwen3_theta1e6_top_level_rope_theta"])
+def test_round_trip_and_equivalence_with_transformers(tmp_path, cfg, old):
+    path, hf_model = write_hf_model(tmp_path, cfg, old_rope_layout=old)
+    conf = json.load(open(os.path.join(path, "config.json")))
+    assert ("rope_parameters" in conf) != old   # both transformers layouts are exercised
     model, spec = build_model(path)
     load_hf_into_megatron(model, spec, path)
     # round trip HF -> Megatron -> HF is bit-identical
@@ -85,8 +98,10 @@ def test_round_trip_and_equivalence_with_transformers(tmp_path, cfg):
         assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
     # equivalence under replayed routing
     g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 48, (n,), generator=g) for n in (12, 9)]
+    seqs = [torch.randint(0, 48, (n,), generator=g) for n in (40, 29)]   # rotary shows at length
     P = [5, 4]
+    from moe_rl.trainer.model_builder import rope_settings
+    assert rope_settings(conf)[0] == cfg["rope_theta"]
     samples = []
     for ids, p in zip(seqs, P):
         routing, _ = hf_routing(hf_model, ids[None])
@@ -268,3 +283,15 @@ def test_local_indices_select_this_stage_layers(tmp_path):
     with pytest.raises(ValueError, match="one replay tensor per MoE layer of the model"):
         ctl.local_indices(full[:1], 3, 2)
     ctl.close()
+
+
+def test_scaled_rotary_is_refused_naming_the_field():
+    from moe_rl.trainer.model_builder import rope_settings
+    assert rope_settings({"rope_theta": 5e5}) == (5e5, 1.0)
+    assert rope_settings({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == \
+        (1e6, 1.0)
+    with pytest.raises(ValueError, match="rope_parameters.rope_type: 'yarn'"):
+        rope_settings({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6,
+                                           "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope_scaling.rope_type: 'linear'"):
+        rope_settings({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}})

@@ -55,6 +55,29 @@ def model_spec(hf: dict) -> ModelSpec:
                      int(hf["num_hidden_layers"]), bool(hf.get("tie_word_embeddings", False)))
 
 
+def rope_settings(hf: dict) -> tuple[float, float]:
+    """(rotary base theta, rotary fraction) from either transformers layout: >= 5 writes
+    ``rope_parameters: {rope_type, rope_theta, ...}``, older ones a top-level ``rope_theta`` and
+    ``rope_scaling``. Only the default rotary type is built; a scaled one (linear, dynamic, YaRN,
+    llama3, ...) is refused naming the field, since a silently unscaled rotary is another model."""
+    params = hf.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"rope_parameters: expected a mapping, got {params!r}")
+    params = dict(params or {})
+    scaling = hf.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling: expected a mapping or null, got {scaling!r}")
+    for field, table in (("rope_parameters", params), ("rope_scaling", scaling or {})):
+        kind = table.get("rope_type", table.get("type", "default"))
+        if kind not in ("default", None):
+            raise ValueError(f"{field}.rope_type: {kind!r} rotary scaling is not supported by the "
+                             f"trainer's model builder (only 'default'); the engine would run a "
+                             f"different position encoding")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    return float(theta), float(fraction)
+
+
 def transformer_config(spec: ModelSpec, *, sizes: ParallelSizes = ParallelSizes(),
                        dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                        recompute: bool = False, dispatcher: str | None = None):
@@ -139,13 +162,16 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                                 sequence_parallel=sequence_parallel, recompute=recompute)
     RouterReplay.clear_global_router_replay_instances()
     hf = spec.hf_config
+    theta, fraction = rope_settings(hf)
+    if theta != int(theta):
+        raise ValueError(f"rope_theta: megatron-core takes an integer rotary base, got {theta}")
     model = GPTModel(config=config, transformer_layer_spec=layer_spec(config),
                      vocab_size=spec.vocab_size,
                      max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
                      pre_process=pre_process, post_process=post_process,
                      share_embeddings_and_output_weights=spec.tie_word_embeddings,
-                     position_embedding_type="rope",
-                     rotary_base=int(float(hf.get("rope_theta", 10000.0))))
+                     position_embedding_type="rope", rotary_base=int(theta),
+                     rotary_percent=fraction)
     if not cuda_absent():
         model = model.cuda()
     return model, spec
