@@ -97,6 +97,8 @@ class RolloutConfig:
     min_p: float = _f(0.0, "min-p relative to the most likely token", **_rng(0, 1))
     sampling_mask_max_tokens: int = _f(4096, "engine cap on the kept-set size (SGLang "
                                        "--sampling-mask-max-tokens)", **_rng(2))
+    return_routing: bool = _f(True, "ask for every token's routing (replay r3 always does; "
+                              "otherwise it only feeds routing/agreement)")
     score_window_tokens: int = _f(32, "response tokens per engine scoring request when pi_old "
                                   "passes are renormalised from listed ids (kept sets, or the "
                                   "vocabulary at temperature != 1)", **_rng(1))

@@ -211,7 +211,8 @@ def test_sglang_command_lines():
         assert part in line, part
     # output log-probs stay log_softmax(logits / T) (the trainer's distribution), never raw
     assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
-    plain = config_from_dict({"cluster": {"gpus_per_node": 8}, "rollout": {"engine": "sglang"},
+    plain = config_from_dict({"cluster": {"gpus_per_node": 8},
+                              "rollout": {"engine": "sglang", "return_routing": False},
                               "algorithm": {"replay": "off"}})
     argv, env = sglang_command(plain, 30000)
     assert "--enable-return-routed-experts" not in argv and "--enable-memory-saver" not in argv
@@ -278,3 +279,42 @@ def test_support_mode_and_listed_ids_follow_sglang(server):
     bad = httpx.post(server.url + "/generate", headers=h, timeout=60, json={
         "input_ids": [6, 7], "token_ids_logprob": [10 ** 6]})
     assert bad.status_code == 400 and "token_ids_logprob" in bad.json()["error"]
+
+
+@pytest.mark.parametrize("replay", ["off", "r2", "r3"])
+@pytest.mark.parametrize("mask", [False, True])
+@pytest.mark.parametrize("pi_old", ["trainer", "rollout", "engine_avg"])
+def test_sglang_is_started_with_every_flag_its_requests_need(replay, mask, pi_old):
+    from moe_rl.rollout.server_needs import requests_routing, requests_sampling_mask
+    cfg = config_from_dict({"model": {"path": "/m"}, "cluster": {"gpus_per_node": 8},
+                            "rollout": {"engine": "sglang", "top_k": 20},
+                            "algorithm": {"replay": replay, "keep_sampling_mask": mask,
+                                          "pi_old": pi_old, "pi_old_passes": 2}})
+    argv, _ = sglang_command(cfg, 30000)
+    layout = ModelLayout(2, (0, 1), 2, 8)
+    eng = HTTPRolloutEngine(lambda: None, layout, need_routing=requests_routing(cfg),
+                            need_mask=requests_sampling_mask(cfg))
+    body = eng.generate_body([1, 2, 3], SamplingConfig(top_k=20), seed=1)
+    assert body["return_routed_experts"] == ("--enable-return-routed-experts" in argv)
+    assert body["return_sampling_mask"] == ("--sampling-mask-max-tokens" in argv)
+    assert body["return_routed_experts"]   # routing/agreement by default, r3 always
+    off = config_from_dict({"model": {"path": "/m"}, "cluster": {"gpus_per_node": 8},
+                            "rollout": {"engine": "sglang", "return_routing": False},
+                            "algorithm": {"replay": replay}})
+    assert ("--enable-return-routed-experts" in sglang_command(off, 30000)[0]) == \
+        (replay == "r3") == requests_routing(off)
+
+
+def test_reference_engine_omits_routing_unless_started_with_the_flag(tiny_dir, layout):
+    proc = ServerProcess(tiny_dir, free_port(), return_routed_experts=False).start()
+    try:
+        r = httpx.post(proc.url + "/generate", timeout=60, json={
+            "input_ids": [6, 7, 68], "sampling_params": {"max_new_tokens": 2},
+            "return_logprob": True, "return_routed_experts": True}).json()
+        assert "routed_experts" not in r["meta_info"]
+        eng = HTTPRolloutEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
+                                need_mask=False)
+        with pytest.raises(ResponseError, match="--enable-return-routed-experts"):
+            eng.generate([[6, 7, 68]], 1, SamplingConfig(max_new_tokens=2), seed=1)
+    finally:
+        proc.stop()

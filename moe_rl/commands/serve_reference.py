@@ -14,9 +14,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     parser.add_argument("--seed", type=int, default=0, help="seed of requests without one")
     parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="answer return_routed_experts (as SGLang, routing is omitted "
+                             "without this flag)")
+    parser.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
+                        help="largest top_k a return_sampling_mask request may use")
 
 
 def run(args: argparse.Namespace) -> int:
     serve(args.model, host=args.host, port=args.port, dtype=args.dtype, api_key=args.api_key,
-          seed=args.seed, max_batch_size=args.max_batch_size)
+          seed=args.seed, max_batch_size=args.max_batch_size,
+          return_routed_experts=args.enable_return_routed_experts,
+          sampling_mask_max_tokens=args.sampling_mask_max_tokens)
     return 0

@@ -110,6 +110,7 @@ class RolloutWorker:
         from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
         from moe_rl.rollout.pool import ServerPool
         from moe_rl.rollout.reference_process import ServerProcess
+        from moe_rl.rollout.server_needs import requests_routing, requests_sampling_mask
         from moe_rl.rollout.sglang_launcher import SGLangProcess
         cfg = config_from_dict(cfg_tree)
         self.cfg = cfg
@@ -122,7 +123,9 @@ class RolloutWorker:
                 proc = SGLangProcess(cfg, port, log_path=log)
             else:
                 proc = ServerProcess(cfg.model.path, port, host=r.host, dtype=r.engine_dtype,
-                                     api_key=r.api_key, seed=cfg.trainer.seed + i, log_path=log)
+                                     api_key=r.api_key, seed=cfg.trainer.seed + i, log_path=log,
+                                     return_routed_experts=requests_routing(cfg),
+                                     sampling_mask_max_tokens=r.sampling_mask_max_tokens)
             self.procs.append(proc)
         for p in self.procs:
             p.start(r.health_timeout_s)
@@ -152,7 +155,7 @@ class RolloutWorker:
                                timeout=r.request_timeout_s, max_retries=r.max_retries,
                                concurrency=r.concurrency,
                                restarters=[restarter(p) for p in procs]),
-            layout, need_routing=True, need_mask=cfg.algorithm.keep_sampling_mask)
+            layout, need_routing=requests_routing(cfg), need_mask=requests_sampling_mask(cfg))
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
 
     def generate(self, prompts: list[list[int]], group_ids: list[int], seed: int) -> bytes:

@@ -53,6 +53,16 @@ class HTTPRolloutEngine:
         return asyncio.run(main())
 
     # ------------------------------------------------------------------ generation
+    def generate_body(self, prompt: list[int], sampling: SamplingConfig,
+                      seed: int | None = None) -> dict:
+        """The ``/generate`` request of one sample."""
+        body = {"input_ids": prompt, "sampling_params": sampling.to_json(seed),
+                "return_logprob": True, "return_routed_experts": self.need_routing,
+                "return_sampling_mask": self.need_mask}
+        if self.need_mask:   # one post-truncation log-prob per sampled token
+            body["sampling_logprobs_mode"] = "selected"
+        return body
+
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, *,
                  group_ids: list[int] | None = None, seed: int | None = None,
                  metadata: list[dict] | None = None, progress=None) -> list[Sample]:
@@ -61,12 +71,7 @@ class HTTPRolloutEngine:
         jobs = [(i, j) for i in range(len(prompts)) for j in range(n)]
 
         async def one(pool: ServerPool, k: int, i: int, j: int) -> Sample:
-            body = {"input_ids": prompts[i],
-                    "sampling_params": sampling.to_json(None if seed is None else seed + k),
-                    "return_logprob": True, "return_routed_experts": self.need_routing,
-                    "return_sampling_mask": self.need_mask}
-            if self.need_mask:   # one post-truncation log-prob per sampled token
-                body["sampling_logprobs_mode"] = "selected"
+            body = self.generate_body(prompts[i], sampling, None if seed is None else seed + k)
             resp = await pool.request("/generate", body)
             if progress is not None:
                 progress(1)

@@ -138,12 +138,13 @@ class ReferenceEngine:
     """Holds the model; ``run`` executes a batch of requests (generation and scoring)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0,
-                 sampling_mask_max_tokens: int = 4096):
+                 sampling_mask_max_tokens: int = 4096, return_routed_experts: bool = True):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
         self.dtype_name = dtype
         self.seed = seed
         self.mask_cap = sampling_mask_max_tokens
+        self.routing_enabled = return_routed_experts   # SGLang: --enable-return-routed-experts
         self.lock = threading.Lock()
         self.weight_version = "0"
         self._requests_seen = 0
@@ -385,7 +386,7 @@ class ReferenceEngine:
             if r.token_ids_logprob:
                 meta["input_token_ids_logprobs"] = listed
                 meta["output_token_ids_logprobs"] = s["ids_lp"]
-        if r.return_routed_experts:
+        if r.return_routed_experts and self.routing_enabled:   # omitted otherwise, as SGLang
             moe_rows = torch.cat(s["routing"], dim=0)        # prompt + fed generated tokens
             n_rows = len(r.input_ids) + len(out) - 1
             rows = self._full_routing(moe_rows[:n_rows])

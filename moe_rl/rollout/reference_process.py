@@ -13,9 +13,12 @@ class ServerProcess:
     """One ``moe-rl serve-reference`` subprocess; restartable after a crash."""
 
     def __init__(self, model: str, port: int, host: str = "127.0.0.1", dtype: str = "float32",
-                 api_key: str | None = None, seed: int = 0, log_path: str | None = None):
+                 api_key: str | None = None, seed: int = 0, log_path: str | None = None,
+                 return_routed_experts: bool = True, sampling_mask_max_tokens: int = 4096):
         self.model, self.port, self.host, self.dtype = model, port, host, dtype
         self.api_key, self.seed, self.log_path = api_key, seed, log_path
+        self.return_routed_experts = return_routed_experts
+        self.sampling_mask_max_tokens = sampling_mask_max_tokens
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
 
@@ -30,6 +33,9 @@ class ServerProcess:
                "--seed", str(self.seed)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        if self.return_routed_experts:
+            cmd.append("--enable-return-routed-experts")
+        cmd += ["--sampling-mask-max-tokens", str(self.sampling_mask_max_tokens)]
         return cmd, dict(os.environ, PYTHONUNBUFFERED="1")
 
     def start(self, timeout: float = 120.0) -> "ServerProcess":

@@ -226,9 +226,12 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
 
 
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32",
-          api_key: str | None = None, seed: int = 0, max_batch_size: int = 64) -> None:
+          api_key: str | None = None, seed: int = 0, max_batch_size: int = 64,
+          return_routed_experts: bool = False, sampling_mask_max_tokens: int = 4096) -> None:
     """Load the model and serve until interrupted."""
     import uvicorn
-    engine = ReferenceEngine(model_path, dtype=dtype, seed=seed)
+    engine = ReferenceEngine(model_path, dtype=dtype, seed=seed,
+                             sampling_mask_max_tokens=sampling_mask_max_tokens,
+                             return_routed_experts=return_routed_experts)
     uvicorn.run(build_app(engine, api_key, max_batch_size), host=host, port=port,
                 log_level="warning")

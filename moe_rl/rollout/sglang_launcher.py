@@ -6,6 +6,7 @@ import sys
 
 from moe_rl.config import Config
 from moe_rl.rollout.reference_process import ServerProcess
+from moe_rl.rollout.server_needs import requests_routing, requests_sampling_mask
 
 
 def sglang_command(cfg: Config, port: int, model_path: str | None = None) -> tuple[list[str],
@@ -17,9 +18,9 @@ def sglang_command(cfg: Config, port: int, model_path: str | None = None) -> tup
             "--model-path", model_path or cfg.model.path, "--host", r.host, "--port", str(port),
             "--tp-size", str(g.tp_size), "--dp-size", str(g.dp_size), "--ep-size", str(g.ep_size),
             "--mem-fraction-static", str(g.mem_fraction_static)]
-    if a.replay == "r3":
+    if requests_routing(cfg):
         argv.append("--enable-return-routed-experts")
-    if a.keep_sampling_mask:
+    if requests_sampling_mask(cfg):
         argv += ["--sampling-mask-max-tokens", str(r.sampling_mask_max_tokens)]
     if cfg.cluster.colocate:
         argv.append("--enable-memory-saver")
