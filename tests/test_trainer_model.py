@@ -295,3 +295,40 @@ def test_scaled_rotary_is_refused_naming_the_field():
                                            "factor": 4.0}})
     with pytest.raises(ValueError, match="rope_scaling.rope_type: 'linear'"):
         rope_settings({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}})
+
+
+def test_replay_inputs_are_checked_as_the_peers_do(tmp_path):
+    path, hf_model = write_hf_model(tmp_path, QWEN, seed=4)
+    model, spec = build_model(path)
+    load_hf_into_megatron(model, spec, path)
+    model.eval()
+    ids = torch.randint(0, 48, (10,), generator=torch.Generator().manual_seed(5))
+    routing, _ = hf_routing(hf_model, ids[None])
+    mb = pack_one([sample_from(ids, 4, routing[0, :-1])], [0], pad_token_id=0,
+                  num_experts=spec.facts.num_experts)
+    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
+    good = mb.replay_indices()
+    # a row repeating an expert id
+    bad = [t.clone() for t in good]
+    bad[0][3] = torch.tensor([5, 5])
+    with pytest.raises(ValueError, match="row 3 repeats an expert id"):
+        ctl.replay(bad)
+    # ids >= num_experts
+    bad = [t.clone() for t in good]
+    bad[1][0, 0] = 8
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 8\)"):
+        ctl.replay(bad)
+    # rows != the router's token count: caught inside the forward, naming the layer
+    ctl.replay([t[:-2] for t in good])
+    with pytest.raises(RuntimeError, match="routes 10 tokens but the replay tensor has 8 rows"):
+        with torch.no_grad():
+            forward_logprobs(model, mb)
+    # every replay tensor consumed exactly once
+    ctl.replay(good)
+    with torch.no_grad():
+        forward_logprobs(model, mb)
+        ctl.finish_forward()
+        forward_logprobs(model, mb)
+    with pytest.raises(RuntimeError, match="ran 2 times"):
+        ctl.finish_forward()
+    ctl.close()

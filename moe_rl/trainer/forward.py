@@ -68,7 +68,11 @@ def forward_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0,
         hidden = model(mb.input_ids.to(device), mb.position_ids.to(device),
                        mb.attention_mask.to(device))
     if gpt.config.sequence_parallel:
-        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
+        # the kernel all-reduces the hidden-state gradient over the TP group itself, so the
+        # gather's backward must only slice (tensor_parallel_output_grad=False), not
+        # reduce-scatter again (that would make the gradient tp times too large)
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=False)
     B, S = mb.input_ids.shape
     flat = hidden.transpose(0, 1).reshape(B * S, -1)
     rows = mb.response_mask.reshape(-1).nonzero().squeeze(1)

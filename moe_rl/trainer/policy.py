@@ -74,6 +74,16 @@ class StepBatch:
 GROUP_CORRECTIONS = ("metropolis", "snis")
 
 
+def finalize_grads(model) -> None:
+    """megatron-core's ``finalize_model_grads`` after the backward passes of an optimizer step:
+    the data-parallel reduction, plus the all-reduce of gradients that tensor-parallel ranks hold
+    as replicas (layer norms, q/k norms and, under sequence parallelism, the router), which
+    ``finish_grad_sync`` alone leaves per-rank. The loss is already normalised by global counts,
+    so no token count is passed."""
+    from megatron.core.distributed import finalize_model_grads
+    finalize_model_grads([model])
+
+
 def live_corrections(a) -> list[str]:
     """Corrections evaluated in each micro-step on the current pi_theta (detached): the
     DeepSeek-V3.2 off-policy mask always (its statistic is pi_behaviour vs pi_theta); in bypass
@@ -146,8 +156,12 @@ class PolicyTrainer:
     def _micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
         lengths = [samples[i].prompt_len + samples[i].response_len for i in indices]
         plan = plan_micro_batches(lengths, micro_batch_size=self.cfg.trainer.micro_batch_size)
+        # sequence parallelism splits the sequence over the TP ranks: pad to a multiple of TP
+        t = self.cfg.trainer
+        multiple = t.tensor_parallel if t.sequence_parallel else 1
         return [pack_one(samples, [indices[j] for j in group], pad_token_id=0,
-                         num_experts=self.spec.facts.num_experts) for group in plan]
+                         num_experts=self.spec.facts.num_experts, pad_to_multiple=multiple)
+                for group in plan]
 
     def _forward(self, model, replay: ReplayController, mb: MicroBatch, mode: str,
                  recorded: dict | None = None, grad: bool = False, collect_own: bool = False):
@@ -304,7 +318,7 @@ class PolicyTrainer:
                     self._micro_step(batch, mb, norm, sums, first, selection)
                 first = False
                 sums["_minibatches"] = sums.get("_minibatches", 0.0) + 1
-                self.model.finish_grad_sync()
+                finalize_grads(self.model)
                 with cuda_factories_on_cpu():
                     ok, grad_norm, _ = self.optimizer.step()
                 self.scheduler.step(increment=1)
@@ -431,7 +445,7 @@ class PolicyTrainer:
             loss = aggregate(-lp, mask, "token-mean", norm)
             loss.backward()
             total += float(loss.detach())
-        self.model.finish_grad_sync()
+        finalize_grads(self.model)
         saved = [g["lr"] for g in self.optimizer.param_groups]
         for g in self.optimizer.param_groups:
             g["lr"] = lr

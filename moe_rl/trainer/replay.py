@@ -107,6 +107,12 @@ class ReplayController:
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None,
                             default_compute_topk=None):
             r.calls += 1
+            if self._mode == "replay" and self._expected_rows is not None \
+                    and scores.shape[0] != self._expected_rows:
+                raise RuntimeError(f"routing replay: layer {r.layer} routes {scores.shape[0]} "
+                                   f"tokens but the replay tensor has {self._expected_rows} "
+                                   f"rows (packing, padding or parallel slicing differ from the "
+                                   f"router's token order)")
             if self.collect_own and default_compute_topk is not None:
                 with torch.no_grad():
                     _, own = default_compute_topk(scores.detach(), topk, num_groups=num_groups,
@@ -122,7 +128,8 @@ class ReplayController:
         return len(self.routers)
 
     def check(self, indices: list[torch.Tensor]) -> None:
-        """Layer count, top-k, id range and equal row counts, before any forward."""
+        """Layer count, top-k, id range, distinct ids per row and equal row counts, before any
+        forward (the row count is checked against each router's token count during it)."""
         if len(indices) != len(self.routers):
             raise ValueError(f"routing: expected one replay tensor per MoE layer on this stage "
                              f"({len(self.routers)}), got {len(indices)}")
@@ -134,6 +141,12 @@ class ReplayController:
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_experts):
                 raise ValueError(f"routing: layer {r.layer}: expert ids must lie in "
                                  f"[0, {self.num_experts})")
+            if t.shape[1] > 1:
+                ordered = t.sort(-1).values
+                if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+                    row = int((ordered[:, 1:] == ordered[:, :-1]).any(-1).nonzero()[0, 0])
+                    raise ValueError(f"routing: layer {r.layer}: row {row} repeats an expert id "
+                                     f"({t[row].tolist()}); a token's top-k experts are distinct")
             if rows is not None and t.shape[0] != rows:
                 raise ValueError(f"routing: layer {r.layer}: {t.shape[0]} rows, other layers "
                                  f"have {rows}")
