@@ -207,3 +207,18 @@ def test_engine_avg_at_temperature_needs_the_mask_for_large_vocabularies(tmp_pat
     load_config(None, base + ["algorithm.keep_sampling_mask=true", "rollout.top_k=20"])
     load_config(None, base[:-1] + ["rollout.temperature=1.0"])
     load_config(None, base + ["rollout.score_full_vocab_max=200000"])
+
+
+def test_refusals_sglang_and_megatron_would_fail_on():
+    gpu = ["rollout.engine=sglang", "cluster.gpus_per_node=8"]
+    with pytest.raises(ConfigError, match="rollout.min_p: SGLang's deterministic inference"):
+        load_config(None, gpu + ["rollout.sglang.deterministic_inference=true",
+                                 "rollout.min_p=0.05"])
+    with pytest.raises(ConfigError, match="rollout.top_k: 4096 must stay below"):
+        load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.top_k=4096"])
+    load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.top_k=4095"])
+    with pytest.raises(ConfigError, match="trainer.sequence_parallel: megatron-core's MoE"):
+        load_config(None, gpu + ["trainer.tensor_parallel=2"])
+    load_config(None, gpu + ["trainer.tensor_parallel=2", "trainer.sequence_parallel=true"])
+    with pytest.raises(ConfigError, match="trainer.context_parallel: > 1 is refused"):
+        load_config(None, gpu + ["trainer.context_parallel=2"])
