@@ -1,5 +1,6 @@
 """SGLang-protocol client against the CPU reference engine over real HTTP on 127.0.0.1, golden
 responses, kept sets, routing consistency, errors, weight updates, n-pass scoring, launcher."""
+import asyncio
 import base64
 import json
 
@@ -175,7 +176,7 @@ def test_malformed_requests_get_400_and_key_401(server):
            ({"input_ids": []}, "input_ids")]
     for body, field in bad:
         r = httpx.post(server.url + "/generate", json=body, headers=h, timeout=30)
-        assert r.status_code == 400 and field in r.json()["error"], (body, r.text)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
     assert httpx.get(server.url + "/health", timeout=5).status_code == 401
     assert httpx.get(server.url + "/health", headers=h, timeout=5).status_code == 200
 
@@ -267,7 +268,7 @@ def test_support_mode_and_listed_ids_follow_sglang(server):
     bad = httpx.post(server.url + "/generate", headers=h, timeout=60, json={
         "input_ids": [6, 7], "sampling_params": params, "return_sampling_mask": True,
         "sampling_logprobs_mode": "all"})
-    assert bad.status_code == 400 and "sampling_logprobs_mode" in bad.json()["error"]
+    assert bad.status_code == 400 and "sampling_logprobs_mode" in bad.json()["error"]["message"]
     r = httpx.post(server.url + "/generate", headers=h, timeout=60, json={
         "input_ids": [6, 7, 68, 12], "sampling_params": {"max_new_tokens": 0},
         "return_logprob": True, "logprob_start_len": 1, "token_ids_logprob": [12, 3]}).json()
@@ -278,7 +279,7 @@ def test_support_mode_and_listed_ids_follow_sglang(server):
     assert listed[2][0][0] == pytest.approx(inputs[2][0], abs=1e-6)   # token 12 at position 3
     bad = httpx.post(server.url + "/generate", headers=h, timeout=60, json={
         "input_ids": [6, 7], "token_ids_logprob": [10 ** 6]})
-    assert bad.status_code == 400 and "token_ids_logprob" in bad.json()["error"]
+    assert bad.status_code == 400 and "token_ids_logprob" in bad.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("replay", ["off", "r2", "r3"])
@@ -314,7 +315,58 @@ def test_reference_engine_omits_routing_unless_started_with_the_flag(tiny_dir, l
         assert "routed_experts" not in r["meta_info"]
         eng = HTTPRolloutEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
                                 need_mask=False)
+        assert eng.weight_versions() == ["default"]   # SGLang's before any update
         with pytest.raises(ResponseError, match="--enable-return-routed-experts"):
             eng.generate([[6, 7, 68]], 1, SamplingConfig(max_new_tokens=2), seed=1)
     finally:
         proc.stop()
+
+
+def test_kept_set_rules_of_sglangs_two_samplers_by_hand():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    # flashinfer (default): top-k 2 -> renormalised [4/7, 3/7]; mass above token 1 is
+    # 4/7 > 0.5, so it is cut; the torch sampler applies top-p to the full distribution (0.4)
+    assert kept_set(probs, 2, 0.5, 0.0).tolist() == [0]
+    assert kept_set(probs, 2, 0.5, 0.0, backend="pytorch").tolist() == [0, 1]
+    # ties at the top-k cut are kept (flashinfer), cut to exactly k (torch)
+    tied = torch.tensor([0.3, 0.3, 0.2, 0.2])
+    assert sorted(kept_set(tied, 3, 1.0, 0.0).tolist()) == [0, 1, 2, 3]
+    assert len(kept_set(tied, 3, 1.0, 0.0, backend="pytorch")) == 3
+    # ties at the top-p cut are kept too
+    assert sorted(kept_set(tied, -1, 0.25, 0.0).tolist()) == [0, 1]
+    # min-p relative to the most likely token, after both
+    assert kept_set(probs, -1, 1.0, 0.6).tolist() == [0, 1]
+
+
+def test_reference_engine_speaks_sglangs_dialect(server, layout):
+    h = {"Authorization": "Bearer k3y"}
+    health = httpx.get(server.url + "/health", headers=h, timeout=5)
+    assert health.status_code == 200 and health.content == b""
+    flush = httpx.post(server.url + "/flush_cache", headers=h, timeout=5)
+    assert flush.status_code == 200 and "text/plain" in flush.headers["content-type"]
+    info = httpx.get(server.url + "/model_info", headers=h, timeout=5).json()
+    assert info["is_generation"] is True
+    bad = httpx.post(server.url + "/generate", headers=h, timeout=30, json={"input_ids": []})
+    assert "input_ids" in bad.json()["error"]["message"]
+    # n > 1: n samples of the prompt; a mask with top_k = 1; routing from start_len = P
+    many = httpx.post(server.url + "/generate", headers=h, timeout=60, json={
+        "input_ids": [6, 7, 68], "return_logprob": True, "return_sampling_mask": True,
+        "return_routed_experts": True, "routed_experts_start_len": 3,
+        "sampling_params": {"n": 3, "top_k": 1, "max_new_tokens": 3, "sampling_seed": 2}}).json()
+    assert isinstance(many, list) and len(many) == 3
+    for r in many:
+        meta = r["meta_info"]
+        assert meta["output_token_sampling_mask_length"] == len(r["output_ids"])
+        assert all(len(m) == 1 for m in meta["output_token_sampling_mask"])
+        rows = len(base64.b64decode(meta["routed_experts"])) // (4 * 2 * 2)
+        assert rows == 3 + len(r["output_ids"]) - 1 - 3
+    # the client reads every one of these as SGLang sends them
+    eng = engine_for([server.url], layout)
+    assert eng.health() and eng.flush_cache()[0]["text"].startswith("Cache flushed")
+    with pytest.raises(EngineHTTPError, match=r"HTTP 400: input_ids: expected"):
+        asyncio.run(_post(server.url, {"input_ids": []}))
+
+
+async def _post(url, body):
+    async with ServerPool([url], api_key="k3y", max_retries=0) as pool:
+        return await pool.request("/generate", body)

@@ -66,7 +66,7 @@ def test_broadcast_update_and_memory_release(tmp_path):
         # colocated: released servers refuse generation, resumed ones serve the same weights
         eng.release_memory()
         r = httpx.post(procs[0].url + "/generate", json={"input_ids": [6, 7]}, timeout=30)
-        assert r.status_code == 400 and "released" in r.json()["error"]
+        assert r.status_code == 400 and "released" in r.json()["error"]["message"]
         eng.resume_memory()
         again = eng.generate(prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
         assert torch.equal(again.rollout_logprobs, want.rollout_logprobs)

@@ -19,11 +19,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "without this flag)")
     parser.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
                         help="largest top_k a return_sampling_mask request may use")
+    parser.add_argument("--sampling-backend", choices=["flashinfer", "pytorch"],
+                        default="flashinfer",
+                        help="kept-set rule of SGLang's sampler to follow (default: flashinfer, "
+                             "SGLang's default on GPUs)")
 
 
 def run(args: argparse.Namespace) -> int:
     serve(args.model, host=args.host, port=args.port, dtype=args.dtype, api_key=args.api_key,
           seed=args.seed, max_batch_size=args.max_batch_size,
           return_routed_experts=args.enable_return_routed_experts,
-          sampling_mask_max_tokens=args.sampling_mask_max_tokens)
+          sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+          sampling_backend=args.sampling_backend)
     return 0

@@ -15,6 +15,32 @@ class EngineHTTPError(RuntimeError):
     """A request every server refused or that kept failing after its retries."""
 
 
+def response_body(resp: httpx.Response):
+    """A success body as SGLang sends it: JSON, plain text (``/flush_cache``) or empty
+    (``/health``: None)."""
+    if not resp.content:
+        return None
+    if "json" in resp.headers.get("content-type", ""):
+        return resp.json()
+    return {"text": resp.text}
+
+
+def error_message(resp: httpx.Response) -> str:
+    """The message of an error body: SGLang's ``{"error": {"message": ...}}``, a plain
+    ``{"error": "..."}`` / ``{"message": ...}`` or the text itself (first 500 characters)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if isinstance(err, str):
+            return err[:500]
+    return resp.text[:500]
+
+
 @dataclass
 class Server:
     url: str
@@ -99,10 +125,10 @@ class ServerPool:
                 server = None
             else:
                 if resp.status_code < 400:
-                    return resp.json()
+                    return response_body(resp)
                 if resp.status_code < 500:
                     raise EngineHTTPError(f"{target.url}{path}: HTTP {resp.status_code}: "
-                                          f"{resp.text[:500]}")
+                                          f"{error_message(resp)}")
                 last = EngineHTTPError(f"{target.url}{path}: HTTP {resp.status_code}")
                 if pinned:
                     raise last

@@ -44,6 +44,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     sampling_seed: int | None = None
+    n: int = 1
 
 
 @dataclass
@@ -82,9 +83,9 @@ def parse_sampling_params(raw: dict | None, mask_cap: int, want_mask: bool) -> S
     unknown = set(raw) - known
     if unknown:
         raise RequestError(f"sampling_params: unknown field(s) {sorted(unknown)}")
-    if raw.get("n", 1) != 1:
-        raise RequestError("sampling_params.n: only n = 1 per request (send the prompt n times)")
     p = SamplingParams()
+    if "n" in raw:
+        p.n = _num(raw["n"], "sampling_params.n", int, lo=1)
     if "temperature" in raw:
         p.temperature = _num(raw["temperature"], "sampling_params.temperature", lo=0)
     if "top_p" in raw:
@@ -108,21 +109,42 @@ def parse_sampling_params(raw: dict | None, mask_cap: int, want_mask: bool) -> S
         p.ignore_eos = raw["ignore_eos"]
     if raw.get("sampling_seed") is not None:
         p.sampling_seed = _num(raw["sampling_seed"], "sampling_params.sampling_seed", int)
-    if want_mask and p.temperature > 0 and not (1 < p.top_k <= mask_cap):
+    if want_mask and p.temperature > 0 and not (1 <= p.top_k <= mask_cap):
         raise RequestError(f"return_sampling_mask: needs a finite sampling_params.top_k with "
-                           f"1 < top_k <= {mask_cap} (--sampling-mask-max-tokens) or greedy "
+                           f"1 <= top_k <= {mask_cap} (--sampling-mask-max-tokens) or greedy "
                            f"sampling; got top_k={p.top_k}")
     return p
 
 
-def kept_set(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Token ids kept by top-k ∩ top-p (crossing token kept) then min-p, most likely first."""
+SAMPLING_BACKENDS = ("flashinfer", "pytorch")
+
+
+def kept_set(probs: torch.Tensor, top_k: int, top_p: float, min_p: float,
+             backend: str = "flashinfer") -> torch.Tensor:
+    """Token ids the sampler keeps, most likely first.
+
+    ``flashinfer`` (SGLang's default on GPUs): top-k keeping every token tied with the k-th
+    probability, then top-p on the top-k distribution renormalised (a token is kept when the
+    mass ranked above it is <= p, and so is every token tied with the last one kept), then min-p
+    relative to the most likely token. ``pytorch`` (SGLang's torch sampler): top-p on the full
+    distribution, then exactly k tokens, then min-p.
+    """
+    if backend not in SAMPLING_BACKENDS:
+        raise ValueError(f"sampling backend: expected one of {SAMPLING_BACKENDS}, got {backend!r}")
     sorted_p, order = probs.sort(descending=True)
     keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if top_k > 0:
-        keep[top_k:] = False
-    above = torch.cumsum(sorted_p, 0) - sorted_p
-    keep &= above <= top_p
+    if backend == "pytorch":
+        keep &= (torch.cumsum(sorted_p, 0) - sorted_p) <= top_p
+        if top_k > 0:
+            keep[top_k:] = False
+    else:
+        if 0 < top_k < len(sorted_p):
+            keep &= sorted_p >= sorted_p[top_k - 1]
+        q = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        q = q / q.sum()
+        nucleus = keep & ((torch.cumsum(q, 0) - q) <= top_p)
+        nucleus[0] = True
+        keep &= sorted_p >= sorted_p[nucleus].min()
     if min_p > 0:
         keep &= sorted_p >= min_p * sorted_p[0]
     keep[0] = True
@@ -138,15 +160,20 @@ class ReferenceEngine:
     """Holds the model; ``run`` executes a batch of requests (generation and scoring)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0,
-                 sampling_mask_max_tokens: int = 4096, return_routed_experts: bool = True):
+                 sampling_mask_max_tokens: int = 4096, return_routed_experts: bool = True,
+                 sampling_backend: str = "flashinfer"):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
         self.dtype_name = dtype
         self.seed = seed
         self.mask_cap = sampling_mask_max_tokens
         self.routing_enabled = return_routed_experts   # SGLang: --enable-return-routed-experts
+        if sampling_backend not in SAMPLING_BACKENDS:
+            raise ValueError(f"sampling_backend: expected one of {SAMPLING_BACKENDS}, got "
+                             f"{sampling_backend!r}")
+        self.sampling_backend = sampling_backend
         self.lock = threading.Lock()
-        self.weight_version = "0"
+        self.weight_version = "default"   # SGLang's until the first update names one
         self._requests_seen = 0
         self.groups: dict = {}
         self.in_update_session = False
@@ -212,8 +239,8 @@ class ReferenceEngine:
         if req.logprob_start_len >= len(ids):
             raise RequestError(f"logprob_start_len: {req.logprob_start_len} must be < the input "
                                f"length {len(ids)}")
-        if req.routed_experts_start_len < 0 or req.routed_experts_start_len >= len(ids):
-            raise RequestError("routed_experts_start_len: must lie in [0, input length)")
+        if req.routed_experts_start_len < 0 or req.routed_experts_start_len > len(ids):
+            raise RequestError("routed_experts_start_len: must lie in [0, input length]")
         if req.sampling_logprobs_mode not in SAMPLING_LOGPROBS_MODES:
             raise RequestError(f"sampling_logprobs_mode: expected one of "
                                f"{list(SAMPLING_LOGPROBS_MODES)}, got "
@@ -363,7 +390,10 @@ class ReferenceEngine:
             s["mask_lp"].append([0.0] if r.sampling_logprobs_mode == "support" else 0.0)
             return tok
         scaled = torch.log_softmax(logits / p.temperature, -1)
-        kept = kept_set(scaled.exp(), p.top_k, p.top_p, p.min_p)
+        kept = kept_set(scaled.exp(), p.top_k, p.top_p, p.min_p, self.sampling_backend)
+        if r.return_sampling_mask and len(kept) > self.mask_cap:
+            raise RequestError(f"return_sampling_mask: {len(kept)} tokens tie at the top-k cut, "
+                               f"more than --sampling-mask-max-tokens {self.mask_cap}")
         kept_lp = scaled[kept] - torch.logsumexp(scaled[kept], 0)   # renormalised on the set
         choice = int(torch.multinomial(kept_lp.exp(), 1, generator=gen))
         tok = int(kept[choice])
@@ -393,7 +423,7 @@ class ReferenceEngine:
             meta["routed_experts"] = encode_routing(rows[r.routed_experts_start_len:])
         if r.return_sampling_mask:
             meta["output_token_sampling_mask"] = s["mask"]
-            meta["output_token_sampling_mask_length"] = [len(m) for m in s["mask"]]
+            meta["output_token_sampling_mask_length"] = len(out)   # SGLang: an int
             meta["output_token_sampling_logprobs"] = s["mask_lp"]
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer else ""
         return {"text": text, "output_ids": out, "meta_info": meta}

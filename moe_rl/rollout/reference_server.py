@@ -4,14 +4,20 @@ names and encodings. Concurrent requests are batched: a worker takes every queue
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import secrets
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from moe_rl.rollout.reference_engine import (ReferenceEngine, Request, RequestError,
                                              parse_sampling_params)
+
+def _error(message: str) -> dict:
+    """SGLang's error body."""
+    return {"error": {"message": message}}
+
 
 _BOOL_FIELDS = ("return_logprob", "return_routed_experts", "return_sampling_mask", "stream")
 
@@ -57,15 +63,21 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Req
     for seq, p, rid, ids_lp in zip(seqs, plist, rids, listed_per):
         if not isinstance(p, dict):
             raise RequestError("sampling_params: expected an object")
-        req = Request(input_ids=seq, params=parse_sampling_params(p, engine.mask_cap, want_mask),
-                      rid=rid or f"ref-{next(counter)}",
-                      return_logprob=bool(body.get("return_logprob", False)),
-                      logprob_start_len=start,
-                      return_routed_experts=bool(body.get("return_routed_experts", False)),
-                      routed_experts_start_len=r_start, return_sampling_mask=want_mask,
-                      sampling_logprobs_mode=mode, token_ids_logprob=ids_lp)
-        engine.validate(req)
-        out.append(req)
+        params = parse_sampling_params(p, engine.mask_cap, want_mask)
+        for copy in range(params.n):   # n > 1: n samples of this prompt, in a row
+            seeded = params if params.n == 1 or params.sampling_seed is None else \
+                dataclasses.replace(params, sampling_seed=params.sampling_seed + copy)
+            req = Request(input_ids=seq, params=seeded,
+                          rid=(f"{rid}-{copy}" if rid and params.n > 1 else rid)
+                          or f"ref-{next(counter)}",
+                          return_logprob=bool(body.get("return_logprob", False)),
+                          logprob_start_len=start,
+                          return_routed_experts=bool(body.get("return_routed_experts", False)),
+                          routed_experts_start_len=r_start, return_sampling_mask=want_mask,
+                          sampling_logprobs_mode=mode, token_ids_logprob=ids_lp)
+            engine.validate(req)
+            out.append(req)
+        batch = batch or params.n > 1
     return out, batch
 
 
@@ -102,15 +114,16 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
         if api_key is not None:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given, f"Bearer {api_key}"):
-                return JSONResponse({"error": "unauthorized: send Authorization: Bearer <key>"},
+                return JSONResponse(_error("unauthorized: send Authorization: Bearer <key>"),
                                     status_code=401)
         return await call_next(request)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return Response(status_code=200)   # SGLang: an empty 200
 
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info():
         return {"model_path": engine.model_path, "tokenizer_path": engine.model_path,
                 "is_generation": True, "weight_version": engine.weight_version,
@@ -125,11 +138,11 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
         try:
             body = await request.json()
         except ValueError:
-            return JSONResponse({"error": "body: not valid JSON"}, status_code=400)
+            return JSONResponse(_error("body: not valid JSON"), status_code=400)
         try:
             reqs, batch = _as_requests(body, engine, counter)
         except RequestError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
+            return JSONResponse(_error(str(exc)), status_code=400)
         loop = asyncio.get_running_loop()
         futures = []
         for r in reqs:
@@ -139,9 +152,9 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
         try:
             results = await asyncio.gather(*futures)
         except RequestError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
+            return JSONResponse(_error(str(exc)), status_code=400)
         except Exception as exc:
-            return JSONResponse({"error": f"engine failure: {exc}"}, status_code=500)
+            return JSONResponse(_error(f"engine failure: {exc}"), status_code=500)
         return results if batch else results[0]
 
     async def _blocking(fn, *args):
@@ -219,19 +232,23 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
                 "weight_version": engine.weight_version}
 
     @app.post("/flush_cache")
-    async def flush_cache():
-        return {"success": True, "message": "no prefix cache is kept between requests"}
+    async def flush_cache():   # SGLang answers in plain text
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
+                                 "(When there are running or waiting requests, the operation "
+                                 "will not be performed.)\n")
 
     return app
 
 
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32",
           api_key: str | None = None, seed: int = 0, max_batch_size: int = 64,
-          return_routed_experts: bool = False, sampling_mask_max_tokens: int = 4096) -> None:
+          return_routed_experts: bool = False, sampling_mask_max_tokens: int = 4096,
+          sampling_backend: str = "flashinfer") -> None:
     """Load the model and serve until interrupted."""
     import uvicorn
     engine = ReferenceEngine(model_path, dtype=dtype, seed=seed,
                              sampling_mask_max_tokens=sampling_mask_max_tokens,
-                             return_routed_experts=return_routed_experts)
+                             return_routed_experts=return_routed_experts,
+                             sampling_backend=sampling_backend)
     uvicorn.run(build_app(engine, api_key, max_batch_size), host=host, port=port,
                 log_level="warning")

@@ -12,7 +12,7 @@ from moe_rl.rollout.server_needs import requests_routing, requests_sampling_mask
 def sglang_command(cfg: Config, port: int, model_path: str | None = None) -> tuple[list[str],
                                                                                    dict]:
     """(argv, extra environment) of ``python -m sglang.launch_server`` for server ``port``."""
-    r, a = cfg.rollout, cfg.algorithm
+    r = cfg.rollout
     g = r.sglang
     argv = [sys.executable, "-m", "sglang.launch_server",
             "--model-path", model_path or cfg.model.path, "--host", r.host, "--port", str(port),

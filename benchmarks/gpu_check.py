@@ -1,0 +1,236 @@
+"""GPU validation of the paths CPU tests cannot reach: run it on a machine with CUDA
+(`python -m benchmarks.gpu_check`). Writes benchmarks/results/gpu_check.{json,md}.
+
+Checks, each reported pass / fail (with the figure) / skipped (with the reason):
+1. megatron_cuda_local: the megatron-core model on CUDA (local spec) scores as transformers does
+   (float32, replayed routing), max |Δ log-prob|.
+2. megatron_cuda_te: the same with Transformer Engine's spec, when TE is installed.
+3. triton_kernel: the Triton log-prob/entropy kernel equals the torch one on CUDA, and their time
+   ratio at T=4096, V=151,936, H=1024 (bf16).
+4. parallel_equivalence: TP=2 + SP and EP=2 steps equal TP=1 (needs 2 GPUs; torchrun).
+5. nccl_weight_sync: a broadcast over the weight-update group (built as SGLang builds it) into a
+   second process (needs 2 GPUs: NCCL refuses two ranks on one device).
+On a machine without CUDA it records that nothing ran and exits 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _tiny_model(path: str) -> str:
+    from moe_rl.config import ModelInitConfig
+    from moe_rl.models.tiny import write_tiny_model
+    return write_tiny_model(ModelInitConfig(seed=3, num_hidden_layers=3, rope_theta=1e6), path)
+
+
+def check_megatron_cuda(path: str, use_te: bool) -> dict:
+    """max |megatron - transformers| log-prob on CUDA with the engine's routing replayed."""
+    import importlib.util
+
+    import transformers
+    from moe_rl.packing import pack_one
+    from moe_rl.trainer import model_builder
+    from moe_rl.trainer.forward import forward_logprobs
+    from moe_rl.trainer.hf_weights import load_hf_into_megatron
+    from moe_rl.trainer.replay import ReplayController
+    from moe_rl.types import Sample, compact_routing
+    if use_te and importlib.util.find_spec("transformer_engine") is None:
+        return {"status": "skipped", "reason": "transformer_engine is not installed"}
+    saved = importlib.util.find_spec
+    if not use_te:   # force the local spec
+        importlib.util.find_spec = lambda name, *a: None if name == "transformer_engine" \
+            else saved(name, *a)
+    try:
+        model, spec = model_builder.build_model(path)
+    finally:
+        importlib.util.find_spec = saved
+    load_hf_into_megatron(model, spec, path)
+    model.eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    ids = torch.randint(0, spec.vocab_size, (48,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = hf(input_ids=ids[None].cuda(), output_router_logits=True)
+    k = spec.facts.topk
+    routing = torch.stack([r.topk(k, -1).indices for r in out.router_logits], 1).cpu()
+    want = torch.log_softmax(out.logits[0].float(), -1)[15:-1].gather(
+        1, ids[16:, None].cuda()).squeeze(1).cpu()
+    sample = Sample(prompt_ids=ids[:16], response_ids=ids[16:],
+                    rollout_logprobs=torch.zeros(32),
+                    routing=compact_routing(routing[:-1], spec.facts.num_experts))
+    mb = pack_one([sample], [0], pad_token_id=0, num_experts=spec.facts.num_experts)
+    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk,
+                           spec.facts.num_experts)
+    ctl.replay(mb.replay_indices())
+    with torch.no_grad():
+        lp, _ = forward_logprobs(model, mb)
+    ctl.finish_forward()
+    ctl.close()
+    got = lp[0, 15:47].float().cpu()
+    diff = float((got - want).abs().max())
+    return {"status": "pass" if diff < 1e-3 else "fail", "max_abs_diff": diff,
+            "te_spec": model_builder.uses_te_spec(model)}
+
+
+def check_triton_kernel() -> dict:
+    from moe_rl_kernels import logprob_entropy, triton_available
+    if not triton_available():
+        return {"status": "skipped", "reason": "triton is not importable"}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, V, H = 4096, 151_936, 1024
+    h = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(V, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02)
+    t = torch.randint(0, V, (T,), device="cuda", generator=g)
+    out = {}
+    for backend in ("torch", "triton"):
+        logprob_entropy(h, w, t, backend=backend)   # warm-up / compile
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            lp, ent = logprob_entropy(h, w, t, backend=backend)
+        torch.cuda.synchronize()
+        out[backend] = (lp, ent, (time.perf_counter() - start) / 5)
+    dlp = float((out["torch"][0] - out["triton"][0]).abs().max())
+    dent = float((out["torch"][1] - out["triton"][1]).abs().max())
+    return {"status": "pass" if max(dlp, dent) < 1e-2 else "fail", "max_abs_diff_logprob": dlp,
+            "max_abs_diff_entropy": dent, "torch_s": out["torch"][2],
+            "triton_s": out["triton"][2], "triton_over_torch": out["triton"][2] / out["torch"][2]}
+
+
+def check_parallel(path: str) -> dict:
+    if torch.cuda.device_count() < 2:
+        return {"status": "skipped", "reason": f"{torch.cuda.device_count()} GPU(s); TP=2/EP=2 "
+                                               f"need 2"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          str(ROOT / "benchmarks" / "gpu_check.py"), "--parallel-worker", path],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    if res.returncode:
+        return {"status": "fail", "reason": res.stderr[-2000:]}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def parallel_worker(path: str) -> None:
+    """torchrun worker: one RL step's log-probs and gradient norm under TP=2+SP and EP=2 against
+    the single-GPU values computed on rank 0."""
+    from moe_rl.config import config_from_dict
+    from moe_rl.trainer.parallel import ParallelSizes, destroy, init_distributed, \
+        init_model_parallel
+    from moe_rl.trainer.policy import PolicyTrainer
+    init_distributed()
+    rank = torch.distributed.get_rank()
+    torch.cuda.set_device(rank)
+    from moe_rl.types import Sample
+    g = torch.Generator().manual_seed(1)
+    samples = [Sample(prompt_ids=torch.randint(0, 90, (6,), generator=g),
+                      response_ids=torch.randint(0, 90, (10,), generator=g),
+                      rollout_logprobs=-torch.ones(10), reward=float(i % 2), group_id=i // 2,
+                      sample_id=i) for i in range(4)]
+    results = {}
+    for name, tp, ep, sp in (("tp1", 1, 1, False), ("tp2_sp", 2, 1, True), ("ep2", 1, 2, False)):
+        init_model_parallel(ParallelSizes(tp, 1, ep, 1))
+        cfg = config_from_dict({"model": {"path": path}, "cluster": {"gpus_per_node": 2},
+                                "rollout": {"n_samples_per_prompt": 2},
+                                "trainer": {"tensor_parallel": tp, "expert_parallel": ep,
+                                            "sequence_parallel": sp, "lr": 1e-3, "seed": 1},
+                                "algorithm": {"replay": "off", "pi_old": "rollout"}})
+        trainer = PolicyTrainer(cfg, path)
+        shard = samples if tp > 1 else samples[rank * 2:(rank + 1) * 2]
+        m = trainer.train_step(shard)
+        results[name] = m["grad_norm"]
+        del trainer
+        from megatron.core import parallel_state
+        parallel_state.destroy_model_parallel()
+    ok = all(abs(results[k] - results["tp1"]) <= 1e-3 * max(1.0, results["tp1"])
+             for k in results)
+    if rank == 0:
+        print(json.dumps({"status": "pass" if ok else "fail", "grad_norm": results}))
+    destroy()
+
+
+def check_nccl_sync() -> dict:
+    if torch.cuda.device_count() < 2:
+        return {"status": "skipped", "reason": "NCCL needs a second GPU for the engine's rank"}
+    from moe_rl.trainer.parallel import free_port
+    from moe_rl.weight_sync import broadcast_tensors, open_group
+    port = free_port()
+    child = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
+                              "--nccl-receiver", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES="1"))
+    torch.cuda.set_device(0)
+    group = open_group("nccl", "127.0.0.1", port, 0, 2, "moe_rl_weights", timeout_s=120)
+    sent = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    start = time.perf_counter()
+    broadcast_tensors(group, [("w", sent)])
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    out, _ = child.communicate(timeout=120)
+    ok = child.returncode == 0 and out.strip().endswith(str(float(sent.sum())))
+    return {"status": "pass" if ok else "fail", "seconds_4MiB": elapsed}
+
+
+def nccl_receiver(port: int) -> None:
+    from moe_rl.weight_sync import open_group, receive_tensors
+    torch.cuda.set_device(0)
+    group = open_group("nccl", "127.0.0.1", port, 1, 2, "moe_rl_weights", timeout_s=120)
+    got = receive_tensors(group, ["w"], ["float32"], [[1 << 20]], device="cuda")
+    print(float(got["w"].sum()))
+
+
+def main() -> int:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    report: dict = {"cuda": torch.cuda.is_available()}
+    if not torch.cuda.is_available():
+        report["note"] = "no CUDA device: nothing ran"
+    else:
+        from moe_rl.trainer.parallel import init_distributed, init_model_parallel
+        report["device"] = torch.cuda.get_device_name(0)
+        report["gpus"] = torch.cuda.device_count()
+        from moe_rl.trainer.parallel import free_port
+        path = _tiny_model(tempfile.mkdtemp(prefix="gpu_check_"))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        init_distributed(rank=0, world_size=1)
+        init_model_parallel()
+        checks = {"megatron_cuda_local": lambda: check_megatron_cuda(path, use_te=False),
+                  "megatron_cuda_te": lambda: check_megatron_cuda(path, use_te=True),
+                  "triton_kernel": check_triton_kernel,
+                  "parallel_equivalence": lambda: check_parallel(path),
+                  "nccl_weight_sync": check_nccl_sync}
+        for name, fn in checks.items():
+            try:
+                report[name] = fn()
+            except Exception:   # record the failure and go on with the other checks
+                report[name] = {"status": "fail", "reason": traceback.format_exc()[-2000:]}
+            print(name, json.dumps(report[name])[:300], flush=True)
+    (RESULTS / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    lines = ["# GPU check", "", f"CUDA: {report['cuda']}" + (f", {report.get('device')} x "
+                                                             f"{report.get('gpus')}"
+                                                             if report["cuda"] else ""), ""]
+    for name, value in report.items():
+        if isinstance(value, dict):
+            lines.append(f"- {name}: {value.get('status')} "
+                         f"{json.dumps({k: v for k, v in value.items() if k != 'status'})[:300]}")
+    if "note" in report:
+        lines.append(f"- {report['note']}")
+    (RESULTS / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--parallel-worker":
+        parallel_worker(sys.argv[2])
+    elif len(sys.argv) > 2 and sys.argv[1] == "--nccl-receiver":
+        nccl_receiver(int(sys.argv[2]))
+    else:
+        sys.exit(main())
