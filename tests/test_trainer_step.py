@@ -185,3 +185,41 @@ def test_covariance_selection_is_made_over_the_whole_mini_batch(tiny, method):
         out.append((m["loss"], m["grad_norm"]))
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-4, abs=1e-7)
     assert out[0][1] == pytest.approx(out[1][1], rel=1e-4)
+
+
+def test_r2_replays_per_sample_what_the_pi_old_pass_recorded(tiny):
+    """R2 with mini_batches 2 and epochs 2 (it raised KeyError when keyed by the pi_old pass's
+    micro-batch plan): every update forward replays, for each of its samples, exactly the
+    expert ids that sample's routers chose in the pi_old pass."""
+    path, hf_model = tiny
+    cfg = make_cfg(path, replay="r2")
+    cfg.trainer.mini_batches, cfg.trainer.epochs, cfg.trainer.micro_batch_size = 2, 2, 3
+    trainer = PolicyTrainer(cfg, path)
+    samples = engine_samples(hf_model, n_groups=2, group_size=3, seed=8)
+    recorded, replayed = {}, []
+    original_forward = trainer._forward
+
+    def spy(model, replay, mb, mode, **kw):
+        out = original_forward(model, replay, mb, mode, **kw)
+        if model is trainer.model and mode == "record":
+            rows = replay.recorded()
+            B, S = mb.input_ids.shape
+            for b, i in enumerate(mb.sample_indices):
+                n = samples[i].routed_positions
+                recorded[i] = torch.stack([t.reshape(S, B, -1)[:n, b] for t in rows], 1)
+        if model is trainer.model and mode == "replay":
+            replayed.append(mb)
+        return out
+
+    trainer._forward = spy
+    trainer.train_step(samples)
+    assert set(recorded) == set(range(6))
+    assert len(replayed) >= 4   # 2 epochs x 2 mini-batches
+    for mb in replayed:
+        for b, i in enumerate(mb.sample_indices):
+            n = samples[i].routed_positions
+            assert torch.equal(mb.routing[b, :n].long(), recorded[i].long())
+    # and the forwards with it reproduce the pi_old pass's log-probs before any update
+    trainer2 = PolicyTrainer(cfg, path)
+    m = trainer2.train_step(samples)
+    assert m["ratio/first_minibatch_max_dev"] < 1e-6

@@ -7,6 +7,7 @@ batch (whole prompt groups), computes advantages, and returns the step's metrics
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import random
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from moe_rl.trainer.hf_weights import load_hf_into_megatron, megatron_to_hf, sav
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import ParallelSizes
 from moe_rl.trainer.replay import ReplayController
-from moe_rl.types import RoutingSpec, Sample
+from moe_rl.types import RoutingSpec, Sample, compact_routing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -68,7 +69,7 @@ class StepBatch:
     weights: torch.Tensor
     keep: torch.Tensor
     advantages: torch.Tensor
-    r2_routing: dict[int, list[torch.Tensor]]
+    replay_samples: list[Sample]   # the samples with the routing the update replays
 
 
 GROUP_CORRECTIONS = ("metropolis", "snis")
@@ -164,19 +165,18 @@ class PolicyTrainer:
                 for group in plan]
 
     def _forward(self, model, replay: ReplayController, mb: MicroBatch, mode: str,
-                 recorded: dict | None = None, grad: bool = False, collect_own: bool = False):
-        """Forward one micro-batch under replay ``mode`` (r3: rollout routing; r2: recorded;
+                 grad: bool = False, collect_own: bool = False):
+        """Forward one micro-batch under replay ``mode`` (replay: the routing the micro-batch
+        carries, the rollout's for R3 or the one recorded per sample in the pi_old pass for R2;
         record: the router's own choice recorded; off: plain)."""
         a = self.cfg.algorithm
         B, S = mb.input_ids.shape
-        if mode == "r3":
+        if mode == "replay":
             if mb.routing is None:
                 raise ValueError("algorithm.replay=r3: the rollout carries no routing (start "
                                  "SGLang with --enable-return-routed-experts)")
             replay.replay(replay.local_indices(mb.replay_indices(), S, B),
                           collect_own=collect_own)
-        elif mode == "r2":   # recorded by this rank's own routers: already local
-            replay.replay(recorded[tuple(mb.sample_indices)], collect_own=False)
         elif mode == "record":
             replay.record()
         else:
@@ -206,9 +206,9 @@ class PolicyTrainer:
         lp_ref = torch.zeros_like(lp_roll) if self.ref_model is not None else None
         metrics: dict[str, float] = {}
         agree_rows: list[dict] = []
-        recorded: dict[tuple, list[torch.Tensor]] = {}
+        r2_routing: dict[int, torch.Tensor] = {}
         self.model.eval()
-        first_pass = "r3" if a.replay == "r3" else "record"
+        first_pass = "replay" if a.replay == "r3" else "record"
         for mb in self._micro_batches(samples, list(range(n))):
             lp, e = self._forward(self.model, self.replay, mb, first_pass,
                                   collect_own=mb.routing is not None)
@@ -219,14 +219,14 @@ class PolicyTrainer:
             if mb.routing is not None:
                 B, S = mb.input_ids.shape
                 valid = self.replay.local_rows(mb.routing_valid_router_order(), S, B)
-                trainer = None if first_pass == "r3" else self.replay.recorded()
+                trainer = None if first_pass == "replay" else self.replay.recorded()
                 engine = self.replay.local_indices(mb.replay_indices(), S, B)
                 agree_rows.append({"w": float(valid.sum()),
                                    **self.replay.agreement(engine, valid, trainer=trainer)})
             if a.replay == "r2":
-                recorded[tuple(rows)] = self.replay.recorded()
+                r2_routing.update(self._per_sample_routing(samples, mb))
             if self.ref_model is not None:
-                mode = "r3" if (a.kl.replay_routing and mb.routing is not None) else "off"
+                mode = "replay" if (a.kl.replay_routing and mb.routing is not None) else "off"
                 lr_, _ = self._forward(self.ref_model, self.ref_replay, mb, mode)
                 lp_ref[rows, :width] = mb.to_response_padded(lr_.float())
         if agree_rows:
@@ -269,8 +269,35 @@ class PolicyTrainer:
             group_ids=groups, lp=lp_tr.double(), generator=self.generator))
         metrics.update(corr.metrics)
         metrics["weight_version/min"] = float(min(s.weight_version for s in samples))
+        replay_samples = samples
+        if a.replay == "r2":   # the update replays, per sample, what the pi_old pass chose
+            replay_samples = [dataclasses.replace(s, routing=r2_routing[i])
+                              for i, s in enumerate(samples)]
         return StepBatch(samples, mask, lp_roll, lp_tr, ent, lp_old, lp_ref,
-                         corr.weights.float(), corr.keep, adv, recorded), metrics
+                         corr.weights.float(), corr.keep, adv, replay_samples), metrics
+
+    def _per_sample_routing(self, samples: list[Sample], mb: MicroBatch
+                            ) -> dict[int, torch.Tensor]:
+        """R2: the routing this rank's routers recorded in the last forward of ``mb``, cut into
+        one [routed positions, MoE layers, K] record per sample (as the rollout's), so any later
+        micro- or mini-batch plan can replay it."""
+        from megatron.core import parallel_state as ps
+        B, S = mb.input_ids.shape
+        rows = self.replay.recorded()
+        tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() \
+            else 1
+        if tp > 1 and self.cfg.trainer.sequence_parallel:   # each TP rank routed a slice
+            group = ps.get_tensor_model_parallel_group()
+            full = []
+            for t in rows:
+                parts = [torch.empty_like(t) for _ in range(tp)]
+                dist.all_gather(parts, t.contiguous(), group=group)
+                full.append(torch.cat(parts))
+            rows = full
+        per = torch.stack([t.reshape(S, B, -1) for t in rows], dim=2)   # router order s*B+b
+        return {row: compact_routing(per[:samples[row].routed_positions, b].long(),
+                                     self.spec.facts.num_experts)
+                for b, row in enumerate(mb.sample_indices)}
 
     @staticmethod
     def _kept(samples: list[Sample]) -> torch.Tensor | None:
@@ -314,7 +341,7 @@ class PolicyTrainer:
                 norm = Normalisers(counts[0], counts[1],
                                    float(a.max_len_norm or cfg.rollout.max_new_tokens))
                 selection = self._covariance_selection(batch, mini)
-                for mb in self._micro_batches(batch.samples, mini):
+                for mb in self._micro_batches(batch.replay_samples, mini):
                     self._micro_step(batch, mb, norm, sums, first, selection)
                 first = False
                 sums["_minibatches"] = sums.get("_minibatches", 0.0) + 1
@@ -336,6 +363,11 @@ class PolicyTrainer:
             out["ratio/first_minibatch_max_dev"] = sums["_first_dev"]
         return out
 
+    def _update_mode(self) -> str:
+        """Replay mode of the update's forwards: R3 and R2 replay the routing the micro-batch
+        carries (rollout's / recorded per sample), off routes freely."""
+        return "off" if self.cfg.algorithm.replay == "off" else "replay"
+
     def _covariance_selection(self, batch: StepBatch, mini: list[int]) -> torch.Tensor | None:
         """Clip-Cov / KL-Cov tokens chosen over the whole mini-batch (not per micro-batch, where
         round(r N) of a small micro-batch is 0), from a no-grad forward with the weights the
@@ -345,9 +377,8 @@ class PolicyTrainer:
         if e.method not in ("clip_cov", "kl_cov"):
             return None
         lp_now = torch.zeros_like(batch.lp_old)
-        for mb in self._micro_batches(batch.samples, mini):
-            lp, _ = self._forward(self.model, self.replay, mb, a.replay,
-                                  recorded=batch.r2_routing)
+        for mb in self._micro_batches(batch.replay_samples, mini):
+            lp, _ = self._forward(self.model, self.replay, mb, self._update_mode())
             width = int(mb.response_lens.max())
             lp_now[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
         keep = batch.mask[mini] & batch.keep[mini]
@@ -368,9 +399,8 @@ class PolicyTrainer:
         a = self.cfg.algorithm
         rows = mb.sample_indices
         width = int(mb.response_lens.max())
-        mode = {"r3": "r3", "r2": "r2", "off": "off"}[a.replay]
-        lp_pos, ent_pos = self._forward(self.model, self.replay, mb, mode,
-                                        recorded=batch.r2_routing, grad=True)
+        lp_pos, ent_pos = self._forward(self.model, self.replay, mb, self._update_mode(),
+                                        grad=True)
         lp = mb.to_response_padded(lp_pos)
         ent = mb.to_response_padded(ent_pos)
         mask = batch.mask[rows, :width]
