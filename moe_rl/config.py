@@ -206,7 +206,9 @@ class TrainerConfig:
     sequence_parallel: bool = _f(False, "sequence parallelism (needs tensor_parallel > 1)")
     recompute_activations: bool = _f(False, "full activation recomputation (replay in backward)")
     distributed_optimizer: bool = _f(True, "megatron distributed optimizer where available")
-    ema_decay: float | None = _f(None, "EMA of the policy weights (null = off)",
+    ema_decay: float | None = _f(None, "Polyak average of the weights, updated after every "
+                                 "optimizer step and exported as final_hf (rollouts keep the raw "
+                                 "weights; null = off)",
                                  **_rng(0, 1, lo_open=True, hi_open=True))
     sft_warmup_steps: int = _f(0, "supervised warm-start steps before RL", **_rng(0))
     sft_lr: float = _f(1e-3, "learning rate of the supervised warm-start", **_rng(0, lo_open=True))

@@ -223,3 +223,34 @@ def test_r2_replays_per_sample_what_the_pi_old_pass_recorded(tiny):
     trainer2 = PolicyTrainer(cfg, path)
     m = trainer2.train_step(samples)
     assert m["ratio/first_minibatch_max_dev"] < 1e-6
+
+
+def test_ema_follows_the_polyak_formula_and_is_what_gets_exported(tiny, tmp_path):
+    from safetensors.torch import load_file
+    path, hf_model = tiny
+    cfg = make_cfg(path)
+    cfg.trainer.ema_decay, cfg.trainer.mini_batches, cfg.trainer.lr = 0.6, 2, 1e-2
+    trainer = PolicyTrainer(cfg, path)
+    params = dict(trainer.model.module.named_parameters())
+    expected = {n: p.detach().double().clone() for n, p in params.items()}
+    step = trainer.optimizer.step
+
+    def stepped():
+        out = step()
+        for n, p in params.items():   # e_k = d e_{k-1} + (1 - d) p_k, in float64
+            expected[n] = 0.6 * expected[n] + 0.4 * p.detach().double()
+        return out
+
+    trainer.optimizer.step = stepped
+    trainer.train_step(engine_samples(hf_model, n_groups=2, group_size=2, seed=9))
+    trainer.train_step(engine_samples(hf_model, n_groups=2, group_size=2, seed=10))
+    for n, want in expected.items():
+        assert torch.allclose(trainer.ema[n].double(), want, atol=1e-6), n
+    trainer.export_hf(str(tmp_path / "ema"), use_ema=True)
+    trainer.export_hf(str(tmp_path / "raw"))
+    ema = load_file(str(tmp_path / "ema" / "model.safetensors"))
+    raw = load_file(str(tmp_path / "raw" / "model.safetensors"))
+    emb = "model.embed_tokens.weight"
+    mcore = [n for n in expected if n.endswith("embedding.word_embeddings.weight")][0]
+    assert torch.allclose(ema[emb].double(), expected[mcore], atol=1e-6)
+    assert not torch.allclose(ema[emb], raw[emb])

@@ -111,8 +111,9 @@ class Trainers:
         return ray.get([a.sft_step.remote(RolloutBatch(s).to_bytes(), lr)
                         for a, s in zip(self.actors, shards)])[0]
 
-    def export(self, out_dir: str) -> None:
-        ray.get([a.export_hf.remote(out_dir) for a in self.actors])
+    def export(self, out_dir: str, use_ema: bool = False) -> None:
+        """A HF checkpoint of the policy (``use_ema``: its exponential moving average)."""
+        ray.get([a.export_hf.remote(out_dir, use_ema) for a in self.actors])
 
     def save(self, path: str) -> None:
         ray.get([a.save.remote(path) for a in self.actors])
@@ -210,8 +211,14 @@ def run_training(cfg: Config, resume: bool = False) -> list[dict]:
         bar.close()
         if cfg.trainer.export_hf:
             final = os.path.join(run_dir, "final_hf")
-            trainers.export(final)
-            print(f"final policy exported to {final}", flush=True)
+            if cfg.trainer.ema_decay is not None:   # the EMA is the released policy
+                trainers.export(final, use_ema=True)
+                trainers.export(os.path.join(run_dir, "final_hf_raw"))
+                print(f"final policy (EMA, decay {cfg.trainer.ema_decay}) exported to {final}; "
+                      f"the raw weights to {final}_raw", flush=True)
+            else:
+                trainers.export(final)
+                print(f"final policy exported to {final}", flush=True)
     finally:
         logger.close()
         ray.get(rollout.shutdown.remote())

@@ -38,8 +38,8 @@ class TrainerWorker:
     def sft_step(self, data: bytes, lr: float) -> dict:
         return self.trainer.sft_step(RolloutBatch.from_bytes(data).samples, lr)
 
-    def export_hf(self, out_dir: str) -> str:
-        self.trainer.export_hf(out_dir, use_ema=False)
+    def export_hf(self, out_dir: str, use_ema: bool = False) -> str:
+        self.trainer.export_hf(out_dir, use_ema=use_ema)
         return out_dir
 
     def open_weight_group(self, backend: str, address: str, port: int, world: int,

@@ -6,7 +6,6 @@ batch (whole prompt groups), computes advantages, and returns the step's metrics
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import random
@@ -500,14 +499,22 @@ class PolicyTrainer:
         return megatron_to_hf(self.model.module, self.spec)
 
     def export_hf(self, out_dir: str, use_ema: bool = False) -> None:
-        """Write the current (or EMA) policy as a HF checkpoint (rank 0 writes)."""
+        """Write the current (or, with ``use_ema``, the EMA) policy as a HF checkpoint (rank 0
+        writes). The EMA weights are swapped in for the export and the raw ones put back."""
         model = self.model.module
+        saved = None
         if use_ema and self.ema is not None:
-            model = copy.deepcopy(model)
             with torch.no_grad():
+                saved = {n: p.detach().clone() for n, p in model.named_parameters()}
                 for name, p in model.named_parameters():
                     p.copy_(self.ema[name].to(p.dtype))
-        tensors = megatron_to_hf(model, self.spec)
+        try:   # cloned: the raw weights are put back before the file is written
+            tensors = {k: v.detach().clone() for k, v in megatron_to_hf(model, self.spec).items()}
+        finally:
+            if saved is not None:
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.copy_(saved[name])
         if not dist.is_initialized() or dist.get_rank() == 0:
             save_hf_checkpoint(tensors, self.spec, out_dir, source_dir=self.hf_path)
 
