@@ -16,10 +16,8 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.algo import (CorrectionInputs, Normalisers, aggregate, apply_corrections,
-                         average_pass_logprobs, batch_metrics, clip_cov, clip_cov_select,
-                         collapse_guard, compute_advantages, gspo_loss, kept_set_sizes,
-                         kl_cov_loss, kl_cov_select,
-                         kl_estimate, kl_reward_penalty, mismatch_metrics, ppo_clip_loss)
+                         clip_cov, clip_cov_select, collapse_guard, gspo_loss, kept_set_sizes,
+                         kl_cov_loss, kl_cov_select, kl_estimate, ppo_clip_loss)
 from moe_rl.config import Config
 from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu, cuda_absent
@@ -28,6 +26,7 @@ from moe_rl.trainer.hf_weights import load_hf_into_megatron, megatron_to_hf, sav
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import ParallelSizes
 from moe_rl.trainer.replay import ReplayController
+from moe_rl.trainer.step import StepRows, gather_rows, reduce_sums, step_inputs
 from moe_rl.types import RoutingSpec, Sample, compact_routing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -35,7 +34,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _pad_rows(rows: list[torch.Tensor], fill: float = 0.0, dtype=torch.float32) -> torch.Tensor:
     """Stack 1-D tensors of different lengths into [N, max_len]."""
-    width = max(int(r.numel()) for r in rows)
+    width = max((int(r.numel()) for r in rows), default=0)
     out = torch.full((len(rows), width), fill, dtype=dtype)
     for i, r in enumerate(rows):
         out[i, :r.numel()] = r.to(dtype)
@@ -45,6 +44,15 @@ def _pad_rows(rows: list[torch.Tensor], fill: float = 0.0, dtype=torch.float32) 
 def _dp_group():
     from megatron.core import parallel_state as ps
     return ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
+
+
+def _dp_max(value: int) -> int:
+    """The largest ``value`` of any data-parallel rank."""
+    t = torch.tensor([value], dtype=torch.long)
+    group = _dp_group()
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t)
 
 
 def _dp_sum(values: list[float]) -> list[float]:
@@ -148,6 +156,7 @@ class PolicyTrainer:
         if t.ema_decay is not None:
             self.ema = {n: p.detach().clone().float() for n, p in model.named_parameters()}
         self.live_corrections = live_corrections(cfg.algorithm)
+        self._dummy_mb: MicroBatch | None = None
         self.step = 0
         self.guard_skipped_total = 0
         self.generator = torch.Generator().manual_seed(t.seed)
@@ -162,6 +171,28 @@ class PolicyTrainer:
         return [pack_one(samples, [indices[j] for j in group], pad_token_id=0,
                          num_experts=self.spec.facts.num_experts, pad_to_multiple=multiple)
                 for group in plan]
+
+    def _aligned(self, mbs: list[MicroBatch]) -> list[MicroBatch | None]:
+        """``mbs`` padded with None (a dummy micro-batch) to the largest count of any
+        data-parallel rank: expert-parallel dispatch runs collectives in every forward and
+        backward, so every rank must run as many, with or without work."""
+        return mbs + [None] * (_dp_max(len(mbs)) - len(mbs))
+
+    def _dummy(self) -> MicroBatch:
+        """A one-token micro-batch whose loss is multiplied by 0 (for ranks with less work)."""
+        if self._dummy_mb is None:
+            keep = self.cfg.algorithm.keep_sampling_mask
+            s = Sample(prompt_ids=[0], response_ids=[0], rollout_logprobs=[0.0],
+                       loss_mask=[False], sampling_mask_offsets=[0, 1] if keep else None,
+                       sampling_mask_ids=[0] if keep else None)
+            self._dummy_mb = self._micro_batches([s], [0])[0]
+        return self._dummy_mb
+
+    def _dummy_forward(self, model, replay: ReplayController, grad: bool = False) -> None:
+        """Enter the forward's (and, with ``grad``, the backward's) collectives with no work."""
+        lp, _ = self._forward(model, replay, self._dummy(), "off", grad=grad)
+        if grad:
+            (lp.sum() * 0.0).backward()
 
     def _forward(self, model, replay: ReplayController, mb: MicroBatch, mode: str,
                  grad: bool = False, collect_own: bool = False):
@@ -208,7 +239,12 @@ class PolicyTrainer:
         r2_routing: dict[int, torch.Tensor] = {}
         self.model.eval()
         first_pass = "replay" if a.replay == "r3" else "record"
-        for mb in self._micro_batches(samples, list(range(n))):
+        for mb in self._aligned(self._micro_batches(samples, list(range(n)))):
+            if mb is None:
+                self._dummy_forward(self.model, self.replay)
+                if self.ref_model is not None:
+                    self._dummy_forward(self.ref_model, self.ref_replay)
+                continue
             lp, e = self._forward(self.model, self.replay, mb, first_pass,
                                   collect_own=mb.routing is not None)
             rows = mb.sample_indices
@@ -228,52 +264,44 @@ class PolicyTrainer:
                 mode = "replay" if (a.kl.replay_routing and mb.routing is not None) else "off"
                 lr_, _ = self._forward(self.ref_model, self.ref_replay, mb, mode)
                 lp_ref[rows, :width] = mb.to_response_padded(lr_.float())
-        if agree_rows:
-            total = sum(r["w"] for r in agree_rows)
-            for key in agree_rows[0]:
-                if key != "w":
-                    metrics[key] = sum(r[key] * r["w"] for r in agree_rows) / max(total, 1.0)
-        # pi_old
-        if a.pi_old == "trainer":
-            lp_old = lp_tr
-        elif a.pi_old == "rollout":
-            lp_old = lp_roll
-        else:
-            if any(s.pass_logprobs is None for s in samples):
-                raise ValueError("algorithm.pi_old=engine_avg: samples carry no pass log-probs "
-                                 "(the rollout must score them with n passes)")
+        metrics.update(self._agreement_metrics(agree_rows))
+        passes = None
+        if samples and all(s.pass_logprobs is not None for s in samples):
             passes = torch.stack([_pad_rows([s.pass_logprobs[j] for s in samples])
                                   for j in range(samples[0].pass_logprobs.shape[0])])
-            lp_old, _, pass_metrics = average_pass_logprobs(passes, mask)
-            metrics.update(pass_metrics)
-        metrics.update(mismatch_metrics(lp_tr, lp_roll, mask))
-        if samples and all(s.kept_logmass is not None for s in samples):
-            mass = _pad_rows([s.kept_logmass for s in samples]).double().exp()
-            metrics["mismatch/kept_mass_mean"] = float(mass[mask].mean()) if mask.any() else 1.0
-        # rewards, KL in reward, advantages
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        metrics.update(batch_metrics(rewards, mask, entropy=ent, kept_sizes=self._kept(samples)))
-        if lp_ref is not None and a.kl.in_reward:
-            rewards = rewards - kl_reward_penalty(lp_old, lp_ref, mask, a.kl.estimator,
-                                                  a.kl.coef).float()
-        groups = torch.tensor([s.group_id for s in samples])
-        adv = compute_advantages(rewards, groups, a.advantage)
-        # corrections that read pi_theta run inside each micro-step on the live (detached)
-        # log-probs; the rest here. Bypass (pi_old = rollout) makes rho = pi_old/pi_roll = 1, so
-        # there the group-wise ones (metropolis, snis) use pi_theta before the update (lp_tr)
-        now = [c for c in a.corrections if c not in self.live_corrections]
-        target = lp_tr if a.pi_old == "rollout" else lp_old
-        corr = apply_corrections(now, a.correction, CorrectionInputs(
-            lp_old=target.double(), lp_roll=lp_roll.double(), mask=mask, advantages=adv.double(),
-            group_ids=groups, lp=lp_tr.double(), generator=self.generator))
-        metrics.update(corr.metrics)
-        metrics["weight_version/min"] = float(min(s.weight_version for s in samples))
+        has_mass = bool(samples) and all(s.kept_logmass is not None for s in samples)
+        kept = self._kept(samples)
+        local = StepRows(
+            mask=mask, lp_roll=lp_roll, lp_tr=lp_tr, entropy=ent,
+            rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+            groups=torch.tensor([s.group_id for s in samples], dtype=torch.long),
+            weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
+            lp_ref=lp_ref, passes=passes,
+            kept_logmass=_pad_rows([s.kept_logmass for s in samples]) if has_mass else None,
+            kept_sizes=_pad_rows(kept, dtype=torch.long) if kept is not None else None)
+        rows_all, mine = gather_rows(local, _dp_group())
+        inputs = step_inputs(a, rows_all, deferred=self.live_corrections,
+                             generator=self.generator)
+        metrics.update(inputs.metrics)
         replay_samples = samples
         if a.replay == "r2":   # the update replays, per sample, what the pi_old pass chose
             replay_samples = [dataclasses.replace(s, routing=r2_routing[i])
                               for i, s in enumerate(samples)]
-        return StepBatch(samples, mask, lp_roll, lp_tr, ent, lp_old, lp_ref,
-                         corr.weights.float(), corr.keep, adv, replay_samples), metrics
+        own = lambda t: None if t is None else t[mine]   # noqa: E731  (this rank's rows)
+        return StepBatch(samples, own(rows_all.mask), own(rows_all.lp_roll),
+                         own(rows_all.lp_tr), own(rows_all.entropy), own(inputs.lp_old),
+                         own(rows_all.lp_ref), own(inputs.weights), own(inputs.keep),
+                         own(inputs.advantages), replay_samples), metrics
+
+    def _agreement_metrics(self, agree_rows: list[dict]) -> dict[str, float]:
+        """routing/agreement (+ per layer) over the whole batch: position-weighted sums
+        all-reduced over the data-parallel group (every rank enters, with or without rows)."""
+        keys = ["routing/agreement"] + [f"routing/agreement_layer_{n}"
+                                        for n in self.replay.layer_names]
+        sums = [sum(r["w"] for r in agree_rows)] + [
+            sum(r.get(k, 0.0) * r["w"] for r in agree_rows) for k in keys]
+        total, *values = _dp_sum(sums)
+        return {k: v / total for k, v in zip(keys, values)} if total > 0 else {}
 
     def _per_sample_routing(self, samples: list[Sample], mb: MicroBatch
                             ) -> dict[int, torch.Tensor]:
@@ -299,10 +327,11 @@ class PolicyTrainer:
                 for b, row in enumerate(mb.sample_indices)}
 
     @staticmethod
-    def _kept(samples: list[Sample]) -> torch.Tensor | None:
-        if any(s.sampling_mask_offsets is None for s in samples):
+    def _kept(samples: list[Sample]) -> list[torch.Tensor] | None:
+        """Kept-set size of every response token, one row per sample."""
+        if not samples or any(s.sampling_mask_offsets is None for s in samples):
             return None
-        return torch.cat([kept_set_sizes(s.sampling_mask_offsets) for s in samples])
+        return [kept_set_sizes(s.sampling_mask_offsets) for s in samples]
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One RL step on this rank's samples: returns the metrics (floats)."""
@@ -328,9 +357,7 @@ class PolicyTrainer:
         first = True
         for _ in range(t.epochs):
             for mini in np.array_split(order, t.mini_batches):
-                mini = [int(i) for i in mini]
-                if not mini:
-                    continue
+                mini = [int(i) for i in mini]   # may be empty: the rank still takes part
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 eff = batch.mask[mini]
@@ -340,8 +367,11 @@ class PolicyTrainer:
                 norm = Normalisers(counts[0], counts[1],
                                    float(a.max_len_norm or cfg.rollout.max_new_tokens))
                 selection = self._covariance_selection(batch, mini)
-                for mb in self._micro_batches(batch.replay_samples, mini):
-                    self._micro_step(batch, mb, norm, sums, first, selection)
+                for mb in self._aligned(self._micro_batches(batch.replay_samples, mini)):
+                    if mb is None:
+                        self._dummy_forward(self.model, self.replay, grad=True)
+                    else:
+                        self._micro_step(batch, mb, norm, sums, first, selection)
                 first = False
                 sums["_minibatches"] = sums.get("_minibatches", 0.0) + 1
                 finalize_grads(self.model)
@@ -351,6 +381,7 @@ class PolicyTrainer:
                 if grad_norm is not None:
                     grad_norms.append(float(grad_norm))
                 self._ema_update()
+        sums = reduce_sums(sums, ("_first_dev", "_minibatches"), _dp_group())
         out = {k: v / max(sums.get("_tokens", 1.0), 1.0) for k, v in sums.items()
                if not k.startswith("_") and k != "loss"}
         out["loss"] = sums.get("loss", 0.0) / max(sums.get("_minibatches", 1.0), 1.0)
@@ -376,7 +407,10 @@ class PolicyTrainer:
         if e.method not in ("clip_cov", "kl_cov"):
             return None
         lp_now = torch.zeros_like(batch.lp_old)
-        for mb in self._micro_batches(batch.replay_samples, mini):
+        for mb in self._aligned(self._micro_batches(batch.replay_samples, mini)):
+            if mb is None:
+                self._dummy_forward(self.model, self.replay)
+                continue
             lp, _ = self._forward(self.model, self.replay, mb, self._update_mode())
             width = int(mb.response_lens.max())
             lp_now[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
@@ -468,7 +502,10 @@ class PolicyTrainer:
         n_tok = sum(int(s.loss_mask.sum()) for s in samples)
         norm = Normalisers(*_dp_sum([float(n_tok), float(len(samples))]))
         total = 0.0
-        for mb in self._micro_batches(samples, list(range(len(samples)))):
+        for mb in self._aligned(self._micro_batches(samples, list(range(len(samples))))):
+            if mb is None:
+                self._dummy_forward(self.model, self.replay, grad=True)
+                continue
             lp, _ = self._forward(self.model, self.replay, mb, "off", grad=True)
             mask = mb.score_mask.to(lp.device)
             loss = aggregate(-lp, mask, "token-mean", norm)

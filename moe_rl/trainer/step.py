@@ -1,0 +1,169 @@
+"""The step's inputs from the scored batch, as a pure function (no megatron): pi_old, advantages,
+corrections and the step's metrics, computed on the WHOLE batch, identically on every
+data-parallel rank (the rows of all ranks are gathered first), so every decision taken from them
+(the collapse guard, the corrections' masks) is the same everywhere and the logged metrics are
+the batch's, not rank 0's shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.algo import (CorrectionInputs, apply_corrections, average_pass_logprobs,
+                         batch_metrics, compute_advantages, kl_reward_penalty, mismatch_metrics)
+
+
+@dataclass
+class StepRows:
+    """Per-sample rows of a step, padded to [N, R] (passes: [n, N, R]; per sample: [N])."""
+    mask: torch.Tensor                  # response tokens that count (bool)
+    lp_roll: torch.Tensor               # the engine's log-probs
+    lp_tr: torch.Tensor                 # the trainer's pre-update log-probs
+    entropy: torch.Tensor
+    rewards: torch.Tensor
+    groups: torch.Tensor
+    weight_versions: torch.Tensor
+    lp_ref: torch.Tensor | None = None
+    passes: torch.Tensor | None = None  # engine_avg scoring passes
+    kept_logmass: torch.Tensor | None = None
+    kept_sizes: torch.Tensor | None = None   # kept-set size per token (0 = none)
+
+
+ROW_DTYPES = {"mask": torch.bool, "groups": torch.long, "weight_versions": torch.long,
+              "kept_sizes": torch.long}
+PER_SAMPLE = ("rewards", "groups", "weight_versions")
+
+
+@dataclass
+class StepInputs:
+    """What the update needs, per sample row, and the step's metrics."""
+    lp_old: torch.Tensor
+    advantages: torch.Tensor
+    weights: torch.Tensor
+    keep: torch.Tensor
+    metrics: dict[str, float]
+
+
+def step_inputs(a, rows: StepRows, *, deferred: list[str],
+                generator: torch.Generator | None = None) -> StepInputs:
+    """pi_old (``a.pi_old``), the mismatch and batch metrics, the KL folded into the reward,
+    advantages and the corrections of ``a.corrections`` except the ``deferred`` ones (those run
+    in the micro-step on live log-probs). In bypass (pi_old = rollout) the corrections here act
+    on pi_theta before the update (``lp_tr``) over the engine."""
+    mask = rows.mask
+    metrics: dict[str, float] = {}
+    if a.pi_old == "trainer":
+        lp_old = rows.lp_tr
+    elif a.pi_old == "rollout":
+        lp_old = rows.lp_roll
+    else:
+        if rows.passes is None:
+            raise ValueError("algorithm.pi_old=engine_avg: samples carry no pass log-probs "
+                             "(the rollout must score them with n passes)")
+        lp_old, _, pass_metrics = average_pass_logprobs(rows.passes, mask)
+        metrics.update(pass_metrics)
+    metrics.update(mismatch_metrics(rows.lp_tr, rows.lp_roll, mask))
+    if rows.kept_logmass is not None:
+        mass = rows.kept_logmass.double().exp()
+        metrics["mismatch/kept_mass_mean"] = float(mass[mask].mean()) if mask.any() else 1.0
+    metrics.update(batch_metrics(rows.rewards, mask, entropy=rows.entropy,
+                                 kept_sizes=rows.kept_sizes))
+    rewards = rows.rewards
+    if rows.lp_ref is not None and a.kl.in_reward:
+        rewards = rewards - kl_reward_penalty(lp_old, rows.lp_ref, mask, a.kl.estimator,
+                                              a.kl.coef).float()
+    adv = compute_advantages(rewards, rows.groups, a.advantage)
+    now = [c for c in a.corrections if c not in deferred]
+    target = rows.lp_tr if a.pi_old == "rollout" else lp_old
+    corr = apply_corrections(now, a.correction, CorrectionInputs(
+        lp_old=target.double(), lp_roll=rows.lp_roll.double(), mask=mask,
+        advantages=adv.double(), group_ids=rows.groups, lp=rows.lp_tr.double(),
+        generator=generator))
+    metrics.update(corr.metrics)
+    if rows.weight_versions.numel():
+        metrics["weight_version/min"] = float(rows.weight_versions.min())
+    return StepInputs(lp_old, adv, corr.weights.float(), corr.keep, metrics)
+
+
+def gather_rows(local: StepRows, group=None) -> tuple[StepRows, slice]:
+    """Every rank's rows, in rank order, on every rank (padded all-gathers over ``group``), and
+    the slice of them that is this rank's. Without a process group: the rows themselves."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return local, slice(0, local.mask.shape[0])
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n, width = local.mask.shape
+    sizes = torch.tensor([n, width], dtype=torch.long)
+    all_sizes = [torch.zeros_like(sizes) for _ in range(world)]
+    dist.all_gather(all_sizes, sizes, group=group)
+    counts = [int(s[0]) for s in all_sizes]
+    n_max, w_max = max(counts), max(int(s[1]) for s in all_sizes)
+
+    def gather(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+        # present on every rank that has rows (a rank without rows takes the others' word);
+        # the leading passes dimension and the dtype agreed the same way
+        info = torch.tensor([1 if t is not None or n == 0 else 0,
+                             t.shape[0] if t is not None and name == "passes" else 0])
+        dist.all_reduce(info[:1], op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(info[1:], op=dist.ReduceOp.MAX, group=group)
+        if not bool(info[0]):
+            return None
+        if t is None:   # no rows here: an empty tensor of the agreed shape
+            t = torch.zeros((int(info[1]), 0, 0) if name == "passes" else
+                            (0, 0) if name not in PER_SAMPLE else (0,),
+                            dtype=ROW_DTYPES.get(name, torch.float32))
+        t = t.to(ROW_DTYPES.get(name, torch.float32))
+        lead = name == "passes"                 # [n, N, R]
+        x = t.transpose(0, 1) if lead else t    # the sample axis first
+        boolean = x.dtype == torch.bool         # gloo gathers bytes, not bools
+        x = x.to(torch.uint8) if boolean else x
+        shape = list(x.shape)
+        shape[0] = n_max
+        if x.dim() > 1:
+            shape[-1] = w_max
+        padded = torch.zeros(shape, dtype=x.dtype)
+        padded[tuple(slice(0, d) for d in x.shape)] = x
+        parts = [torch.zeros_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        out = torch.cat([p[:c] for p, c in zip(parts, counts)])
+        out = out.bool() if boolean else out
+        return out.transpose(0, 1) if lead else out
+
+    merged = StepRows(**{f.name: gather(f.name, getattr(local, f.name))
+                         for f in fields(StepRows)})
+    start = sum(counts[:rank])
+    return merged, slice(start, start + n)
+
+
+def all_gather_text(text: str, group=None) -> list[str]:
+    """Every rank's ``text`` on every rank, in rank order (bytes tensors; no pickling)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [text]
+    data = torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()]), group=group)
+    width = max(int(n) for n in sizes)
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    parts = [torch.zeros(width, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [bytes(p[:int(n)].tolist()).decode("utf-8") for p, n in zip(parts, sizes)]
+
+
+def reduce_sums(sums: dict[str, float], maxima: tuple[str, ...], group=None) -> dict[str, float]:
+    """The step's accumulators over the data-parallel group: keys united across ranks, summed,
+    except ``maxima`` (reduced by MAX). Every rank must call it."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return dict(sums)
+    keys = sorted(set().union(*(set(t.split("\n")) - {""}
+                                for t in all_gather_text("\n".join(sorted(sums)), group))))
+    out = {}
+    for op, chosen in ((dist.ReduceOp.SUM, [k for k in keys if k not in maxima]),
+                       (dist.ReduceOp.MAX, [k for k in keys if k in maxima])):
+        values = torch.tensor([sums.get(k, 0.0) for k in chosen], dtype=torch.float64)
+        if chosen:
+            dist.all_reduce(values, op=op, group=group)
+        out.update(zip(chosen, values.tolist()))
+    return out
