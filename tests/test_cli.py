@@ -36,3 +36,35 @@ def test_train_reports_config_errors():
                           "configs/tiny_cpu.yaml", "algorithm.replay=r5"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "algorithm.replay: expected one of" in out.stdout
+
+
+class _Payload:
+    """Unpickling this runs code (writes a marker file): what weights_only=True refuses."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_crafted_files_cannot_run_code(tmp_path):
+    import torch
+    src = tmp_path / "hf"
+    write_tiny_qwen(src, seed=31)
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "crafted.pt"
+    torch.save({"model": _Payload(str(marker))}, crafted)
+    res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "convert", "--to", "hf", "--hf",
+                          str(src), "--megatron", str(crafted), "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and not marker.exists()
+    from moe_rl.trainer.parallel import init_distributed, init_model_parallel
+    from moe_rl.trainer.policy import PolicyTrainer
+    from moe_rl.config import config_from_dict
+    init_distributed()
+    init_model_parallel()
+    trainer = PolicyTrainer(config_from_dict({"model": {"path": str(src)}}), str(src))
+    with pytest.raises(Exception):
+        trainer.load_checkpoint(str(crafted))
+    assert not marker.exists()

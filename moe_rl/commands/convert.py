@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.megatron:
             print("convert --to hf: needs --megatron FILE")
             return 2
-        # a file this tool or the trainer wrote (it holds non-tensor metadata)
-        state = torch.load(args.megatron, map_location="cpu", weights_only=False)
+        # tensors and plain containers only: a crafted file cannot run code
+        state = torch.load(args.megatron, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         save_hf_checkpoint(megatron_to_hf(model, spec), spec, args.out, source_dir=args.hf)
     print(f"wrote {args.out}")

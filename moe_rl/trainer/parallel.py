@@ -37,6 +37,8 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
     os.environ.setdefault("MASTER_ADDR", master_addr or "127.0.0.1")
     if master_port is not None:
         os.environ["MASTER_PORT"] = str(master_port)
+    elif world_size == 1:   # a port inherited from a parent process may still be bound there
+        os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     backend = "gloo" if cuda_absent() else "nccl"
     if not cuda_absent():

@@ -41,6 +41,19 @@ def _pad_rows(rows: list[torch.Tensor], fill: float = 0.0, dtype=torch.float32) 
     return out
 
 
+def _numpy_rng_state() -> dict:
+    """numpy's global RNG state as tensors and numbers (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached": float(cached)}
+
+
+def _numpy_rng_tuple(state: dict) -> tuple:
+    """Inverse of :func:`_numpy_rng_state`."""
+    return (state["name"], state["keys"].numpy().astype(np.uint32), state["pos"],
+            state["has_gauss"], state["cached"])
+
+
 def _dp_group():
     from megatron.core import parallel_state as ps
     return ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
@@ -563,7 +576,7 @@ class PolicyTrainer:
                 "guard_skipped_total": self.guard_skipped_total,
                 "ema": self.ema, "generator": self.generator.get_state(),
                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                "numpy_rng": np.random.get_state()}
+                "numpy_rng": _numpy_rng_state()}
 
     def save_checkpoint(self, path: str) -> None:
         """Save this rank's state to ``path`` (a file per rank)."""
@@ -573,8 +586,9 @@ class PolicyTrainer:
         os.replace(tmp, path)
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore a state saved by :meth:`save_checkpoint` (a file this run wrote)."""
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        """Restore a state saved by :meth:`save_checkpoint`, read with ``weights_only=True``
+        (tensors and plain containers only: a crafted file cannot run code)."""
+        state = torch.load(path, map_location="cpu", weights_only=True)
         self.model.module.load_state_dict(state["model"])
         with cuda_factories_on_cpu():
             self.optimizer.load_state_dict(state["optimizer"])
@@ -585,4 +599,4 @@ class PolicyTrainer:
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
-        np.random.set_state(state["numpy_rng"])
+        np.random.set_state(_numpy_rng_tuple(state["numpy_rng"]))
