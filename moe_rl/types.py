@@ -229,6 +229,30 @@ def _read_header(data: bytes) -> dict:
         raise RecordError(f"rollout batch: corrupt header: {exc}") from None
 
 
+def _check_boundaries(entries: list, t: dict) -> None:
+    """The header's per-sample lengths must equal the payload's, and add up to its tensors."""
+    try:
+        header = [(int(e["prompt_len"]), int(e["response_len"])) for e in entries]
+    except (KeyError, TypeError, ValueError):
+        raise RecordError("rollout batch: header: every sample needs integer prompt_len and "
+                          "response_len") from None
+    if "prompt_lens" not in t or "response_lens" not in t:
+        raise RecordError("rollout batch: payload: missing prompt_lens / response_lens")
+    payload = list(zip(t["prompt_lens"].tolist(), t["response_lens"].tolist()))
+    if header != payload:
+        bad = next((i for i, (h, p) in enumerate(zip(header, payload)) if h != p),
+                   min(len(header), len(payload)))
+        raise RecordError(f"rollout batch: sample {bad}: header lengths {header[bad:bad + 1]} "
+                          f"disagree with the payload's {payload[bad:bad + 1]}")
+    for name, total in (("prompt_ids", sum(p for p, _ in header)),
+                        ("response_ids", sum(r for _, r in header)),
+                        ("loss_mask", sum(r for _, r in header)),
+                        ("rollout_logprobs", sum(r for _, r in header))):
+        if t[name].shape[0] != total:
+            raise RecordError(f"rollout batch: {name}: {t[name].shape[0]} entries, the samples' "
+                              f"lengths add up to {total}")
+
+
 @dataclass
 class RolloutBatch:
     """A list of samples with validation and pickle-free binary serialisation."""
@@ -255,6 +279,9 @@ class RolloutBatch:
             "response_ids": _cat([s.response_ids for s in ss], torch.int32),
             "loss_mask": _cat([s.loss_mask.to(torch.uint8) for s in ss], torch.uint8),
             "rollout_logprobs": _cat([s.rollout_logprobs for s in ss], torch.float32),
+            # the per-sample boundaries, in the payload too: the header must agree with them
+            "prompt_lens": torch.tensor([s.prompt_len for s in ss], dtype=torch.int64),
+            "response_lens": torch.tensor([s.response_len for s in ss], dtype=torch.int64),
         }
         meta_samples = []
         n_passes = {s.pass_logprobs.shape[0] for s in ss if s.pass_logprobs is not None}
@@ -327,6 +354,7 @@ class RolloutBatch:
             entries = json.loads(meta["samples"])
         except Exception as exc:  # safetensors raises its own error types
             raise RecordError(f"rollout batch: corrupt payload: {exc}") from None
+        _check_boundaries(entries, t)
         out = []
         p_off = r_off = pass_off = rr_off = m_off = mid_off = lm_off = 0
         for e in entries:

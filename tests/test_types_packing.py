@@ -219,3 +219,25 @@ def test_micro_batch_plan_and_pass_logprobs():
             assert torch.equal(mb.unpack(mb.pass_logprobs)[k], samples[i].pass_logprobs)
     with pytest.raises(ValueError, match="num_experts"):
         pack_micro_batches(samples, pad_token_id=0, micro_batch_size=2)
+
+
+def test_an_edited_header_is_refused():
+    import json
+    import struct
+    from moe_rl.types import RecordError, RolloutBatch, Sample
+    batch = RolloutBatch([Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5],
+                                 rollout_logprobs=[-0.1, -0.2]),
+                          Sample(prompt_ids=[6], response_ids=[7, 8, 9],
+                                 rollout_logprobs=[-0.3, -0.4, -0.5], sample_id=1)])
+    data = batch.to_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    samples = json.loads(header["__metadata__"]["samples"])
+    samples[0]["prompt_len"], samples[0]["response_len"] = 4, 1   # same totals, moved tokens
+    header["__metadata__"]["samples"] = json.dumps(samples)
+    raw = json.dumps(header).encode()
+    raw += b" " * (n - len(raw)) if len(raw) <= n else b""
+    edited = struct.pack("<Q", len(raw)) + raw + data[8 + n:]
+    with pytest.raises(RecordError, match="sample 0: header lengths"):
+        RolloutBatch.from_bytes(edited)
+    assert RolloutBatch.from_bytes(data).samples[0].prompt_ids.tolist() == [1, 2, 3]
