@@ -18,6 +18,7 @@ with dense layers 0.
 from __future__ import annotations
 
 import base64
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -69,6 +70,8 @@ def _num(value, name, kind=float, lo=None, hi=None, lo_open=False):
             kind is int and not isinstance(value, int)):
         raise RequestError(f"{name}: expected {'an integer' if kind is int else 'a number'}, "
                            f"got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RequestError(f"{name}: expected a finite number, got {value!r}")
     if (lo is not None and (value <= lo if lo_open else value < lo)) or (
             hi is not None and value > hi):
         raise RequestError(f"{name}: {value!r} is out of range")
@@ -108,7 +111,8 @@ def parse_sampling_params(raw: dict | None, mask_cap: int, want_mask: bool) -> S
             raise RequestError("sampling_params.ignore_eos: expected a boolean")
         p.ignore_eos = raw["ignore_eos"]
     if raw.get("sampling_seed") is not None:
-        p.sampling_seed = _num(raw["sampling_seed"], "sampling_params.sampling_seed", int)
+        p.sampling_seed = _num(raw["sampling_seed"], "sampling_params.sampling_seed", int,
+                               lo=0, hi=2 ** 63 - 1)
     if want_mask and p.temperature > 0 and not (1 <= p.top_k <= mask_cap):
         raise RequestError(f"return_sampling_mask: needs a finite sampling_params.top_k with "
                            f"1 <= top_k <= {mask_cap} (--sampling-mask-max-tokens) or greedy "
@@ -156,6 +160,25 @@ def encode_routing(rows: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode("ascii")
 
 
+SAFETENSORS_DTYPES = {"F32": "torch.float32", "BF16": "torch.bfloat16", "F16": "torch.float16",
+                      "F64": "torch.float64"}
+
+
+def checkpoint_spec(model_path: str) -> dict[str, tuple[list[int], str]]:
+    """{tensor name: (shape, torch dtype name)} of a HF safetensors checkpoint, read from the
+    files' headers (no tensor is loaded)."""
+    from safetensors import safe_open
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    spec = {}
+    for fname in files:
+        with safe_open(os.path.join(model_path, fname), "pt") as fh:
+            for key in fh.keys():
+                sl = fh.get_slice(key)
+                spec[key] = (list(sl.get_shape()), SAFETENSORS_DTYPES.get(sl.get_dtype(),
+                                                                          sl.get_dtype()))
+    return spec
+
+
 class ReferenceEngine:
     """Holds the model; ``run`` executes a batch of requests (generation and scoring)."""
 
@@ -177,27 +200,52 @@ class ReferenceEngine:
         self._requests_seen = 0
         self.groups: dict = {}
         self.in_update_session = False
+        self.group_timeout_s = 120.0
+        self.max_context = 1 << 30
         self._received_dir: str | None = None
         self.load(model_path)
 
     def load(self, model_path: str) -> None:
-        """(Re)load weights from a HF checkpoint directory."""
+        """(Re)load weights from a local HF checkpoint directory, atomically: the checkpoint is
+        loaded and checked (every weight present, none unknown or of another shape, all finite)
+        before it replaces the served model; on any failure the old model, weights and routing
+        layout stay and ValueError names what was wrong. Never downloads."""
         import transformers
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=DTYPES[self.dtype_name])
+        if not os.path.isdir(model_path) or not os.path.isfile(
+                os.path.join(model_path, "config.json")):
+            raise ValueError(f"model_path: {model_path!r} is not a local directory with a "
+                             f"config.json (the engine never downloads)")
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=DTYPES[self.dtype_name], local_files_only=True,
+            output_loading_info=True)
+        problems = {k: sorted(v)[:5] for k, v in info.items()
+                    if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if problems:
+            raise ValueError(f"model_path: {model_path}: checkpoint does not match the model: "
+                             f"{problems}")
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise ValueError(f"model_path: {model_path}: non-finite weights in {bad[:5]}")
         model.eval()
         hf = model.config.to_dict()
         facts = moe_facts_from_hf(hf)
         if not facts.moe_layers:
             raise ValueError(f"{model_path}: the reference engine serves MoE models only")
+        routers = self._routers(model, facts)
+        spec = checkpoint_spec(model_path)
         try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(model_path,
+                                                                   local_files_only=True)
         except (OSError, ValueError):
             tokenizer = None
         with self.lock:
             self.facts = facts
             self._captured: list[torch.Tensor] = []
-            self._hook_routers(model)
+            for m in routers:
+                m.register_forward_hook(
+                    lambda mod, inp, out: self._captured.append(out[2].detach()))
+            self.max_context = int(hf.get("max_position_embeddings") or 1 << 30)
+            self.checkpoint_spec = spec
             self.tokenizer = tokenizer
             self.model = model
             self.model_path = model_path
@@ -205,14 +253,14 @@ class ReferenceEngine:
             self.eos = hf.get("eos_token_id")
 
     # ------------------------------------------------------------------ forward helpers
-    def _hook_routers(self, model) -> None:
-        """Capture the expert ids each MoE router actually selects (its third output)."""
+    @staticmethod
+    def _routers(model, facts) -> list:
+        """The MoE routers whose expert choice (their third output) is recorded."""
         routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-        if len(routers) != len(self.facts.moe_layers):
-            raise ValueError(f"found {len(routers)} routers for {len(self.facts.moe_layers)} MoE "
+        if len(routers) != len(facts.moe_layers):
+            raise ValueError(f"found {len(routers)} routers for {len(facts.moe_layers)} MoE "
                              f"layers")
-        for m in routers:
-            m.register_forward_hook(lambda mod, inp, out: self._captured.append(out[2].detach()))
+        return routers
 
     def _forward(self, ids, mask, pos, cache):
         self._captured = []
@@ -239,6 +287,10 @@ class ReferenceEngine:
         if req.logprob_start_len >= len(ids):
             raise RequestError(f"logprob_start_len: {req.logprob_start_len} must be < the input "
                                f"length {len(ids)}")
+        if len(ids) + req.params.max_new_tokens > self.max_context:
+            raise RequestError(f"input_ids: {len(ids)} tokens + sampling_params.max_new_tokens "
+                               f"{req.params.max_new_tokens} exceed the model's context "
+                               f"({self.max_context})")
         if req.routed_experts_start_len < 0 or req.routed_experts_start_len > len(ids):
             raise RequestError("routed_experts_start_len: must lie in [0, input length]")
         if req.sampling_logprobs_mode not in SAMPLING_LOGPROBS_MODES:
@@ -268,13 +320,18 @@ class ReferenceEngine:
 
     def init_update_group(self, master_address: str, master_port: int, rank_offset: int,
                           world_size: int, group_name: str, backend: str) -> None:
-        """Join the trainer's weight-update group (blocks until every member joined)."""
+        """Join the trainer's weight-update group (blocks until every member joined, at most
+        ``group_timeout_s``). Rank 0 hosts the group's store and belongs to the trainer."""
         from moe_rl.weight_sync import open_group
+        if rank_offset < 1 or rank_offset >= world_size:
+            raise RequestError(f"rank_offset: expected 1 <= rank_offset < world_size "
+                               f"({world_size}); rank 0 is the trainer, which hosts the group")
         if backend != "gloo":
             raise RequestError(f"backend: the CPU reference engine supports 'gloo', got "
                                f"{backend!r}")
         self.groups[group_name] = open_group(backend, master_address, master_port, rank_offset,
-                                             world_size, group_name)
+                                             world_size, group_name,
+                                             timeout_s=self.group_timeout_s)
 
     def begin_weight_update(self) -> None:
         """Open a weight-update session (SGLang 0.5.23 loads distributed and tensor updates only
@@ -301,15 +358,30 @@ class ReferenceEngine:
         if group_name not in self.groups:
             raise RequestError(f"group_name: no weight-update group {group_name!r}; call "
                                f"/init_weights_update_group first")
+        # receive first (the trainer broadcasts whatever was announced), then check, then swap
         tensors = receive_tensors(self.groups[group_name], names, dtypes, shapes)
+        expected = self.checkpoint_spec   # the served checkpoint's tensor names, shapes, dtypes
+        unknown = sorted(set(tensors) - set(expected))
+        missing = sorted(set(expected) - set(tensors))
+        wrong = sorted(k for k in tensors if k in expected and
+                       (list(tensors[k].shape), str(tensors[k].dtype)) != expected[k])
+        bad = sorted(k for k, t in tensors.items() if not torch.isfinite(t).all())
+        if unknown or missing or wrong or bad:
+            raise RequestError(f"update_weights_from_distributed: refused, the served weights are "
+                               f"unchanged: unknown names {unknown[:5]}, missing {missing[:5]}, "
+                               f"wrong shape/dtype {wrong[:5]}, non-finite {bad[:5]}")
         target = tempfile.mkdtemp(prefix="moe_rl_weights_")
-        save_file(tensors, os.path.join(target, "model.safetensors"))
-        for fname in os.listdir(self.model_path):
-            if fname.endswith(".json") and fname != "model.safetensors.index.json" or \
-                    fname.endswith(".jinja"):
-                shutil.copy2(os.path.join(self.model_path, fname), target)
+        try:
+            save_file(tensors, os.path.join(target, "model.safetensors"))
+            for fname in os.listdir(self.model_path):
+                if fname.endswith(".json") and fname != "model.safetensors.index.json" or \
+                        fname.endswith(".jinja"):
+                    shutil.copy2(os.path.join(self.model_path, fname), target)
+            self.load(target)
+        except Exception:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
         previous = self._received_dir
-        self.load(target)
         self._received_dir = target
         if previous:
             shutil.rmtree(previous, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 import itertools
 import secrets
 
@@ -100,10 +101,21 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
                 for (_, fut), res in zip(items, results):
                     if not fut.done():
                         fut.set_result(res)
-            except Exception as exc:  # surfaced to every waiting request (400 or 500)
-                for _, fut in items:
-                    if not fut.done():
-                        fut.set_exception(exc)
+            except Exception as exc:
+                if len(items) == 1:
+                    if not items[0][1].done():
+                        items[0][1].set_exception(exc)
+                    continue
+                # one request failed the batch: run each alone, so it fails only itself
+                for r, fut in items:
+                    try:
+                        res = (await loop.run_in_executor(None, engine.run, [r]))[0]
+                    except Exception as one:
+                        if not fut.done():
+                            fut.set_exception(one)
+                    else:
+                        if not fut.done():
+                            fut.set_result(res)
 
     @app.on_event("startup")
     async def _start():
@@ -157,9 +169,24 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
             return JSONResponse(_error(f"engine failure: {exc}"), status_code=500)
         return results if batch else results[0]
 
-    async def _blocking(fn, *args):
+    async def _json_object(request: HTTPRequest):
+        """The body as a JSON object, or the 400 answer naming what is wrong."""
         try:
-            await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return JSONResponse({"success": False, "message": "body: expected a JSON object"},
+                                status_code=400)
+        return body
+
+    control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="control")
+    group_setup = asyncio.Lock()
+
+    async def _blocking(fn, *args):
+        """Control work on its own threads, so it can never starve /generate's."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(control, fn, *args)
         except (RequestError, ValueError, KeyError, TypeError) as exc:
             return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
         return None
@@ -176,17 +203,24 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
 
     @app.post("/init_weights_update_group")
     async def init_group(request: HTTPRequest):
-        b = await request.json()
+        b = await _json_object(request)
+        if isinstance(b, JSONResponse):
+            return b
         missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size")
                    if k not in b]
         if missing:
             return JSONResponse({"success": False, "message": f"missing fields {missing}"},
                                 status_code=400)
-        return await _blocking(engine.init_update_group, b["master_address"],
-                               int(b["master_port"]), int(b["rank_offset"]),
-                               int(b["world_size"]), b.get("group_name", "weight_update_group"),
-                               b.get("backend", "nccl")) or {"success": True,
-                                                             "message": "joined"}
+        if group_setup.locked():
+            return JSONResponse({"success": False, "message": "init_weights_update_group: a "
+                                 "group setup is already in progress"}, status_code=400)
+        async with group_setup:   # one at a time, each bounded by the engine's group timeout
+            return await _blocking(engine.init_update_group, b["master_address"],
+                                   int(b["master_port"]), int(b["rank_offset"]),
+                                   int(b["world_size"]),
+                                   b.get("group_name", "weight_update_group"),
+                                   b.get("backend", "nccl")) or {"success": True,
+                                                                 "message": "joined"}
 
     @app.post("/begin_weight_update")
     async def begin_update(request: HTTPRequest):
@@ -200,7 +234,9 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
 
     @app.post("/update_weights_from_distributed")
     async def update_distributed(request: HTTPRequest):
-        b = await request.json()
+        b = await _json_object(request)
+        if isinstance(b, JSONResponse):
+            return b
         if not all(isinstance(b.get(k), list) for k in ("names", "dtypes", "shapes")):
             return JSONResponse({"success": False, "message": "names, dtypes, shapes: expected "
                                  "lists"}, status_code=400)
@@ -215,14 +251,16 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: HTTPRequest):
-        body = await request.json()
-        path = body.get("model_path") if isinstance(body, dict) else None
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
+        path = body.get("model_path")
         if not isinstance(path, str):
             return JSONResponse({"success": False, "message": "model_path: expected a string"},
                                 status_code=400)
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, engine.load, path)
+            await loop.run_in_executor(control, engine.load, path)
         except Exception as exc:
             return JSONResponse({"success": False, "message": f"{path}: {exc}"}, status_code=400)
         version = body.get("weight_version")
