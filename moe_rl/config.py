@@ -239,6 +239,8 @@ class DataConfig:
     answer_key: str = _f("answer", "column holding the reference answer")
     chat_template: bool = _f(True, "wrap prompts with the tokenizer's chat template")
     reward: str = _f("toy", "reward: toy | math | module:function")
+    max_failed_reward_batches: int = _f(1, "stop the run when the reward function failed on "
+                                        "every sample of this many batches in a row", **_rng(1))
     toy_max_operand: int = _f(9, "toy task: largest operand of the additions", **_rng(1))
     toy_size: int = _f(512, "toy task: number of prompts", **_rng(1))
     shuffle_seed: int = _f(0, "seed of the deterministic shuffle")

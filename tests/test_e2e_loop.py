@@ -72,3 +72,28 @@ def test_loop_with_distributed_weight_sync_and_colocated_engines(tmp_path):
     assert all(r["rollout/stale_samples"] == 0 for r in rows)
     assert all(r["mismatch/k3"] < 1e-6 for r in rows)   # float32 engine = trained weights
     assert all(r["timing/engine_release_s"] > 0 and r["timing/engine_resume_s"] > 0 for r in rows)
+
+
+@pytest.mark.e2e
+def test_a_reward_failing_on_a_whole_batch_stops_the_run_with_the_reason(tmp_path):
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
+                   check=True, capture_output=True, timeout=120)
+    (tmp_path / "broken_reward.py").write_text(
+        "def score(prompt, response, answer, metadata):\n"
+        "    raise KeyError('answer_field')\n")
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+           str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
+           f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
+           "logging.progress=false", f"rollout.base_port={free_port()}",
+           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+           "data.reward=broken_reward:score"]
+    import os
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    assert "failed on every sample of 1 batch(es)" in out and "KeyError" in out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or \
+        (tmp_path / "run" / "metrics.jsonl").read_text() == ""

@@ -167,6 +167,7 @@ def run_training(cfg: Config, resume: bool = False) -> list[dict]:
                   f"{m['sft/loss']:.3f}", flush=True)
             weights.sync(0)
         bar = progress_bar(cfg.trainer.steps - start_step, "RL steps", cfg.logging.progress)
+        failed_batches = 0
         for step in range(start_step, cfg.trainer.steps):
             timer = PhaseTimer()
             t0 = time.perf_counter()
@@ -180,7 +181,16 @@ def run_training(cfg: Config, resume: bool = False) -> list[dict]:
                 for s in samples:
                     s.metadata["prompt_index"] = idx[s.sample_id // per]
             with timer.phase("reward"):
+                errors_before = reward_fn.errors
                 score_rewards(samples, tokenizer, prompts, reward_fn)
+                failed_batches = failed_batches + 1 \
+                    if reward_fn.errors - errors_before == len(samples) else 0
+                if failed_batches >= cfg.data.max_failed_reward_batches:
+                    raise RuntimeError(
+                        f"data.reward: {cfg.data.reward} failed on every sample of "
+                        f"{failed_batches} batch(es) in a row (data.max_failed_reward_batches="
+                        f"{cfg.data.max_failed_reward_batches}); training on zero rewards would "
+                        f"learn nothing. First error: {reward_fn.first_error}")
             if cfg.algorithm.pi_old == "engine_avg":
                 with timer.phase("engine_scoring"):
                     samples = RolloutBatch.from_bytes(ray.get(rollout.score.remote(
