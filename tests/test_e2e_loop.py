@@ -97,3 +97,22 @@ def test_a_reward_failing_on_a_whole_batch_stops_the_run_with_the_reason(tmp_pat
     assert "failed on every sample of 1 batch(es)" in out and "KeyError" in out
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or \
         (tmp_path / "run" / "metrics.jsonl").read_text() == ""
+
+
+def test_shard_by_group_keeps_groups_whole_and_balances_tokens():
+    from moe_rl.orchestration.loop import shard_by_group
+    from moe_rl.types import Sample
+    samples = [Sample(prompt_ids=[1] * (g + 1), response_ids=[2] * (3 + (i % 2)),
+                      rollout_logprobs=[-0.1] * (3 + (i % 2)), group_id=g, sample_id=4 * g + i)
+               for g in range(5) for i in range(4)]
+    shards = shard_by_group(samples, 3)
+    ids = sorted(s.sample_id for shard in shards for s in shard)
+    assert ids == sorted(s.sample_id for s in samples)          # each sample exactly once
+    for shard in shards:                                       # whole groups
+        for g in {s.group_id for s in shard}:
+            assert sum(s.group_id == g for s in shard) == 4
+    load = [sum(s.prompt_len + s.response_len for s in shard) for shard in shards]
+    group_tokens = [sum(s.prompt_len + s.response_len for s in samples if s.group_id == g)
+                    for g in range(5)]
+    assert max(load) - min(load) <= max(group_tokens)          # greedy balance bound
+    assert sum(1 for shard in shard_by_group(samples, 7) if not shard) == 2   # 5 groups

@@ -189,21 +189,26 @@ def test_record_mode_and_checks(tmp_path):
 
 def test_backward_replay_with_recomputation(tmp_path):
     path, hf_model = write_hf_model(tmp_path, QWEN, seed=6)
-    model, spec = build_model(path, recompute=True)
-    load_hf_into_megatron(model, spec, path)
-    model.train()
     ids = torch.randint(0, 48, (8,), generator=torch.Generator().manual_seed(7))
     routing, _ = hf_routing(hf_model, ids[None])
     mb = pack_one([sample_from(ids, 3, routing[0, :-1])], [0], pad_token_id=0, num_experts=8)
-    ctl = ReplayController(model, spec.facts.moe_layers, 2, 8, recompute=True)
-    ctl.replay(mb.replay_indices())
-    lp, _ = forward_logprobs(model, mb)
-    ctl.finish_forward()
-    with ctl.backward():
-        lp.sum().backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() for g in grads)
-    ctl.close()
+    grads = {}
+    for recompute in (False, True):   # replay in the recomputed forward: the same gradients
+        model, spec = build_model(path, recompute=recompute)
+        load_hf_into_megatron(model, spec, path)
+        model.train()
+        ctl = ReplayController(model, spec.facts.moe_layers, 2, 8, recompute=recompute)
+        ctl.replay(mb.replay_indices())
+        lp, _ = forward_logprobs(model, mb)
+        ctl.finish_forward()
+        with ctl.backward():
+            lp.sum().backward()
+        grads[recompute] = {n: p.grad.clone() for n, p in model.named_parameters()
+                            if p.grad is not None}
+        ctl.close()
+    assert grads[True].keys() == grads[False].keys() and grads[True]
+    for n, g in grads[False].items():
+        assert torch.allclose(grads[True][n], g, atol=1e-6), n
 
 
 def test_fused_router_is_refused(tmp_path):

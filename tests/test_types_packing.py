@@ -63,7 +63,17 @@ def test_round_trip_bit_exact_with_shared_and_differing_prompt_routing(tmp_path)
     d = make_sample(sid=3, group=8, seed=4, passes=2, mask=False)
     batch = RolloutBatch([a, b, c, d])
     data = batch.to_bytes()
-    assert b"pickle" not in data[:200]
+    # the format is safetensors: an 8-byte length, a JSON header declaring every tensor (dtype,
+    # shape, byte range) and the scalars as strings, then raw bytes: nothing to unpickle
+    import json
+    import struct
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    assert all(set(v) == {"dtype", "shape", "data_offsets"}
+               for k, v in header.items() if k != "__metadata__")
+    assert all(isinstance(v, str) for v in header["__metadata__"].values())
+    assert max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__") \
+        == len(data) - 8 - n
     back = RolloutBatch.from_bytes(data, vocab_size=20, routing_spec=SPEC)
     for x, y in zip(batch.samples, back.samples):
         _same(x, y)
