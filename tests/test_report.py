@@ -39,9 +39,19 @@ def test_report_from_event_files(tmp_path):
     assert "| reward/mean | 0 | 0.9 | 0 | 0.9 | 0.45 |" in text
     # means .68 .74 .64 .50: .50 is .24 below .74, window ending at step 7
     assert "degraded at step: never" in text and "degraded at step: 7" in text
+    import matplotlib.image
+    images = {}
     for panel in ("reward", "mismatch", "routing_agreement", "ess", "grad_norm"):
         data = (tmp_path / "out" / f"{panel}.png").read_bytes()
-        assert data.startswith(PNG) and len(data) > 5000
+        assert data.startswith(PNG)
+        images[panel] = matplotlib.image.imread(str(tmp_path / "out" / f"{panel}.png"))
+    # real figures, each drawing its own data (no two panels alike)
+    assert all(min(img.shape[:2]) >= 300 for img in images.values())
+    names = list(images)
+    for i, x in enumerate(names):
+        for y in names[i + 1:]:
+            assert images[x].shape != images[y].shape or \
+                not np.array_equal(images[x], images[y]), (x, y)
     # non-finite values: null in JSONL, skipped in TensorBoard
     row = json.loads((a / "metrics.jsonl").read_text().splitlines()[0])
     assert row["mismatch/k1"] is None
