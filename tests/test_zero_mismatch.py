@@ -154,6 +154,7 @@ def test_zero_mismatch_covering_set(model_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.e2e
+@pytest.mark.timeout(3600)   # 120 runs of `moe-rl train`, two at a time: ~20 minutes here
 def test_zero_mismatch_full_product(model_dir, tmp_path):
     combos = [c for c in all_combos() if not refused(c)]
     for combo in [c for c in all_combos() if refused(c)]:
