@@ -9,30 +9,19 @@ import sys
 import pytest
 
 from moe_rl.trainer.parallel import free_port
+from tests.conftest import train_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _train(tmp_path, steps, *extra, resume=False):
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
-           str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
-           f"logging.dir={tmp_path / 'run'}", f"trainer.steps={steps}",
-           "trainer.sft_warmup_steps=2", "trainer.save_interval=2", "logging.progress=false",
-           f"rollout.base_port={free_port()}", "rollout.prompts_per_step=4",
-           "rollout.n_samples_per_prompt=4", *extra]
-    if resume:
-        cmd.append("--resume")
-    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return res
+    return train_cli(tmp_path, steps, *extra, resume=resume)
 
 
 @pytest.mark.e2e
-def test_loop_runs_logs_checkpoints_and_resumes(tmp_path):
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
-    _train(tmp_path, 3, "algorithm.corrections=[icepop,seq_mis]")
+def test_loop_runs_logs_checkpoints_and_resumes(trained_run, tmp_path):
+    import shutil
+    shutil.copytree(trained_run, tmp_path, dirs_exist_ok=True)   # the resume changes the run
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -58,20 +58,8 @@ def test_report_from_event_files(tmp_path):
 
 
 @pytest.mark.e2e
-def test_report_command_on_a_real_run(tmp_path):
-    root = pathlib.Path(__file__).resolve().parents[1]
-    from moe_rl.trainer.parallel import free_port
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(root / "configs/tiny_cpu.yaml"), "--out", str(tmp_path / "m")], check=True,
-                   capture_output=True, timeout=120)
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config",
-                    str(root / "configs/tiny_cpu.yaml"), f"model.path={tmp_path / 'm'}",
-                    f"logging.dir={tmp_path / 'run'}", "trainer.steps=2",
-                    "trainer.sft_warmup_steps=0", "logging.progress=false",
-                    "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-                    f"rollout.base_port={free_port()}", "trainer.export_hf=false"],
-                   check=True, capture_output=True, timeout=600, cwd=tmp_path)
-    out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "report", str(tmp_path / "run"),
+def test_report_command_on_a_real_run(trained_run, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "report", str(trained_run / "run"),
                           "--out", str(tmp_path / "rep")], check=True, capture_output=True,
                          text=True, timeout=120)
     text = (tmp_path / "rep" / "report.md").read_text()
