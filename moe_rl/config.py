@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import json
 import os
 import types
@@ -186,7 +187,7 @@ class AlgorithmConfig:
 @dataclass
 class TrainerConfig:
     steps: int = _f(20, "RL steps", **_rng(1))
-    seed: int = _f(1234, "global seed")
+    seed: int = _f(1234, "global seed", **_rng(0, 2 ** 32 - 1))
     lr: float = _f(1e-5, "peak learning rate", **_rng(0, lo_open=True))
     min_lr: float = _f(0.0, "final learning rate of the schedule", **_rng(0))
     lr_warmup_steps: int = _f(0, "linear warm-up steps", **_rng(0))
@@ -243,7 +244,7 @@ class DataConfig:
                                         "every sample of this many batches in a row", **_rng(1))
     toy_max_operand: int = _f(9, "toy task: largest operand of the additions", **_rng(1))
     toy_size: int = _f(512, "toy task: number of prompts", **_rng(1))
-    shuffle_seed: int = _f(0, "seed of the deterministic shuffle")
+    shuffle_seed: int = _f(0, "seed of the deterministic shuffle", **_rng(0, 2 ** 32 - 1))
 
 
 @dataclass
@@ -325,14 +326,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads "1e-5" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # PyYAML reads "1e-5" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -432,15 +438,34 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"config file: key {key!r} is given twice in one mapping "
+                                  f"(line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
     """Read YAML ``path`` (optional), apply ``overrides`` and return a validated :class:`Config`."""
     tree: dict = {}
     if path is not None:
+        if os.path.isdir(path):
+            raise ConfigError(f"config file {path}: is a directory; give a YAML file")
         try:
             with open(path, encoding="utf-8") as fh:
-                tree = yaml.safe_load(fh) or {}
+                tree = yaml.load(fh, Loader=_UniqueKeyLoader) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path}: not UTF-8 text") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(tree, dict):
@@ -498,6 +523,17 @@ def moe_facts_from_hf(hf: dict) -> MoEFacts:
     return MoEFacts(n_layers, moe, n_exp, topk, hf.get("vocab_size"))
 
 
+def facts_context(model: ModelConfig) -> int | None:
+    """The model's context length (max_position_embeddings) from its config.json (None when
+    there is none yet)."""
+    cfg_file = os.path.join(model.path, "config.json")
+    if not os.path.isfile(cfg_file):
+        return None
+    with open(cfg_file, encoding="utf-8") as fh:
+        value = json.load(fh).get("max_position_embeddings")
+    return int(value) if value else None
+
+
 def model_moe_facts(model: ModelConfig) -> MoEFacts:
     """Facts of the configured model: its config.json when present, else the ``init`` shape."""
     cfg_file = os.path.join(model.path, "config.json")
@@ -543,6 +579,15 @@ def validate(cfg: Config) -> None:
     if a.replay != "off" and not facts.moe_layers:
         raise ConfigError(f"algorithm.replay: '{a.replay}' needs a model with MoE layers, but "
                           f"{m.path} has none; set algorithm.replay=off")
+    if r.base_port + r.num_servers - 1 > 65535:
+        raise ConfigError(f"rollout.base_port: servers use ports {r.base_port}.."
+                          f"{r.base_port + r.num_servers - 1}, beyond 65535")
+    if not cfg.logging.dir.strip():
+        raise ConfigError("logging.dir: expected a directory path, got an empty string")
+    context = facts_context(m)
+    if context is not None and r.max_new_tokens >= context:
+        raise ConfigError(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for a "
+                          f"prompt in the model's context ({context} positions)")
     if r.top_k == 0:
         raise ConfigError("rollout.top_k: 0 is not valid; use -1 for no top-k or a value >= 1")
     if a.keep_sampling_mask:
@@ -649,6 +694,18 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.top_k: {r.top_k} must stay below "
                           f"rollout.sampling_mask_max_tokens ({r.sampling_mask_max_tokens}): "
                           f"tokens tied at the top-k cut overflow the cap and SGLang answers 400")
+    model_parallel = t.tensor_parallel * t.pipeline_parallel * t.context_parallel
+    if cfg.cluster.trainer_workers % model_parallel or \
+            (cfg.cluster.trainer_workers // model_parallel) % t.expert_parallel:
+        raise ConfigError(f"cluster.trainer_workers: {cfg.cluster.trainer_workers} ranks do not "
+                          f"split into tensor x pipeline x context parallel ({model_parallel}) "
+                          f"groups whose data-parallel size is a multiple of "
+                          f"trainer.expert_parallel ({t.expert_parallel})")
+    data_parallel = cfg.cluster.trainer_workers // model_parallel
+    if r.prompts_per_step < data_parallel:
+        raise ConfigError(f"rollout.prompts_per_step: {r.prompts_per_step} prompt groups cannot "
+                          f"give each of the {data_parallel} data-parallel ranks one; use at "
+                          f"least {data_parallel}")
     if cfg.data.source in ("jsonl", "parquet") and not cfg.data.path:
         raise ConfigError(f"data.path: data.source={cfg.data.source} needs a file path")
     if r.engine == "reference" and r.sglang.deterministic_inference:

@@ -35,7 +35,8 @@ def test_train_reports_config_errors():
     out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config",
                           "configs/tiny_cpu.yaml", "algorithm.replay=r5"], capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 2 and "algorithm.replay: expected one of" in out.stdout
+    assert out.returncode == 2 and "algorithm.replay: expected one of" in out.stderr
+    assert out.stdout == ""   # errors go to stderr
 
 
 class _Payload:

@@ -223,6 +223,45 @@ def test_refusals_sglang_and_megatron_would_fail_on():
     load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.top_k=4095"])
     with pytest.raises(ConfigError, match="trainer.sequence_parallel: megatron-core's MoE"):
         load_config(None, gpu + ["trainer.tensor_parallel=2"])
-    load_config(None, gpu + ["trainer.tensor_parallel=2", "trainer.sequence_parallel=true"])
+    load_config(None, gpu + ["trainer.tensor_parallel=2", "trainer.sequence_parallel=true",
+                             "cluster.trainer_workers=2"])
     with pytest.raises(ConfigError, match="trainer.context_parallel: > 1 is refused"):
         load_config(None, gpu + ["trainer.context_parallel=2"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.lr=nan", "trainer.lr: expected a finite number"),
+    ("rollout.temperature=1e400", "rollout.temperature: expected a finite number"),
+    ("algorithm.correction.mis_c=.inf", "algorithm.correction.mis_c: expected a finite number"),
+    ("trainer.seed=-1", "trainer.seed: -1 is out of range"),
+    ("trainer.seed=99999999999", "trainer.seed: 99999999999 is out of range"),
+    ("rollout.base_port=65535", "rollout.base_port: servers use ports 65535..65536"),
+    ("logging.dir=''", "logging.dir: expected a directory path"),
+])
+def test_careless_values_are_refused_naming_the_key(override, message):
+    extra = ["rollout.num_servers=2"] if "base_port" in override else []
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        load_config(None, [override] + extra)
+
+
+def test_parallel_layout_and_batch_fit_the_trainer_world(tmp_path):
+    with pytest.raises(ConfigError, match="cluster.trainer_workers: 3 ranks do not split"):
+        load_config(None, ["cluster.trainer_workers=3", "trainer.expert_parallel=2"])
+    with pytest.raises(ConfigError, match="rollout.prompts_per_step: 2 prompt groups cannot"):
+        load_config(None, ["cluster.trainer_workers=4", "rollout.prompts_per_step=2"])
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 90,
+        "max_position_embeddings": 64}))
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens: 64 leaves no room"):
+        load_config(None, [f"model.path={tmp_path}", "rollout.max_new_tokens=64"])
+
+
+def test_config_files_that_are_not_yaml_mappings_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    (tmp_path / "latin1.yaml").write_bytes(b"model:\n  path: caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(tmp_path / "latin1.yaml")
+    (tmp_path / "twice.yaml").write_text("trainer:\n  lr: 1.0e-5\n  lr: 1.0e-3\n")
+    with pytest.raises(ConfigError, match="key 'lr' is given twice"):
+        load_config(tmp_path / "twice.yaml")

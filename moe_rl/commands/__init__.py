@@ -1,6 +1,8 @@
 """Sub-commands of ``moe-rl``: each module has ``add_arguments(parser)`` and ``run(args)``."""
 from __future__ import annotations
 
+import sys
+
 from moe_rl.config import Config, ConfigError, load_config
 
 
@@ -9,5 +11,5 @@ def load_or_report(path: str | None, overrides: list[str]) -> Config | None:
     try:
         return load_config(path, overrides)
     except ConfigError as exc:
-        print(f"config error: {exc}")
+        print(f"config error: {exc}", file=sys.stderr)
         return None
