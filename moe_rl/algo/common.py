@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+EXP_CLAMP = 20.0   # every log-ratio is clamped to +-20 before an exp (it guards overflow only)
+
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """float32, or float64 when any input is float64: per-token algorithm arithmetic never runs

@@ -11,9 +11,9 @@ from typing import Any, Callable
 
 import torch
 
-from moe_rl.algo.common import broadcast_to_tokens, check_same_shape, masked_seq_mean
+from moe_rl.algo.common import (EXP_CLAMP, broadcast_to_tokens, check_same_shape,
+                               masked_seq_mean)
 
-LOG_CLAMP = 20.0
 
 
 @dataclass
@@ -38,8 +38,8 @@ class CorrectionInputs:
             d = (self.lp_old - self.lp_roll).detach()
             d = torch.where(self.valid, d, torch.zeros_like(d))
             self.log_rho_tok = d
-            self.log_rho_seq = d.sum(-1).clamp(-LOG_CLAMP, LOG_CLAMP)
-            self.log_rho_geo = masked_seq_mean(d, self.mask).clamp(-LOG_CLAMP, LOG_CLAMP)
+            self.log_rho_seq = d.sum(-1).clamp(-EXP_CLAMP, EXP_CLAMP)
+            self.log_rho_geo = masked_seq_mean(d, self.mask).clamp(-EXP_CLAMP, EXP_CLAMP)
 
 
 @dataclass
@@ -62,7 +62,7 @@ def _seq(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _token_tis(x: CorrectionInputs, p: Any):
-    w = torch.exp(x.log_rho_tok.clamp(-LOG_CLAMP, LOG_CLAMP)).clamp(max=_param(p, "tis_c"))
+    w = torch.exp(x.log_rho_tok.clamp(-EXP_CLAMP, EXP_CLAMP)).clamp(max=_param(p, "tis_c"))
     return w, None
 
 
@@ -90,7 +90,7 @@ def _geo_rs(x: CorrectionInputs, p: Any):
 
 
 def _icepop(x: CorrectionInputs, p: Any):
-    k = torch.exp(x.log_rho_tok.clamp(-LOG_CLAMP, LOG_CLAMP))
+    k = torch.exp(x.log_rho_tok.clamp(-EXP_CLAMP, EXP_CLAMP))
     keep = (k >= _param(p, "icepop_low")) & (k <= _param(p, "icepop_high"))
     return torch.where(keep, k, torch.zeros_like(k)), keep
 

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.algo.common import check_same_shape, compute_dtype, masked_seq_sum
+from moe_rl.algo.common import EXP_CLAMP, check_same_shape, compute_dtype, masked_seq_sum
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-EXP_CLAMP = 20.0     # a log-ratio is clamped to +-20 before every exp (guards overflow only)
 K3_CAP = 10.0        # the k3 value is capped (as verl), no gradient beyond
 
 

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.algo.common import (broadcast_to_tokens, check_same_shape, compute_dtype, masked_mean,
+from moe_rl.algo.common import (EXP_CLAMP, broadcast_to_tokens, check_same_shape, compute_dtype, masked_mean,
                                masked_seq_mean)
 
 
-EXP_CLAMP = 20.0      # PPO: the token log-ratio is clamped to +-20 before exp (as verl)
 GSPO_LOG_CAP = 10.0   # GSPO: the sequence and token log-ratios are capped at 10 (as verl)
 
 

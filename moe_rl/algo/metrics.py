@@ -5,7 +5,7 @@ import math
 
 import torch
 
-LOG_CLAMP = 20.0
+from moe_rl.algo.common import EXP_CLAMP
 
 
 def mismatch_metrics(lp_old: torch.Tensor, lp_roll: torch.Tensor, mask: torch.Tensor
@@ -23,7 +23,7 @@ def mismatch_metrics(lp_old: torch.Tensor, lp_roll: torch.Tensor, mask: torch.Te
         return {}
     d = (lt - lr)[valid]
     ltv, lrv = lt[valid], lr[valid]
-    ratio = torch.exp(d.clamp(-LOG_CLAMP, LOG_CLAMP))
+    ratio = torch.exp(d.clamp(-EXP_CLAMP, EXP_CLAMP))
     pt, pr = torch.exp(ltv), torch.exp(lrv)
     if d.numel() > 1 and pt.std() > 0 and pr.std() > 0:
         pearson = float(torch.corrcoef(torch.stack([pt, pr]))[0, 1])
@@ -31,7 +31,7 @@ def mismatch_metrics(lp_old: torch.Tensor, lp_roll: torch.Tensor, mask: torch.Te
         pearson = 1.0 if torch.equal(pt, pr) else 0.0
     seq_has = valid.any(-1)
     dseq = torch.where(valid, lt - lr, torch.zeros_like(lt)).sum(-1)[seq_has]
-    rho_seq = torch.exp(dseq.clamp(-LOG_CLAMP, LOG_CLAMP))
+    rho_seq = torch.exp(dseq.clamp(-EXP_CLAMP, EXP_CLAMP))
     return {
         "mismatch/k1": float((lrv - ltv).mean()),
         "mismatch/k3": float((ratio - d - 1.0).mean()),
