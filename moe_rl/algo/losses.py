@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.algo.common import (EXP_CLAMP, broadcast_to_tokens, check_same_shape, compute_dtype, masked_mean,
-                               masked_seq_mean)
-
+from moe_rl.algo.common import (EXP_CLAMP, broadcast_to_tokens, check_same_shape, compute_dtype,
+                               masked_mean, masked_seq_mean)
 
 GSPO_LOG_CAP = 10.0   # GSPO: the sequence and token log-ratios are capped at 10 (as verl)
 
