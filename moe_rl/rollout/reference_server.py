@@ -191,15 +191,18 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
             return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
         return None
 
-    @app.post("/release_memory_occupation")
-    async def release_memory(request: HTTPRequest):
-        return await _blocking(engine.release_memory) or {"success": True,
-                                                          "message": "weights released"}
+    def control_endpoint(path: str, action, done: str) -> None:
+        """A body-less control endpoint: run ``action`` on the control threads."""
+        async def endpoint(request: HTTPRequest):
+            return await _blocking(action) or {"success": True, "message": done}
+        app.post(path)(endpoint)
 
-    @app.post("/resume_memory_occupation")
-    async def resume_memory(request: HTTPRequest):
-        return await _blocking(engine.resume_memory) or {"success": True,
-                                                         "message": "weights reloaded"}
+    for path, action, done in (
+            ("/release_memory_occupation", engine.release_memory, "weights released"),
+            ("/resume_memory_occupation", engine.resume_memory, "weights reloaded"),
+            ("/begin_weight_update", engine.begin_weight_update, "session open"),
+            ("/end_weight_update", engine.end_weight_update, "session closed")):
+        control_endpoint(path, action, done)
 
     @app.post("/init_weights_update_group")
     async def init_group(request: HTTPRequest):
@@ -221,16 +224,6 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
                                    b.get("group_name", "weight_update_group"),
                                    b.get("backend", "nccl")) or {"success": True,
                                                                  "message": "joined"}
-
-    @app.post("/begin_weight_update")
-    async def begin_update(request: HTTPRequest):
-        return await _blocking(engine.begin_weight_update) or {"success": True,
-                                                              "message": "session open"}
-
-    @app.post("/end_weight_update")
-    async def end_update(request: HTTPRequest):
-        return await _blocking(engine.end_weight_update) or {"success": True,
-                                                            "message": "session closed"}
 
     @app.post("/update_weights_from_distributed")
     async def update_distributed(request: HTTPRequest):
