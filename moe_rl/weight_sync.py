@@ -61,6 +61,15 @@ def open_group(backend: str, master_address: str, master_port: int, rank: int, w
     return WeightGroup(store, group)
 
 
+def close_group(group: WeightGroup) -> None:
+    """Tear down a weight-update group (it may be broken: a member died); never raises."""
+    from torch.distributed import distributed_c10d as c10d
+    try:
+        c10d.destroy_process_group(group.group)
+    except Exception:   # a group whose peer died may refuse a clean shutdown; it is dropped
+        c10d._world.pg_group_ranks.pop(group.group, None)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The dtype string of the update request ("bfloat16", ...)."""
     return str(dtype).removeprefix("torch.")

@@ -191,8 +191,8 @@ def test_every_shipped_config_resolves_through_the_cli():
     import sys
     root = pathlib.Path(__file__).resolve().parents[1]
     for f in sorted((root / "configs").glob("*.yaml")):
-        res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", "--config", str(f)],
-                             capture_output=True, text=True, timeout=120)
+        res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", "--no-inputs",
+                              "--config", str(f)], capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, (f.name, res.stderr[-2000:])
         assert "algorithm:" in res.stdout
 
@@ -265,3 +265,36 @@ def test_config_files_that_are_not_yaml_mappings_are_named(tmp_path):
     (tmp_path / "twice.yaml").write_text("trainer:\n  lr: 1.0e-5\n  lr: 1.0e-3\n")
     with pytest.raises(ConfigError, match="key 'lr' is given twice"):
         load_config(tmp_path / "twice.yaml")
+
+
+def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
+    """`moe-rl config` checks what `train` reads (model, tokenizer, reward, data) and both refuse
+    a missing or unloadable one on stderr with exit 2, naming the key, before anything starts."""
+    import pathlib
+    import subprocess
+    import sys
+    from moe_rl.config import ModelInitConfig
+    from moe_rl.models.tiny import write_tiny_model
+    root = pathlib.Path(__file__).resolve().parents[1]
+    model = tmp_path / "model"
+    write_tiny_model(ModelInitConfig(), str(model))
+    base = ["--config", str(root / "configs" / "tiny_cpu.yaml"), f"model.path={model}",
+            f"logging.dir={tmp_path / 'run'}"]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1="}\n{not json\n')
+    cases = [([f"model.path={tmp_path / 'nowhere'}"], "model.path: no local HF model"),
+             (["data.reward=no_such_module:score"], "data.reward: cannot load"),
+             (["data.reward=builtins:len_"], "data.reward: cannot load"),
+             (["data.source=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"],
+              "data.path: "),
+             (["data.source=jsonl", f"data.path={tmp_path / 'bad.jsonl'}"],
+              "line 2: invalid JSON")]
+    for extra, message in cases:
+        for command in ("config", "train"):
+            res = subprocess.run([sys.executable, "-m", "moe_rl.cli", command, *base, *extra],
+                                 capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            assert res.returncode == 2, (command, extra, res.stderr[-1500:])
+            assert message in res.stderr and "Traceback" not in res.stderr, (command, extra)
+    assert not (tmp_path / "run").exists()   # train refused before creating anything
+    ok = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", *base],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "algorithm:" in ok.stdout

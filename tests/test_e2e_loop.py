@@ -105,3 +105,57 @@ def test_shard_by_group_keeps_groups_whole_and_balances_tokens():
                     for g in range(5)]
     assert max(load) - min(load) <= max(group_tokens)          # greedy balance bound
     assert sum(1 for shard in shard_by_group(samples, 7) if not shard) == 2   # 5 groups
+
+
+_KILLER = '''
+import itertools, os, signal
+from moe_rl.rewards.functions import toy_reward
+_calls = itertools.count()
+
+def score(prompt, response, answer, metadata):
+    """The toy reward; call number KILL_AT first SIGKILLs the run's engine server."""
+    if next(_calls) == int(os.environ["KILL_AT"]):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+            except OSError:
+                continue
+            if b"serve-reference" in argv and os.environ["KILL_MATCH"].encode() in argv:
+                os.kill(int(pid), signal.SIGKILL)
+    return toy_reward(prompt, response, answer, metadata)
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sync,pi_old", [("distributed", "trainer"), ("disk", "engine_avg")])
+def test_an_engine_killed_between_phases_comes_back_with_the_current_weights(tmp_path, sync,
+                                                                              pi_old):
+    """The engine dies after step 1's rollout (in the reward phase): the next contact (the
+    weight sync's health check, or the engine_avg scoring passes) restarts it with the trainer's
+    current weights and rebuilds the weight group; the float32 engine then still equals the
+    trainer (k3 ~ 0 on every step), nothing is stale, the run ends."""
+    import os
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
+                   check=True, capture_output=True, timeout=120)
+    (tmp_path / "killer_reward.py").write_text(_KILLER)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
+               KILL_AT="4", KILL_MATCH=str(tmp_path / "model"))
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+           str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
+           f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
+           "logging.progress=false", f"rollout.base_port={free_port()}",
+           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+           "data.reward=killer_reward:score", f"cluster.weight_sync={sync}",
+           f"algorithm.pi_old={pi_old}", "trainer.export_hf=false"]
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    rows = [json.loads(line) for line in
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["weight_version/min"] for r in rows] == [0.0, 1.0, 2.0]
+    assert all(r["rollout/stale_samples"] == 0 for r in rows)
+    assert all(r["mismatch/k3"] < 1e-6 for r in rows)
+    if pi_old == "engine_avg":
+        assert all(r["ratio/first_minibatch_max_dev"] < 1e-4 for r in rows)   # pi_old = pi_theta

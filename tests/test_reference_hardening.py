@@ -1,8 +1,11 @@
 """Hostile and careless input to the reference engine: one request, one file or one body never
 hurts another request or the served weights (real server on 127.0.0.1)."""
 import concurrent.futures
+import json
 import os
 import shutil
+import socket
+import time
 
 import httpx
 import pytest
@@ -19,8 +22,8 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     model = str(tmp_path_factory.mktemp("hard") / "model")
-    write_tiny_model(ModelInitConfig(seed=7, max_position_embeddings=64), model)
-    proc = ServerProcess(model, free_port()).start()
+    write_tiny_model(ModelInitConfig(seed=7, max_position_embeddings=8192), model)
+    proc = ServerProcess(model, free_port(), max_total_tokens=6000).start()
     yield proc, model
     proc.stop()
 
@@ -58,11 +61,11 @@ def test_non_finite_and_out_of_range_fields_are_named():
 
 def test_context_is_capped_naming_both_lengths(served):
     proc, _ = served
-    r = _gen(proc.url, {"input_ids": [6] * 10, "sampling_params": {"max_new_tokens": 100,
+    r = _gen(proc.url, {"input_ids": [6] * 10, "sampling_params": {"max_new_tokens": 9000,
                                                                     "ignore_eos": True}})
     assert r.status_code == 400
     msg = r.json()["error"]["message"]
-    assert "10 tokens" in msg and "max_new_tokens 100" in msg and "(64)" in msg
+    assert "10 tokens" in msg and "max_new_tokens 9000" in msg and "(8192)" in msg
 
 
 def test_weight_updates_are_atomic_and_local(served, tmp_path):
@@ -98,3 +101,83 @@ def test_group_setup_cannot_take_rank_zero(served):
         "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 0,
         "world_size": 2, "group_name": "g", "backend": "gloo"})
     assert r.status_code == 400 and "rank_offset" in r.json()["message"]
+
+
+def _engine_state(url):
+    return httpx.get(url + "/get_server_info", timeout=10).json()["internal_states"][0]
+
+
+def _wait_state(url, want: dict, timeout=20.0):
+    """Poll /get_server_info until its counts equal ``want`` (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = _engine_state(url)
+        if all(state[k] == v for k, v in want.items()):
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"server state {state} never reached {want}")
+
+
+def _open_long_request(url, max_new_tokens=4000):
+    """A long /generate sent on a raw socket, so the test can hang up on it."""
+    host, port = url.rsplit("//", 1)[1].split(":")
+    body = json.dumps({"input_ids": [6, 7, 8], "sampling_params": {
+        "max_new_tokens": max_new_tokens, "ignore_eos": True}}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
+def test_continuous_batching_admission_and_client_gone(served):
+    """A short request finishes while a long one runs; the token budget queues the next long one;
+    hanging up stops a request's work; one needing more than the budget is refused."""
+    proc, _ = served
+    a = _open_long_request(proc.url)
+    _wait_state(proc.url, {"num_running_reqs": 1})
+    short = _gen(proc.url, {"input_ids": [6, 7], "sampling_params": {"max_new_tokens": 2,
+                                                                      "ignore_eos": True}})
+    assert short.status_code == 200 and len(short.json()["output_ids"]) == 2
+    assert _engine_state(proc.url)["num_running_reqs"] == 1   # the long one still runs
+    b = _open_long_request(proc.url)   # 2 x 4003 tokens > the budget of 6000: B waits
+    _wait_state(proc.url, {"num_running_reqs": 1, "num_waiting_reqs": 1})
+    a.close()                          # client gone: A stops, B is admitted
+    _wait_state(proc.url, {"num_running_reqs": 1, "num_waiting_reqs": 0})
+    b.close()
+    assert _wait_state(proc.url, {"num_running_reqs": 0})["tokens_in_flight"] == 0
+    r = _gen(proc.url, {"input_ids": [6] * 10, "sampling_params": {"max_new_tokens": 7000,
+                                                                    "ignore_eos": True}})
+    assert r.status_code == 400 and "--max-total-tokens 6000" in r.json()["error"]["message"]
+
+
+def test_rows_joining_mid_flight_get_what_they_get_alone(tmp_path):
+    """Continuous batching changes no result: requests that join a running batch at different
+    iterations produce the tokens, log-probs and routing they produce alone."""
+    from moe_rl.rollout.reference_engine import ReferenceEngine, Request, SamplingParams
+    model = str(tmp_path / "m")
+    write_tiny_model(ModelInitConfig(seed=3), model)
+    engine = ReferenceEngine(model)
+
+    def req(k):
+        return Request(input_ids=[6, 7, 8, 9, 10][:k + 2], rid=f"r{k}",
+                       params=SamplingParams(max_new_tokens=5 + 2 * k, sampling_seed=k, top_k=20,
+                                             ignore_eos=True),
+                       return_logprob=True, return_routed_experts=True,
+                       return_sampling_mask=True)
+    alone = [engine.run([req(k)])[0] for k in range(4)]
+    got = dict(engine.step([(req(0), 0)]))
+    got.update(engine.step([(req(1), 1)]))
+    got.update(engine.step([]))
+    got.update(engine.step([(req(2), 2), (req(3), 3)]))
+    while engine.running:
+        got.update(engine.step([]))
+    assert engine.tokens_in_flight() == 0
+    for k in range(4):
+        a, b = alone[k], got[k]
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["routed_experts"] == b["meta_info"]["routed_experts"]
+        assert a["meta_info"]["output_token_sampling_mask"] == \
+            b["meta_info"]["output_token_sampling_mask"]
+        for (x, _, _), (y, _, _) in zip(a["meta_info"]["output_token_logprobs"],
+                                        b["meta_info"]["output_token_logprobs"]):
+            assert abs(x - y) < 1e-5

@@ -362,7 +362,8 @@ def test_reference_engine_speaks_sglangs_dialect(server, layout):
         assert rows == 3 + len(r["output_ids"]) - 1 - 3
     # the client reads every one of these as SGLang sends them
     eng = engine_for([server.url], layout)
-    assert eng.health() and eng.flush_cache()[0]["text"].startswith("Cache flushed")
+    eng.check_health()
+    assert eng.flush_cache()[0]["text"].startswith("Cache flushed")
     with pytest.raises(EngineHTTPError, match=r"HTTP 400: input_ids: expected"):
         asyncio.run(_post(server.url, {"input_ids": []}))
 

@@ -13,7 +13,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     parser.add_argument("--seed", type=int, default=0, help="seed of requests without one")
-    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--max-running-requests", "--max-batch-size", type=int, default=64,
+                        dest="max_running_requests",
+                        help="most requests in the running batch (SGLang's flag)")
+    parser.add_argument("--max-total-tokens", type=int, default=1 << 18,
+                        help="token budget of the running batch: each request reserves its "
+                             "input + max_new_tokens; one needing more is refused (400)")
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="answer return_routed_experts (as SGLang, routing is omitted "
                              "without this flag)")
@@ -27,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     serve(args.model, host=args.host, port=args.port, dtype=args.dtype, api_key=args.api_key,
-          seed=args.seed, max_batch_size=args.max_batch_size,
+          seed=args.seed, max_running_requests=args.max_running_requests,
+          max_total_tokens=args.max_total_tokens,
           return_routed_experts=args.enable_return_routed_experts,
           sampling_mask_max_tokens=args.sampling_mask_max_tokens,
           sampling_backend=args.sampling_backend)

@@ -1,9 +1,10 @@
-"""``moe-rl config``: print the resolved configuration or the documented table of keys."""
+"""``moe-rl config``: print the resolved configuration (then check what ``train`` would read:
+model, tokenizer, data, reward) or the documented table of keys."""
 from __future__ import annotations
 
 import argparse
 
-from moe_rl.commands import load_or_report
+from moe_rl.commands import inputs_or_report, load_or_report
 from moe_rl.config import dump_config, iter_keys
 
 
@@ -11,6 +12,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (default: built-in defaults)")
     parser.add_argument("--keys", action="store_true",
                         help="print every config key with its type, default and meaning (markdown)")
+    parser.add_argument("--no-inputs", action="store_true",
+                        help="skip the checks of the model, tokenizer, data and reward function "
+                             "(for a config written away from the machine that runs it)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
 
 
@@ -24,4 +28,6 @@ def run(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     print(dump_config(cfg), end="")
+    if not args.no_inputs and inputs_or_report(cfg) is None:
+        return 2
     return 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_rl.commands import load_or_report
+from moe_rl.commands import inputs_or_report, load_or_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +18,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_or_report(args.config, args.overrides)
     if cfg is None:
         return 2
+    inputs = inputs_or_report(cfg)
+    if inputs is None:
+        return 2
     from moe_rl.orchestration.loop import run_training
-    run_training(cfg, resume=args.resume)
+    run_training(cfg, inputs, resume=args.resume)
     return 0

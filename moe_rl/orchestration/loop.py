@@ -11,10 +11,11 @@ import ray
 import torch
 
 from moe_rl.config import Config, dump_config
-from moe_rl.data.prompts import PromptSampler, load_prompts
+from moe_rl.data.prompts import PromptSampler
 from moe_rl.metrics_log import MetricsLogger, PhaseTimer, progress_bar
 from moe_rl.orchestration.workers import RolloutWorker, TrainerWorker
 from moe_rl.rewards.functions import RewardFunction
+from moe_rl.run_inputs import RunInputs, load_run_inputs
 from moe_rl.trainer.parallel import free_port
 from moe_rl.types import RolloutBatch, Sample
 
@@ -122,21 +123,19 @@ class Trainers:
         return ray.get([a.load.remote(path) for a in self.actors])[0]
 
 
-def run_training(cfg: Config, resume: bool = False) -> list[dict]:
-    """Run the configured RL job; returns the per-step metrics."""
-    from transformers import AutoTokenizer
+def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = False
+                 ) -> list[dict]:
+    """Run the configured RL job (``inputs``: the loaded model tokenizer, prompts and reward,
+    loaded here when not given); returns the per-step metrics."""
+    inputs = inputs or load_run_inputs(cfg)
+    tokenizer, prompts, reward_fn = inputs.tokenizer, inputs.prompts, inputs.reward
     run_dir = cfg.logging.dir
     ckpt_dir = cfg.trainer.checkpoint_dir or os.path.join(run_dir, "checkpoints")
     os.makedirs(ckpt_dir, exist_ok=True)
-    if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        raise FileNotFoundError(f"model.path: no HF model at {cfg.model.path} (write the tiny "
-                                f"one with `moe-rl init-model --config FILE`)")
+    os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
         fh.write(dump_config(cfg))
     print(dump_config(cfg), flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    prompts = load_prompts(cfg.data, tokenizer)
-    reward_fn = RewardFunction(cfg.data.reward)
     sampler = PromptSampler(len(prompts), cfg.rollout.prompts_per_step, cfg.data.shuffle_seed)
     start_step = 0
     state_path = os.path.join(ckpt_dir, STATE_FILE)
@@ -211,6 +210,7 @@ def run_training(cfg: Config, resume: bool = False) -> list[dict]:
             metrics["rollout/stale_samples"] = float(sum(s.weight_version < step
                                                          for s in samples))
             metrics["rollout/engine_restarts"] = float(ray.get(rollout.restarts.remote()))
+            metrics["rollout/weight_sync_recoveries"] = float(weights.recoveries)
             logger.log(step, metrics)
             history.append({"step": step, **metrics})
             bar.update(1)
@@ -239,46 +239,80 @@ def run_training(cfg: Config, resume: bool = False) -> list[dict]:
 class WeightSync:
     """Trainer -> engines after every update: a HF checkpoint on disk that every server loads
     (``cluster.weight_sync: disk``); a broadcast from trainer rank 0 over a process group the
-    servers joined at start (``distributed``: NCCL on GPUs, gloo on CPU); or CUDA tensors handed
-    to colocated SGLang servers (``tensor``)."""
+    servers joined (``distributed``: NCCL on GPUs, gloo on CPU); or CUDA tensors handed to
+    colocated SGLang servers (``tensor``).
+
+    Engine deaths: every sync starts with a health check that restarts a dead server (it comes
+    back with the current weights); a server restarted since the weight group was built makes
+    the group be rebuilt; a distributed or tensor sync that fails midway is redone from disk
+    (the servers restarted, the group rebuilt), so a sync never leaves a server on old weights."""
 
     def __init__(self, cfg: Config, trainers: Trainers, rollout, weights_dir: str):
         self.cfg, self.trainers, self.rollout = cfg, trainers, rollout
         self.weights_dir = weights_dir
         self.mode = cfg.cluster.weight_sync
+        self.group_name: str | None = None
+        self.groups_built = 0
+        self.recoveries = 0
+        if self.mode != "disk":
+            ray.get(rollout.set_weight_source.remote(trainers.actors, weights_dir))
         if self.mode == "distributed":
-            r = cfg.rollout
-            ranks = r.sglang.tp_size if r.engine == "sglang" else 1
-            world = 1 + r.num_servers * ranks
-            backend = "nccl" if cfg.cluster.gpus_per_node > 0 else "gloo"
-            rank0 = trainers.actors[0]
-            address = ray.get(rank0.node_ip.remote())
-            port = free_port()
-            ray.get([rank0.open_weight_group.remote(backend, address, port, world,
-                                                    "moe_rl_weights"),
-                     rollout.init_weight_group.remote(address, port, "moe_rl_weights",
-                                                      backend)])
+            self._open_group()
+
+    def _open_group(self) -> None:
+        """(Re)build the weight-update group: trainer rank 0 and every server's ranks."""
+        r = self.cfg.rollout
+        ranks = r.sglang.tp_size if r.engine == "sglang" else 1
+        world = 1 + r.num_servers * ranks
+        backend = "nccl" if self.cfg.cluster.gpus_per_node > 0 else "gloo"
+        rank0 = self.trainers.actors[0]
+        address = ray.get(rank0.node_ip.remote())
+        port = free_port()
+        previous, self.group_name = self.group_name, f"moe_rl_weights_{self.groups_built}"
+        self.groups_built += 1
+        ray.get([rank0.open_weight_group.remote(backend, address, port, world, self.group_name,
+                                                r.request_timeout_s),
+                 self.rollout.init_weight_group.remote(address, port, self.group_name, backend,
+                                                       previous)])
 
     def sync(self, version: int) -> None:
         """Bring every engine server to the trainer's current weights as ``version``."""
-        if self.mode == "tensor":
-            r = self.cfg.rollout
-            urls = ray.get(self.rollout.urls.remote())
-            ray.get([a.push_weights_tensor.remote(urls, r.api_key, r.sglang.tp_size, version,
-                                                  r.request_timeout_s)
-                     for a in self.trainers.actors])
-            ray.get(self.rollout.set_version.remote(version))
+        ray.get(self.rollout.health.remote())   # a dead server is restarted first
+        if self.mode == "disk":   # the pool restarts and retries a server dying meanwhile
+            self._sync_disk(version)
             return
-        if self.mode == "distributed":
-            body = ray.get([a.weight_update_request.remote(version)
-                            for a in self.trainers.actors])[0]
-            ray.get(self.rollout.begin_weight_update.remote())
-            try:
-                ray.get([self.rollout.update_weights_distributed.remote(body),
-                         self.trainers.actors[0].broadcast_weights.remote()])
-            finally:
-                ray.get(self.rollout.end_weight_update.remote())
-            return
+        if self.mode == "distributed" and ray.get(self.rollout.take_group_stale.remote()):
+            self._open_group()
+        try:
+            self._sync_distributed(version) if self.mode == "distributed" else \
+                self._sync_tensor(version)
+        except Exception as exc:   # a server died midway: redo this version from disk
+            self.recoveries += 1
+            print(f"weight sync ({self.mode}) of version {version} failed ({exc}); restarting "
+                  f"the servers that died and syncing from disk", flush=True)
+            ray.get(self.rollout.health.remote())
+            ray.get(self.rollout.abort_weight_update.remote())
+            self._sync_disk(version)
+            if self.mode == "distributed":
+                self._open_group()
+
+    def _sync_tensor(self, version: int) -> None:
+        r = self.cfg.rollout
+        urls = ray.get(self.rollout.urls.remote())
+        ray.get([a.push_weights_tensor.remote(urls, r.api_key, r.sglang.tp_size, version,
+                                              r.request_timeout_s)
+                 for a in self.trainers.actors])
+        ray.get(self.rollout.set_version.remote(version))
+
+    def _sync_distributed(self, version: int) -> None:
+        body = ray.get([a.weight_update_request.remote(version)
+                        for a in self.trainers.actors])[0]
+        ray.get(self.rollout.begin_weight_update.remote())
+        ray.get([self.rollout.update_weights_distributed.remote(body),
+                 self.trainers.actors[0].broadcast_weights.remote()])
+        ray.get(self.rollout.end_weight_update.remote())
+
+    def _sync_disk(self, version: int) -> None:
         target = os.path.join(self.weights_dir, f"v{version}")
         self.trainers.export(target)
         ray.get(self.rollout.update_weights.remote(target, version))

@@ -43,11 +43,15 @@ class TrainerWorker:
         return out_dir
 
     def open_weight_group(self, backend: str, address: str, port: int, world: int,
-                          group_name: str) -> None:
-        """Rank 0 creates the weight-update group with the engines (blocks until they join)."""
-        from moe_rl.weight_sync import open_group
+                          group_name: str, timeout_s: float) -> None:
+        """Rank 0 creates the weight-update group with the engines (blocks until they join),
+        replacing the one it had."""
+        from moe_rl.weight_sync import close_group, open_group
+        if getattr(self, "weight_group", None) is not None:
+            close_group(self.weight_group)
         self.group_name = group_name
-        self.weight_group = open_group(backend, address, port, 0, world, group_name)
+        self.weight_group = open_group(backend, address, port, 0, world, group_name,
+                                       timeout_s=timeout_s)
 
     def weight_update_request(self, version: int) -> dict | None:
         """Gather the weights (collective); rank 0 keeps them and returns the request body."""
@@ -136,17 +140,21 @@ class RolloutWorker:
         engine_avg_refusal(cfg, facts.vocab_size)
         self.weights_path: str | None = None
         self.version = 0
+        self.trainer_actors: list = []     # non-disk sync: where a restarted server's weights
+        self.export_dir: str | None = None  # come from
+        self.syncing = False
+        self.group_stale = False
         procs = self.procs
 
         def restarter(proc):
             def restart():
                 proc.restart(r.health_timeout_s)
-                if self.weights_path is not None:   # a restarted server reloads the latest weights
+                path = self._weights_for_restart()
+                if path is not None:   # a restarted server serves the current weights again
                     import httpx
                     headers = {"Authorization": f"Bearer {r.api_key}"} if r.api_key else {}
                     httpx.post(proc.url + "/update_weights_from_disk", headers=headers,
-                               json={"model_path": self.weights_path,
-                                     "weight_version": str(self.version)},
+                               json={"model_path": path, "weight_version": str(self.version)},
                                timeout=r.request_timeout_s).raise_for_status()
             return restart
 
@@ -157,6 +165,36 @@ class RolloutWorker:
                                restarters=[restarter(p) for p in procs]),
             layout, need_routing=requests_routing(cfg), need_mask=requests_sampling_mask(cfg))
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
+
+    def set_weight_source(self, trainer_actors: list, export_dir: str) -> None:
+        """Non-disk weight sync: a server restarted outside a sync gets the trainer's current
+        weights exported to ``export_dir`` (the trainer ranks are idle then)."""
+        self.trainer_actors, self.export_dir = trainer_actors, export_dir
+
+    def _weights_for_restart(self) -> str | None:
+        """The checkpoint a restarted server loads: the last disk sync's; for the other sync
+        modes a fresh export of the trainer (its weight group must then be rebuilt); None inside
+        a sync (the loop recovers the sync itself) or before any sync."""
+        if self.cfg.cluster.weight_sync == "disk":
+            return self.weights_path
+        self.group_stale = True
+        if self.syncing or not self.trainer_actors:
+            return None
+        import ray as _ray
+        path = os.path.join(self.export_dir, "restart")
+        _ray.get([a.export_hf.remote(path) for a in self.trainer_actors])
+        return path
+
+    def take_group_stale(self) -> bool:
+        """Whether a server restarted since the weight group was built (and reset the flag)."""
+        stale, self.group_stale = self.group_stale, False
+        return stale
+
+    def health(self) -> bool:
+        """Every server answers /health; a dead one is restarted first (raises when it cannot
+        be)."""
+        self.engine.check_health()
+        return True
 
     def generate(self, prompts: list[list[int]], group_ids: list[int], seed: int) -> bytes:
         samples = self.engine.generate(prompts, self.cfg.rollout.n_samples_per_prompt,
@@ -175,16 +213,27 @@ class RolloutWorker:
         self.weights_path, self.version = path, version
         return self.engine.weight_versions()
 
-    def init_weight_group(self, address: str, port: int, group_name: str, backend: str
-                          ) -> list[dict]:
+    def init_weight_group(self, address: str, port: int, group_name: str, backend: str,
+                          previous: str | None = None) -> list[dict]:
+        """Every server joins group ``group_name`` (leaving ``previous`` first, if any)."""
         ranks = self.cfg.rollout.sglang.tp_size if self.cfg.rollout.engine == "sglang" else 1
+        if previous is not None:
+            self.engine.destroy_weights_update_group(previous)
+        self.group_stale = False
         return self.engine.init_weights_update_group(address, port, ranks, group_name, backend)
 
     def begin_weight_update(self) -> None:
+        self.syncing = True
         self.engine.begin_weight_update()
 
     def end_weight_update(self) -> None:
         self.engine.end_weight_update()
+        self.syncing = False
+
+    def abort_weight_update(self) -> None:
+        """After a failed sync: close whatever sessions are open (a restarted server has none)."""
+        self.engine.end_weight_update(missing_ok=True)
+        self.syncing = False
 
     def update_weights_distributed(self, body: dict) -> list[str]:
         self.engine.update_weights_from_distributed(body)

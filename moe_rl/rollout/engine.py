@@ -15,7 +15,7 @@ import torch
 
 from moe_rl.rollout.decode import (ModelLayout, decode_listed_logprobs, sample_from_response,
                                    score_from_response)
-from moe_rl.rollout.pool import ServerPool
+from moe_rl.rollout.pool import EngineHTTPError, ServerPool
 from moe_rl.types import Sample
 
 
@@ -201,9 +201,29 @@ class HTTPRolloutEngine:
         updates outside one)."""
         return self._run(lambda pool: pool.broadcast("/begin_weight_update", {}))
 
-    def end_weight_update(self) -> list[dict]:
-        """Close every server's weight-update session."""
+    def end_weight_update(self, missing_ok: bool = False) -> list[dict]:
+        """Close every server's weight-update session (``missing_ok``: a server without one,
+        e.g. just restarted, is not an error)."""
+        if missing_ok:
+            return self._broadcast_tolerant("/end_weight_update", {})
         return self._run(lambda pool: pool.broadcast("/end_weight_update", {}))
+
+    def destroy_weights_update_group(self, group_name: str) -> list[dict]:
+        """Every server leaves weight-update group ``group_name`` (SGLang's
+        ``/destroy_weights_update_group``); a server that never joined it is not an error."""
+        return self._broadcast_tolerant("/destroy_weights_update_group",
+                                        {"group_name": group_name})
+
+    def _broadcast_tolerant(self, path: str, body: dict) -> list[dict]:
+        """Send to every server; a refusal becomes that server's ``success: false`` answer."""
+        async def run(pool: ServerPool):
+            async def one(server):
+                try:
+                    return await pool.request(path, body, server=server)
+                except EngineHTTPError as exc:
+                    return {"success": False, "message": str(exc)}
+            return list(await asyncio.gather(*(one(s) for s in pool.servers)))
+        return self._run(run)
 
     def release_memory(self) -> list[dict]:
         """Colocated training: the servers free their weights (and KV cache) until resumed."""
@@ -217,13 +237,10 @@ class HTTPRolloutEngine:
         """Drop every server's prefix cache (after a weight update)."""
         return self._run(lambda pool: pool.broadcast("/flush_cache", {}))
 
-    def health(self) -> bool:
-        """True when every server answers /health."""
-        try:
-            self._run(lambda pool: pool.broadcast("/health", None, method="GET"))
-            return True
-        except Exception:
-            return False
+    def check_health(self) -> None:
+        """Every server answers /health; a dead server is restarted and asked again
+        (EngineHTTPError when one cannot be brought back)."""
+        self._run(lambda pool: pool.broadcast("/health", None, method="GET"))
 
     def weight_versions(self) -> list[str]:
         """The weight version each server reports."""

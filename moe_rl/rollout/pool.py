@@ -1,6 +1,7 @@
 """Several engine servers behind one dispatcher: async HTTP (httpx) with a connection pool,
 bounded concurrency per server, timeouts, retries with backoff, least-loaded dispatch, and
-re-dispatch plus restart when a server dies mid-rollout."""
+restart of a server that dies: its requests go to another server, or (pinned requests: scoring
+passes, weight updates, health) wait for its restart and are sent again."""
 from __future__ import annotations
 
 import asyncio
@@ -102,47 +103,63 @@ class ServerPool:
                 self.restarts += 1
             server.restarting = asyncio.create_task(restart())
 
+    async def _restarted(self, server: Server) -> bool:
+        """Restart a dead ``server`` (or wait for its restart under way); False when it has no
+        restarter or the restart failed."""
+        self._mark_dead(server)
+        task = server.restarting
+        if task is None:
+            return False
+        try:
+            await asyncio.shield(task)
+        except Exception:
+            return False
+        return server.alive
+
     async def request(self, path: str, body: dict | None = None, *, server: Server | None = None,
                       method: str = "POST") -> dict:
-        """Send to ``server`` (pinned: its failure raises) or else to the least-loaded live one,
-        where connection errors and 5xx mark the server dead (and restart it) and the request
-        goes to another server; 4xx raise at once."""
+        """Send to ``server`` (pinned) or else to the least-loaded live one. Connection errors
+        and 5xx: an unpinned request goes to another server (a dead one is restarted); a pinned
+        one waits for its server's restart and is sent to it again. 4xx raise at once; so does
+        every failure after ``max_retries`` retries."""
         pinned = server is not None
         avoid: set[str] = set()
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
-            target = server if (server is not None and server.alive) else self._pick(avoid)
+            target = server if pinned else self._pick(avoid)
+            if pinned and not target.alive and not await self._restarted(target):
+                raise EngineHTTPError(f"{target.url}{path}: server is down and could not be "
+                                      f"restarted ({last})")
             target.in_flight += 1
+            dead = False
             try:
                 async with target.semaphore:
                     resp = await self._client.request(method, target.url + path, json=body)
             except (httpx.TransportError, httpx.TimeoutException) as exc:
-                last = exc
-                if pinned:
-                    raise EngineHTTPError(f"{target.url}{path}: {exc}") from None
-                self._mark_dead(target)
-                avoid.add(target.url)
-                server = None
+                last, dead = exc, True
             else:
                 if resp.status_code < 400:
                     return response_body(resp)
                 if resp.status_code < 500:
                     raise EngineHTTPError(f"{target.url}{path}: HTTP {resp.status_code}: "
                                           f"{error_message(resp)}")
-                last = EngineHTTPError(f"{target.url}{path}: HTTP {resp.status_code}")
-                if pinned:
-                    raise last
+                last = EngineHTTPError(f"{target.url}{path}: HTTP {resp.status_code}: "
+                                       f"{error_message(resp)}")
                 target.failures += 1
-                avoid.add(target.url)
-                server = None
             finally:
                 target.in_flight -= 1
-            await asyncio.sleep(self.backoff * (2 ** attempt) * (0.5 + random.random() / 2))
+            if dead:
+                self._mark_dead(target)
+            if not pinned:
+                avoid.add(target.url)
+            if attempt < self.max_retries:
+                await asyncio.sleep(self.backoff * (2 ** attempt) * (0.5 + random.random() / 2))
         raise EngineHTTPError(f"{path}: failed after {self.max_retries + 1} attempts: {last}")
 
     async def broadcast(self, path: str, body: dict | None = None, method: str = "POST"
                         ) -> list[dict]:
-        """Send to every server (e.g. weight updates); waits for restarting servers first."""
+        """Send to every server (weight updates, health), each pinned; waits for restarting
+        servers first."""
         for s in self.servers:
             if s.restarting is not None:
                 await s.restarting

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from moe_rl.config import moe_facts_from_hf
 
@@ -155,6 +156,32 @@ def kept_set(probs: torch.Tensor, top_k: int, top_p: float, min_p: float,
     return order[keep]
 
 
+@dataclass(eq=False)
+class _Row:
+    """One running request of the continuous batch."""
+    req: Request
+    handle: object                 # the caller's token for this request (a future)
+    gen: torch.Generator
+    reserved: int                  # tokens admitted for it: input + max_new_tokens
+    state: dict = field(default_factory=lambda: {"out": [], "lp": [], "mask": [], "mask_lp": [],
+                                                 "ids_lp": []})
+    routing: list = field(default_factory=list)   # [positions, L_moe, K] per forward
+    pending: int | None = None     # sampled, not yet fed back
+    finish: dict | None = None
+    error: Exception | None = None
+
+
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad dimension 1 (mask [B, S]) or -2 (cache [B, H, S, D]) on the left to ``length``."""
+    dim = 1 if t.dim() == 2 else -2
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
 def encode_routing(rows: np.ndarray) -> str:
     """SGLang's routed_experts payload: base64 of little-endian int32, flat."""
     return base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode("ascii")
@@ -203,6 +230,11 @@ class ReferenceEngine:
         self.group_timeout_s = 120.0
         self.max_context = 1 << 30
         self._received_dir: str | None = None
+        self.running: list[_Row] = []      # the continuous batch
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None
+        self._raw_logprobs = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in (
+            "1", "true")
         self.load(model_path)
 
     def load(self, model_path: str) -> None:
@@ -263,12 +295,13 @@ class ReferenceEngine:
         return routers
 
     def _forward(self, ids, mask, pos, cache):
+        """Logits [B, S, V] (float32) and the routers' choices [B, S, L_moe, K]; ``cache`` grows."""
         self._captured = []
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          past_key_values=cache, use_cache=True)
         B, S = ids.shape
-        topk = torch.stack([t.reshape(B, S, -1) for t in self._captured], dim=2)  # [B,S,L,K]
-        return out.logits.float(), topk, out.past_key_values
+        topk = torch.stack([t.reshape(B, S, -1) for t in self._captured], dim=2)
+        return out.logits.float(), topk
 
     def _full_routing(self, moe_rows: torch.Tensor) -> np.ndarray:
         """[N, L_moe, K] -> [N, num_hidden_layers, K] with dense layers 0 (SGLang layout)."""
@@ -303,7 +336,6 @@ class ReferenceEngine:
             raise RequestError(f"token_ids_logprob: token ids must be integers in "
                                f"[0, {self.vocab_size})")
 
-    # ------------------------------------------------------------------ batch execution
     # ------------------------------------------------------------------ memory and weight sync
     def release_memory(self) -> None:
         """Drop the model's weights from memory (colocated training); /generate is refused until
@@ -332,6 +364,13 @@ class ReferenceEngine:
         self.groups[group_name] = open_group(backend, master_address, master_port, rank_offset,
                                              world_size, group_name,
                                              timeout_s=self.group_timeout_s)
+
+    def destroy_update_group(self, group_name: str) -> None:
+        """Leave weight-update group ``group_name``."""
+        from moe_rl.weight_sync import close_group
+        if group_name not in self.groups:
+            raise RequestError(f"group_name: no weight-update group {group_name!r}")
+        close_group(self.groups.pop(group_name))
 
     def begin_weight_update(self) -> None:
         """Open a weight-update session (SGLang 0.5.23 loads distributed and tensor updates only
@@ -386,68 +425,159 @@ class ReferenceEngine:
         if previous:
             shutil.rmtree(previous, ignore_errors=True)
 
+    # ------------------------------------------------------------------ continuous batching
+    def tokens_in_flight(self) -> int:
+        """Tokens reserved by the running requests (input + max_new_tokens each)."""
+        return sum(row.reserved for row in self.running)
+
     @torch.no_grad()
-    def run(self, reqs: list[Request]) -> list[dict]:
-        """Run generation and scoring requests together; one SGLang response dict each."""
+    def step(self, admit: list[tuple[Request, object]], drop: set[int] = frozenset()
+             ) -> list[tuple[object, dict | Exception]]:
+        """One scheduling iteration (continuous batching, as SGLang): forget the running rows
+        whose handle id is in ``drop`` (their client left), prefill ``admit`` (request, handle)
+        pairs and sample their first token, then decode one token for every running row. Returns
+        (handle, response or exception) of every request that finished; a request that fails
+        (in its sampling) fails alone."""
         with self.lock:
             if self.model is None:
-                raise RequestError("the engine's memory is released: POST "
+                err = RequestError("the engine's memory is released: POST "
                                    "/resume_memory_occupation first")
-            return self._run(reqs)
+                done = [(h, err) for _, h in admit] + [(r.handle, err) for r in self.running]
+                self._select([])
+                return done
+            if drop:
+                self._select([i for i, r in enumerate(self.running) if id(r.handle) not in drop])
+            done: list = []
+            try:
+                if admit:
+                    self._prefill(admit, done)
+                if self.running:
+                    self._decode(done)
+            except Exception as exc:   # the batch's forward failed: its requests fail with it
+                answered = {id(h) for h, _ in done}
+                pending = [h for _, h in admit] + [r.handle for r in self.running]
+                done += [(h, exc) for h in dict.fromkeys(pending) if id(h) not in answered]
+                self._select([])
+            return done
 
-    def _run(self, reqs: list[Request]) -> list[dict]:
-        B = len(reqs)
-        lens = [len(r.input_ids) for r in reqs]
-        P = max(lens)
-        pad = 0
-        ids = torch.full((B, P), pad, dtype=torch.long)
+    def run(self, reqs: list[Request]) -> list[dict]:
+        """Run ``reqs`` to completion together (in-process use); one SGLang response each."""
+        handles = list(range(len(reqs)))
+        results: dict = dict(self.step(list(zip(reqs, handles))))
+        while self.running:
+            results.update(self.step([]))
+        out = [results[h] for h in handles]
+        for res in out:
+            if isinstance(res, Exception):
+                raise res
+        return out
+
+    def _new_row(self, r: Request, handle) -> "_Row":
+        seed = r.params.sampling_seed
+        if seed is None:
+            seed = self.seed * 1_000_003 + self._requests_seen
+        self._requests_seen += 1
+        return _Row(r, handle, torch.Generator().manual_seed(seed),
+                    reserved=len(r.input_ids) + r.params.max_new_tokens)
+
+    def _prefill(self, admit: list[tuple[Request, object]], done: list) -> None:
+        """Prefill the admitted requests together (left-padded), sample each one's first token
+        and merge the rows still generating into the running batch."""
+        rows = [self._new_row(r, h) for r, h in admit]
+        lens = [len(r.input_ids) for r, _ in admit]
+        B, P = len(rows), max(lens)
+        ids = torch.zeros((B, P), dtype=torch.long)
         mask = torch.zeros((B, P), dtype=torch.long)
-        for b, r in enumerate(reqs):   # left padding
-            ids[b, P - lens[b]:] = torch.tensor(r.input_ids)
+        for b, r in enumerate(rows):
+            ids[b, P - lens[b]:] = torch.tensor(r.req.input_ids)
             mask[b, P - lens[b]:] = 1
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        logits, topk, cache = self._forward(ids, mask, pos, None)
-        gens = []
-        for b, r in enumerate(reqs):
-            seed = r.params.sampling_seed
-            if seed is None:
-                seed = self.seed * 1_000_003 + self._requests_seen
-            self._requests_seen += 1
-            gens.append(torch.Generator().manual_seed(seed))
-        state = [{"out": [], "lp": [], "mask": [], "mask_lp": [], "ids_lp": [], "routing": [],
-                  "finish": None} for _ in reqs]
-        for b, r in enumerate(reqs):
-            state[b]["routing"].append(topk[b, P - lens[b]:])
-            if r.params.max_new_tokens == 0:
-                state[b]["finish"] = {"type": "length", "length": 0}
-        raw_env = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in ("1", "true")
-        last = logits[:, -1]
-        while any(s["finish"] is None for s in state):
-            next_ids = torch.full((B, 1), pad, dtype=torch.long)
-            for b, r in enumerate(reqs):
-                s = state[b]
-                if s["finish"] is not None:
-                    continue
-                tok = self._sample(last[b], r, s, gens[b], raw_env)
-                next_ids[b, 0] = tok
-                s["out"].append(tok)
-                stop = (tok == self.eos and not r.params.ignore_eos) or tok in r.params.stop_token_ids
-                if stop:
-                    s["finish"] = {"type": "stop", "matched": tok}
-                elif len(s["out"]) >= r.params.max_new_tokens:
-                    s["finish"] = {"type": "length", "length": r.params.max_new_tokens}
-            # a token is fed back only when more will follow: its routing is recorded then
-            feed = [st["finish"] is None for st in state]
-            if not any(feed):
-                break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
-            pos = pos[:, -1:] + 1
-            logits, topk, cache = self._forward(next_ids, mask, pos, cache)
-            last = logits[:, -1]
-            for b, st in enumerate(state):
-                if feed[b]:
-                    st["routing"].append(topk[b, -1:])
-        return [self._response(r, s, b, reqs) for b, (r, s) in enumerate(zip(reqs, state))]
+        cache = DynamicCache()
+        logits, topk = self._forward(ids, mask, pos, cache)
+        for b, row in enumerate(rows):
+            row.routing.append(topk[b, P - lens[b]:])
+            if row.req.params.max_new_tokens == 0:
+                row.finish = {"type": "length", "length": 0}
+            else:
+                self._advance(row, logits[b, -1])
+        live = self._collect(rows, done)
+        keys = [[layer.keys[live], layer.values[live]] for layer in cache.layers]
+        self._merge([rows[i] for i in live], keys, mask[live])
+
+    def _decode(self, done: list) -> None:
+        """Feed every running row its pending token and sample the next one."""
+        B = len(self.running)
+        ids = torch.tensor([[row.pending] for row in self.running], dtype=torch.long)
+        pos = self._mask.sum(-1, keepdim=True)
+        self._mask = torch.cat([self._mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+        logits, topk = self._forward(ids, self._mask, pos, self._cache)
+        for b, row in enumerate(self.running):
+            row.routing.append(topk[b, -1:])
+            self._advance(row, logits[b, -1])
+        self._select(self._collect(self.running, done))
+
+    def _advance(self, row: "_Row", logits: torch.Tensor) -> None:
+        """Sample the row's next token (a failure finishes the row with its error)."""
+        r = row.req
+        try:
+            tok = self._sample(logits, r, row.state, row.gen, self._raw_logprobs)
+        except Exception as exc:
+            row.error = exc
+            return
+        row.state["out"].append(tok)
+        row.pending = tok
+        if (tok == self.eos and not r.params.ignore_eos) or tok in r.params.stop_token_ids:
+            row.finish = {"type": "stop", "matched": tok}
+        elif len(row.state["out"]) >= r.params.max_new_tokens:
+            row.finish = {"type": "length", "length": r.params.max_new_tokens}
+
+    def _collect(self, rows: list["_Row"], done: list) -> list[int]:
+        """Answer the finished rows into ``done``; the indices of those still generating."""
+        live = []
+        for i, row in enumerate(rows):
+            if row.error is not None:
+                done.append((row.handle, row.error))
+            elif row.finish is not None:
+                try:
+                    done.append((row.handle, self._response(row)))
+                except Exception as exc:
+                    done.append((row.handle, exc))
+            else:
+                live.append(i)
+        return live
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only the running rows ``keep``; drop cache columns no row attends to any more."""
+        self.running = [self.running[i] for i in keep]
+        if not self.running:
+            self._cache, self._mask = None, None
+            return
+        mask = self._mask[keep]
+        first = int(mask.any(0).nonzero()[0])
+        self._mask = mask[:, first:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[keep, :, first:]
+            layer.values = layer.values[keep, :, first:]
+
+    def _merge(self, rows: list["_Row"], kv: list[list[torch.Tensor]], mask: torch.Tensor
+               ) -> None:
+        """Append freshly prefilled rows to the running batch, left-padding the shorter side's
+        cache and attention mask (padding is masked out, so it changes no result)."""
+        if not rows:
+            return
+        if not self.running:
+            self._cache = DynamicCache()
+            for i, (k, v) in enumerate(kv):
+                self._cache.update(k, v, i)
+            self._mask = mask
+            self.running = rows
+            return
+        L = max(self._mask.shape[1], mask.shape[1])
+        self._mask = torch.cat([_left_pad(self._mask, L), _left_pad(mask, L)], dim=0)
+        for layer, (k, v) in zip(self._cache.layers, kv):
+            layer.keys = torch.cat([_left_pad(layer.keys, L), _left_pad(k, L)], dim=0)
+            layer.values = torch.cat([_left_pad(layer.values, L), _left_pad(v, L)], dim=0)
+        self.running.extend(rows)
 
     def _sample(self, logits: torch.Tensor, r: Request, s: dict, gen: torch.Generator,
                 raw_env: bool) -> int:
@@ -475,9 +605,10 @@ class ReferenceEngine:
                             else float(kept_lp[choice]))
         return tok
 
-    def _response(self, r: Request, s: dict, b: int, reqs) -> dict:
+    def _response(self, row: "_Row") -> dict:
+        r, s = row.req, row.state
         out = s["out"]
-        meta = {"id": r.rid, "finish_reason": s["finish"], "prompt_tokens": len(r.input_ids),
+        meta = {"id": r.rid, "finish_reason": row.finish, "prompt_tokens": len(r.input_ids),
                 "completion_tokens": len(out), "cached_tokens": 0,
                 "weight_version": self.weight_version}
         if r.return_logprob:
@@ -489,7 +620,7 @@ class ReferenceEngine:
                 meta["input_token_ids_logprobs"] = listed
                 meta["output_token_ids_logprobs"] = s["ids_lp"]
         if r.return_routed_experts and self.routing_enabled:   # omitted otherwise, as SGLang
-            moe_rows = torch.cat(s["routing"], dim=0)        # prompt + fed generated tokens
+            moe_rows = torch.cat(row.routing, dim=0)        # prompt + fed generated tokens
             n_rows = len(r.input_ids) + len(out) - 1
             rows = self._full_routing(moe_rows[:n_rows])
             meta["routed_experts"] = encode_routing(rows[r.routed_experts_start_len:])

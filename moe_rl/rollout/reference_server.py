@@ -1,9 +1,9 @@
 """HTTP server (FastAPI + uvicorn) for the CPU reference engine, with SGLang's endpoints, field
-names and encodings. Concurrent requests are batched: a worker takes every queued request (up to
-``max_batch_size``) and runs them through the model together."""
+names and encodings, and SGLang's continuous batching (see :func:`build_app`)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 import itertools
@@ -83,39 +83,60 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Req
 
 
 def build_app(engine: ReferenceEngine, api_key: str | None = None,
-              max_batch_size: int = 64) -> FastAPI:
-    """The FastAPI application serving ``engine``."""
+              max_running_requests: int = 64, max_total_tokens: int = 1 << 18) -> FastAPI:
+    """The FastAPI application serving ``engine``.
+
+    Scheduling is SGLang's continuous batching: between two decode iterations, waiting requests
+    join the running batch (first come, first served) while at most ``max_running_requests`` run
+    and the running ones reserve at most ``max_total_tokens`` tokens (input + max_new_tokens
+    each); a request that alone needs more is refused with 400. A finished request leaves at
+    once, so a short request never waits for a long one, and a request whose client went away is
+    dropped at the next iteration."""
+    if max_running_requests < 1 or max_total_tokens < 1:
+        raise ValueError("max_running_requests and max_total_tokens: expected >= 1")
     app = FastAPI(title="moe_rl reference engine")
     queue: asyncio.Queue = asyncio.Queue()
+    waiting: collections.deque = collections.deque()
     counter = itertools.count()
+    app.state.limits = {"max_running_requests": max_running_requests,
+                        "max_total_num_tokens": max_total_tokens}
+
+    def admissions() -> list:
+        """Waiting requests that fit, in arrival order (a cancelled one is skipped)."""
+        admit, room = [], max_total_tokens - engine.tokens_in_flight()
+        slots = max_running_requests - len(engine.running)
+        while waiting and len(admit) < slots:
+            req, fut = waiting[0]
+            if fut.done():
+                waiting.popleft()
+                continue
+            need = len(req.input_ids) + req.params.max_new_tokens
+            if need > room:
+                break
+            waiting.popleft()
+            admit.append((req, fut))
+            room -= need
+        return admit
 
     async def worker():
         loop = asyncio.get_running_loop()
         while True:
-            items = [await queue.get()]
-            while not queue.empty() and len(items) < max_batch_size:
-                items.append(queue.get_nowait())
-            reqs = [r for r, _ in items]
-            try:
-                results = await loop.run_in_executor(None, engine.run, reqs)
-                for (_, fut), res in zip(items, results):
-                    if not fut.done():
-                        fut.set_result(res)
-            except Exception as exc:
-                if len(items) == 1:
-                    if not items[0][1].done():
-                        items[0][1].set_exception(exc)
+            if not engine.running and not waiting:
+                waiting.append(await queue.get())
+            while not queue.empty():
+                waiting.append(queue.get_nowait())
+            admit = admissions()
+            gone = {id(r.handle) for r in engine.running if r.handle.done()}
+            if not admit and not engine.running:   # only cancelled requests were waiting
+                continue
+            finished = await loop.run_in_executor(None, engine.step, admit, gone)
+            for fut, result in finished:
+                if fut.done():
                     continue
-                # one request failed the batch: run each alone, so it fails only itself
-                for r, fut in items:
-                    try:
-                        res = (await loop.run_in_executor(None, engine.run, [r]))[0]
-                    except Exception as one:
-                        if not fut.done():
-                            fut.set_exception(one)
-                    else:
-                        if not fut.done():
-                            fut.set_result(res)
+                if isinstance(result, Exception):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)
 
     @app.on_event("startup")
     async def _start():
@@ -141,6 +162,14 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
                 "is_generation": True, "weight_version": engine.weight_version,
                 "dtype": engine.dtype_name}
 
+    @app.get("/get_server_info")
+    async def server_info():
+        return {**app.state.limits, "model_path": engine.model_path,
+                "weight_version": engine.weight_version,
+                "internal_states": [{"num_running_reqs": len(engine.running),
+                                     "num_waiting_reqs": len(waiting) + queue.qsize(),
+                                     "tokens_in_flight": engine.tokens_in_flight()}]}
+
     @app.get("/get_weight_version")
     async def weight_version():
         return {"weight_version": engine.weight_version}
@@ -155,14 +184,27 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
             reqs, batch = _as_requests(body, engine, counter)
         except RequestError as exc:
             return JSONResponse(_error(str(exc)), status_code=400)
+        for r in reqs:
+            need = len(r.input_ids) + r.params.max_new_tokens
+            if need > max_total_tokens:
+                return JSONResponse(_error(
+                    f"input_ids: {len(r.input_ids)} tokens + sampling_params.max_new_tokens "
+                    f"{r.params.max_new_tokens} exceed the server's token budget "
+                    f"(--max-total-tokens {max_total_tokens})"), status_code=400)
         loop = asyncio.get_running_loop()
         futures = []
         for r in reqs:
             fut = loop.create_future()
             await queue.put((r, fut))
             futures.append(fut)
+        gathered = asyncio.gather(*futures)
+        while not gathered.done():   # stop the work when the client goes away
+            await asyncio.wait({gathered}, timeout=0.05)
+            if not gathered.done() and await request.is_disconnected():
+                gathered.cancel()
+                return Response(status_code=499)
         try:
-            results = await asyncio.gather(*futures)
+            results = gathered.result()
         except RequestError as exc:
             return JSONResponse(_error(str(exc)), status_code=400)
         except Exception as exc:
@@ -225,6 +267,15 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
                                    b.get("backend", "nccl")) or {"success": True,
                                                                  "message": "joined"}
 
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(request: HTTPRequest):
+        b = await _json_object(request)
+        if isinstance(b, JSONResponse):
+            return b
+        return await _blocking(engine.destroy_update_group,
+                               b.get("group_name", "weight_update_group")) or {
+            "success": True, "message": "left the group"}
+
     @app.post("/update_weights_from_distributed")
     async def update_distributed(request: HTTPRequest):
         b = await _json_object(request)
@@ -272,7 +323,8 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
 
 
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32",
-          api_key: str | None = None, seed: int = 0, max_batch_size: int = 64,
+          api_key: str | None = None, seed: int = 0, max_running_requests: int = 64,
+          max_total_tokens: int = 1 << 18,
           return_routed_experts: bool = False, sampling_mask_max_tokens: int = 4096,
           sampling_backend: str = "flashinfer") -> None:
     """Load the model and serve until interrupted."""
@@ -281,5 +333,6 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: st
                              sampling_mask_max_tokens=sampling_mask_max_tokens,
                              return_routed_experts=return_routed_experts,
                              sampling_backend=sampling_backend)
-    uvicorn.run(build_app(engine, api_key, max_batch_size), host=host, port=port,
+    uvicorn.run(build_app(engine, api_key, max_running_requests, max_total_tokens), host=host,
+                port=port,
                 log_level="warning")

@@ -1,0 +1,44 @@
+"""What a run reads before it starts (model, tokenizer, prompts, reward function), loaded and
+checked once, so `moe-rl config` and `moe-rl train` refuse a bad one with the key named."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from moe_rl.config import Config, ConfigError
+from moe_rl.data.prompts import PromptRecord, load_prompts
+from moe_rl.rewards.functions import RewardFunction
+
+
+@dataclass
+class RunInputs:
+    tokenizer: object
+    prompts: list[PromptRecord]
+    reward: RewardFunction
+
+
+def load_run_inputs(cfg: Config) -> RunInputs:
+    """The run's tokenizer, prompts and reward function; ConfigError naming the key whose file,
+    module or content is missing or unreadable."""
+    from transformers import AutoTokenizer
+    path = cfg.model.path
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model.path: no local HF model at {path!r} (a directory with "
+                          f"config.json; write the tiny one with `moe-rl init-model --config "
+                          f"FILE`)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path: no tokenizer loads from {path!r}: {exc}") from None
+    try:
+        reward = RewardFunction(cfg.data.reward)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.data.source != "toy" and not os.path.isfile(cfg.data.path or ""):
+        raise ConfigError(f"data.path: {cfg.data.path!r} is not a readable file")
+    try:
+        prompts = load_prompts(cfg.data, tokenizer)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(exc) if str(exc).startswith("data") else f"data.path: {exc}") \
+            from None
+    return RunInputs(tokenizer, prompts, reward)
