@@ -76,8 +76,9 @@ class SGLangConfig:
     dp_size: int = _f(1, "SGLang --dp-size", **_rng(1))
     ep_size: int = _f(1, "SGLang --ep-size", **_rng(1))
     mem_fraction_static: float = _f(0.7, "SGLang --mem-fraction-static", **_rng(0, 1, lo_open=True))
-    deterministic_inference: bool = _f(False, "SGLang --enable-deterministic-inference "
-                                       "(makes n-pass averaging useless)")
+    deterministic_inference: bool = _f(False, "--enable-deterministic-inference for SGLang and "
+                                       "the reference engine: batch-invariant results, "
+                                       "reproducible runs (makes n-pass averaging useless)")
     extra_args: list[str] = _f([], "extra command-line arguments passed to sglang.launch_server")
 
 
@@ -708,9 +709,6 @@ def validate(cfg: Config) -> None:
                           f"least {data_parallel}")
     if cfg.data.source in ("jsonl", "parquet") and not cfg.data.path:
         raise ConfigError(f"data.path: data.source={cfg.data.source} needs a file path")
-    if r.engine == "reference" and r.sglang.deterministic_inference:
-        raise ConfigError("rollout.sglang.deterministic_inference: only applies to "
-                          "rollout.engine=sglang")
 
 
 def iter_keys(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str, str, Any, str]]:

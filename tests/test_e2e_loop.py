@@ -159,3 +159,23 @@ def test_an_engine_killed_between_phases_comes_back_with_the_current_weights(tmp
     assert all(r["mismatch/k3"] < 1e-6 for r in rows)
     if pi_old == "engine_avg":
         assert all(r["ratio/first_minibatch_max_dev"] < 1e-4 for r in rows)   # pi_old = pi_theta
+
+
+@pytest.mark.e2e
+def test_two_deterministic_runs_are_bit_identical(tmp_path):
+    """Same config, deterministic inference: every logged value of every step is equal (the
+    reference engine's batch composition, the only run-to-run difference, is taken out)."""
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
+                   check=True, capture_output=True, timeout=120)
+    runs = []
+    for name in ("a", "b"):
+        work = tmp_path / name
+        work.mkdir()
+        (work / "model").symlink_to(tmp_path / "model")
+        _train(work, 2, "rollout.sglang.deterministic_inference=true", "trainer.export_hf=false",
+               "trainer.sft_warmup_steps=1")
+        rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text()
+                .splitlines()]
+        runs.append([{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows])
+    assert len(runs[0]) == 2 and runs[0] == runs[1]

@@ -181,3 +181,24 @@ def test_rows_joining_mid_flight_get_what_they_get_alone(tmp_path):
         for (x, _, _), (y, _, _) in zip(a["meta_info"]["output_token_logprobs"],
                                         b["meta_info"]["output_token_logprobs"]):
             assert abs(x - y) < 1e-5
+
+
+def test_deterministic_inference_is_batch_invariant_bit_for_bit(tmp_path):
+    """--enable-deterministic-inference: a request's tokens, log-probs and routing are exactly
+    those it gets alone, whatever joins it; without it, co-batching moves log-probs by rounding."""
+    from moe_rl.rollout.reference_engine import ReferenceEngine, Request, SamplingParams
+    model = str(tmp_path / "m")
+    write_tiny_model(ModelInitConfig(seed=5), model)
+
+    def req(k):
+        return Request(input_ids=[6, 7, 8, 9, 10, 11][:k + 2], rid=f"r{k}",
+                       params=SamplingParams(max_new_tokens=6, sampling_seed=k, top_k=20,
+                                             ignore_eos=True),
+                       return_logprob=True, return_routed_experts=True)
+    det = ReferenceEngine(model, deterministic_inference=True)
+    alone = det.run([req(0)])[0]
+    together = det.run([req(3), req(0), req(4)])[1]
+    assert together["output_ids"] == alone["output_ids"]
+    assert together["meta_info"]["output_token_logprobs"] == \
+        alone["meta_info"]["output_token_logprobs"]
+    assert together["meta_info"]["routed_experts"] == alone["meta_info"]["routed_experts"]

@@ -179,6 +179,9 @@ def test_malformed_requests_get_400_and_key_401(server):
         assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
     assert httpx.get(server.url + "/health", timeout=5).status_code == 401
     assert httpx.get(server.url + "/health", headers=h, timeout=5).status_code == 200
+    # a non-ASCII byte in the header is a plain 401, not a server error
+    odd = {"Authorization": "Bearer k3y\xe9".encode("latin-1")}
+    assert httpx.get(server.url + "/health", headers=odd, timeout=5).status_code == 401
 
 
 def test_weight_update_changes_outputs_and_version(server, layout, tiny_dir, tmp_path):

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "without this flag)")
     parser.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
                         help="largest top_k a return_sampling_mask request may use")
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="batch-invariant results (SGLang's flag): every request is computed "
+                             "alone, so its numbers never depend on what runs beside it")
     parser.add_argument("--sampling-backend", choices=["flashinfer", "pytorch"],
                         default="flashinfer",
                         help="kept-set rule of SGLang's sampler to follow (default: flashinfer, "
@@ -36,5 +39,6 @@ def run(args: argparse.Namespace) -> int:
           max_total_tokens=args.max_total_tokens,
           return_routed_experts=args.enable_return_routed_experts,
           sampling_mask_max_tokens=args.sampling_mask_max_tokens,
-          sampling_backend=args.sampling_backend)
+          sampling_backend=args.sampling_backend,
+          deterministic_inference=args.enable_deterministic_inference)
     return 0

@@ -129,7 +129,8 @@ class RolloutWorker:
                 proc = ServerProcess(cfg.model.path, port, host=r.host, dtype=r.engine_dtype,
                                      api_key=r.api_key, seed=cfg.trainer.seed + i, log_path=log,
                                      return_routed_experts=requests_routing(cfg),
-                                     sampling_mask_max_tokens=r.sampling_mask_max_tokens)
+                                     sampling_mask_max_tokens=r.sampling_mask_max_tokens,
+                                     deterministic_inference=r.sglang.deterministic_inference)
             self.procs.append(proc)
         for p in self.procs:
             p.start(r.health_timeout_s)

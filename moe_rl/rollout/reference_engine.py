@@ -171,6 +171,38 @@ class _Row:
     error: Exception | None = None
 
 
+@dataclass(eq=False)
+class _Batch:
+    """Rows decoded together: their KV cache [B, H, S, D] per layer and attention mask [B, S]
+    (left padding masked)."""
+    rows: list[_Row]
+    cache: DynamicCache
+    mask: torch.Tensor
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only rows ``keep``; drop the cache columns no remaining row attends to."""
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            return
+        mask = self.mask[keep]
+        first = int(mask.any(0).nonzero()[0])
+        self.mask = mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[keep, :, first:]
+            layer.values = layer.values[keep, :, first:]
+
+    def merge(self, other: "_Batch") -> None:
+        """Append ``other``'s rows, left-padding the shorter side's cache and mask (padding is
+        masked out, so it changes no result beyond float rounding)."""
+        L = max(self.mask.shape[1], other.mask.shape[1])
+        self.mask = torch.cat([_left_pad(self.mask, L), _left_pad(other.mask, L)], dim=0)
+        for layer, new in zip(self.cache.layers, other.cache.layers):
+            layer.keys = torch.cat([_left_pad(layer.keys, L), _left_pad(new.keys, L)], dim=0)
+            layer.values = torch.cat([_left_pad(layer.values, L), _left_pad(new.values, L)],
+                                     dim=0)
+        self.rows.extend(other.rows)
+
+
 def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
     """Zero-pad dimension 1 (mask [B, S]) or -2 (cache [B, H, S, D]) on the left to ``length``."""
     dim = 1 if t.dim() == 2 else -2
@@ -211,7 +243,7 @@ class ReferenceEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0,
                  sampling_mask_max_tokens: int = 4096, return_routed_experts: bool = True,
-                 sampling_backend: str = "flashinfer"):
+                 sampling_backend: str = "flashinfer", deterministic_inference: bool = False):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
         self.dtype_name = dtype
@@ -230,9 +262,8 @@ class ReferenceEngine:
         self.group_timeout_s = 120.0
         self.max_context = 1 << 30
         self._received_dir: str | None = None
-        self.running: list[_Row] = []      # the continuous batch
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None
+        self.deterministic = deterministic_inference
+        self.batches: list[_Batch] = []    # the running requests with their KV caches
         self._raw_logprobs = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in (
             "1", "true")
         self.load(model_path)
@@ -426,6 +457,11 @@ class ReferenceEngine:
             shutil.rmtree(previous, ignore_errors=True)
 
     # ------------------------------------------------------------------ continuous batching
+    @property
+    def running(self) -> list["_Row"]:
+        """The requests generating now."""
+        return [row for batch in self.batches for row in batch.rows]
+
     def tokens_in_flight(self) -> int:
         """Tokens reserved by the running requests (input + max_new_tokens each)."""
         return sum(row.reserved for row in self.running)
@@ -443,28 +479,32 @@ class ReferenceEngine:
                 err = RequestError("the engine's memory is released: POST "
                                    "/resume_memory_occupation first")
                 done = [(h, err) for _, h in admit] + [(r.handle, err) for r in self.running]
-                self._select([])
+                self.batches = []
                 return done
             if drop:
-                self._select([i for i, r in enumerate(self.running) if id(r.handle) not in drop])
+                for batch in self.batches:
+                    batch.select([i for i, r in enumerate(batch.rows)
+                                  if id(r.handle) not in drop])
+                self.batches = [b for b in self.batches if b.rows]
             done: list = []
             try:
                 if admit:
                     self._prefill(admit, done)
-                if self.running:
-                    self._decode(done)
+                for batch in self.batches:
+                    self._decode(batch, done)
             except Exception as exc:   # the batch's forward failed: its requests fail with it
                 answered = {id(h) for h, _ in done}
                 pending = [h for _, h in admit] + [r.handle for r in self.running]
                 done += [(h, exc) for h in dict.fromkeys(pending) if id(h) not in answered]
-                self._select([])
+                self.batches = []
+            self.batches = [b for b in self.batches if b.rows]
             return done
 
     def run(self, reqs: list[Request]) -> list[dict]:
         """Run ``reqs`` to completion together (in-process use); one SGLang response each."""
         handles = list(range(len(reqs)))
         results: dict = dict(self.step(list(zip(reqs, handles))))
-        while self.running:
+        while self.batches:
             results.update(self.step([]))
         out = [results[h] for h in handles]
         for res in out:
@@ -481,10 +521,21 @@ class ReferenceEngine:
                     reserved=len(r.input_ids) + r.params.max_new_tokens)
 
     def _prefill(self, admit: list[tuple[Request, object]], done: list) -> None:
-        """Prefill the admitted requests together (left-padded), sample each one's first token
-        and merge the rows still generating into the running batch."""
+        """Prefill the admitted requests, sample each one's first token and add the rows still
+        generating to the running batch: together, left-padded, or (deterministic inference)
+        each alone, as its own batch, so no request's numbers depend on another's."""
         rows = [self._new_row(r, h) for r, h in admit]
-        lens = [len(r.input_ids) for r, _ in admit]
+        for group in ([[row] for row in rows] if self.deterministic else [rows]):
+            batch = self._prefill_batch(group, done)
+            if not batch.rows:
+                continue
+            if self.deterministic or not self.batches:
+                self.batches.append(batch)
+            else:
+                self.batches[0].merge(batch)
+
+    def _prefill_batch(self, rows: list["_Row"], done: list) -> "_Batch":
+        lens = [len(r.req.input_ids) for r in rows]
         B, P = len(rows), max(lens)
         ids = torch.zeros((B, P), dtype=torch.long)
         mask = torch.zeros((B, P), dtype=torch.long)
@@ -492,29 +543,28 @@ class ReferenceEngine:
             ids[b, P - lens[b]:] = torch.tensor(r.req.input_ids)
             mask[b, P - lens[b]:] = 1
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = DynamicCache()
-        logits, topk = self._forward(ids, mask, pos, cache)
+        batch = _Batch(rows, DynamicCache(), mask)
+        logits, topk = self._forward(ids, mask, pos, batch.cache)
         for b, row in enumerate(rows):
             row.routing.append(topk[b, P - lens[b]:])
             if row.req.params.max_new_tokens == 0:
                 row.finish = {"type": "length", "length": 0}
             else:
                 self._advance(row, logits[b, -1])
-        live = self._collect(rows, done)
-        keys = [[layer.keys[live], layer.values[live]] for layer in cache.layers]
-        self._merge([rows[i] for i in live], keys, mask[live])
+        batch.select(self._collect(rows, done))
+        return batch
 
-    def _decode(self, done: list) -> None:
-        """Feed every running row its pending token and sample the next one."""
-        B = len(self.running)
-        ids = torch.tensor([[row.pending] for row in self.running], dtype=torch.long)
-        pos = self._mask.sum(-1, keepdim=True)
-        self._mask = torch.cat([self._mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
-        logits, topk = self._forward(ids, self._mask, pos, self._cache)
-        for b, row in enumerate(self.running):
+    def _decode(self, batch: "_Batch", done: list) -> None:
+        """Feed every row of ``batch`` its pending token and sample the next one."""
+        B = len(batch.rows)
+        ids = torch.tensor([[row.pending] for row in batch.rows], dtype=torch.long)
+        pos = batch.mask.sum(-1, keepdim=True)
+        batch.mask = torch.cat([batch.mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+        logits, topk = self._forward(ids, batch.mask, pos, batch.cache)
+        for b, row in enumerate(batch.rows):
             row.routing.append(topk[b, -1:])
             self._advance(row, logits[b, -1])
-        self._select(self._collect(self.running, done))
+        batch.select(self._collect(batch.rows, done))
 
     def _advance(self, row: "_Row", logits: torch.Tensor) -> None:
         """Sample the row's next token (a failure finishes the row with its error)."""
@@ -545,39 +595,6 @@ class ReferenceEngine:
             else:
                 live.append(i)
         return live
-
-    def _select(self, keep: list[int]) -> None:
-        """Keep only the running rows ``keep``; drop cache columns no row attends to any more."""
-        self.running = [self.running[i] for i in keep]
-        if not self.running:
-            self._cache, self._mask = None, None
-            return
-        mask = self._mask[keep]
-        first = int(mask.any(0).nonzero()[0])
-        self._mask = mask[:, first:]
-        for layer in self._cache.layers:
-            layer.keys = layer.keys[keep, :, first:]
-            layer.values = layer.values[keep, :, first:]
-
-    def _merge(self, rows: list["_Row"], kv: list[list[torch.Tensor]], mask: torch.Tensor
-               ) -> None:
-        """Append freshly prefilled rows to the running batch, left-padding the shorter side's
-        cache and attention mask (padding is masked out, so it changes no result)."""
-        if not rows:
-            return
-        if not self.running:
-            self._cache = DynamicCache()
-            for i, (k, v) in enumerate(kv):
-                self._cache.update(k, v, i)
-            self._mask = mask
-            self.running = rows
-            return
-        L = max(self._mask.shape[1], mask.shape[1])
-        self._mask = torch.cat([_left_pad(self._mask, L), _left_pad(mask, L)], dim=0)
-        for layer, (k, v) in zip(self._cache.layers, kv):
-            layer.keys = torch.cat([_left_pad(layer.keys, L), _left_pad(k, L)], dim=0)
-            layer.values = torch.cat([_left_pad(layer.values, L), _left_pad(v, L)], dim=0)
-        self.running.extend(rows)
 
     def _sample(self, logits: torch.Tensor, r: Request, s: dict, gen: torch.Generator,
                 raw_env: bool) -> int:

@@ -20,6 +20,23 @@ def _error(message: str) -> dict:
     return {"error": {"message": message}}
 
 
+class _BearerAuth:
+    """Require ``Authorization: Bearer KEY`` (a plain ASGI middleware: it leaves the request's
+    receive channel alone, so a handler still sees its client hang up)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):   # bytes: any byte is fine
+                await JSONResponse(_error("unauthorized: send Authorization: Bearer <key>"),
+                                   status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 _BOOL_FIELDS = ("return_logprob", "return_routed_experts", "return_sampling_mask", "stream")
 
 
@@ -142,14 +159,8 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
     async def _start():
         app.state.worker = asyncio.create_task(worker())
 
-    @app.middleware("http")
-    async def _auth(request: HTTPRequest, call_next):
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given, f"Bearer {api_key}"):
-                return JSONResponse(_error("unauthorized: send Authorization: Bearer <key>"),
-                                    status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, key=api_key)
 
     @app.get("/health")
     async def health():
@@ -326,13 +337,14 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: st
           api_key: str | None = None, seed: int = 0, max_running_requests: int = 64,
           max_total_tokens: int = 1 << 18,
           return_routed_experts: bool = False, sampling_mask_max_tokens: int = 4096,
-          sampling_backend: str = "flashinfer") -> None:
+          sampling_backend: str = "flashinfer", deterministic_inference: bool = False) -> None:
     """Load the model and serve until interrupted."""
     import uvicorn
     engine = ReferenceEngine(model_path, dtype=dtype, seed=seed,
                              sampling_mask_max_tokens=sampling_mask_max_tokens,
                              return_routed_experts=return_routed_experts,
-                             sampling_backend=sampling_backend)
+                             sampling_backend=sampling_backend,
+                             deterministic_inference=deterministic_inference)
     uvicorn.run(build_app(engine, api_key, max_running_requests, max_total_tokens), host=host,
                 port=port,
                 log_level="warning")
