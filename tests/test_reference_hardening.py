@@ -202,3 +202,17 @@ def test_deterministic_inference_is_batch_invariant_bit_for_bit(tmp_path):
     assert together["meta_info"]["output_token_logprobs"] == \
         alone["meta_info"]["output_token_logprobs"]
     assert together["meta_info"]["routed_experts"] == alone["meta_info"]["routed_experts"]
+
+
+def test_batch_shapes_and_request_ids_must_agree(served):
+    proc, _ = served
+    for body, field in (({"input_ids": [[5, 6], 7]}, "input_ids"),
+                        ({"input_ids": [[5, 6], [7], [8]], "rid": "x"}, "rid"),
+                        ({"input_ids": [[5, 6], [7], [8]], "rid": ["a"]}, "rid"),
+                        ({"input_ids": [5, 6], "rid": ["a", "b"]}, "rid"),
+                        ({"input_ids": [5, 6], "rid": 7}, "rid")):
+        r = _gen(proc.url, body)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), body
+    ok = _gen(proc.url, {"input_ids": [[5, 6], [7], [8]], "rid": ["a", "b", "c"],
+                         "sampling_params": {"max_new_tokens": 1}})
+    assert [o["meta_info"]["id"] for o in ok.json()] == ["a", "b", "c"]

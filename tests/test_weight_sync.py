@@ -19,8 +19,11 @@ from moe_rl.weight_sync import broadcast_tensors, open_group, parse_dtype, updat
 
 
 @pytest.mark.multiproc
-def test_broadcast_update_and_memory_release(tmp_path):
+def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    scratch = tmp_path / "tmp"   # the servers' temporary directory: empty once they stopped
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     write_tiny_model(ModelInitConfig(seed=1), a)
     write_tiny_model(ModelInitConfig(seed=2), b)
     facts = moe_facts_from_hf(json.load(open(f"{a}/config.json")))
@@ -75,9 +78,17 @@ def test_broadcast_update_and_memory_release(tmp_path):
         with pytest.raises(EngineHTTPError, match="group_name"):
             eng.update_weights_from_distributed({**body, "group_name": "nope"})
         eng.end_weight_update()
+        # leaving the group: the servers forget it (a rebuilt group takes a new name)
+        assert all(r["success"] for r in eng.destroy_weights_update_group("w"))
+        assert not any(r["success"] for r in eng.destroy_weights_update_group("w"))
+        eng.begin_weight_update()
+        with pytest.raises(EngineHTTPError, match="no weight-update group 'w'"):
+            eng.update_weights_from_distributed(body)
+        eng.end_weight_update()
     finally:
         for p in procs + [ref]:
             p.stop()
+    assert list(scratch.iterdir()) == []
 
 
 def test_request_bodies():

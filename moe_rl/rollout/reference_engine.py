@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import math
 import os
+import tempfile
 import threading
 from dataclasses import dataclass, field
 
@@ -262,6 +263,7 @@ class ReferenceEngine:
         self.group_timeout_s = 120.0
         self.max_context = 1 << 30
         self._received_dir: str | None = None
+        self._scratch = tempfile.TemporaryDirectory(prefix="moe_rl_engine_")   # gone at exit
         self.deterministic = deterministic_inference
         self.batches: list[_Batch] = []    # the running requests with their KV caches
         self._raw_logprobs = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in (
@@ -368,6 +370,10 @@ class ReferenceEngine:
                                f"[0, {self.vocab_size})")
 
     # ------------------------------------------------------------------ memory and weight sync
+    def close(self) -> None:
+        """Remove the engine's temporary files (received weights)."""
+        self._scratch.cleanup()
+
     def release_memory(self) -> None:
         """Drop the model's weights from memory (colocated training); /generate is refused until
         :meth:`resume_memory`."""
@@ -419,7 +425,6 @@ class ReferenceEngine:
     def update_from_distributed(self, names, dtypes, shapes, group_name: str) -> None:
         """Receive the broadcast weights (HF names) and load them (inside a session)."""
         import shutil
-        import tempfile
         from safetensors.torch import save_file
         from moe_rl.weight_sync import receive_tensors
         if not self.in_update_session:
@@ -440,7 +445,7 @@ class ReferenceEngine:
             raise RequestError(f"update_weights_from_distributed: refused, the served weights are "
                                f"unchanged: unknown names {unknown[:5]}, missing {missing[:5]}, "
                                f"wrong shape/dtype {wrong[:5]}, non-finite {bad[:5]}")
-        target = tempfile.mkdtemp(prefix="moe_rl_weights_")
+        target = tempfile.mkdtemp(prefix="weights_", dir=self._scratch.name)
         try:
             save_file(tensors, os.path.join(target, "model.safetensors"))
             for fname in os.listdir(self.model_path):

@@ -51,6 +51,9 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Req
         raise RequestError("input_ids: expected a non-empty list of token ids (or of lists)")
     batch = isinstance(ids[0], list)
     seqs = ids if batch else [ids]
+    if batch and not all(isinstance(seq, list) for seq in seqs):
+        raise RequestError("input_ids: a batch must be a list of lists of token ids, not a mix "
+                           "of ids and lists")
     for name in _BOOL_FIELDS:
         if name in body and not isinstance(body[name], bool):
             raise RequestError(f"{name}: expected a boolean")
@@ -61,7 +64,14 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Req
     if len(plist) != len(seqs):
         raise RequestError("sampling_params: a list must have one entry per input")
     rids = body.get("rid")
+    if batch and rids is not None and (not isinstance(rids, list) or len(rids) != len(seqs)):
+        raise RequestError(f"rid: a batch of {len(seqs)} inputs needs a list of {len(seqs)} "
+                           f"request ids")
+    if not batch and isinstance(rids, list):
+        raise RequestError("rid: a single input takes one request id, not a list")
     rids = rids if isinstance(rids, list) else [rids] * len(seqs)
+    if any(r is not None and not isinstance(r, str) for r in rids):
+        raise RequestError("rid: expected string request ids")
     start = body.get("logprob_start_len", -1)
     if not isinstance(start, int) or isinstance(start, bool) or start < -1:
         raise RequestError("logprob_start_len: expected an integer >= -1")
@@ -158,6 +168,10 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
     @app.on_event("startup")
     async def _start():
         app.state.worker = asyncio.create_task(worker())
+
+    @app.on_event("shutdown")
+    async def _stop():   # uvicorn re-raises SIGTERM after this: atexit handlers never run
+        engine.close()
 
     if api_key is not None:
         app.add_middleware(_BearerAuth, key=api_key)
