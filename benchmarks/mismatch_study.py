@@ -73,16 +73,16 @@ def warm_model(shape: dict, out: str, steps: int = 30) -> str:
 
 def study_model(name: str, shape: dict, n_prompts: int, n_samples: int, work: str) -> dict:
     import httpx
-    from moe_rl.config import moe_facts_from_hf
-    from moe_rl.rollout.decode import ModelLayout, sample_from_response
+    from moe_rl.moe_shape import MoEShape
+    from moe_rl.rollout.decode import sample_from_response
     from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
     from moe_rl.rollout.pool import ServerPool
     from moe_rl.rollout.reference_process import ServerProcess
     from moe_rl.trainer.parallel import free_port
     from moe_rl.trainer.policy import PolicyTrainer
     model_dir = warm_model(shape, f"{work}/{name}")
-    facts = moe_facts_from_hf(json.load(open(f"{model_dir}/config.json")))
-    layout = ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts)
+    facts = MoEShape.from_hf(json.load(open(f"{model_dir}/config.json")))
+    layout = facts
     proc = ServerProcess(model_dir, free_port(), dtype="bfloat16").start()
     out: dict = {"model": name, "shape": shape, "engine": "bfloat16", "trainer": "float32"}
     try:

@@ -38,8 +38,9 @@ def mask_bytes(kept: int) -> dict:
 
 def decode_throughput(positions: int = 4096, repeats: int = 5) -> dict:
     """MB/s of base64 int32 -> compact routing for a Qwen3-30B-A3B-shaped response."""
-    from moe_rl.rollout.decode import ModelLayout, decode_routing
-    layout = ModelLayout(48, tuple(range(48)), 8, 128)
+    from moe_rl.rollout.decode import decode_routing
+    from moe_rl.moe_shape import MoEShape
+    layout = MoEShape(48, tuple(range(48)), 8, 128)
     rng = np.random.default_rng(0)
     arr = rng.integers(0, 128, (positions, 48, 8), dtype=np.int32)
     payload = base64.b64encode(arr.astype("<i4").tobytes()).decode()
@@ -55,17 +56,17 @@ def decode_throughput(positions: int = 4096, repeats: int = 5) -> dict:
 
 def engine_tokens_per_second(n_prompts: int = 32, new_tokens: int = 32) -> dict:
     """Generation throughput of the CPU reference engine on the tiny demo model over HTTP."""
-    from moe_rl.config import ModelInitConfig, moe_facts_from_hf
+    from moe_rl.config import ModelInitConfig
+    from moe_rl.moe_shape import MoEShape
     from moe_rl.models.tiny import write_tiny_model
-    from moe_rl.rollout.decode import ModelLayout
     from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
     from moe_rl.rollout.pool import ServerPool
     from moe_rl.rollout.reference_process import ServerProcess
     from moe_rl.trainer.parallel import free_port
     with tempfile.TemporaryDirectory() as d:
         write_tiny_model(ModelInitConfig(), d)
-        facts = moe_facts_from_hf(json.load(open(f"{d}/config.json")))
-        layout = ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts)
+        facts = MoEShape.from_hf(json.load(open(f"{d}/config.json")))
+        layout = facts
         proc = ServerProcess(d, free_port()).start()
         try:
             eng = HTTPRolloutEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
@@ -89,17 +90,18 @@ def routing_consistency(dtype: str, n_prompts: int = 32, new_tokens: int = 24) -
     import httpx
     import torch
     from moe_rl.algo.metrics import routing_agreement
-    from moe_rl.config import ModelInitConfig, moe_facts_from_hf
+    from moe_rl.config import ModelInitConfig
+    from moe_rl.moe_shape import MoEShape
     from moe_rl.models.tiny import write_tiny_model
-    from moe_rl.rollout.decode import ModelLayout, decode_routing
+    from moe_rl.rollout.decode import decode_routing
     from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
     from moe_rl.rollout.pool import ServerPool
     from moe_rl.rollout.reference_process import ServerProcess
     from moe_rl.trainer.parallel import free_port
     with tempfile.TemporaryDirectory() as d:
         write_tiny_model(ModelInitConfig(), d)
-        facts = moe_facts_from_hf(json.load(open(f"{d}/config.json")))
-        layout = ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts)
+        facts = MoEShape.from_hf(json.load(open(f"{d}/config.json")))
+        layout = facts
         proc = ServerProcess(d, free_port(), dtype=dtype).start()
         try:
             eng = HTTPRolloutEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
+from moe_rl.moe_shape import MoEShape
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the dotted key it concerns."""
@@ -495,35 +497,6 @@ def dump_config(cfg: Config) -> str:
 # Model facts needed by validation
 
 
-@dataclass(frozen=True)
-class MoEFacts:
-    """What validation needs to know about the model's MoE layers."""
-    num_layers: int
-    moe_layers: tuple[int, ...]
-    num_experts: int
-    topk: int
-    vocab_size: int | None
-
-
-def moe_facts_from_hf(hf: dict) -> MoEFacts:
-    """MoE layer indices, expert count and top-k from a Hugging Face ``config.json`` dict."""
-    n_layers = int(hf.get("num_hidden_layers", 0))
-    n_exp = int(hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts")
-                or 0)
-    topk = int(hf.get("num_experts_per_tok") or 0)
-    if n_exp <= 0 or topk <= 0:
-        moe: tuple[int, ...] = ()
-    elif "first_k_dense_replace" in hf:  # DeepSeek-V3 style
-        k = int(hf.get("first_k_dense_replace") or 0)
-        freq = int(hf.get("moe_layer_freq") or 1)
-        moe = tuple(i for i in range(n_layers) if i >= k and i % freq == 0)
-    else:  # Qwen3-MoE / Qwen2-MoE style; Mixtral has neither key (every layer MoE)
-        step = int(hf.get("decoder_sparse_step") or 1)
-        dense = set(hf.get("mlp_only_layers") or [])
-        moe = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
-    return MoEFacts(n_layers, moe, n_exp, topk, hf.get("vocab_size"))
-
-
 def facts_context(model: ModelConfig) -> int | None:
     """The model's context length (max_position_embeddings) from its config.json (None when
     there is none yet)."""
@@ -535,13 +508,13 @@ def facts_context(model: ModelConfig) -> int | None:
     return int(value) if value else None
 
 
-def model_moe_facts(model: ModelConfig) -> MoEFacts:
+def model_moe_facts(model: ModelConfig) -> MoEShape:
     """Facts of the configured model: its config.json when present, else the ``init`` shape."""
     cfg_file = os.path.join(model.path, "config.json")
     if os.path.isfile(cfg_file):
         with open(cfg_file, encoding="utf-8") as fh:
-            return moe_facts_from_hf(json.load(fh))
-    return moe_facts_from_hf(_to_dict(model.init))
+            return MoEShape.from_hf(json.load(fh))
+    return MoEShape.from_hf(_to_dict(model.init))
 
 
 # ----------------------------------------------------------------------------------------------

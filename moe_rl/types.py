@@ -11,15 +11,9 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
+from moe_rl.moe_shape import MoEShape
+
 FORMAT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class RoutingSpec:
-    """What a routing record must match: MoE layer count, router top-k and expert count."""
-    num_moe_layers: int
-    topk: int
-    num_experts: int
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:
@@ -99,7 +93,7 @@ class Sample:
         return RecordError(f"sample {self.sample_id}: {field_name}: {what}")
 
     # ------------------------------------------------------------------ validation
-    def validate(self, vocab_size: int | None = None, routing_spec: RoutingSpec | None = None
+    def validate(self, vocab_size: int | None = None, moe_shape: MoEShape | None = None
                  ) -> None:
         """Check shapes, ranges and finiteness; raise :class:`RecordError` naming the field."""
         P, R = self.prompt_len, self.response_len
@@ -127,7 +121,7 @@ class Sample:
                                                   f"{list(self.pass_logprobs.shape)}")
             self._check_logprobs("pass_logprobs", self.pass_logprobs, None)
         if self.routing is not None:
-            self._check_routing(routing_spec)
+            self._check_routing(moe_shape)
         if (self.sampling_mask_offsets is None) != (self.sampling_mask_ids is None):
             raise self._fail("sampling_mask_ids", "offsets and ids must be given together")
         if self.sampling_mask_offsets is not None:
@@ -146,7 +140,7 @@ class Sample:
         if lp.numel() and float(lp.max()) > 1e-4:
             raise self._fail(name, f"log-probs must be <= 0, got {float(lp.max())}")
 
-    def _check_routing(self, spec: RoutingSpec | None) -> None:
+    def _check_routing(self, spec: MoEShape | None) -> None:
         r = self.routing
         if r.dtype not in (torch.uint8, torch.int16):
             raise self._fail("routing", f"expected dtype uint8 or int16, got {r.dtype}")
@@ -261,11 +255,11 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def validate(self, vocab_size: int | None = None, routing_spec: RoutingSpec | None = None
+    def validate(self, vocab_size: int | None = None, moe_shape: MoEShape | None = None
                  ) -> None:
         """Validate every sample against the model's vocabulary and routing spec."""
         for s in self.samples:
-            s.validate(vocab_size, routing_spec)
+            s.validate(vocab_size, moe_shape)
 
     def to_bytes(self) -> bytes:
         """Serialise to safetensors bytes: concatenated tensors + offsets, scalars in the header.
@@ -341,7 +335,7 @@ class RolloutBatch:
 
     @classmethod
     def from_bytes(cls, data: bytes, vocab_size: int | None = None,
-                   routing_spec: RoutingSpec | None = None) -> "RolloutBatch":
+                   moe_shape: MoEShape | None = None) -> "RolloutBatch":
         """Inverse of :meth:`to_bytes`; validates every sample (and the optional spec)."""
         from safetensors.torch import load as st_load
         header = _read_header(data)
@@ -389,7 +383,7 @@ class RolloutBatch:
             s = Sample(reward=e["reward"], group_id=e["group_id"],
                        weight_version=e["weight_version"], sample_id=e["sample_id"],
                        metadata=e["metadata"], **{k: v.clone() for k, v in kw.items()})
-            s.validate(vocab_size, routing_spec)
+            s.validate(vocab_size, moe_shape)
             out.append(s)
         return cls(out)
 
@@ -400,8 +394,8 @@ class RolloutBatch:
 
     @classmethod
     def load(cls, path: str, vocab_size: int | None = None,
-             routing_spec: RoutingSpec | None = None) -> "RolloutBatch":
+             moe_shape: MoEShape | None = None) -> "RolloutBatch":
         """Read a batch written by :meth:`save`, validating it."""
         with open(path, "rb") as fh:
-            return cls.from_bytes(fh.read(), vocab_size, routing_spec)
+            return cls.from_bytes(fh.read(), vocab_size, moe_shape)
 

@@ -7,7 +7,7 @@ import torch
 
 from moe_rl import config as config_mod
 from moe_rl.algo import (CORRECTIONS, CorrectionInputs, apply_corrections, average_pass_logprobs,
-                         batch_metrics, collapse_guard, masked_logprob_entropy, mismatch_metrics,
+                         batch_metrics, collapse_guard, mismatch_metrics,
                          routing_agreement)
 from moe_rl.algo.corrections import metropolis_chain
 from moe_rl.config import CorrectionParams
@@ -225,6 +225,14 @@ def _ragged(sets):
     return torch.tensor(offsets, dtype=torch.long), torch.tensor(ids, dtype=torch.int32)
 
 
+def masked_logprob_entropy(logits, targets, offsets, ids, temperature=1.0):
+    """The kernel on logits themselves (hidden = logits, output weight = identity)."""
+    from moe_rl_kernels import logprob_entropy
+    eye = torch.eye(logits.shape[1], dtype=logits.dtype)
+    return logprob_entropy(logits, eye, targets, temperature=temperature, kept_offsets=offsets,
+                           kept_ids=ids, backend="torch")
+
+
 def test_masked_logprob_entropy_reference():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 9, generator=g, dtype=torch.float64) * 2
@@ -259,7 +267,7 @@ def test_masked_logprob_gradcheck():
 def test_masked_logprob_errors():
     logits = torch.randn(2, 5)
     offsets, ids = _ragged([[1, 2], [3]])
-    with pytest.raises(ValueError, match="row 1: target token 4 is not in its kept set"):
+    with pytest.raises(ValueError, match="row 1: target 4 is not in its kept set"):
         masked_logprob_entropy(logits, torch.tensor([1, 4]), offsets, ids)
     with pytest.raises(ValueError, match="kept_ids"):
         masked_logprob_entropy(logits, torch.tensor([1, 3]), *_ragged([[1], [7]]))

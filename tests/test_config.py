@@ -4,8 +4,8 @@ import json
 import pytest
 import yaml
 
-from moe_rl.config import (Config, ConfigError, config_from_dict, dump_config, iter_keys,
-                           load_config, moe_facts_from_hf, parse_override)
+from moe_rl.config import (Config, ConfigError, config_from_dict, dump_config, iter_keys, load_config, parse_override)
+from moe_rl.moe_shape import MoEShape
 
 
 def _err(overrides, path=None):
@@ -152,13 +152,13 @@ def test_config_from_dict_and_key_table():
 def test_moe_facts_from_hf_configs():
     qwen = {"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
             "decoder_sparse_step": 2, "mlp_only_layers": [3], "vocab_size": 10}
-    f = moe_facts_from_hf(qwen)
+    f = MoEShape.from_hf(qwen)
     assert f.moe_layers == (1,) and f.topk == 2 and f.num_experts == 8
     ds = {"num_hidden_layers": 5, "n_routed_experts": 16, "num_experts_per_tok": 4,
           "first_k_dense_replace": 2, "moe_layer_freq": 1}
-    assert moe_facts_from_hf(ds).moe_layers == (2, 3, 4)
+    assert MoEShape.from_hf(ds).moe_layers == (2, 3, 4)
     mixtral = {"num_hidden_layers": 3, "num_local_experts": 8, "num_experts_per_tok": 2}
-    assert moe_facts_from_hf(mixtral).moe_layers == (0, 1, 2)
+    assert MoEShape.from_hf(mixtral).moe_layers == (0, 1, 2)
 
 
 def test_every_shipped_config_loads(tmp_path):

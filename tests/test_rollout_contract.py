@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.config import config_from_dict, moe_facts_from_hf
-from moe_rl.models.tiny import write_tiny_model
 from moe_rl.config import ModelInitConfig
-from moe_rl.rollout.decode import (ModelLayout, ResponseError, decode_routing,
-                                   sample_from_response)
+from moe_rl.config import config_from_dict
+from moe_rl.models.tiny import write_tiny_model
+from moe_rl.moe_shape import MoEShape
+from moe_rl.rollout.decode import ResponseError, decode_routing, sample_from_response
 from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
 from moe_rl.rollout.pool import EngineHTTPError, ServerPool
 from moe_rl.rollout.reference_engine import kept_set
@@ -33,8 +33,8 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layout(tiny_dir):
-    facts = moe_facts_from_hf(json.load(open(f"{tiny_dir}/config.json")))
-    return ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts)
+    facts = MoEShape.from_hf(json.load(open(f"{tiny_dir}/config.json")))
+    return facts
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_n_pass_scoring_matches_independent_logprobs(server, layout, hf_model):
 
 
 def test_golden_response_decodes_exactly():
-    layout = ModelLayout(num_layers=3, moe_layers=(1, 2), topk=2, num_experts=8)
+    layout = MoEShape(num_layers=3, moe_layers=(1, 2), topk=2, num_experts=8)
     P, R = 3, 2
     rows = np.zeros((P + R - 1, 3, 2), dtype="<i4")
     rows[:, 1] = [[0, 5], [1, 2], [7, 3], [4, 6]]
@@ -236,7 +236,7 @@ def test_scoring_passes_give_the_rollout_distribution_at_any_temperature(server,
     masked.score(samples, 2, temperature=0.7, window=2)
     for s in samples:
         assert torch.allclose(s.pass_logprobs, s.rollout_logprobs.expand(2, -1), atol=2e-6)
-    full_layout = ModelLayout(layout.num_layers, layout.moe_layers, layout.topk,
+    full_layout = MoEShape(layout.num_layers, layout.moe_layers, layout.topk,
                               layout.num_experts, hf_model.config.vocab_size)
     plain = engine_for([server.url], full_layout, need_mask=False)
     samples = plain.generate(prompts, 2, SamplingConfig(temperature=0.7, max_new_tokens=5),
@@ -295,7 +295,7 @@ def test_sglang_is_started_with_every_flag_its_requests_need(replay, mask, pi_ol
                             "algorithm": {"replay": replay, "keep_sampling_mask": mask,
                                           "pi_old": pi_old, "pi_old_passes": 2}})
     argv, _ = sglang_command(cfg, 30000)
-    layout = ModelLayout(2, (0, 1), 2, 8)
+    layout = MoEShape(2, (0, 1), 2, 8)
     eng = HTTPRolloutEngine(lambda: None, layout, need_routing=requests_routing(cfg),
                             need_mask=requests_sampling_mask(cfg))
     body = eng.generate_body([1, 2, 3], SamplingConfig(top_k=20), seed=1)

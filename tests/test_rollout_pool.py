@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from moe_rl.config import ModelInitConfig, moe_facts_from_hf
+from moe_rl.config import ModelInitConfig
 from moe_rl.models.tiny import write_tiny_model
-from moe_rl.rollout.decode import ModelLayout
+from moe_rl.moe_shape import MoEShape
 from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
 from moe_rl.rollout.pool import ServerPool
 from moe_rl.rollout.reference_process import ServerProcess
@@ -19,8 +19,8 @@ from moe_rl.trainer.parallel import free_port
 def test_killed_server_loses_and_duplicates_nothing_and_restarts(tmp_path):
     model = str(tmp_path / "m")
     write_tiny_model(ModelInitConfig(seed=1), model)
-    facts = moe_facts_from_hf(json.load(open(f"{model}/config.json")))
-    layout = ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts)
+    facts = MoEShape.from_hf(json.load(open(f"{model}/config.json")))
+    layout = facts
     procs = [ServerProcess(model, free_port(), log_path=str(tmp_path / f"s{i}.log")).start()
              for i in range(2)]
     try:

@@ -251,8 +251,8 @@ def test_save_hf_checkpoint_loads_in_transformers(tmp_path):
     ids = torch.randint(0, 48, (1, 6))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, hf_model(ids).logits)
-    from moe_rl.config import moe_facts_from_hf
-    facts = moe_facts_from_hf(json.loads((out / "config.json").read_text()))
+    from moe_rl.moe_shape import MoEShape
+    facts = MoEShape.from_hf(json.loads((out / "config.json").read_text()))
     assert facts.num_experts == 8 and facts.moe_layers == (0, 2)
     assert load_hf_config(str(out))["model_type"] == "qwen3_moe"
 

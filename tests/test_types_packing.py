@@ -2,11 +2,17 @@
 import pytest
 import torch
 
+from moe_rl.moe_shape import MoEShape
 from moe_rl.packing import pack_micro_batches, pack_one, padding_routing_rows, plan_micro_batches
-from moe_rl.types import (RecordError, RolloutBatch, RoutingSpec, Sample, compact_routing,
-                          routing_dtype)
+from moe_rl.types import RecordError, RolloutBatch, Sample, compact_routing, routing_dtype
 
-SPEC = RoutingSpec(num_moe_layers=2, topk=2, num_experts=8)
+
+def _shape(moe_layers: int, topk: int, num_experts: int) -> MoEShape:
+    return MoEShape(num_layers=moe_layers, moe_layers=tuple(range(moe_layers)), topk=topk,
+                    num_experts=num_experts)
+
+
+SPEC = _shape(2, 2, 8)
 
 
 def make_sample(P=3, R=4, sid=0, group=0, seed=0, routing=True, mask=True, passes=0, vocab=20):
@@ -74,7 +80,7 @@ def test_round_trip_bit_exact_with_shared_and_differing_prompt_routing(tmp_path)
     assert all(isinstance(v, str) for v in header["__metadata__"].values())
     assert max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__") \
         == len(data) - 8 - n
-    back = RolloutBatch.from_bytes(data, vocab_size=20, routing_spec=SPEC)
+    back = RolloutBatch.from_bytes(data, vocab_size=20, moe_shape=SPEC)
     for x, y in zip(batch.samples, back.samples):
         _same(x, y)
     # the shared prompt block is stored once: 3 blocks for 4 samples
@@ -93,7 +99,7 @@ def test_int16_routing_round_trip():
     s.routing[0, 0, 0] = 299   # an id beyond uint8
     s.validate()
     back = RolloutBatch.from_bytes(RolloutBatch([s]).to_bytes(),
-                                   routing_spec=RoutingSpec(2, 2, 300))
+                                   moe_shape=_shape(2, 2, 300))
     _same(s, back.samples[0])
     assert back.samples[0].routing.dtype == torch.int16 and int(back.samples[0].routing.max()) > 255
 
@@ -129,11 +135,11 @@ def test_validation_names_sample_and_field(mutate, field):
 def test_validation_against_model_spec_and_vocab():
     s = make_sample(sid=5)
     with pytest.raises(RecordError, match="sample 5: routing: expected 3 MoE layers"):
-        s.validate(routing_spec=RoutingSpec(3, 2, 8))
+        s.validate(moe_shape=_shape(3, 2, 8))
     with pytest.raises(RecordError, match="sample 5: routing: expected top-k 4"):
-        s.validate(routing_spec=RoutingSpec(2, 4, 8))
+        s.validate(moe_shape=_shape(2, 4, 8))
     with pytest.raises(RecordError, match="sample 5: routing: expert id"):
-        s.validate(routing_spec=RoutingSpec(2, 2, 4))
+        s.validate(moe_shape=_shape(2, 2, 4))
     s.prompt_ids = s.prompt_ids.clamp(max=10)
     s.response_ids = s.response_ids.clone()
     s.response_ids[0] = 19
@@ -151,7 +157,7 @@ def test_validation_against_model_spec_and_vocab():
     # validation also runs on load
     data = RolloutBatch([s]).to_bytes()
     with pytest.raises(RecordError, match="sample 5: routing"):
-        RolloutBatch.from_bytes(data, routing_spec=RoutingSpec(3, 2, 8))
+        RolloutBatch.from_bytes(data, moe_shape=_shape(3, 2, 8))
 
 
 def test_padding_rows_distinct_and_never_all_zero():

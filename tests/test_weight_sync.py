@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moe_rl.config import ModelInitConfig, moe_facts_from_hf
+from moe_rl.config import ModelInitConfig
 from moe_rl.models.tiny import write_tiny_model
-from moe_rl.rollout.decode import ModelLayout
+from moe_rl.moe_shape import MoEShape
 from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
 from moe_rl.rollout.pool import EngineHTTPError, ServerPool
 from moe_rl.rollout.reference_process import ServerProcess
@@ -26,8 +26,8 @@ def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(scratch))
     write_tiny_model(ModelInitConfig(seed=1), a)
     write_tiny_model(ModelInitConfig(seed=2), b)
-    facts = moe_facts_from_hf(json.load(open(f"{a}/config.json")))
-    layout = ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts)
+    facts = MoEShape.from_hf(json.load(open(f"{a}/config.json")))
+    layout = facts
     procs = [ServerProcess(a, free_port()).start() for _ in range(2)]
     ref = ServerProcess(b, free_port()).start()   # serves b's weights from disk: the target
     try:

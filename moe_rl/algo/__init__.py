@@ -12,13 +12,13 @@ from moe_rl.algo.losses import (clip_cov, clip_cov_select, gspo_loss, kl_cov_los
                                ppo_clip_loss)
 from moe_rl.algo.metrics import batch_metrics, collapse_guard, mismatch_metrics, routing_agreement
 from moe_rl.algo.pi_old import average_pass_logprobs
-from moe_rl.algo.sampling_mask import kept_set_sizes, masked_logprob_entropy
+from moe_rl.algo.sampling_mask import kept_set_sizes
 
 __all__ = [
     "ADVANTAGES", "AGGREGATIONS", "CORRECTIONS", "KL_ESTIMATORS", "CorrectionInputs",
     "CorrectionResult", "Normalisers", "aggregate", "apply_corrections", "average_pass_logprobs",
     "batch_metrics", "clip_cov", "clip_cov_select", "collapse_guard", "compute_advantages", "count_normalisers",
     "gspo_loss", "importance_metrics", "kept_set_sizes", "kl_cov_loss", "kl_cov_select", "kl_estimate",
-    "kl_reward_penalty", "masked_logprob_entropy", "mismatch_metrics", "ppo_clip_loss",
+    "kl_reward_penalty", "mismatch_metrics", "ppo_clip_loss",
     "routing_agreement",
 ]

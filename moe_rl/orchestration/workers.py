@@ -7,7 +7,8 @@ import os
 
 import ray
 
-from moe_rl.config import config_from_dict, engine_avg_refusal, moe_facts_from_hf
+from moe_rl.config import config_from_dict, engine_avg_refusal
+from moe_rl.moe_shape import MoEShape
 from moe_rl.types import RolloutBatch
 
 
@@ -110,7 +111,6 @@ class RolloutWorker:
     calls through the SGLang-protocol client."""
 
     def __init__(self, cfg_tree: dict, log_dir: str):
-        from moe_rl.rollout.decode import ModelLayout
         from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
         from moe_rl.rollout.pool import ServerPool
         from moe_rl.rollout.reference_process import ServerProcess
@@ -135,10 +135,8 @@ class RolloutWorker:
         for p in self.procs:
             p.start(r.health_timeout_s)
         with open(os.path.join(cfg.model.path, "config.json"), encoding="utf-8") as fh:
-            facts = moe_facts_from_hf(json.load(fh))
-        layout = ModelLayout(facts.num_layers, facts.moe_layers, facts.topk, facts.num_experts,
-                             facts.vocab_size)
-        engine_avg_refusal(cfg, facts.vocab_size)
+            shape = MoEShape.from_hf(json.load(fh))
+        engine_avg_refusal(cfg, shape.vocab_size)
         self.weights_path: str | None = None
         self.version = 0
         self.trainer_actors: list = []     # non-disk sync: where a restarted server's weights
@@ -164,7 +162,7 @@ class RolloutWorker:
                                timeout=r.request_timeout_s, max_retries=r.max_retries,
                                concurrency=r.concurrency,
                                restarters=[restarter(p) for p in procs]),
-            layout, need_routing=requests_routing(cfg), need_mask=requests_sampling_mask(cfg))
+            shape, need_routing=requests_routing(cfg), need_mask=requests_sampling_mask(cfg))
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
 
     def set_weight_source(self, trainer_actors: list, export_dir: str) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from moe_rl.moe_shape import MoEShape
 
 from moe_rl.types import Sample, compact_routing
 
@@ -29,17 +30,7 @@ class ResponseError(ValueError):
     """An engine response that cannot become a rollout record; the message says how to fix it."""
 
 
-@dataclass(frozen=True)
-class ModelLayout:
-    """What decoding needs to know about the served model."""
-    num_layers: int
-    moe_layers: tuple[int, ...]
-    topk: int
-    num_experts: int
-    vocab_size: int | None = None
-
-
-def decode_routing(payload: str, positions: int, layout: ModelLayout) -> torch.Tensor:
+def decode_routing(payload: str, positions: int, layout: MoEShape) -> torch.Tensor:
     """base64 int32 routing -> compact [positions, moe_layers, K] (uint8 / int16)."""
     try:
         raw = base64.b64decode(payload, validate=True)
@@ -96,7 +87,7 @@ def decode_sampling_logprobs(values, n_tokens: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-def sample_from_response(resp: dict, prompt_ids: list[int], layout: ModelLayout, *,
+def sample_from_response(resp: dict, prompt_ids: list[int], layout: MoEShape, *,
                          need_routing: bool, need_mask: bool, group_id: int, sample_id: int,
                          metadata: dict | None = None) -> Sample:
     """One generation response -> a validated :class:`Sample` (reward filled in later)."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.rollout.decode import (ModelLayout, decode_listed_logprobs, sample_from_response,
-                                   score_from_response)
+from moe_rl.rollout.decode import decode_listed_logprobs, sample_from_response, score_from_response
+from moe_rl.moe_shape import MoEShape
 from moe_rl.rollout.pool import EngineHTTPError, ServerPool
 from moe_rl.types import Sample
 
@@ -39,7 +39,7 @@ class SamplingConfig:
 class HTTPRolloutEngine:
     """Engine over a pool of SGLang-protocol servers."""
 
-    def __init__(self, pool_factory, layout: ModelLayout, *, need_routing: bool,
+    def __init__(self, pool_factory, layout: MoEShape, *, need_routing: bool,
                  need_mask: bool):
         self.pool_factory = pool_factory   # () -> ServerPool (fresh httpx client per call)
         self.layout = layout

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from moe_rl.config import moe_facts_from_hf
+from moe_rl.moe_shape import MoEShape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -293,7 +293,7 @@ class ReferenceEngine:
             raise ValueError(f"model_path: {model_path}: non-finite weights in {bad[:5]}")
         model.eval()
         hf = model.config.to_dict()
-        facts = moe_facts_from_hf(hf)
+        facts = MoEShape.from_hf(hf)
         if not facts.moe_layers:
             raise ValueError(f"{model_path}: the reference engine serves MoE models only")
         routers = self._routers(model, facts)

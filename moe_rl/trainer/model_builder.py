@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moe_rl.config import MoEFacts, moe_facts_from_hf
+from moe_rl.moe_shape import MoEShape
 from moe_rl.trainer.cpu_compat import apply_cpu_shims, check_cpu_settings, cuda_absent
 from moe_rl.trainer.parallel import ParallelSizes
 
@@ -26,7 +26,7 @@ class ModelSpec:
     """What the rest of the trainer needs to know about a built model."""
     arch: str
     hf_config: dict
-    facts: MoEFacts
+    facts: MoEShape
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -50,7 +50,7 @@ def model_spec(hf: dict) -> ModelSpec:
     arch = hf.get("model_type")
     if arch not in SUPPORTED:
         raise ValueError(f"model_type: {arch!r} is not supported; supported: {SUPPORTED}")
-    facts = moe_facts_from_hf(hf)
+    facts = MoEShape.from_hf(hf)
     return ModelSpec(arch, hf, facts, int(hf["vocab_size"]), int(hf["hidden_size"]),
                      int(hf["num_hidden_layers"]), bool(hf.get("tie_word_embeddings", False)))
 

@@ -15,19 +15,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_rl.algo import (CorrectionInputs, Normalisers, aggregate, apply_corrections,
-                         clip_cov, clip_cov_select, collapse_guard, gspo_loss, kept_set_sizes,
-                         kl_cov_loss, kl_cov_select, kl_estimate, ppo_clip_loss)
+from moe_rl.algo import Normalisers, aggregate, collapse_guard, kept_set_sizes
 from moe_rl.config import Config
 from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu, cuda_absent
 from moe_rl.trainer.forward import forward_logprobs
+from moe_rl.trainer.loss import LossInputs, PolicyLoss
 from moe_rl.trainer.hf_weights import load_hf_into_megatron, megatron_to_hf, save_hf_checkpoint
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import ParallelSizes
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.trainer.step import StepRows, gather_rows, reduce_sums, step_inputs
-from moe_rl.types import RoutingSpec, Sample, compact_routing
+from moe_rl.types import Sample, compact_routing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -92,9 +91,6 @@ class StepBatch:
     replay_samples: list[Sample]   # the samples with the routing the update replays
 
 
-GROUP_CORRECTIONS = ("metropolis", "snis")
-
-
 def finalize_grads(model) -> None:
     """megatron-core's ``finalize_model_grads`` after the backward passes of an optimizer step:
     the data-parallel reduction, plus the all-reduce of gradients that tensor-parallel ranks hold
@@ -103,16 +99,6 @@ def finalize_grads(model) -> None:
     so no token count is passed."""
     from megatron.core.distributed import finalize_model_grads
     finalize_model_grads([model])
-
-
-def live_corrections(a) -> list[str]:
-    """Corrections evaluated in each micro-step on the current pi_theta (detached): the
-    DeepSeek-V3.2 off-policy mask always (its statistic is pi_behaviour vs pi_theta); in bypass
-    mode (pi_old = rollout, where pi_old/pi_roll = 1) every per-token and per-sequence
-    correction, on pi_theta/pi_roll as verl and slime do."""
-    if a.pi_old == "rollout":
-        return [c for c in a.corrections if c not in GROUP_CORRECTIONS]
-    return [c for c in a.corrections if c == "opsm"]
 
 
 class PolicyTrainer:
@@ -134,7 +120,7 @@ class PolicyTrainer:
                                        recompute=t.recompute_activations)
         load_hf_into_megatron(model, self.spec, hf_path)
         facts = self.spec.facts
-        self.routing_spec = RoutingSpec(len(facts.moe_layers), facts.topk, facts.num_experts)
+        self.moe_shape = facts
         self.replay = ReplayController(model, facts.moe_layers, facts.topk, facts.num_experts,
                                        recompute=t.recompute_activations)
         use_dist_opt = t.distributed_optimizer and not cuda_absent()
@@ -168,11 +154,11 @@ class PolicyTrainer:
         self.ema = None
         if t.ema_decay is not None:
             self.ema = {n: p.detach().clone().float() for n, p in model.named_parameters()}
-        self.live_corrections = live_corrections(cfg.algorithm)
         self._dummy_mb: MicroBatch | None = None
         self.step = 0
         self.guard_skipped_total = 0
         self.generator = torch.Generator().manual_seed(t.seed)
+        self.loss = PolicyLoss(cfg.algorithm, self.generator)
 
     # ------------------------------------------------------------------ micro-batches
     def _micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
@@ -236,7 +222,7 @@ class PolicyTrainer:
         """pi_old / reference passes, advantages, corrections and the step's metrics."""
         a = self.cfg.algorithm
         for s in samples:
-            s.validate(self.spec.vocab_size, self.routing_spec if s.routing is not None else None)
+            s.validate(self.spec.vocab_size, self.moe_shape if s.routing is not None else None)
         if a.replay == "r3" and any(s.routing is None for s in samples):
             raise ValueError("algorithm.replay=r3 but a sample has no routing: start SGLang with "
                              "--enable-return-routed-experts (the reference engine always "
@@ -293,7 +279,7 @@ class PolicyTrainer:
             kept_logmass=_pad_rows([s.kept_logmass for s in samples]) if has_mass else None,
             kept_sizes=_pad_rows(kept, dtype=torch.long) if kept is not None else None)
         rows_all, mine = gather_rows(local, _dp_group())
-        inputs = step_inputs(a, rows_all, deferred=self.live_corrections,
+        inputs = step_inputs(a, rows_all, deferred=self.loss.live,
                              generator=self.generator)
         metrics.update(inputs.metrics)
         replay_samples = samples
@@ -415,9 +401,7 @@ class PolicyTrainer:
         """Clip-Cov / KL-Cov tokens chosen over the whole mini-batch (not per micro-batch, where
         round(r N) of a small micro-batch is 0), from a no-grad forward with the weights the
         mini-batch's micro-steps will use (so the same log-probs) under the step's replay."""
-        a = self.cfg.algorithm
-        e = a.entropy_control
-        if e.method not in ("clip_cov", "kl_cov"):
+        if self.cfg.algorithm.entropy_control.method not in ("clip_cov", "kl_cov"):
             return None
         lp_now = torch.zeros_like(batch.lp_old)
         for mb in self._aligned(self._micro_batches(batch.replay_samples, mini)):
@@ -427,14 +411,8 @@ class PolicyTrainer:
             lp, _ = self._forward(self.model, self.replay, mb, self._update_mode())
             width = int(mb.response_lens.max())
             lp_now[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
-        keep = batch.mask[mini] & batch.keep[mini]
-        if e.method == "clip_cov":
-            chosen = clip_cov_select(lp_now[mini], batch.advantages[mini].float(), keep,
-                                     ratio=e.clip_cov_ratio, cov_low=e.clip_cov_low,
-                                     cov_high=e.clip_cov_high, generator=self.generator)
-        else:
-            chosen = kl_cov_select(lp_now[mini], batch.advantages[mini].float(), keep,
-                                   ratio=e.kl_cov_ratio)
+        chosen = self.loss.select(lp_now[mini], batch.advantages[mini].float(),
+                                  batch.mask[mini] & batch.keep[mini])
         selection = torch.zeros_like(batch.mask)
         selection[mini] = chosen
         return selection
@@ -442,69 +420,23 @@ class PolicyTrainer:
     def _micro_step(self, batch: StepBatch, mb: MicroBatch, norm: Normalisers,
                     sums: dict[str, float], first: bool = False,
                     selection: torch.Tensor | None = None) -> None:
-        a = self.cfg.algorithm
-        rows = mb.sample_indices
-        width = int(mb.response_lens.max())
+        """Forward with the update's replay mode, the policy loss, backward; metric sums."""
+        rows, width = mb.sample_indices, int(mb.response_lens.max())
         lp_pos, ent_pos = self._forward(self.model, self.replay, mb, self._update_mode(),
                                         grad=True)
-        lp = mb.to_response_padded(lp_pos)
-        ent = mb.to_response_padded(ent_pos)
         mask = batch.mask[rows, :width]
-        keep = batch.keep[rows, :width] & mask
-        lp_old = batch.lp_old[rows, :width].float()   # the losses compute in float32 or better
-        adv = batch.advantages[rows].float()
-        weights = batch.weights[rows, :width]
-        if self.live_corrections:
-            live = apply_corrections(self.live_corrections, a.correction, CorrectionInputs(
-                lp_old=(lp.detach() if a.pi_old == "rollout" else lp_old).double(),
-                lp_roll=batch.lp_roll[rows, :width].double(), mask=keep,
-                advantages=adv.double(), lp=lp.detach().double()))
-            n_live = float(keep.sum())
-            sums["_live_tokens"] = sums.get("_live_tokens", 0.0) + n_live
-            for k, v in live.metrics.items():
-                if k.startswith("correction/"):
-                    sums["_live/" + k] = sums.get("_live/" + k, 0.0) + v * n_live
-            keep = keep & live.keep
-            weights = weights * live.weights.to(weights.dtype)
-        if first and bool(keep.any()):   # before any update pi_theta must equal pi_old
-            dev = float(((lp.detach().double() - lp_old.double()).exp() - 1).abs()[keep].max())
-            sums["_first_dev"] = max(sums.get("_first_dev", 0.0), dev)
-        cc: dict[str, float] = {}
-        if a.entropy_control.method == "clip_cov":
-            lp, cc = clip_cov(lp, adv, keep, ratio=a.entropy_control.clip_cov_ratio,
-                              cov_low=a.entropy_control.clip_cov_low,
-                              cov_high=a.entropy_control.clip_cov_high,
-                              chosen=selection[rows, :width])
-        if a.entropy_control.method == "kl_cov":   # replaces the clipped surrogate
-            loss_tok, lm = kl_cov_loss(lp, lp_old, adv, keep,
-                                       ratio=a.entropy_control.kl_cov_ratio,
-                                       coef=a.entropy_control.kl_cov_coef,
-                                       chosen=selection[rows, :width])
-        elif a.loss == "gspo":
-            loss_tok, lm = gspo_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high)
-        else:
-            loss_tok, lm = ppo_clip_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high,
-                                         a.dual_clip_c)
-        lm = {**lm, **cc}
-        loss_tok = loss_tok * weights.to(loss_tok.dtype)
-        kl_tok = None
-        if batch.lp_ref is not None and not a.kl.in_reward:
-            kl_tok = kl_estimate(lp, batch.lp_ref[rows, :width], a.kl.estimator,
-                                 lp_old=lp_old, off_policy_corrected=a.kl.off_policy_corrected)
-            loss_tok = loss_tok + a.kl.coef * kl_tok
-        if a.entropy_coef:
-            loss_tok = loss_tok - a.entropy_coef * ent
-        loss = aggregate(loss_tok, keep, a.aggregation, norm,
-                         count_mask=mask if a.loss_denominator == "original" else None)
+        inputs = LossInputs(
+            lp_old=batch.lp_old[rows, :width], lp_roll=batch.lp_roll[rows, :width],
+            lp_ref=None if batch.lp_ref is None else batch.lp_ref[rows, :width],
+            advantages=batch.advantages[rows], mask=mask,
+            keep=batch.keep[rows, :width] & mask, weights=batch.weights[rows, :width],
+            chosen=None if selection is None else selection[rows, :width])
+        loss, got = self.loss(mb.to_response_padded(lp_pos), mb.to_response_padded(ent_pos),
+                              inputs, norm, first)
         with self.replay.backward():
             loss.backward()
-        n_tok = float(keep.sum())
-        sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok
-        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-        for k, v in lm.items():
-            sums[k] = sums.get(k, 0.0) + v * n_tok
-        if kl_tok is not None:
-            sums["kl/ref"] = sums.get("kl/ref", 0.0) + float((kl_tok.detach() * keep).sum())
+        for k, v in got.items():
+            sums[k] = max(sums.get(k, 0.0), v) if k == "_first_dev" else sums.get(k, 0.0) + v
 
     def sft_step(self, samples: list[Sample], lr: float) -> dict[str, float]:
         """One supervised step (mean negative log-likelihood of the response tokens, ordinary

@@ -1,0 +1,39 @@
+"""The MoE shape of a model: what validation, decoding, the rollout record and the trainer need to
+know about its layers, experts and vocabulary. One type, read from a Hugging Face config."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """Layer count, the indices of the MoE layers, router top-k, routed experts, vocabulary."""
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    topk: int
+    num_experts: int
+    vocab_size: int | None = None
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "MoEShape":
+        """From a Hugging Face ``config.json`` dict (Qwen3/Qwen2-MoE, Mixtral, DeepSeek-V3
+        layer rules; no MoE layer when the config has no experts)."""
+        n_layers = int(hf.get("num_hidden_layers", 0))
+        n_exp = int(hf.get("num_experts") or hf.get("n_routed_experts")
+                    or hf.get("num_local_experts") or 0)
+        topk = int(hf.get("num_experts_per_tok") or 0)
+        if n_exp <= 0 or topk <= 0:
+            moe: tuple[int, ...] = ()
+        elif "first_k_dense_replace" in hf:  # DeepSeek-V3 style
+            k = int(hf.get("first_k_dense_replace") or 0)
+            freq = int(hf.get("moe_layer_freq") or 1)
+            moe = tuple(i for i in range(n_layers) if i >= k and i % freq == 0)
+        else:  # Qwen3-MoE / Qwen2-MoE style; Mixtral has neither key (every layer MoE)
+            step = int(hf.get("decoder_sparse_step") or 1)
+            dense = set(hf.get("mlp_only_layers") or [])
+            moe = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
+        return cls(n_layers, moe, topk, n_exp, hf.get("vocab_size"))
