@@ -13,6 +13,8 @@ from safetensors.torch import save as st_save
 
 from moe_rl.moe_shape import MoEShape
 
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}   # model.dtype, engine dtype
+
 FORMAT_VERSION = 1
 
 

@@ -29,8 +29,8 @@ import torch
 from transformers import DynamicCache
 
 from moe_rl.moe_shape import MoEShape
+from moe_rl.types import MODEL_DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class RequestError(ValueError):
@@ -245,8 +245,8 @@ class ReferenceEngine:
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0,
                  sampling_mask_max_tokens: int = 4096, return_routed_experts: bool = True,
                  sampling_backend: str = "flashinfer", deterministic_inference: bool = False):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
         self.dtype_name = dtype
         self.seed = seed
         self.mask_cap = sampling_mask_max_tokens
@@ -281,7 +281,7 @@ class ReferenceEngine:
             raise ValueError(f"model_path: {model_path!r} is not a local directory with a "
                              f"config.json (the engine never downloads)")
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=DTYPES[self.dtype_name], local_files_only=True,
+            model_path, dtype=MODEL_DTYPES[self.dtype_name], local_files_only=True,
             output_loading_info=True)
         problems = {k: sorted(v)[:5] for k, v in info.items()
                     if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}

@@ -26,9 +26,8 @@ from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import ParallelSizes
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.trainer.step import StepRows, gather_rows, reduce_sums, step_inputs
-from moe_rl.types import Sample, compact_routing
+from moe_rl.types import MODEL_DTYPES, Sample, compact_routing
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _pad_rows(rows: list[torch.Tensor], fill: float = 0.0, dtype=torch.float32) -> torch.Tensor:
@@ -114,7 +113,7 @@ class PolicyTrainer:
         t = cfg.trainer
         sizes = ParallelSizes(t.tensor_parallel, t.pipeline_parallel, t.expert_parallel,
                               t.context_parallel)
-        dtype = DTYPES[cfg.model.dtype]
+        dtype = MODEL_DTYPES[cfg.model.dtype]
         model, self.spec = build_model(hf_path, sizes=sizes, dtype=dtype,
                                        sequence_parallel=t.sequence_parallel,
                                        recompute=t.recompute_activations)
