@@ -89,7 +89,7 @@ def test_a_reward_failing_on_a_whole_batch_stops_the_run_with_the_reason(tmp_pat
 
 
 def test_shard_by_group_keeps_groups_whole_and_balances_tokens():
-    from moe_rl.orchestration.loop import shard_by_group
+    from moe_rl.orchestration.sharding import shard_by_group
     from moe_rl.types import Sample
     samples = [Sample(prompt_ids=[1] * (g + 1), response_ids=[2] * (3 + (i % 2)),
                       rollout_logprobs=[-0.1] * (3 + (i % 2)), group_id=g, sample_id=4 * g + i)

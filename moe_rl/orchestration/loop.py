@@ -14,7 +14,6 @@ from moe_rl.config import Config, dump_config
 from moe_rl.data.prompts import PromptSampler
 from moe_rl.metrics_log import MetricsLogger, PhaseTimer, progress_bar
 from moe_rl.orchestration.workers import RolloutWorker, TrainerWorker
-from moe_rl.rewards.functions import RewardFunction
 from moe_rl.run_inputs import RunInputs, load_run_inputs
 from moe_rl.trainer.parallel import free_port
 from moe_rl.types import RolloutBatch, Sample
@@ -53,32 +52,6 @@ def _placement(cfg: Config):
             for i in range(len(bundles))], pg
 
 
-def score_rewards(samples: list[Sample], tokenizer, prompts, reward_fn: RewardFunction) -> None:
-    """Decode each response and fill its reward."""
-    eos = tokenizer.eos_token_id
-    for s in samples:
-        rec = prompts[s.metadata["prompt_index"]] if "prompt_index" in s.metadata else None
-        ids = s.response_ids.tolist()
-        stopped = bool(ids) and ids[-1] == eos
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        s.reward = reward_fn(rec.text if rec else "", text, rec.answer if rec else None,
-                             {**s.metadata, "stopped": stopped})
-
-
-def shard_by_group(samples: list[Sample], ranks: int) -> list[list[Sample]]:
-    """Whole prompt groups per data-parallel rank, balanced by token count."""
-    groups: dict[int, list[Sample]] = {}
-    for s in samples:
-        groups.setdefault(s.group_id, []).append(s)
-    shards: list[list[Sample]] = [[] for _ in range(ranks)]
-    load = [0] * ranks
-    for g in sorted(groups, key=lambda g: -sum(s.prompt_len + s.response_len for s in groups[g])):
-        i = load.index(min(load))
-        shards[i] += groups[g]
-        load[i] += sum(s.prompt_len + s.response_len for s in groups[g])
-    return shards
-
-
 def sft_samples(prompts, indices: list[int], tokenizer) -> list[Sample]:
     """Supervised warm-start examples: prompt + reference answer + end of text."""
     out = []
@@ -101,11 +74,10 @@ class Trainers:
             tree, r, n, "127.0.0.1" if cfg.cluster.num_nodes == 1 else
             ray.util.get_node_ip_address(), port) for r in range(n)]
 
-    def train_step(self, samples: list[Sample]) -> dict:
-        shards = shard_by_group(samples, len(self.actors))
-        outs = ray.get([a.train_step.remote(RolloutBatch(s).to_bytes())
-                        for a, s in zip(self.actors, shards)])
-        return outs[0]
+    def train_step(self, shards: list) -> dict:
+        """One RL step; ``shards``: one reference per rank to its rollout-batch bytes (Ray
+        hands each rank its bytes from the object store; the driver never holds them)."""
+        return ray.get([a.train_step.remote(ref) for a, ref in zip(self.actors, shards)])[0]
 
     def sft_step(self, samples: list[Sample], lr: float) -> dict:
         shards = [samples[i::len(self.actors)] for i in range(len(self.actors))]
@@ -128,7 +100,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     """Run the configured RL job (``inputs``: the loaded model tokenizer, prompts and reward,
     loaded here when not given); returns the per-step metrics."""
     inputs = inputs or load_run_inputs(cfg)
-    tokenizer, prompts, reward_fn = inputs.tokenizer, inputs.prompts, inputs.reward
+    tokenizer, prompts = inputs.tokenizer, inputs.prompts
     run_dir = cfg.logging.dir
     ckpt_dir = cfg.trainer.checkpoint_dir or os.path.join(run_dir, "checkpoints")
     os.makedirs(ckpt_dir, exist_ok=True)
@@ -170,35 +142,25 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
         for step in range(start_step, cfg.trainer.steps):
             timer = PhaseTimer()
             t0 = time.perf_counter()
-            with timer.phase("rollout"):
-                idx = sampler.next_batch()
-                data = ray.get(rollout.generate.remote(
-                    [prompts[i].ids for i in idx], list(range(len(idx))),
-                    cfg.trainer.seed * 100_003 + step * 10_007))
-                samples = RolloutBatch.from_bytes(data).samples
-                per = cfg.rollout.n_samples_per_prompt
-                for s in samples:
-                    s.metadata["prompt_index"] = idx[s.sample_id // per]
-            with timer.phase("reward"):
-                errors_before = reward_fn.errors
-                score_rewards(samples, tokenizer, prompts, reward_fn)
-                failed_batches = failed_batches + 1 \
-                    if reward_fn.errors - errors_before == len(samples) else 0
-                if failed_batches >= cfg.data.max_failed_reward_batches:
-                    raise RuntimeError(
-                        f"data.reward: {cfg.data.reward} failed on every sample of "
-                        f"{failed_batches} batch(es) in a row (data.max_failed_reward_batches="
-                        f"{cfg.data.max_failed_reward_batches}); training on zero rewards would "
-                        f"learn nothing. First error: {reward_fn.first_error}")
-            if cfg.algorithm.pi_old == "engine_avg":
-                with timer.phase("engine_scoring"):
-                    samples = RolloutBatch.from_bytes(ray.get(rollout.score.remote(
-                        RolloutBatch(samples).to_bytes(), cfg.algorithm.pi_old_passes))).samples
+            idx = sampler.next_batch()
+            summary_ref, *shards = rollout.collect.options(
+                num_returns=len(trainers.actors) + 1).remote(
+                idx, step, cfg.trainer.seed * 100_003 + step * 10_007, len(trainers.actors))
+            summary = ray.get(summary_ref)   # the shards go to the trainers by reference
+            timer.metrics.update(summary["timing"])
+            failed_batches = failed_batches + 1 \
+                if summary["reward_failures"] == summary["samples"] else 0
+            if failed_batches >= cfg.data.max_failed_reward_batches:
+                raise RuntimeError(
+                    f"data.reward: {cfg.data.reward} failed on every sample of "
+                    f"{failed_batches} batch(es) in a row (data.max_failed_reward_batches="
+                    f"{cfg.data.max_failed_reward_batches}); training on zero rewards would "
+                    f"learn nothing. First error: {summary['first_reward_error']}")
             if cfg.cluster.colocate:   # the engines give their memory to the trainer
                 with timer.phase("engine_release"):
                     ray.get(rollout.release_memory.remote())
             with timer.phase("train"):
-                metrics = trainers.train_step(samples)
+                metrics = trainers.train_step(shards)
             if cfg.cluster.colocate:
                 with timer.phase("engine_resume"):
                     ray.get(rollout.resume_memory.remote())
@@ -206,9 +168,8 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                 weights.sync(step + 1)
             metrics.update(timer.metrics)
             metrics["timing/step_s"] = time.perf_counter() - t0
-            metrics["reward/errors"] = float(reward_fn.errors)
-            metrics["rollout/stale_samples"] = float(sum(s.weight_version < step
-                                                         for s in samples))
+            metrics["reward/errors"] = float(summary["reward_errors_total"])
+            metrics["rollout/stale_samples"] = float(summary["stale_samples"])
             metrics["rollout/engine_restarts"] = float(ray.get(rollout.restarts.remote()))
             metrics["rollout/weight_sync_recoveries"] = float(weights.recoveries)
             logger.log(step, metrics)

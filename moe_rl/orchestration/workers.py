@@ -1,5 +1,7 @@
 """Ray actors: one trainer worker per rank (torch.distributed inside: gloo on CPU, NCCL on GPU)
-and a rollout worker that owns its engine servers. Batches cross actors as safetensors bytes."""
+and a rollout worker that owns its engine servers and makes each step's data (samples, rewards,
+engine scoring passes, data-parallel shards). Shards cross actors as safetensors bytes, by
+reference through Ray's object store."""
 from __future__ import annotations
 
 import json
@@ -9,6 +11,7 @@ import ray
 
 from moe_rl.config import config_from_dict, engine_avg_refusal
 from moe_rl.moe_shape import MoEShape
+from moe_rl.run_inputs import load_run_inputs
 from moe_rl.types import RolloutBatch
 
 
@@ -164,6 +167,7 @@ class RolloutWorker:
                                restarters=[restarter(p) for p in procs]),
             shape, need_routing=requests_routing(cfg), need_mask=requests_sampling_mask(cfg))
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
+        self.inputs = load_run_inputs(cfg)   # tokenizer, prompts, reward function
 
     def set_weight_source(self, trainer_actors: list, export_dir: str) -> None:
         """Non-disk weight sync: a server restarted outside a sync gets the trainer's current
@@ -195,17 +199,40 @@ class RolloutWorker:
         self.engine.check_health()
         return True
 
-    def generate(self, prompts: list[list[int]], group_ids: list[int], seed: int) -> bytes:
-        samples = self.engine.generate(prompts, self.cfg.rollout.n_samples_per_prompt,
-                                       self.sampling, group_ids=group_ids, seed=seed)
-        return RolloutBatch(samples).to_bytes()
-
-    def score(self, data: bytes, n_passes: int) -> bytes:
-        samples = RolloutBatch.from_bytes(data).samples
-        r = self.cfg.rollout
-        self.engine.score(samples, n_passes, temperature=r.temperature,
-                          window=r.score_window_tokens)
-        return RolloutBatch(samples).to_bytes()
+    def collect(self, indices: list[int], step: int, seed: int, shards: int) -> tuple:
+        """One step's data, made here so it crosses to the trainers by reference: generate
+        ``n_samples_per_prompt`` samples of the prompts ``indices``, score their rewards, add
+        the engine's n scoring passes (``pi_old: engine_avg``), cut whole prompt groups into
+        ``shards`` data-parallel shards. Returns (summary, shard bytes ...); call it with
+        ``num_returns = shards + 1`` and hand the shard references to the trainer ranks."""
+        import time
+        from moe_rl.orchestration.sharding import shard_by_group
+        from moe_rl.rewards.functions import score_rewards
+        cfg, inp, per = self.cfg, self.inputs, self.cfg.rollout.n_samples_per_prompt
+        timing = {}
+        t0 = time.perf_counter()
+        samples = self.engine.generate([inp.prompts[i].ids for i in indices], per, self.sampling,
+                                       group_ids=list(range(len(indices))), seed=seed)
+        for s in samples:
+            s.metadata["prompt_index"] = indices[s.sample_id // per]
+        t1 = time.perf_counter()
+        timing["timing/rollout_s"] = t1 - t0
+        errors_before = inp.reward.errors
+        score_rewards(samples, inp.tokenizer, inp.prompts, inp.reward)
+        timing["timing/reward_s"] = time.perf_counter() - t1
+        summary = {"samples": len(samples), "reward_failures": inp.reward.errors - errors_before,
+                   "reward_errors_total": inp.reward.errors,
+                   "first_reward_error": inp.reward.first_error,
+                   "stale_samples": sum(s.weight_version < step for s in samples)}
+        if summary["reward_failures"] < len(samples) and cfg.algorithm.pi_old == "engine_avg":
+            t2 = time.perf_counter()
+            self.engine.score(samples, cfg.algorithm.pi_old_passes,
+                              temperature=cfg.rollout.temperature,
+                              window=cfg.rollout.score_window_tokens)
+            timing["timing/engine_scoring_s"] = time.perf_counter() - t2
+        summary["timing"] = timing
+        return (summary, *[RolloutBatch(part).to_bytes()
+                           for part in shard_by_group(samples, shards)])
 
     def update_weights(self, path: str, version: int) -> list[str]:
         self.engine.update_weights_from_disk(path, version)

@@ -116,3 +116,15 @@ def load_reward(spec: str) -> Callable:
     if not callable(fn):
         raise ValueError(f"data.reward: {spec!r} is not callable")
     return fn
+
+
+def score_rewards(samples: list, tokenizer, prompts, reward_fn: RewardFunction) -> None:
+    """Decode each response and fill its reward."""
+    eos = tokenizer.eos_token_id
+    for s in samples:
+        rec = prompts[s.metadata["prompt_index"]] if "prompt_index" in s.metadata else None
+        ids = s.response_ids.tolist()
+        stopped = bool(ids) and ids[-1] == eos
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        s.reward = reward_fn(rec.text if rec else "", text, rec.answer if rec else None,
+                             {**s.metadata, "stopped": stopped})
