@@ -43,14 +43,16 @@ def _backend(name: str, hidden: torch.Tensor, kept: KeptSets | None):
 
 def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                     temperature: float = 1.0, kept_offsets: torch.Tensor | None = None,
-                    kept_ids: torch.Tensor | None = None, chunk_size: int | None = None,
-                    tp_group=None, vocab_start: int = 0, backend: str = "auto"
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    kept_ids: torch.Tensor | None = None, kept: KeptSets | None = None,
+                    chunk_size: int | None = None, tp_group=None, vocab_start: int = 0,
+                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``targets`` and entropy under ``softmax(hidden @ weight.T / temperature)``.
 
     hidden [T, H] and weight [V_local, H] (bf16/fp16/fp32; statistics in float32), targets [T]
     global vocabulary ids. Kept sets: row t restricted to
-    ``kept_ids[kept_offsets[t]:kept_offsets[t+1]]`` (global ids; empty row = full vocabulary).
+    ``kept_ids[kept_offsets[t]:kept_offsets[t+1]]`` (global ids; empty row = full vocabulary),
+    checked here (range, repeats, target membership); or ``kept``, a :class:`KeptSets` whose
+    rows were already checked where they were built (the trainer's packed samples), used as is.
     ``tp_group``: this rank holds vocabulary rows [vocab_start, vocab_start + V_local); results
     are identical on every rank and the hidden-state gradient is summed across the group.
     Returns (logprobs [T], entropy [T]) in float32 (float64 for float64 inputs), differentiable w.r.t. hidden and weight.
@@ -78,7 +80,14 @@ def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         end = torch.tensor([vocab], dtype=torch.long, device=weight.device)
         dist.all_reduce(end, op=dist.ReduceOp.MAX, group=tp_group)
         vocab = int(end)
-    kept = _kept_sets(kept_offsets, kept_ids, T, targets, hidden.device, vocab)
+    if kept is not None:
+        if kept_offsets is not None or kept_ids is not None:
+            raise ValueError("kept: give kept sets or kept_offsets / kept_ids, not both")
+        if kept.offsets.numel() != T + 1:
+            raise ValueError(f"kept: expected {T + 1} offsets, got {kept.offsets.numel()}")
+        kept = KeptSets(kept.offsets.to(hidden.device), kept.ids.to(hidden.device))
+    else:
+        kept = _kept_sets(kept_offsets, kept_ids, T, targets, hidden.device, vocab)
     impl = _backend(backend, hidden, kept)
     return ChunkedLogprobEntropy.apply(hidden, weight, targets.long(), float(temperature), kept,
                                        chunk, tp_group, int(vocab_start), impl)

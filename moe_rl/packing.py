@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.types import Sample
+from moe_rl_kernels import KeptSets
 
 
 @dataclass
@@ -27,8 +28,8 @@ class MicroBatch:
     pass_logprobs: torch.Tensor | None   # [n, B, S]
     routing: torch.Tensor | None     # [B, S, L, K] long, padding rows filled with valid ids
     routing_valid: torch.Tensor | None   # [B, S] bool, rows that hold a recorded route
-    kept_offsets: torch.Tensor | None    # [B*S + 1] long, rows in b-major order (b * S + s)
-    kept_ids: torch.Tensor | None        # int32 global token ids
+    kept: KeptSets | None            # kept sets of the response rows, b-major (response_mask
+                                     # order): the kernel's rows, built and checked once
     sample_indices: list[int]
     prompt_lens: torch.Tensor        # [B]
     response_lens: torch.Tensor      # [B]
@@ -148,7 +149,7 @@ def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,
     has_mask = [s.sampling_mask_offsets is not None for s in chosen]
     if any(has_mask) and not all(has_mask):
         raise ValueError("sampling mask: either every sample of a micro-batch has one or none")
-    row_lengths = torch.zeros(B * S, dtype=torch.long)
+    kept_lengths: list[torch.Tensor] = []
     kept_parts: list[torch.Tensor] = []
     for b, s in enumerate(chosen):
         P, R = s.prompt_len, s.response_len
@@ -168,20 +169,19 @@ def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,
             routing[b, :P + R - 1] = s.routing.long()
             valid[b, :P + R - 1] = True
         if all(has_mask):
-            lens = s.sampling_mask_offsets[1:] - s.sampling_mask_offsets[:-1]
-            row_lengths[b * S + P - 1: b * S + P - 1 + R] = lens
+            kept_lengths.append(s.sampling_mask_offsets[1:] - s.sampling_mask_offsets[:-1])
             kept_parts.append(s.sampling_mask_ids)
-    kept_offsets = kept_ids = None
-    if all(has_mask):
-        kept_offsets = torch.zeros(B * S + 1, dtype=torch.long)
-        kept_offsets[1:] = torch.cumsum(row_lengths, 0)
-        kept_ids = torch.cat(kept_parts).to(torch.int32)
+    kept = None
+    if all(has_mask):   # the samples' own offsets re-based once onto the response rows
+        offsets = torch.zeros(sum(s.response_len for s in chosen) + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(torch.cat(kept_lengths).long(), 0)
+        kept = KeptSets(offsets, torch.cat(kept_parts).long())
     position_ids = torch.arange(S, dtype=torch.long)[None, :].expand(B, S).clone()
     attention_mask = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)[None, None]
     return MicroBatch(input_ids=input_ids, position_ids=position_ids,
                       attention_mask=attention_mask, targets=targets, score_mask=score,
                       response_mask=resp, rollout_logprobs=roll, pass_logprobs=passes,
-                      routing=routing, routing_valid=valid, kept_offsets=kept_offsets,
-                      kept_ids=kept_ids, sample_indices=list(indices),
+                      routing=routing, routing_valid=valid, kept=kept,
+                      sample_indices=list(indices),
                       prompt_lens=torch.tensor([s.prompt_len for s in chosen]),
                       response_lens=torch.tensor([s.response_len for s in chosen]))

@@ -185,6 +185,9 @@ class Sample:
             j = int((lengths == 0).nonzero()[0, 0])
             raise self._fail("sampling_mask_ids", f"response token {j} has an empty kept set")
         row = torch.repeat_interleave(torch.arange(R), lengths)
+        key = row * (int(ids.max()) + 1 if ids.numel() else 1) + ids.long()
+        if key.unique().numel() != key.numel():
+            raise self._fail("sampling_mask_ids", "a response token's kept set lists an id twice")
         hit = torch.zeros(R, dtype=torch.long).index_add_(
             0, row, (ids.long() == self.response_ids.long()[row]).long())
         if bool((hit == 0).any()):

@@ -11,6 +11,7 @@ from moe_rl.algo import (CORRECTIONS, CorrectionInputs, apply_corrections, avera
                          routing_agreement)
 from moe_rl.algo.corrections import metropolis_chain
 from moe_rl.config import CorrectionParams
+from tests.helpers import kernel_on_logits
 
 P = CorrectionParams(tis_c=2.0, mis_c=2.0, rs_low=0.5, rs_high=2.0, geo_low=0.999, geo_high=1.001,
                      icepop_low=0.5, icepop_high=5.0, opsm_delta=0.1)
@@ -225,14 +226,6 @@ def _ragged(sets):
     return torch.tensor(offsets, dtype=torch.long), torch.tensor(ids, dtype=torch.int32)
 
 
-def masked_logprob_entropy(logits, targets, offsets, ids, temperature=1.0):
-    """The kernel on logits themselves (hidden = logits, output weight = identity)."""
-    from moe_rl_kernels import logprob_entropy
-    eye = torch.eye(logits.shape[1], dtype=logits.dtype)
-    return logprob_entropy(logits, eye, targets, temperature=temperature, kept_offsets=offsets,
-                           kept_ids=ids, backend="torch")
-
-
 def test_masked_logprob_entropy_reference():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 9, generator=g, dtype=torch.float64) * 2
@@ -240,7 +233,7 @@ def test_masked_logprob_entropy_reference():
     sets = [[3, 1, 7], [], [8], [5, 2, 0, 4]]
     offsets, ids = _ragged(sets)
     T = 0.7
-    lp, ent = masked_logprob_entropy(logits, targets, offsets, ids, temperature=T)
+    lp, ent = kernel_on_logits(logits, targets, offsets, ids, temperature=T)
     for r in range(4):
         vocab = sets[r] or list(range(9))
         z = [float(logits[r, v]) / T for v in vocab]
@@ -259,7 +252,7 @@ def test_masked_logprob_gradcheck():
     targets = torch.tensor([2, 4, 0])
 
     def f(z):
-        lp, ent = masked_logprob_entropy(z, targets, offsets, ids, temperature=1.3)
+        lp, ent = kernel_on_logits(z, targets, offsets, ids, temperature=1.3)
         return lp.sum() + 0.5 * ent.sum()
     assert torch.autograd.gradcheck(f, (logits,))
 
@@ -268,11 +261,11 @@ def test_masked_logprob_errors():
     logits = torch.randn(2, 5)
     offsets, ids = _ragged([[1, 2], [3]])
     with pytest.raises(ValueError, match="row 1: target 4 is not in its kept set"):
-        masked_logprob_entropy(logits, torch.tensor([1, 4]), offsets, ids)
+        kernel_on_logits(logits, torch.tensor([1, 4]), offsets, ids)
     with pytest.raises(ValueError, match="kept_ids"):
-        masked_logprob_entropy(logits, torch.tensor([1, 3]), *_ragged([[1], [7]]))
+        kernel_on_logits(logits, torch.tensor([1, 3]), *_ragged([[1], [7]]))
     with pytest.raises(ValueError, match="kept_offsets"):
-        masked_logprob_entropy(logits, torch.tensor([1, 3]), torch.tensor([0, 1]), ids)
+        kernel_on_logits(logits, torch.tensor([1, 3]), torch.tensor([0, 1]), ids)
 
 
 # ---------------------------------------------------------------- n-pass pi_old

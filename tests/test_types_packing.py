@@ -153,6 +153,10 @@ def test_validation_against_model_spec_and_vocab():
                                           "empty kept set"):
         Sample(prompt_ids=[1], response_ids=[3], rollout_logprobs=[-1.0], sample_id=7,
                sampling_mask_offsets=[0, 0], sampling_mask_ids=[])
+    with pytest.raises(RecordError, match="sample 8: sampling_mask_ids: a response token's kept "
+                                          "set lists an id twice"):
+        Sample(prompt_ids=[1], response_ids=[3, 4], rollout_logprobs=[-1.0, -1.0], sample_id=8,
+               sampling_mask_offsets=[0, 1, 3], sampling_mask_ids=[3, 4, 4])
     s = make_sample(sid=5)
     # validation also runs on load
     data = RolloutBatch([s]).to_bytes()
@@ -205,13 +209,11 @@ def test_hand_worked_packing_two_samples():
         for s in range(S):
             for bb in range(B):
                 assert replay[layer][s * B + bb].tolist() == mb.routing[bb, s, layer].tolist()
-    # kept sets re-indexed to rows b * S + s
-    off, ids = mb.kept_offsets, mb.kept_ids
-    def row(bb, s):
-        return ids[off[bb * S + s]:off[bb * S + s + 1]].tolist()
-    assert row(0, 1) == [7, 1] and row(0, 2) == [8] and row(0, 3) == [9, 2]
-    assert row(1, 0) == [2] and row(1, 1) == [3, 4]
-    assert row(0, 0) == [] and row(1, 4) == []
+    # kept sets on the response rows, in response_mask order (the kernel's rows)
+    off, ids = mb.kept.offsets, mb.kept.ids
+    assert off.numel() == int(mb.response_mask.sum()) + 1
+    rows = [ids[off[k]:off[k + 1]].tolist() for k in range(off.numel() - 1)]
+    assert rows == [[7, 1], [8], [9, 2], [2], [3, 4]]
     # unpack back to per-sample response tensors
     lp = mb.unpack(mb.rollout_logprobs)
     assert lp[0].tolist() == pytest.approx([-0.1, -0.2, -0.3]) and lp[1].tolist() == pytest.approx(

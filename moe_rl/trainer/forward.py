@@ -41,17 +41,6 @@ def output_weight(model) -> torch.Tensor:
     return gpt.output_layer.weight
 
 
-def _kept_rows(mb: MicroBatch, rows: torch.Tensor):
-    """Kept sets of the selected flattened rows (b*S+s order), re-offset."""
-    lengths = (mb.kept_offsets[1:] - mb.kept_offsets[:-1])[rows]
-    starts = mb.kept_offsets[:-1][rows]
-    idx = torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in zip(starts, lengths)]) \
-        if len(rows) else torch.zeros(0, dtype=torch.long)
-    offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    return offsets, mb.kept_ids[idx]
-
-
 def forward_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0,
                      use_kept_sets: bool = False, fp32_output_layer: bool = False,
                      chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,19 +69,16 @@ def forward_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0,
     weight = output_weight(model)
     if fp32_output_layer:
         h, weight = h.float(), weight.float()
-    kept_offsets = kept_ids = None
-    if use_kept_sets:
-        if mb.kept_offsets is None:
-            raise ValueError("algorithm.keep_sampling_mask: the rollout carries no sampling masks "
-                             "(start SGLang with --sampling-mask-max-tokens and request "
-                             "return_sampling_mask)")
-        kept_offsets, kept_ids = _kept_rows(mb, rows)
+    if use_kept_sets and mb.kept is None:
+        raise ValueError("algorithm.keep_sampling_mask: the rollout carries no sampling masks "
+                         "(start SGLang with --sampling-mask-max-tokens and request "
+                         "return_sampling_mask)")
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
     vocab_start = ps.get_tensor_model_parallel_rank() * weight.shape[0] if tp > 1 else 0
     lp, ent = logprob_entropy(h, weight, mb.targets.reshape(-1)[rows].to(device),
-                              temperature=temperature, kept_offsets=kept_offsets,
-                              kept_ids=kept_ids, chunk_size=chunk_size, tp_group=tp_group,
+                              temperature=temperature, kept=mb.kept if use_kept_sets else None,
+                              chunk_size=chunk_size, tp_group=tp_group,
                               vocab_start=vocab_start)
     out_lp = torch.zeros(B * S, dtype=lp.dtype, device=lp.device).index_put(
         (rows.to(lp.device),), lp)
