@@ -24,8 +24,6 @@ class MicroBatch:
     targets: torch.Tensor            # [B, S] long, the next token (0 where none)
     score_mask: torch.Tensor         # [B, S] bool, predicts a response token with loss_mask
     response_mask: torch.Tensor      # [B, S] bool, predicts any response token
-    rollout_logprobs: torch.Tensor   # [B, S] float32, at the scored positions
-    pass_logprobs: torch.Tensor | None   # [n, B, S]
     routing: torch.Tensor | None     # [B, S, L, K] long, padding rows filled with valid ids
     routing_valid: torch.Tensor | None   # [B, S] bool, rows that hold a recorded route
     kept: KeptSets | None            # kept sets of the response rows, b-major (response_mask
@@ -128,12 +126,6 @@ def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,
     targets = torch.zeros((B, S), dtype=torch.long)
     score = torch.zeros((B, S), dtype=torch.bool)
     resp = torch.zeros((B, S), dtype=torch.bool)
-    roll = torch.zeros((B, S), dtype=torch.float32)
-    has_passes = [s.pass_logprobs is not None for s in chosen]
-    if any(has_passes) and not all(has_passes):
-        raise ValueError("pass_logprobs: either every sample of a micro-batch has them or none")
-    n_pass = chosen[0].pass_logprobs.shape[0] if all(has_passes) else 0
-    passes = torch.zeros((n_pass, B, S), dtype=torch.float32) if n_pass else None
     has_routing = [s.routing is not None for s in chosen]
     if any(has_routing) and not all(has_routing):
         raise ValueError("routing: either every sample of a micro-batch has routing or none")
@@ -159,9 +151,6 @@ def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,
         pos = slice(P - 1, P - 1 + R)
         resp[b, pos] = True
         score[b, pos] = s.loss_mask
-        roll[b, pos] = s.rollout_logprobs
-        if passes is not None:
-            passes[:, b, pos] = s.pass_logprobs
         if routing is not None:
             if s.routing.shape[1:] != (L, K):
                 raise ValueError(f"sample {s.sample_id}: routing: expected [*, {L}, {K}], got "
@@ -180,7 +169,7 @@ def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,
     attention_mask = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)[None, None]
     return MicroBatch(input_ids=input_ids, position_ids=position_ids,
                       attention_mask=attention_mask, targets=targets, score_mask=score,
-                      response_mask=resp, rollout_logprobs=roll, pass_logprobs=passes,
+                      response_mask=resp,
                       routing=routing, routing_valid=valid, kept=kept,
                       sample_indices=list(indices),
                       prompt_lens=torch.tensor([s.prompt_len for s in chosen]),

@@ -190,8 +190,6 @@ def test_hand_worked_packing_two_samples():
                                          [True, True, False, False, False]]
     assert mb.score_mask.tolist() == [[False, True, False, True, False],
                                       [True, True, False, False, False]]
-    assert mb.rollout_logprobs[0, 1:4].tolist() == pytest.approx([-0.1, -0.2, -0.3])
-    assert mb.rollout_logprobs[1, 0:2].tolist() == pytest.approx([-0.4, -0.5])
     assert torch.equal(mb.routing[0, :4], ra.long())
     assert torch.equal(mb.routing[1, :2], rb.long())
     assert mb.routing_valid.tolist() == [[True] * 4 + [False], [True, True, False, False, False]]
@@ -215,11 +213,10 @@ def test_hand_worked_packing_two_samples():
     rows = [ids[off[k]:off[k + 1]].tolist() for k in range(off.numel() - 1)]
     assert rows == [[7, 1], [8], [9, 2], [2], [3, 4]]
     # unpack back to per-sample response tensors
-    lp = mb.unpack(mb.rollout_logprobs)
-    assert lp[0].tolist() == pytest.approx([-0.1, -0.2, -0.3]) and lp[1].tolist() == pytest.approx(
-        [-0.4, -0.5])
-    padded = mb.to_response_padded(mb.rollout_logprobs)
-    assert padded.shape == (2, 3) and padded[1, 2] == 0
+    got = mb.unpack(mb.targets.float())   # each response position predicts its token
+    assert got[0].tolist() == [7, 8, 9] and got[1].tolist() == [2, 3]
+    padded = mb.to_response_padded(mb.targets.float())
+    assert padded.tolist() == [[7, 8, 9], [2, 3, 0]]
 
 
 def test_micro_batch_plan_and_pass_logprobs():
@@ -232,9 +229,8 @@ def test_micro_batch_plan_and_pass_logprobs():
     assert sorted(i for mb in mbs for i in mb.sample_indices) == list(range(5))
     for mb in mbs:
         assert mb.input_ids.shape[1] % 4 == 0
-        assert mb.pass_logprobs.shape[0] == 3
         for k, i in enumerate(mb.sample_indices):
-            assert torch.equal(mb.unpack(mb.pass_logprobs)[k], samples[i].pass_logprobs)
+            assert torch.equal(mb.unpack(mb.targets)[k], samples[i].response_ids.long())
     with pytest.raises(ValueError, match="num_experts"):
         pack_micro_batches(samples, pad_token_id=0, micro_batch_size=2)
 
