@@ -19,16 +19,6 @@ def zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.to(torch.bool), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def as_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A 0/1 float mask of ``dtype`` from a bool or numeric mask."""
-    return mask.to(dtype)
-
-
-def seq_token_counts(mask: torch.Tensor) -> torch.Tensor:
-    """Number of response tokens of each sequence, [B]."""
-    return mask.to(torch.float64).sum(-1)
-
-
 def masked_seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence sum of ``x`` over masked tokens, [B]."""
     return zero_masked(x, mask).sum(-1)

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_rl.algo import Normalisers, aggregate, collapse_guard, kept_set_sizes
+from moe_rl.algo import (Normalisers, aggregate, collapse_guard, count_normalisers,
+                         kept_set_sizes)
 from moe_rl.config import Config
 from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu, cuda_absent
@@ -361,7 +362,8 @@ class PolicyTrainer:
                 eff = batch.mask[mini]
                 if a.loss_denominator == "kept":
                     eff = eff & batch.keep[mini]
-                counts = _dp_sum([float(eff.sum()), float(eff.any(-1).sum())])
+                local = count_normalisers(eff)   # this rank's part; the loss uses the sums
+                counts = _dp_sum([local.num_tokens, local.num_seqs])
                 norm = Normalisers(counts[0], counts[1],
                                    float(a.max_len_norm or cfg.rollout.max_new_tokens))
                 selection = self._covariance_selection(batch, mini)
