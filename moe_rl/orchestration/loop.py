@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 
 import ray
@@ -13,6 +12,7 @@ import torch
 from moe_rl.config import Config, dump_config
 from moe_rl.data.prompts import PromptSampler
 from moe_rl.metrics_log import MetricsLogger, PhaseTimer, progress_bar
+from moe_rl.orchestration.weight_sync import weight_sync_for
 from moe_rl.orchestration.workers import RolloutWorker, TrainerWorker
 from moe_rl.run_inputs import RunInputs, load_run_inputs
 from moe_rl.trainer.parallel import free_port
@@ -124,7 +124,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
         _cfg_tree(cfg), os.path.join(run_dir, "logs"))
     history: list[dict] = []
     try:
-        weights = WeightSync(cfg, trainers, rollout, os.path.join(run_dir, "weights"))
+        weights = weight_sync_for(cfg, trainers, rollout, os.path.join(run_dir, "weights"))
         if start_step:
             trainers.load(os.path.join(ckpt_dir, "trainer.pt"))
             weights.sync(start_step)
@@ -195,91 +195,6 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
         ray.get(rollout.shutdown.remote())
         ray.util.remove_placement_group(pg)
     return history
-
-
-class WeightSync:
-    """Trainer -> engines after every update: a HF checkpoint on disk that every server loads
-    (``cluster.weight_sync: disk``); a broadcast from trainer rank 0 over a process group the
-    servers joined (``distributed``: NCCL on GPUs, gloo on CPU); or CUDA tensors handed to
-    colocated SGLang servers (``tensor``).
-
-    Engine deaths: every sync starts with a health check that restarts a dead server (it comes
-    back with the current weights); a server restarted since the weight group was built makes
-    the group be rebuilt; a distributed or tensor sync that fails midway is redone from disk
-    (the servers restarted, the group rebuilt), so a sync never leaves a server on old weights."""
-
-    def __init__(self, cfg: Config, trainers: Trainers, rollout, weights_dir: str):
-        self.cfg, self.trainers, self.rollout = cfg, trainers, rollout
-        self.weights_dir = weights_dir
-        self.mode = cfg.cluster.weight_sync
-        self.group_name: str | None = None
-        self.groups_built = 0
-        self.recoveries = 0
-        if self.mode != "disk":
-            ray.get(rollout.set_weight_source.remote(trainers.actors, weights_dir))
-        if self.mode == "distributed":
-            self._open_group()
-
-    def _open_group(self) -> None:
-        """(Re)build the weight-update group: trainer rank 0 and every server's ranks."""
-        r = self.cfg.rollout
-        ranks = r.sglang.tp_size if r.engine == "sglang" else 1
-        world = 1 + r.num_servers * ranks
-        backend = "nccl" if self.cfg.cluster.gpus_per_node > 0 else "gloo"
-        rank0 = self.trainers.actors[0]
-        address = ray.get(rank0.node_ip.remote())
-        port = free_port()
-        previous, self.group_name = self.group_name, f"moe_rl_weights_{self.groups_built}"
-        self.groups_built += 1
-        ray.get([rank0.open_weight_group.remote(backend, address, port, world, self.group_name,
-                                                r.request_timeout_s),
-                 self.rollout.init_weight_group.remote(address, port, self.group_name, backend,
-                                                       previous)])
-
-    def sync(self, version: int) -> None:
-        """Bring every engine server to the trainer's current weights as ``version``."""
-        ray.get(self.rollout.health.remote())   # a dead server is restarted first
-        if self.mode == "disk":   # the pool restarts and retries a server dying meanwhile
-            self._sync_disk(version)
-            return
-        if self.mode == "distributed" and ray.get(self.rollout.take_group_stale.remote()):
-            self._open_group()
-        try:
-            self._sync_distributed(version) if self.mode == "distributed" else \
-                self._sync_tensor(version)
-        except Exception as exc:   # a server died midway: redo this version from disk
-            self.recoveries += 1
-            print(f"weight sync ({self.mode}) of version {version} failed ({exc}); restarting "
-                  f"the servers that died and syncing from disk", flush=True)
-            ray.get(self.rollout.health.remote())
-            ray.get(self.rollout.abort_weight_update.remote())
-            self._sync_disk(version)
-            if self.mode == "distributed":
-                self._open_group()
-
-    def _sync_tensor(self, version: int) -> None:
-        r = self.cfg.rollout
-        urls = ray.get(self.rollout.urls.remote())
-        ray.get([a.push_weights_tensor.remote(urls, r.api_key, r.sglang.tp_size, version,
-                                              r.request_timeout_s)
-                 for a in self.trainers.actors])
-        ray.get(self.rollout.set_version.remote(version))
-
-    def _sync_distributed(self, version: int) -> None:
-        body = ray.get([a.weight_update_request.remote(version)
-                        for a in self.trainers.actors])[0]
-        ray.get(self.rollout.begin_weight_update.remote())
-        ray.get([self.rollout.update_weights_distributed.remote(body),
-                 self.trainers.actors[0].broadcast_weights.remote()])
-        ray.get(self.rollout.end_weight_update.remote())
-
-    def _sync_disk(self, version: int) -> None:
-        target = os.path.join(self.weights_dir, f"v{version}")
-        self.trainers.export(target)
-        ray.get(self.rollout.update_weights.remote(target, version))
-        for name in os.listdir(self.weights_dir):
-            if name != f"v{version}":
-                shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
 
 
 def save_checkpoint(trainers: Trainers, sampler: PromptSampler, ckpt_dir: str, step: int) -> None:

@@ -1,0 +1,138 @@
+"""Trainer -> engine weight sync after every update, one class per ``cluster.weight_sync`` mode:
+a HF checkpoint on disk that every server loads (:class:`DiskSync`); a broadcast from trainer
+rank 0 over a process group the servers joined (:class:`DistributedSync`: NCCL on GPUs, gloo on
+CPU); CUDA tensors handed to colocated SGLang servers (:class:`TensorSync`).
+
+Engine deaths: every sync starts with a health check that restarts a dead server (it comes back
+with the current weights); a server restarted since the weight group was built makes the group be
+rebuilt; a distributed or tensor sync that fails midway is redone from disk (the servers
+restarted, the group rebuilt), so a sync never leaves a server on old weights."""
+from __future__ import annotations
+
+import os
+import shutil
+from abc import ABC, abstractmethod
+
+import ray
+
+from moe_rl.config import Config
+from moe_rl.trainer.parallel import free_port
+
+
+class DiskSync:
+    """Export a HF checkpoint (``weights/v{version}``) that every server loads; the pool
+    restarts and retries a server that dies meanwhile."""
+
+    def __init__(self, cfg: Config, trainers, rollout, weights_dir: str):
+        self.cfg, self.trainers, self.rollout = cfg, trainers, rollout
+        self.weights_dir = weights_dir
+        self.recoveries = 0
+
+    def sync(self, version: int) -> None:
+        """Bring every engine server to the trainer's current weights as ``version``."""
+        ray.get(self.rollout.health.remote())   # a dead server is restarted first
+        self._sync_disk(version)
+
+    def _sync_disk(self, version: int) -> None:
+        target = os.path.join(self.weights_dir, f"v{version}")
+        self.trainers.export(target)
+        ray.get(self.rollout.update_weights.remote(target, version))
+        for name in os.listdir(self.weights_dir):
+            if name != f"v{version}":
+                shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
+
+
+class _InMemorySync(DiskSync, ABC):
+    """Shared by the in-memory modes: a restarted server gets the trainer's weights exported
+    for it; a failed sync is redone from disk."""
+
+    def __init__(self, cfg: Config, trainers, rollout, weights_dir: str):
+        super().__init__(cfg, trainers, rollout, weights_dir)
+        ray.get(rollout.set_weight_source.remote(trainers.actors, weights_dir))
+
+    def sync(self, version: int) -> None:
+        ray.get(self.rollout.health.remote())
+        self._prepare()
+        try:
+            self._send(version)
+        except Exception as exc:   # a server died midway: redo this version from disk
+            self.recoveries += 1
+            print(f"weight sync ({self.cfg.cluster.weight_sync}) of version {version} failed "
+                  f"({exc}); restarting the servers that died and syncing from disk", flush=True)
+            ray.get(self.rollout.health.remote())
+            ray.get(self.rollout.abort_weight_update.remote())
+            self._sync_disk(version)
+            self._after_recovery()
+
+    def _prepare(self) -> None:
+        """Before a sync (nothing by default)."""
+
+    def _after_recovery(self) -> None:
+        """After a sync redone from disk (nothing by default)."""
+
+    @abstractmethod
+    def _send(self, version: int) -> None:
+        """Hand ``version`` to every server."""
+
+
+class DistributedSync(_InMemorySync):
+    """Broadcast the HF-named tensors from trainer rank 0 over a process group with every
+    server's ranks, inside a weight-update session; the group is rebuilt after any restart."""
+
+    def __init__(self, cfg: Config, trainers, rollout, weights_dir: str):
+        super().__init__(cfg, trainers, rollout, weights_dir)
+        self.group_name: str | None = None
+        self.groups_built = 0
+        self._open_group()
+
+    def _open_group(self) -> None:
+        """(Re)build the weight-update group: trainer rank 0 and every server's ranks."""
+        r = self.cfg.rollout
+        ranks = r.sglang.tp_size if r.engine == "sglang" else 1
+        world = 1 + r.num_servers * ranks
+        backend = "nccl" if self.cfg.cluster.gpus_per_node > 0 else "gloo"
+        rank0 = self.trainers.actors[0]
+        address = ray.get(rank0.node_ip.remote())
+        port = free_port()
+        previous, self.group_name = self.group_name, f"moe_rl_weights_{self.groups_built}"
+        self.groups_built += 1
+        ray.get([rank0.open_weight_group.remote(backend, address, port, world, self.group_name,
+                                                r.request_timeout_s),
+                 self.rollout.init_weight_group.remote(address, port, self.group_name, backend,
+                                                       previous)])
+
+    def _prepare(self) -> None:
+        if ray.get(self.rollout.take_group_stale.remote()):
+            self._open_group()
+
+    def _after_recovery(self) -> None:
+        self._open_group()
+
+    def _send(self, version: int) -> None:
+        body = ray.get([a.weight_update_request.remote(version)
+                        for a in self.trainers.actors])[0]
+        ray.get(self.rollout.begin_weight_update.remote())
+        ray.get([self.rollout.update_weights_distributed.remote(body),
+                 self.trainers.actors[0].broadcast_weights.remote()])
+        ray.get(self.rollout.end_weight_update.remote())
+
+
+class TensorSync(_InMemorySync):
+    """Colocated SGLang: every trainer rank hands the tensors on its GPU to the SGLang TP rank
+    on that GPU (``/update_weights_from_tensor``)."""
+
+    def _send(self, version: int) -> None:
+        r = self.cfg.rollout
+        urls = ray.get(self.rollout.urls.remote())
+        ray.get([a.push_weights_tensor.remote(urls, r.api_key, r.sglang.tp_size, version,
+                                              r.request_timeout_s)
+                 for a in self.trainers.actors])
+        ray.get(self.rollout.set_version.remote(version))
+
+
+SYNC_MODES = {"disk": DiskSync, "distributed": DistributedSync, "tensor": TensorSync}
+
+
+def weight_sync_for(cfg: Config, trainers, rollout, weights_dir: str) -> DiskSync:
+    """The weight sync of ``cluster.weight_sync``."""
+    return SYNC_MODES[cfg.cluster.weight_sync](cfg, trainers, rollout, weights_dir)
