@@ -91,11 +91,13 @@ def init_group_request(master_address: str, master_port: int, rank_offset: int,
             "backend": backend}
 
 
-def update_request(named: list[tuple[str, torch.Tensor]], version: int, group_name: str) -> dict:
-    """Body of ``/update_weights_from_distributed``: the tensors' metadata, in broadcast order."""
+def update_request(named: list[tuple[str, torch.Tensor]], version: int, group_name: str,
+                   flush_cache: bool = True) -> dict:
+    """Body of ``/update_weights_from_distributed`` for one bucket: the tensors' metadata, in
+    broadcast order; ``flush_cache`` (SGLang's field) on the last bucket of an update only."""
     return {"names": [n for n, _ in named], "dtypes": [dtype_name(t.dtype) for _, t in named],
             "shapes": [list(t.shape) for _, t in named], "group_name": group_name,
-            "flush_cache": True, "weight_version": str(version)}
+            "flush_cache": flush_cache, "weight_version": str(version)}
 
 
 def broadcast_tensors(group, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -194,8 +196,9 @@ def gather_strings(text: str, group=None) -> list[str] | None:
     return [bytes(p[:int(n)].tolist()).decode("ascii") for p, n in zip(parts, sizes)]
 
 
-def tensor_update_request(payloads: list[str], version: int) -> dict:
-    """Body of SGLang's ``/update_weights_from_tensor`` for one server: ``payloads[j]`` is the
-    serialisation (:func:`serialize_named_tensors`) of the tensors on its TP rank j's GPU."""
+def tensor_update_request(payloads: list[str], version: int, flush_cache: bool = True) -> dict:
+    """Body of SGLang's ``/update_weights_from_tensor`` for one server and one bucket:
+    ``payloads[j]`` is the serialisation (:func:`serialize_named_tensors`) of the bucket's tensors
+    on its TP rank j's GPU; ``flush_cache`` on the last bucket only."""
     return {"serialized_named_tensors": list(payloads), "load_format": None,
-            "flush_cache": True, "weight_version": str(version)}
+            "flush_cache": flush_cache, "weight_version": str(version)}

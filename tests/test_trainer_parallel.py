@@ -13,7 +13,8 @@ def _worker(rank, port, model_dir, out_dir, mode):
     from moe_rl.config import config_from_dict
     from moe_rl.packing import pack_one
     from moe_rl.trainer.forward import forward_logprobs
-    from moe_rl.trainer.hf_weights import load_hf_into_megatron, megatron_to_hf
+    from moe_rl.trainer.hf_weights import (iter_hf_buckets, load_hf_into_megatron,
+                                           megatron_to_hf)
     from moe_rl.trainer.model_builder import build_model
     from moe_rl.trainer.parallel import ParallelSizes, destroy, init_distributed, \
         init_model_parallel
@@ -34,7 +35,11 @@ def _worker(rank, port, model_dir, out_dir, mode):
         with torch.no_grad():
             lp, _ = forward_logprobs(model, mb)
         exported = megatron_to_hf(model, spec)
+        streamed = {k: v for bucket, _ in iter_hf_buckets(model, spec, 4096)   # to rank 0 only
+                    for k, v in bucket}
         torch.save({"lp": lp, "n_local": n_local, "keys": sorted(exported),
+                    "streamed_keys": sorted(streamed),
+                    "streamed_equal": all(torch.equal(v, exported[k]) for k, v in streamed.items()),
                     "expert5": exported["model.layers.0.mlp.experts.5.gate_proj.weight"]},
                    os.path.join(out_dir, f"ep{rank}.pt"))
     else:   # data parallel: each rank trains on its own group; gradients are all-reduced
@@ -90,6 +95,10 @@ def test_expert_parallel_2_matches_single_process(tmp_path):
         assert len(out["keys"]) == len(set(out["keys"]))
     e0, e1 = (torch.load(tmp_path / f"ep{r}.pt") for r in range(2))
     assert e0["keys"] == e1["keys"] and torch.equal(e0["expert5"], e1["expert5"])
+    # the streaming exporter: every tensor on the exporting rank, each expert sent by its owner;
+    # nothing materialised on the other rank
+    assert e0["streamed_keys"] == e0["keys"] and e0["streamed_equal"]
+    assert e1["streamed_keys"] == []
 
 
 @pytest.mark.multiproc

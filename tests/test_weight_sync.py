@@ -49,10 +49,20 @@ def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
         eng.begin_weight_update()
         with pytest.raises(EngineHTTPError, match="already open"):
             eng.begin_weight_update()
-        sender = threading.Thread(target=broadcast_tensors, args=(joined["group"], named))
-        sender.start()
-        eng.update_weights_from_distributed(body)
-        sender.join(60)
+        # in two buckets: the first is staged, the last (flush_cache) commits the update
+        half = len(named) // 2
+
+        def send(bucket, last):
+            sender = threading.Thread(target=broadcast_tensors, args=(joined["group"], bucket))
+            sender.start()
+            try:
+                return eng.update_weights_from_distributed(
+                    update_request(bucket, 5, "w", flush_cache=last))
+            finally:
+                sender.join(60)
+        send(named[:half], False)
+        assert eng.weight_versions() == ["default", "default"]   # staged, not served yet
+        send(named[half:], True)
         eng.end_weight_update()
         with pytest.raises(EngineHTTPError, match="no weight-update session"):
             eng.end_weight_update()
@@ -78,6 +88,20 @@ def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
         with pytest.raises(EngineHTTPError, match="group_name"):
             eng.update_weights_from_distributed({**body, "group_name": "nope"})
         eng.end_weight_update()
+        # a last bucket that leaves a tensor out is refused: the served weights stay
+        eng.begin_weight_update()
+        send(named[:half], False)
+        with pytest.raises(EngineHTTPError, match="missing"):
+            send(named[half:-1], True)
+        eng.end_weight_update()
+        assert eng.weight_versions() == ["5", "5"]
+        kept = eng.generate(prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
+        assert torch.equal(kept.rollout_logprobs, want.rollout_logprobs)
+        # a session closed before the last bucket drops what it staged
+        eng.begin_weight_update()
+        send(named[:half], False)
+        with pytest.raises(EngineHTTPError, match="never came"):
+            eng.end_weight_update()
         # leaving the group: the servers forget it (a rebuilt group takes a new name)
         assert all(r["success"] for r in eng.destroy_weights_update_group("w"))
         assert not any(r["success"] for r in eng.destroy_weights_update_group("w"))
@@ -200,3 +224,47 @@ def test_trainer_group_meets_sglangs_construction(tmp_path):
         assert k.exitcode == 0
     for r in (1, 2):
         assert torch.equal(torch.load(tmp_path / f"r{r}.pt"), sent)
+
+
+def test_buckets_hold_at_most_one_bucket_and_mark_the_last():
+    from moe_rl.trainer.hf_weights import hf_buckets
+    tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5, 5])]  # floats
+    got = list(hf_buckets(iter(tensors), bucket_bytes=80))
+    assert [[n for n, _ in b] for b, _ in got] == [["t0", "t1"], ["t2"], ["t3", "t4", "t5"]]
+    assert [last for _, last in got] == [False, False, True]
+    assert all(sum(t.numel() * 4 for _, t in b) <= 80 or len(b) == 1 for b, _ in got)
+    assert list(hf_buckets(iter([]), 80)) == [([], True)]
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        list(hf_buckets(iter(tensors), 0))
+
+
+def test_sharded_checkpoint_loads_back(tmp_path):
+    """Cut into small shards: files named as HF does, an index mapping every tensor, and
+    every tensor read back bit for bit (the engines load it as any HF checkpoint)."""
+    from moe_rl.trainer.hf_weights import HFCheckpoint, save_hf_checkpoint
+    from moe_rl.trainer.model_builder import model_spec
+    src = tmp_path / "src"
+    write_tiny_model(ModelInitConfig(seed=4), str(src))
+    tensors = load_file(str(src / "model.safetensors"))
+    spec = model_spec(json.loads((src / "config.json").read_text()))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"stale")   # a previous export's file goes
+    save_hf_checkpoint(tensors, spec, str(out), source_dir=str(src),
+                       shard_bytes=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    n = len(files)
+    assert n > 3 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                  for t in tensors.values())
+    back = HFCheckpoint(str(out))
+    assert all(torch.equal(back.get(k), v) for k, v in tensors.items())
+    proc = ServerProcess(str(out), free_port()).start()   # the reference engine serves it
+    try:
+        r = httpx.post(proc.url + "/generate", timeout=60, json={
+            "input_ids": [6, 7], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200
+    finally:
+        proc.stop()

@@ -109,11 +109,9 @@ class DistributedSync(_InMemorySync):
         self._open_group()
 
     def _send(self, version: int) -> None:
-        body = ray.get([a.weight_update_request.remote(version)
-                        for a in self.trainers.actors])[0]
         ray.get(self.rollout.begin_weight_update.remote())
-        ray.get([self.rollout.update_weights_distributed.remote(body),
-                 self.trainers.actors[0].broadcast_weights.remote()])
+        ray.get([a.stream_weights_distributed.remote(self.rollout, version)
+                 for a in self.trainers.actors])
         ray.get(self.rollout.end_weight_update.remote())
 
 

@@ -57,48 +57,69 @@ class TrainerWorker:
         self.weight_group = open_group(backend, address, port, 0, world, group_name,
                                        timeout_s=timeout_s)
 
-    def weight_update_request(self, version: int) -> dict | None:
-        """Gather the weights (collective); rank 0 keeps them and returns the request body."""
-        from moe_rl.weight_sync import update_request
-        tensors = self.trainer.hf_tensors()
-        if self.rank != 0:
-            return None
-        self.pending = sorted(tensors.items())
-        return update_request(self.pending, version, self.group_name)
-
-    def broadcast_weights(self) -> int:
-        """Rank 0 sends the weights announced by :meth:`weight_update_request`."""
-        from moe_rl.weight_sync import broadcast_tensors
-        broadcast_tensors(self.weight_group, self.pending)
-        n, self.pending = len(self.pending), []
-        return n
+    def stream_weights_distributed(self, rollout, version: int) -> int:
+        """Distributed sync (collective over the trainer ranks): the policy streams in buckets
+        of ``cluster.weight_sync_bucket_mb``; for each, rank 0 has the rollout worker announce
+        it to every server (``/update_weights_from_distributed``, ``flush_cache`` on the last)
+        and broadcasts its tensors. A failure is raised after the stream ended, so the other
+        ranks are never left in a collective. Returns the tensors sent."""
+        import ray as _ray
+        from moe_rl.weight_sync import broadcast_tensors, update_request
+        sent, failure = 0, None
+        for bucket, last in self.trainer.hf_buckets():
+            if self.rank != 0 or failure is not None or not bucket:
+                continue
+            answer = rollout.update_weights_distributed.remote(
+                update_request(bucket, version, self.group_name, flush_cache=last))
+            try:
+                broadcast_tensors(self.weight_group, bucket)
+                _ray.get(answer)
+                sent += len(bucket)
+            except Exception as exc:   # finish the stream (collectives), then report
+                failure = exc
+        if failure is not None:
+            raise failure
+        return sent
 
     def push_weights_tensor(self, urls: list[str], api_key: str | None, tp_size: int,
                             version: int, timeout: float) -> int:
-        """Colocated SGLang: hand the weights to every server as CUDA tensors (collective). Each
-        trainer rank serialises the tensors on its own GPU, which is the GPU of SGLang's
-        TP rank ``rank % tp_size`` of server ``rank // tp_size``; rank 0 gathers the payloads
-        and posts each server its TP ranks' ones inside a weight-update session, keeping its
-        tensors alive until the servers answered."""
+        """Colocated SGLang: hand the weights to every server as CUDA tensors (collective), in
+        buckets of ``cluster.weight_sync_bucket_mb``. Each trainer rank serialises the bucket's
+        tensors on its own GPU, which is the GPU of SGLang's TP rank ``rank % tp_size`` of server
+        ``rank // tp_size``; rank 0 gathers the payloads and posts each server its TP ranks'
+        ones inside a weight-update session, keeping its tensors alive until the servers
+        answered. Returns the tensors sent."""
         import httpx
         from moe_rl.weight_sync import (gather_strings, serialize_named_tensors,
                                         tensor_update_request)
-        named = sorted(self.trainer.hf_tensors().items())
-        payloads = gather_strings(serialize_named_tensors(named))
-        if self.rank != 0:
-            return 0
-        if len(payloads) < len(urls) * tp_size:
-            raise ValueError(f"cluster.trainer_workers: {len(payloads)} trainer ranks cannot feed "
-                             f"{len(urls)} servers of TP {tp_size}")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        for s, url in enumerate(urls):   # SGLang loads tensor updates only inside a session
-            body = tensor_update_request(payloads[s * tp_size:(s + 1) * tp_size], version)
-            for path, payload in (("/begin_weight_update", {}),
-                                  ("/update_weights_from_tensor", body),
-                                  ("/end_weight_update", {})):
-                httpx.post(url + path, json=payload, headers=headers,
+
+        def post_all(path, bodies):
+            for url, body in zip(urls, bodies):
+                httpx.post(url + path, json=body, headers=headers,
                            timeout=timeout).raise_for_status()
-        return len(named)
+        sent, failure = 0, None
+        if self.rank == 0:   # SGLang loads tensor updates only inside a session
+            post_all("/begin_weight_update", [{}] * len(urls))
+        for bucket, last in self.trainer.hf_buckets(everywhere=True):
+            payloads = gather_strings(serialize_named_tensors(bucket))
+            if self.rank != 0 or failure is not None:
+                continue
+            try:
+                if len(payloads) < len(urls) * tp_size:
+                    raise ValueError(f"cluster.trainer_workers: {len(payloads)} trainer ranks "
+                                     f"cannot feed {len(urls)} servers of TP {tp_size}")
+                post_all("/update_weights_from_tensor", [
+                    tensor_update_request(payloads[s * tp_size:(s + 1) * tp_size], version,
+                                          flush_cache=last) for s in range(len(urls))])
+                sent += len(bucket)
+            except Exception as exc:   # finish the stream (collectives), then report
+                failure = exc
+        if self.rank == 0:
+            if failure is not None:
+                raise failure
+            post_all("/end_weight_update", [{}] * len(urls))
+        return sent
 
     def save(self, path: str) -> None:
         self.trainer.save_checkpoint(f"{path}.rank{self.rank}")

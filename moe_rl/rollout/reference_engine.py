@@ -264,6 +264,7 @@ class ReferenceEngine:
         self.max_context = 1 << 30
         self._received_dir: str | None = None
         self._scratch = tempfile.TemporaryDirectory(prefix="moe_rl_engine_")   # gone at exit
+        self._staged: dict[str, torch.Tensor] = {}   # buckets of an update not yet committed
         self.deterministic = deterministic_inference
         self.batches: list[_Batch] = []    # the running requests with their KV caches
         self._raw_logprobs = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in (
@@ -417,13 +418,25 @@ class ReferenceEngine:
         self.in_update_session = True
 
     def end_weight_update(self) -> None:
-        """Close the session opened by :meth:`begin_weight_update`."""
+        """Close the session opened by :meth:`begin_weight_update` (buckets of an update that
+        never committed are dropped: the served weights stay)."""
         if not self.in_update_session:
             raise RequestError("end_weight_update: no weight-update session is open")
         self.in_update_session = False
+        if self._staged:
+            self._staged = {}
+            raise RequestError("end_weight_update: the update's last bucket (flush_cache: true) "
+                               "never came; its staged buckets are dropped, the served weights "
+                               "are unchanged")
 
-    def update_from_distributed(self, names, dtypes, shapes, group_name: str) -> None:
-        """Receive the broadcast weights (HF names) and load them (inside a session)."""
+    def update_from_distributed(self, names, dtypes, shapes, group_name: str,
+                                flush_cache: bool = True) -> bool:
+        """Receive one bucket of broadcast weights (HF names) inside a session. Buckets are
+        staged; the one with ``flush_cache`` (SGLang's marker of an update's last request)
+        commits them: the staged set must then be the served checkpoint's, exactly (every
+        tensor, no unknown name, same shapes and dtypes, finite), and replaces the served
+        weights atomically; on any refusal the staged buckets are dropped and the served weights
+        stay. Returns whether this request committed."""
         import shutil
         from safetensors.torch import save_file
         from moe_rl.weight_sync import receive_tensors
@@ -437,14 +450,21 @@ class ReferenceEngine:
         tensors = receive_tensors(self.groups[group_name], names, dtypes, shapes)
         expected = self.checkpoint_spec   # the served checkpoint's tensor names, shapes, dtypes
         unknown = sorted(set(tensors) - set(expected))
-        missing = sorted(set(expected) - set(tensors))
+        again = sorted(set(tensors) & set(self._staged))
         wrong = sorted(k for k in tensors if k in expected and
                        (list(tensors[k].shape), str(tensors[k].dtype)) != expected[k])
         bad = sorted(k for k, t in tensors.items() if not torch.isfinite(t).all())
-        if unknown or missing or wrong or bad:
+        missing = sorted(set(expected) - set(tensors) - set(self._staged)) if flush_cache else []
+        if unknown or again or wrong or bad or missing:
+            self._staged = {}
             raise RequestError(f"update_weights_from_distributed: refused, the served weights are "
-                               f"unchanged: unknown names {unknown[:5]}, missing {missing[:5]}, "
-                               f"wrong shape/dtype {wrong[:5]}, non-finite {bad[:5]}")
+                               f"unchanged: unknown names {unknown[:5]}, sent twice {again[:5]}, "
+                               f"missing {missing[:5]}, wrong shape/dtype {wrong[:5]}, "
+                               f"non-finite {bad[:5]}")
+        self._staged.update(tensors)
+        if not flush_cache:
+            return False
+        tensors, self._staged = self._staged, {}
         target = tempfile.mkdtemp(prefix="weights_", dir=self._scratch.name)
         try:
             save_file(tensors, os.path.join(target, "model.safetensors"))
@@ -460,6 +480,7 @@ class ReferenceEngine:
         self._received_dir = target
         if previous:
             shutil.rmtree(previous, ignore_errors=True)
+        return True
 
     # ------------------------------------------------------------------ continuous batching
     @property

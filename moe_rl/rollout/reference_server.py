@@ -309,11 +309,17 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
         if not all(isinstance(b.get(k), list) for k in ("names", "dtypes", "shapes")):
             return JSONResponse({"success": False, "message": "names, dtypes, shapes: expected "
                                  "lists"}, status_code=400)
-        err = await _blocking(engine.update_from_distributed, b["names"], b["dtypes"],
-                              b["shapes"], b.get("group_name", "weight_update_group"))
+        if not isinstance(b.get("flush_cache", True), bool):
+            return JSONResponse({"success": False, "message": "flush_cache: expected a boolean"},
+                                status_code=400)
+        committed = []
+        err = await _blocking(lambda *a: committed.append(engine.update_from_distributed(*a)),
+                              b["names"], b["dtypes"], b["shapes"],
+                              b.get("group_name", "weight_update_group"),
+                              b.get("flush_cache", True))
         if err is not None:
             return err
-        if b.get("weight_version") is not None:
+        if committed[0] and b.get("weight_version") is not None:
             engine.weight_version = str(b["weight_version"])
         return {"success": True, "message": f"received {len(b['names'])} tensors",
                 "weight_version": engine.weight_version}

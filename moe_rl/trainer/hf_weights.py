@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from moe_rl.trainer.model_builder import ModelSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+INDEX_FILE = "model.safetensors.index.json"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +177,7 @@ class HFCheckpoint:
 
     def __init__(self, path: str):
         self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
+        index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
             with open(index, encoding="utf-8") as fh:
                 self.where = {k: os.path.join(path, f) for k, f in json.load(fh)["weight_map"].items()}
@@ -229,62 +231,184 @@ def load_hf_into_megatron(model, spec: ModelSpec, hf_path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # megatron -> HF
 
-def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+def _collect(t: torch.Tensor, group, everywhere: bool) -> list[torch.Tensor] | None:
+    """Every rank's ``t`` over ``group``: on every rank (``everywhere``, an all-gather) or on the
+    group's first rank only (a gather; the others get None and allocate nothing)."""
     if group is None or dist.get_world_size(group) == 1:
         return [t]
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t.contiguous(), group=group)
+    t = t.contiguous()
+    n = dist.get_world_size(group)
+    if everywhere:
+        out = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(out, t, group=group)
+        return out
+    first = dist.get_global_rank(group, 0)
+    out = [torch.empty_like(t) for _ in range(n)] if dist.get_rank() == first else None
+    dist.gather(t, out, dst=first, group=group)
     return out
+
+
+def exporting_rank() -> bool:
+    """The rank that holds the exported tensors (global rank 0)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class _Exporter:
+    """Per-parameter HF export of this rank's model (shared by the streaming functions)."""
+
+    def __init__(self, model, spec: ModelSpec, everywhere: bool):
+        from megatron.core import parallel_state as ps
+        self.tp_rank, self.tp_size, self.ep_rank, self.ep_size = _ranks()
+        self.tp_group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+        self.ep_group = ps.get_expert_model_parallel_group() if self.ep_size > 1 else None
+        self.spec, self.everywhere = spec, everywhere
+        self.names = _Names(spec)
+        self.e_local = _local_experts(spec, self.ep_size)
+        self.layer_of = _layer_numbers(model)
+        hf = spec.hf_config
+        self.n_groups = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+        self.n_heads = int(hf["num_attention_heads"])
+        self.head_dim = int(hf.get("head_dim") or spec.hidden_size // self.n_heads)
+        self.keep = everywhere or exporting_rank()
+        self.params = list(model.named_parameters())
+
+    def full_bytes(self, name: str, param: torch.Tensor) -> int:
+        """Bytes of the HF tensors parameter ``name`` becomes (all ranks' shards and experts),
+        from shapes alone (every rank plans the same buckets)."""
+        n = param.numel() * param.element_size()
+        if _sharding(name) != "replicated":
+            n *= self.tp_size
+        if ".local_experts." in name:
+            n *= self.ep_size
+        return n
+
+    def tensors(self, name: str, param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Parameter ``name`` as full HF tensors on this rank if it keeps them ([] otherwise);
+        collective over its tensor/expert groups. Pieces of one parameter are copies (they
+        must not share storage); an ungathered whole parameter is handed on as is."""
+        kind = _sharding(name)
+        is_expert = ".local_experts." in name
+        value = param.detach()
+        shards = _collect(value, self.tp_group, self.everywhere) if kind != "replicated" \
+            else [value]
+        if is_expert and self.ep_group is not None:
+            # every rank enters the expert gather (a TP rank > 0 sends its own copy, unused)
+            full = tp_merge(shards, kind) if shards is not None else value
+            values = _collect(full, self.ep_group, self.everywhere)
+            owners = list(range(self.ep_size))
+        else:
+            values = None if shards is None else [tp_merge(shards, kind)]
+            owners = [self.ep_rank]
+        out: list[tuple[str, torch.Tensor]] = []
+        if not self.keep or values is None:
+            return out
+        for owner, full in zip(owners, values):
+            how, parts = self.names.hf_parts(name, self.layer_of, owner, self.e_local)
+            if how == "copy":
+                pieces = [full.contiguous()]
+            elif how == "cat":
+                pieces = [p.clone() for p in full.chunk(2, dim=0)]
+            else:
+                pieces = [p.contiguous().clone() for p in
+                          qkv_split(full, self.n_groups, self.head_dim,
+                                    self.n_heads // self.n_groups)]
+            for part, piece in zip(parts, pieces):
+                if not (part == "lm_head.weight" and self.spec.tie_word_embeddings):
+                    out.append((part, piece))
+        return out
+
+
+@torch.no_grad()
+def iter_hf_buckets(model, spec: ModelSpec, bucket_bytes: int, everywhere: bool = False
+                    ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """The policy as full HF-named tensors in buckets of at most ``bucket_bytes`` (a parameter
+    larger than that travels alone): yields (bucket, is_last). Collective: every tensor- and
+    expert-parallel rank iterates it to the end. The buckets are planned from parameter shapes
+    before anything is gathered, so a rank holds one bucket at a time. A tensor-parallel
+    parameter is gathered to the first rank of its group and an expert is sent by the rank that
+    owns it to the first expert-parallel rank: only the exporting rank (:func:`exporting_rank`)
+    gets tensors (the others get empty buckets), unless ``everywhere`` (all-gathers: the per-GPU
+    tensor path needs every rank to hold each bucket)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes: expected >= 1, got {bucket_bytes}")
+    ex = _Exporter(model, spec, everywhere)
+    groups: list[list[int]] = []
+    size = 0
+    for i, (name, param) in enumerate(ex.params):
+        n = ex.full_bytes(name, param)
+        if not groups or size + n > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    for k, group in enumerate(groups):
+        bucket = [t for i in group for t in ex.tensors(*ex.params[i])]
+        yield bucket, k == len(groups) - 1
+
+
+def hf_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+               ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """Group (name, tensor) pairs into buckets of at most ``bucket_bytes`` (a larger tensor
+    alone); yields (bucket, is_last)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes: expected >= 1, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket, False
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    yield bucket, True
 
 
 @torch.no_grad()
 def megatron_to_hf(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Full HF-named tensors of this pipeline stage, gathered across tensor- and expert-parallel
-    ranks (collective: every rank of those groups must call it)."""
-    from megatron.core import parallel_state as ps
-    tp_rank, tp_size, ep_rank, ep_size = _ranks()
-    tp_group = ps.get_tensor_model_parallel_group() if tp_size > 1 else None
-    ep_group = ps.get_expert_model_parallel_group() if ep_size > 1 else None
-    names = _Names(spec)
-    e_local = _local_experts(spec, ep_size)
-    layer_of = _layer_numbers(model)
-    hf = spec.hf_config
-    n_groups = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
-    n_heads = int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or spec.hidden_size // n_heads)
-    out: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        kind = _sharding(name)
-        is_expert = ".local_experts." in name
-        shards = _gather(param.detach(), tp_group) if kind != "replicated" else [param.detach()]
-        full = tp_merge(shards, kind)
-        owners = list(range(ep_size)) if is_expert else [ep_rank]
-        values = _gather(full, ep_group) if is_expert else [full]
-        for owner, value in zip(owners, values):
-            how, parts = names.hf_parts(name, layer_of, owner, e_local)
-            if how == "copy":
-                pieces = [value]
-            elif how == "cat":
-                pieces = list(value.chunk(2, dim=0))
-            else:
-                pieces = list(qkv_split(value, n_groups, head_dim, n_heads // n_groups))
-            for part, piece in zip(parts, pieces):
-                out[part] = piece.contiguous().clone()
-    if spec.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    return out
+    """Full HF-named tensors (copies) of this pipeline stage on every tensor- and
+    expert-parallel rank (collective). Materialises the whole model: the syncs stream
+    :func:`iter_hf_buckets` instead."""
+    return {k: v.clone() for bucket, _ in iter_hf_buckets(model, spec, 1 << 62, everywhere=True)
+            for k, v in bucket}
 
 
-def save_hf_checkpoint(tensors: dict[str, torch.Tensor], spec: ModelSpec, out_dir: str,
-                       source_dir: str | None = None, dtype: torch.dtype | None = None) -> None:
-    """Write ``config.json`` + ``model.safetensors`` (and the tokenizer files of ``source_dir``)
-    in the layout SGLang and the reference engine load."""
+def save_hf_checkpoint(tensors, spec: ModelSpec, out_dir: str, source_dir: str | None = None,
+                       dtype: torch.dtype | None = None, shard_bytes: int = 1 << 62) -> None:
+    """Write ``config.json`` and the weights (and the tokenizer files of ``source_dir``) in the
+    layout SGLang and the reference engine load. ``tensors``: a dict (cut into shards of at
+    most ``shard_bytes``), or streamed (bucket, is_last) pairs, each written as one shard as it
+    comes: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with
+    ``model.safetensors.index.json`` (each file appears whole: written aside, then renamed)."""
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {k: (v.to(dtype) if dtype is not None else v).contiguous()
-               for k, v in sorted(tensors.items())}
-    tmp = os.path.join(out_dir, "model.safetensors.tmp")
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    for fname in os.listdir(out_dir):   # a previous export's shards must not linger
+        if fname.endswith(".safetensors") or fname == INDEX_FILE:
+            os.remove(os.path.join(out_dir, fname))
+    buckets = hf_buckets(sorted(tensors.items()), shard_bytes) if isinstance(tensors, dict) \
+        else tensors
+    shards: list[tuple[str, list[str]]] = []
+    total = 0
+    for bucket, _ in buckets:
+        bucket = [(k, (v.to(dtype) if dtype is not None else v).contiguous()) for k, v in bucket]
+        if not bucket:
+            continue
+        tmp = os.path.join(out_dir, f".shard-{len(shards)}.tmp")
+        save_file(dict(bucket), tmp, metadata={"format": "pt"})
+        shards.append((tmp, [k for k, _ in bucket]))
+        total += sum(v.numel() * v.element_size() for _, v in bucket)
+    if len(shards) == 1:
+        os.replace(shards[0][0], os.path.join(out_dir, "model.safetensors"))
+    else:
+        weight_map = {}
+        for i, (tmp, names) in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            os.replace(tmp, os.path.join(out_dir, fname))
+            weight_map.update({k: fname for k in names})
+        tmp = os.path.join(out_dir, INDEX_FILE + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh,
+                      indent=2, sort_keys=True)
+        os.replace(tmp, os.path.join(out_dir, INDEX_FILE))
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(spec.hf_config, fh, indent=2, sort_keys=True)
     if source_dir:

@@ -22,7 +22,8 @@ from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu, cuda_absent
 from moe_rl.trainer.forward import forward_logprobs
 from moe_rl.trainer.loss import LossInputs, PolicyLoss
-from moe_rl.trainer.hf_weights import load_hf_into_megatron, megatron_to_hf, save_hf_checkpoint
+from moe_rl.trainer.hf_weights import (exporting_rank, iter_hf_buckets,
+                                       load_hf_into_megatron, save_hf_checkpoint)
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import ParallelSizes
 from moe_rl.trainer.replay import ReplayController
@@ -159,6 +160,7 @@ class PolicyTrainer:
         self.guard_skipped_total = 0
         self.generator = torch.Generator().manual_seed(t.seed)
         self.loss = PolicyLoss(cfg.algorithm, self.generator)
+        self.bucket_bytes = max(1, int(cfg.cluster.weight_sync_bucket_mb * (1 << 20)))
 
     # ------------------------------------------------------------------ micro-batches
     def _micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
@@ -477,9 +479,11 @@ class PolicyTrainer:
                 self.ema[name].mul_(d).add_(p.detach().float(), alpha=1 - d)
 
     # ------------------------------------------------------------------ weights out
-    def hf_tensors(self) -> dict[str, torch.Tensor]:
-        """The policy as full HF-named tensors (collective across tensor/expert ranks)."""
-        return megatron_to_hf(self.model.module, self.spec)
+    def hf_buckets(self, everywhere: bool = False):
+        """The policy as HF-named tensors in buckets of ``cluster.weight_sync_bucket_mb``:
+        (bucket, is_last) pairs, full tensors on the exporting rank (every rank with
+        ``everywhere``); collective over the tensor/expert ranks, iterate to the end."""
+        return iter_hf_buckets(self.model.module, self.spec, self.bucket_bytes, everywhere)
 
     def export_hf(self, out_dir: str, use_ema: bool = False) -> None:
         """Write the current (or, with ``use_ema``, the EMA) policy as a HF checkpoint (rank 0
@@ -491,15 +495,18 @@ class PolicyTrainer:
                 saved = {n: p.detach().clone() for n, p in model.named_parameters()}
                 for name, p in model.named_parameters():
                     p.copy_(self.ema[name].to(p.dtype))
-        try:   # cloned: the raw weights are put back before the file is written
-            tensors = {k: v.detach().clone() for k, v in megatron_to_hf(model, self.spec).items()}
+        try:   # streamed: the exporting rank writes shards as the tensors arrive
+            stream = iter_hf_buckets(model, self.spec, self.bucket_bytes)
+            if exporting_rank():
+                save_hf_checkpoint(stream, self.spec, out_dir, source_dir=self.hf_path)
+            else:
+                for _ in stream:   # the other ranks take part in the gathers
+                    pass
         finally:
             if saved is not None:
                 with torch.no_grad():
                     for name, p in model.named_parameters():
                         p.copy_(saved[name])
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            save_hf_checkpoint(tensors, self.spec, out_dir, source_dir=self.hf_path)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
