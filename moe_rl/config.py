@@ -233,8 +233,8 @@ class ClusterConfig:
         "group (NCCL on GPUs, gloo on CPU); or CUDA tensors handed to colocated SGLang")
     weight_sync_bucket_mb: float = _f(
         512.0, "the policy streams to the engines in buckets of this many MiB (every sync "
-        "mode; also the shard size of exported checkpoints): a rank's extra memory during a "
-        "sync is one bucket plus one tensor", **_rng(0, lo_open=True))
+        "mode; also the shard size of exported checkpoints); a rank's extra memory during a "
+        "sync stays within one bucket plus the largest tensor", **_rng(0, lo_open=True))
     ray_address: str | None = _f(None, "Ray cluster address (null = start a local Ray)")
     cpus_per_worker: float = _f(1.0, "CPUs reserved per Ray actor", **_rng(0, lo_open=True))
 
