@@ -218,6 +218,8 @@ class TrainerConfig:
     sft_lr: float = _f(1e-3, "learning rate of the supervised warm-start", **_rng(0, lo_open=True))
     save_interval: int = _f(0, "checkpoint every n steps (0 = only at the end)", **_rng(0))
     checkpoint_dir: str | None = _f(None, "checkpoint folder (null = <logging.dir>/checkpoints)")
+    keep_checkpoints: int = _f(2, "saved steps kept (iter_NNNNNNN/ folders; older ones are "
+                               "removed once a newer one is complete)", **_rng(1))
     export_hf: bool = _f(True, "export the final policy as a Hugging Face model")
 
 

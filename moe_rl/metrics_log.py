@@ -11,6 +11,14 @@ import time
 from tqdm import tqdm
 
 
+def _step_of(line: str) -> int:
+    """The step of a JSONL record; a line cut short by a crash counts as no step (dropped)."""
+    try:
+        return int(json.loads(line).get("step", -1))
+    except (ValueError, AttributeError):
+        return 1 << 62
+
+
 class MetricsLogger:
     """Writes one record per step to TensorBoard (``run_dir/tb``) and ``run_dir/metrics.jsonl``.
 
@@ -26,8 +34,7 @@ class MetricsLogger:
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if jsonl else None
         if self.jsonl_path and os.path.exists(self.jsonl_path):
             with open(self.jsonl_path, encoding="utf-8") as fh:
-                keep = [line for line in fh if line.strip()
-                        and json.loads(line).get("step", -1) < start_step]
+                keep = [line for line in fh if _step_of(line) < start_step]
             with open(self.jsonl_path, "w", encoding="utf-8") as fh:
                 fh.writelines(keep)
         self.writer = None

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from moe_rl.trainer.parallel import free_port
 from tests.conftest import train_cli
@@ -29,9 +30,11 @@ def test_loop_runs_logs_checkpoints_and_resumes(trained_run, tmp_path):
         for key in ("reward/mean", "mismatch/k1", "mismatch/k3", "routing/agreement", "is/ess",
                     "grad_norm", "entropy", "timing/rollout_s", "timing/train_s"):
             assert key in r and r[key] is not None and math.isfinite(r[key]), key
-    assert (run / "checkpoints" / "trainer.pt.rank0").exists()
-    state = json.loads((run / "checkpoints" / "loop_state.json").read_text())
-    assert state["step"] == 3
+    ck = run / "checkpoints"   # one folder per saved step, the last 2 kept, a tracker
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert sorted(p.name for p in ck.glob("iter_*")) == ["iter_0000002", "iter_0000003"]
+    assert (ck / "iter_0000003" / "trainer.pt.rank0").exists()
+    assert json.loads((ck / "iter_0000003" / "loop_state.json").read_text())["step"] == 3
     assert (run / "final_hf" / "model.safetensors").exists()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(run / "tb"))
@@ -44,7 +47,8 @@ def test_loop_runs_logs_checkpoints_and_resumes(trained_run, tmp_path):
     _train(tmp_path, 5, "algorithm.corrections=[icepop,seq_mis]", resume=True)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
-    assert json.loads((run / "checkpoints" / "loop_state.json").read_text())["step"] == 5
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert sorted(p.name for p in ck.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
 
 
 @pytest.mark.e2e
@@ -202,3 +206,80 @@ def test_expert_parallel_export_streams_sharded_checkpoints(tmp_path):
     index = json.loads((tmp_path / "run" / "weights" / "v2" /
                         "model.safetensors.index.json").read_text())
     assert len(shards) > 3 and set(index["weight_map"].values()) == {p.name for p in shards}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    """kill -9 of the whole run (driver, Ray, engines) at random moments, one of them during a
+    save, with a checkpoint every step; each time `--resume` continues from the last complete
+    checkpoint. The per-step metrics and the final weights equal an uninterrupted run's (float32,
+    deterministic inference)."""
+    import os
+    import random
+    import signal
+    import time
+    from safetensors.torch import load_file
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
+                   check=True, capture_output=True, timeout=120)
+    steps = 16
+
+    def command(run, resume):
+        return [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+                str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
+                f"logging.dir={run}", f"trainer.steps={steps}", "trainer.sft_warmup_steps=1",
+                "trainer.save_interval=1", "logging.progress=false",
+                f"rollout.base_port={free_port()}", "rollout.prompts_per_step=2",
+                "rollout.n_samples_per_prompt=2", "rollout.sglang.deterministic_inference=true",
+                *(["--resume"] if resume else [])]
+
+    def rows(run):
+        out = {}
+        for line in (run / "metrics.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            out[r["step"]] = {k: v for k, v in r.items() if not k.startswith("timing/")
+                              and k != "rollout/engine_restarts"}
+        return out
+    base = tmp_path / "base"
+    res = subprocess.run(command(base, False), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run, ck = tmp_path / "killed", tmp_path / "killed" / "checkpoints"
+    tracker = ck / "latest_checkpointed_iteration.txt"
+
+    def saved() -> int:
+        try:
+            return int(tracker.read_text().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+    rng = random.Random(0)
+    targets = [2, 4, 6, 9, 12]   # kill once the run has saved this step; the third in a save
+    kills, during_save, resumes = 0, 0, 0
+    while True:
+        proc = subprocess.Popen(command(run, resumes > 0), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        if kills < len(targets):
+            deadline = time.monotonic() + 300
+            while saved() < targets[kills] and proc.poll() is None and \
+                    time.monotonic() < deadline:
+                time.sleep(0.01)
+            if kills == 2:   # the next save in progress
+                while proc.poll() is None and not list(ck.glob("iter_*.tmp")) and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.001)
+            else:
+                time.sleep(rng.uniform(0.0, 0.4))
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                during_save += kills == 2 and bool(list(ck.glob("iter_*.tmp")))
+                kills += 1
+                resumes += 1
+                continue
+        assert proc.wait(timeout=900) == 0
+        break
+    print(f"kills {kills} (during a save: {during_save}), resumes {resumes}")
+    assert kills == 5 and during_save == 1
+    assert rows(run) == rows(base) and sorted(rows(base)) == list(range(steps))
+    a, b = (load_file(str(r / "final_hf" / "model.safetensors")) for r in (base, run))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -2,7 +2,6 @@
 and corrections -> updates -> weight sync -> metrics -> checkpoint."""
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -12,13 +11,13 @@ import torch
 from moe_rl.config import Config, dump_config
 from moe_rl.data.prompts import PromptSampler
 from moe_rl.metrics_log import MetricsLogger, PhaseTimer, progress_bar
+from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.weight_sync import weight_sync_for
 from moe_rl.orchestration.workers import RolloutWorker, TrainerWorker
 from moe_rl.run_inputs import RunInputs, load_run_inputs
 from moe_rl.trainer.parallel import free_port
 from moe_rl.types import RolloutBatch, Sample
 
-STATE_FILE = "loop_state.json"
 
 
 def _cfg_tree(cfg: Config) -> dict:
@@ -95,10 +94,12 @@ class Trainers:
         return ray.get([a.load.remote(path) for a in self.actors])[0]
 
 
-def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = False
-                 ) -> list[dict]:
+def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = False,
+                 resume_from: str | None = None) -> list[dict]:
     """Run the configured RL job (``inputs``: the loaded model tokenizer, prompts and reward,
-    loaded here when not given); returns the per-step metrics."""
+    loaded here when not given); ``resume``: continue from the latest complete checkpoint of
+    the run (a fresh start when there is none), ``resume_from``: from that checkpoint
+    directory. Returns the per-step metrics."""
     inputs = inputs or load_run_inputs(cfg)
     tokenizer, prompts = inputs.tokenizer, inputs.prompts
     run_dir = cfg.logging.dir
@@ -110,12 +111,12 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     print(dump_config(cfg), flush=True)
     sampler = PromptSampler(len(prompts), cfg.rollout.prompts_per_step, cfg.data.shuffle_seed)
     start_step = 0
-    state_path = os.path.join(ckpt_dir, STATE_FILE)
-    if resume and os.path.exists(state_path):
-        with open(state_path, encoding="utf-8") as fh:
-            state = json.load(fh)
+    resume_path = resume_from or (checkpoint.latest(ckpt_dir) if resume else None)
+    if resume_path:
+        state = checkpoint.open_checkpoint(resume_path, cfg)
         start_step = state["step"]
         sampler.load_state_dict(state["sampler"])
+        print(f"resuming at step {start_step} from {resume_path}", flush=True)
     logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.jsonl, start_step)
     _start_ray(cfg)
     strategies, pg = _placement(cfg)
@@ -126,7 +127,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     try:
         weights = weight_sync_for(cfg, trainers, rollout, os.path.join(run_dir, "weights"))
         if start_step:
-            trainers.load(os.path.join(ckpt_dir, "trainer.pt"))
+            trainers.load(os.path.join(resume_path, "trainer.pt"))
             weights.sync(start_step)
         elif cfg.trainer.sft_warmup_steps:
             sft = PromptSampler(len(prompts), cfg.rollout.prompts_per_step * 4,
@@ -178,7 +179,8 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
             last = step + 1 == cfg.trainer.steps
             if last or (cfg.trainer.save_interval and (step + 1) % cfg.trainer.save_interval == 0):
-                save_checkpoint(trainers, sampler, ckpt_dir, step + 1)
+                checkpoint.save(trainers, {"step": step + 1, "sampler": sampler.state_dict()},
+                                cfg, ckpt_dir, step + 1)
         bar.close()
         if cfg.trainer.export_hf:
             final = os.path.join(run_dir, "final_hf")
@@ -195,12 +197,3 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
         ray.get(rollout.shutdown.remote())
         ray.util.remove_placement_group(pg)
     return history
-
-
-def save_checkpoint(trainers: Trainers, sampler: PromptSampler, ckpt_dir: str, step: int) -> None:
-    """Trainer state of every rank plus the loop state (step, data order)."""
-    trainers.save(os.path.join(ckpt_dir, "trainer.pt"))
-    tmp = os.path.join(ckpt_dir, STATE_FILE + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"step": step, "sampler": sampler.state_dict()}, fh)
-    os.replace(tmp, os.path.join(ckpt_dir, STATE_FILE))

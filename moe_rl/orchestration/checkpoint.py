@@ -1,0 +1,147 @@
+"""Run checkpoints: one directory per saved step (``iter_0000100/``), written under a temporary
+name and renamed when complete, then the tracker file (``latest_checkpointed_iteration.txt``)
+replaced atomically; the last ``trainer.keep_checkpoints`` are kept. A directory holds every
+trainer rank's state (model, optimizer, scheduler, RNG, EMA, guard counters), the loop state
+(step, data sampler), the resolved config and a manifest of its files with their sizes, which a
+load checks first (a truncated file is refused naming it)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+from moe_rl.config import Config, dump_config
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+LOOP_STATE = "loop_state.json"
+_ITER = re.compile(r"^iter_(\d{7})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupted or from another model or layout."""
+
+
+def iteration_dir(ckpt_dir: str, step: int) -> str:
+    return os.path.join(ckpt_dir, f"iter_{step:07d}")
+
+
+def _layout(cfg: Config) -> dict:
+    """What a checkpoint must share with the run that loads it (per-rank files: same layout)."""
+    t = cfg.trainer
+    with open(os.path.join(cfg.model.path, "config.json"), encoding="utf-8") as fh:
+        model = json.load(fh)
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
+            "n_routed_experts", "num_local_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "num_attention_heads", "num_key_value_heads")
+    return {"model": {k: model[k] for k in keys if k in model},
+            "trainer_workers": cfg.cluster.trainer_workers,
+            "tensor_parallel": t.tensor_parallel, "expert_parallel": t.expert_parallel,
+            "pipeline_parallel": t.pipeline_parallel, "optimizer_dtype": cfg.model.dtype,
+            "ema": t.ema_decay is not None}
+
+
+def save(trainers, loop_state: dict, cfg: Config, ckpt_dir: str, step: int) -> str:
+    """Write the checkpoint of ``step`` (every trainer rank's file, the loop state, the config,
+    the manifest), publish it, prune old ones; returns its directory. An error (for example no
+    space left) leaves the previous checkpoint and the tracker as they were."""
+    final = iteration_dir(ckpt_dir, step)
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        trainers.save(os.path.join(tmp, "trainer.pt"))
+        _write_json(os.path.join(tmp, LOOP_STATE), loop_state)
+        _write_json(os.path.join(tmp, "layout.json"), _layout(cfg))
+        with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as fh:
+            fh.write(dump_config(cfg))
+        files = {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
+        _write_json(os.path.join(tmp, MANIFEST), {"step": step, "files": files})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        tracker_tmp = os.path.join(ckpt_dir, TRACKER + ".tmp")
+        with open(tracker_tmp, "w", encoding="utf-8") as fh:
+            fh.write(f"{step}\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tracker_tmp, os.path.join(ckpt_dir, TRACKER))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(ckpt_dir, cfg.trainer.keep_checkpoints, step)
+    return final
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(value, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _prune(ckpt_dir: str, keep: int, latest: int) -> None:
+    steps = sorted(int(m.group(1)) for m in map(_ITER.match, os.listdir(ckpt_dir)) if m)
+    for s in steps[:-keep] if keep else []:
+        if s != latest:
+            shutil.rmtree(iteration_dir(ckpt_dir, s), ignore_errors=True)
+    for name in os.listdir(ckpt_dir):   # leftovers of saves interrupted by a crash
+        if name.endswith(".tmp") and name.startswith("iter_"):
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+
+
+def latest(ckpt_dir: str) -> str | None:
+    """The checkpoint to resume from: the one the tracker names; if that one is not complete
+    (its directory lost or damaged after it was published) the newest complete one. None when
+    nothing was saved."""
+    path = os.path.join(ckpt_dir, TRACKER)
+    if not os.path.isdir(ckpt_dir):
+        return None
+    candidates = sorted((int(m.group(1)) for m in map(_ITER.match, os.listdir(ckpt_dir)) if m),
+                        reverse=True)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read().strip()
+        if text.isdigit():
+            candidates.insert(0, int(text))
+    for step in candidates:
+        if _check_files(iteration_dir(ckpt_dir, step)) is None:
+            return iteration_dir(ckpt_dir, step)
+    return None
+
+
+def _check_files(path: str) -> str | None:
+    """None when every file of the manifest is there with its size; else what is wrong."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        return f"{path}: not a complete checkpoint (no {MANIFEST})"
+    try:
+        with open(manifest_path, encoding="utf-8") as fh:
+            files = json.load(fh)["files"]
+    except (ValueError, KeyError) as exc:
+        return f"{manifest_path}: unreadable ({exc})"
+    for name, size in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{file}: missing from the checkpoint"
+        if os.path.getsize(file) != size:
+            return (f"{file}: {os.path.getsize(file)} bytes, the manifest says {size} "
+                    f"(truncated or corrupted)")
+    return None
+
+
+def open_checkpoint(path: str, cfg: Config) -> dict:
+    """Check checkpoint ``path`` against its manifest and the run's model and layout; returns
+    its loop state (CheckpointError naming the file or the difference otherwise)."""
+    problem = _check_files(path)
+    if problem is not None:
+        raise CheckpointError(problem)
+    with open(os.path.join(path, "layout.json"), encoding="utf-8") as fh:
+        saved = json.load(fh)
+    now = _layout(cfg)
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {now[k]!r}" for k in now
+            if saved.get(k) != now[k]]
+    if diff:
+        raise CheckpointError(f"{path}: written by another model or layout: " + "; ".join(diff))
+    with open(os.path.join(path, LOOP_STATE), encoding="utf-8") as fh:
+        return json.load(fh)
