@@ -89,7 +89,8 @@ class RolloutConfig:
     engine: Literal["reference", "sglang"] = _f("reference", "inference engine: CPU reference or SGLang")
     num_servers: int = _f(1, "engine servers behind the dispatcher", **_rng(1))
     host: str = _f("127.0.0.1", "address the engine servers bind")
-    base_port: int = _f(30000, "first server port (server i uses base_port + i)", **_rng(1, 65535))
+    base_port: int = _f(30000, "first server port tried: servers take the free ports from here "
+                        "up, busy ones skipped", **_rng(1, 65535))
     api_key: str | None = _f(None, "API key the servers require (Authorization: Bearer)")
     engine_dtype: Literal["float32", "bfloat16"] = _f("float32", "reference engine dtype")
     prompts_per_step: int = _f(8, "prompts sampled per RL step", **_rng(1))

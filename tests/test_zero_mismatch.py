@@ -98,7 +98,7 @@ def train_one_step(model: pathlib.Path, run_dir: pathlib.Path, combo: dict) -> d
            "rollout.max_new_tokens=3", f"rollout.base_port={free_port()}",
            "logging.progress=false", "logging.tensorboard=false", *overrides(combo)]
     res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"{name(combo)}\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, f"{name(combo)}\n{res.stderr[-2500:]}"
     rows = (run_dir / "metrics.jsonl").read_text().splitlines()
     return json.loads(rows[0])
 

@@ -10,6 +10,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF model directory")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--fd", type=int, default=None,
+                        help="serve on this inherited, already bound socket instead of binding "
+                             "--host/--port (how moe-rl train launches it: the port is held "
+                             "from the moment it is chosen)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     parser.add_argument("--seed", type=int, default=0, help="seed of requests without one")
@@ -40,5 +44,5 @@ def run(args: argparse.Namespace) -> int:
           return_routed_experts=args.enable_return_routed_experts,
           sampling_mask_max_tokens=args.sampling_mask_max_tokens,
           sampling_backend=args.sampling_backend,
-          deterministic_inference=args.enable_deterministic_inference)
+          deterministic_inference=args.enable_deterministic_inference, fd=args.fd)
     return 0

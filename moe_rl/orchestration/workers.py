@@ -137,7 +137,7 @@ class RolloutWorker:
     def __init__(self, cfg_tree: dict, log_dir: str):
         from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
         from moe_rl.rollout.pool import ServerPool
-        from moe_rl.rollout.reference_process import ServerProcess
+        from moe_rl.rollout.reference_process import ServerProcess, pick_ports
         from moe_rl.rollout.server_needs import requests_routing, requests_sampling_mask
         from moe_rl.rollout.sglang_launcher import SGLangProcess
         cfg = config_from_dict(cfg_tree)
@@ -145,8 +145,8 @@ class RolloutWorker:
         r = cfg.rollout
         os.makedirs(log_dir, exist_ok=True)
         self.procs = []
-        for i in range(r.num_servers):
-            port, log = r.base_port + i, os.path.join(log_dir, f"engine_{i}.log")
+        for i, port in enumerate(pick_ports(r.host, r.base_port, r.num_servers)):
+            log = os.path.join(log_dir, f"engine_{i}.log")
             if r.engine == "sglang":
                 proc = SGLangProcess(cfg, port, log_path=log)
             else:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -9,8 +10,43 @@ import time
 import httpx
 
 
+def bind_port(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on (host, port) (OSError when the port is taken). It listens at
+    once: two sockets merely bound with SO_REUSEADDR could share a port."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def pick_ports(host: str, first: int, count: int) -> list[int]:
+    """The first ``count`` ports from ``first`` up that can be bound on ``host`` now (busy ones
+    are skipped; RuntimeError when fewer are free below 65536)."""
+    ports, port = [], first
+    while len(ports) < count and port <= 65535:
+        try:
+            bind_port(host, port).close()
+            ports.append(port)
+        except OSError:
+            pass
+        port += 1
+    if len(ports) < count:
+        raise RuntimeError(f"rollout.base_port: only {len(ports)} of {count} ports from {first} "
+                           f"up are free on {host}")
+    return ports
+
+
 class ServerProcess:
-    """One ``moe-rl serve-reference`` subprocess; restartable after a crash."""
+    """One ``moe-rl serve-reference`` subprocess; restartable after a crash. The parent binds the
+    port and hands the socket to the child (``--fd``), so no other process can take it between
+    choosing the port and serving on it, and /health never answers for a stranger."""
+
+    inherits_socket = True
 
     def __init__(self, model: str, port: int, host: str = "127.0.0.1", dtype: str = "float32",
                  api_key: str | None = None, seed: int = 0, log_path: str | None = None,
@@ -29,11 +65,13 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def command(self) -> tuple[list[str], dict]:
-        """(argv, environment) of the server process."""
+    def command(self, fd: int | None = None) -> tuple[list[str], dict]:
+        """(argv, environment) of the server process (serving on inherited socket ``fd``)."""
         cmd = [sys.executable, "-m", "moe_rl.cli", "serve-reference", "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
                "--seed", str(self.seed)]
+        if fd is not None:
+            cmd += ["--fd", str(fd)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if self.return_routed_experts:
@@ -47,9 +85,24 @@ class ServerProcess:
 
     def start(self, timeout: float = 120.0) -> "ServerProcess":
         """Launch the server and wait until /health answers (RuntimeError on timeout/exit)."""
-        cmd, env = self.command()
+        try:
+            sock = bind_port(self.host, self.port)
+        except OSError as exc:
+            raise RuntimeError(f"server port {self.port} on {self.host} is taken: {exc}") from exc
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            if self.inherits_socket:
+                cmd, env = self.command(sock.fileno())
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             pass_fds=(sock.fileno(),))
+            else:   # a server that binds by itself: the port is released just before launch
+                sock.close()
+                cmd, env = self.command()
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        finally:
+            sock.close()
+            if log is not subprocess.DEVNULL:
+                log.close()
         self.wait_healthy(timeout)
         return self
 

@@ -357,14 +357,20 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: st
           api_key: str | None = None, seed: int = 0, max_running_requests: int = 64,
           max_total_tokens: int = 1 << 18,
           return_routed_experts: bool = False, sampling_mask_max_tokens: int = 4096,
-          sampling_backend: str = "flashinfer", deterministic_inference: bool = False) -> None:
-    """Load the model and serve until interrupted."""
+          sampling_backend: str = "flashinfer", deterministic_inference: bool = False,
+          fd: int | None = None) -> None:
+    """Load the model and serve until interrupted (on the inherited bound socket ``fd`` when
+    given, else on host:port)."""
+    import socket
     import uvicorn
     engine = ReferenceEngine(model_path, dtype=dtype, seed=seed,
                              sampling_mask_max_tokens=sampling_mask_max_tokens,
                              return_routed_experts=return_routed_experts,
                              sampling_backend=sampling_backend,
                              deterministic_inference=deterministic_inference)
-    uvicorn.run(build_app(engine, api_key, max_running_requests, max_total_tokens), host=host,
-                port=port,
-                log_level="warning")
+    app = build_app(engine, api_key, max_running_requests, max_total_tokens)
+    if fd is None:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+        return
+    sock = socket.socket(fileno=fd)   # family and type read from the descriptor
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

@@ -37,14 +37,17 @@ def sglang_command(cfg: Config, port: int, model_path: str | None = None) -> tup
 
 
 class SGLangProcess(ServerProcess):
-    """One SGLang server subprocess (same start / health / restart logic as the reference)."""
+    """One SGLang server subprocess (same start / health / restart logic as the reference;
+    SGLang binds its port itself)."""
+
+    inherits_socket = False
 
     def __init__(self, cfg: Config, port: int, log_path: str | None = None):
         super().__init__(cfg.model.path, port, host=cfg.rollout.host, api_key=cfg.rollout.api_key,
                          log_path=log_path)
         self.cfg = cfg
 
-    def command(self) -> tuple[list[str], dict]:
+    def command(self, fd: int | None = None) -> tuple[list[str], dict]:
         argv, env = sglang_command(self.cfg, self.port, self.model)
         return argv, dict(os.environ, **env)
 
