@@ -28,6 +28,7 @@ setup(
         "uvicorn>=0.29",
         "pyarrow>=14",
         "matplotlib>=3.8",
+        "psutil>=5.9",   # megatron-core dist_checkpointing writer
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "triton>=3.2"],

@@ -222,6 +222,8 @@ class TrainerConfig:
     keep_checkpoints: int = _f(2, "saved steps kept (iter_NNNNNNN/ folders; older ones are "
                                "removed once a newer one is complete)", **_rng(1))
     export_hf: bool = _f(True, "export the final policy as a Hugging Face model")
+    export_hf_interval: int = _f(0, "also export the policy as a Hugging Face model every n "
+                                 "steps, to <logging.dir>/hf/iter_NNNNNNN (0 = never)", **_rng(0))
 
 
 @dataclass

@@ -30,11 +30,11 @@ def train_cli(workdir, steps, *extra, resume=False):
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
-    """One short real run (3 steps, IcePop then seq-MIS), shared by the loop and report tests;
-    tests that change it work on a copy."""
+    """One short real run (3 steps, IcePop then seq-MIS, a HF export at step 2), shared by the
+    loop, convert and report tests; tests that change it work on a copy."""
     base = tmp_path_factory.mktemp("trained")
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(base / "model")],
                    check=True, capture_output=True, timeout=120)
-    train_cli(base, 3, "algorithm.corrections=[icepop,seq_mis]")
+    train_cli(base, 3, "algorithm.corrections=[icepop,seq_mis]", "trainer.export_hf_interval=2")
     return base

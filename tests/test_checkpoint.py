@@ -1,6 +1,7 @@
 """Run checkpoints (orchestration/checkpoint.py) without Ray: numbered folders published by a
 rename, an atomic tracker, pruning, a failed save that leaves the previous one, truncated files
-never chosen and named, another model or layout refused naming the difference."""
+never chosen and named, another model or optimizer refused naming the difference, another
+parallel layout accepted (the sharded state is resharded: tests/test_checkpoint_reshard.py)."""
 import os
 
 import pytest
@@ -11,13 +12,16 @@ from moe_rl.orchestration import checkpoint
 
 
 class FakeTrainers:
-    """Writes one file per rank, as the trainer actors do."""
+    """Writes the trainer directory's shape: shards in dist/, one small file per rank."""
     def __init__(self, ranks=2, fail=False):
         self.ranks, self.fail = ranks, fail
 
     def save(self, path):
+        os.makedirs(os.path.join(path, "dist"))
         for r in range(self.ranks):
-            with open(f"{path}.rank{r}", "wb") as fh:
+            with open(os.path.join(path, "dist", f"__{r}_0.distcp"), "wb") as fh:
+                fh.write(os.urandom(5000 + r))
+            with open(os.path.join(path, f"rank{r}.pt"), "wb") as fh:
                 fh.write(os.urandom(1000 + r))
         if self.fail:
             raise OSError(28, "No space left on device")
@@ -39,7 +43,9 @@ def test_numbered_folders_tracker_and_pruning(tmp_path, cfg):
     assert checkpoint.latest(ck).endswith("iter_0000003")
     assert checkpoint.open_checkpoint(checkpoint.latest(ck), cfg)["step"] == 3
     # a save that fails (no space left) leaves the previous checkpoint and the tracker
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"saving step 4 to .*iter_0000004 "
+                       r"failed: \[Errno 28\] No space left on device; the previous checkpoint "
+                       r"\(.*iter_0000003\) and the tracker are untouched"):
         checkpoint.save(FakeTrainers(fail=True), {"step": 4}, cfg, ck, 4)
     assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000003",
                                       "latest_checkpointed_iteration.txt"]
@@ -57,26 +63,34 @@ def test_truncated_checkpoint_is_not_chosen_and_is_named(tmp_path, cfg):
     os.makedirs(ck)
     for step in (1, 2):
         checkpoint.save(FakeTrainers(), {"step": step, "sampler": {}}, cfg, ck, step)
-    victim = os.path.join(ck, "iter_0000002", "trainer.pt.rank1")
+    victim = os.path.join(ck, "iter_0000002", "trainer", "dist", "__1_0.distcp")
     with open(victim, "r+b") as fh:
         fh.truncate(10)
     assert checkpoint.latest(ck).endswith("iter_0000001")   # the newest complete one
-    with pytest.raises(checkpoint.CheckpointError, match="trainer.pt.rank1: 10 bytes, the "
-                                                         "manifest says 1001"):
+    with pytest.raises(checkpoint.CheckpointError, match="__1_0.distcp: 10 bytes, the "
+                                                         "manifest says 5001"):
         checkpoint.open_checkpoint(os.path.join(ck, "iter_0000002"), cfg)
+    os.remove(os.path.join(ck, "iter_0000001", "trainer", "rank0.pt"))
+    assert checkpoint.latest(ck) is None
+    with pytest.raises(checkpoint.CheckpointError, match="rank0.pt: missing"):
+        checkpoint.open_checkpoint(os.path.join(ck, "iter_0000001"), cfg)
     with pytest.raises(checkpoint.CheckpointError, match="no manifest.json"):
         checkpoint.open_checkpoint(str(tmp_path), cfg)
 
 
-def test_another_model_or_layout_is_refused_naming_the_difference(tmp_path, cfg):
+def test_another_model_or_optimizer_is_refused_another_layout_resharded(tmp_path, cfg, capsys):
     ck = str(tmp_path / "ck")
     os.makedirs(ck)
     path = checkpoint.save(FakeTrainers(), {"step": 1, "sampler": {}}, cfg, ck, 1)
     other = load_config(None, [f"model.path={cfg.model.path}", "cluster.trainer_workers=2",
                                "trainer.expert_parallel=2", "rollout.prompts_per_step=2"])
-    with pytest.raises(checkpoint.CheckpointError, match="trainer_workers: checkpoint 1, this "
-                                                         "run 2"):
-        checkpoint.open_checkpoint(path, other)
+    assert checkpoint.open_checkpoint(path, other)["step"] == 1
+    assert "resharding" in capsys.readouterr().out
+    for override, named in (("trainer.ema_decay=0.9", "ema: checkpoint False, this run True"),
+                            ("model.dtype=bfloat16", "optimizer_dtype: checkpoint 'float32'")):
+        changed = load_config(None, [f"model.path={cfg.model.path}", override])
+        with pytest.raises(checkpoint.CheckpointError, match=named):
+            checkpoint.open_checkpoint(path, changed)
     write_tiny_model(ModelInitConfig(hidden_size=32), str(tmp_path / "small"))
     smaller = load_config(None, [f"model.path={tmp_path / 'small'}"])
     with pytest.raises(checkpoint.CheckpointError, match="hidden_size"):

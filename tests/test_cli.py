@@ -66,6 +66,9 @@ def test_crafted_files_cannot_run_code(tmp_path):
     init_distributed()
     init_model_parallel()
     trainer = PolicyTrainer(config_from_dict({"model": {"path": str(src)}}), str(src))
-    with pytest.raises(Exception):
-        trainer.load_checkpoint(str(crafted))
+    crafted_ckpt = tmp_path / "ckpt"   # a checkpoint whose per-rank file is the payload
+    crafted_ckpt.mkdir()
+    (crafted_ckpt / "rank0.pt").write_bytes(crafted.read_bytes())
+    with pytest.raises(Exception, match="Weights only load failed"):
+        trainer.load_checkpoint(str(crafted_ckpt))
     assert not marker.exists()

@@ -33,7 +33,7 @@ def test_loop_runs_logs_checkpoints_and_resumes(trained_run, tmp_path):
     ck = run / "checkpoints"   # one folder per saved step, the last 2 kept, a tracker
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert sorted(p.name for p in ck.glob("iter_*")) == ["iter_0000002", "iter_0000003"]
-    assert (ck / "iter_0000003" / "trainer.pt.rank0").exists()
+    assert (ck / "iter_0000003" / "trainer" / "rank0.pt").exists()
     assert json.loads((ck / "iter_0000003" / "loop_state.json").read_text())["step"] == 3
     assert (run / "final_hf" / "model.safetensors").exists()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -49,6 +49,46 @@ def test_loop_runs_logs_checkpoints_and_resumes(trained_run, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
     assert sorted(p.name for p in ck.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
+
+
+@pytest.mark.e2e
+def test_saved_steps_convert_to_hf_and_exports_every_n_steps(trained_run, tmp_path):
+    """`moe-rl convert --to hf --checkpoint`: a run's checkpoint folder converts (its latest
+    step: the final policy exactly), so does a named step; trainer.export_hf_interval=2 wrote
+    the policy of step 2, equal to its checkpoint's; a damaged step is refused naming the file;
+    --ema without an EMA is refused."""
+    import shutil
+    from safetensors.torch import load_file
+    shutil.copytree(trained_run, tmp_path, dirs_exist_ok=True)
+    ck = tmp_path / "run" / "checkpoints"
+
+    def convert(*args):
+        return subprocess.run([sys.executable, "-m", "moe_rl.cli", "convert", "--to", "hf",
+                               *args], capture_output=True, text=True, timeout=300)
+
+    def weights(d):
+        return {k: v for p in sorted(d.glob("*.safetensors")) for k, v in load_file(p).items()}
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    res = convert("--checkpoint", str(ck), "--out", str(tmp_path / "latest"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "iter_0000003" in res.stdout
+    assert same(weights(tmp_path / "latest"), weights(tmp_path / "run" / "final_hf"))
+    assert (tmp_path / "latest" / "tokenizer.json").exists()
+    res = convert("--checkpoint", str(ck / "iter_0000002"), "--out", str(tmp_path / "two"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    step2 = weights(tmp_path / "two")
+    assert same(step2, weights(tmp_path / "run" / "hf" / "iter_0000002"))
+    assert not same(step2, weights(tmp_path / "latest"))
+    assert sorted(p.name for p in (tmp_path / "run" / "hf").iterdir()) == ["iter_0000002"]
+    res = convert("--checkpoint", str(ck / "iter_0000002"), "--ema", "--out", str(tmp_path / "e"))
+    assert res.returncode == 2 and "saved without an EMA" in res.stdout
+    victim = ck / "iter_0000002" / "trainer" / "rank0.pt"
+    victim.write_bytes(victim.read_bytes()[:-5])
+    res = convert("--checkpoint", str(ck / "iter_0000002"), "--out", str(tmp_path / "bad"))
+    assert res.returncode == 2 and "rank0.pt" in res.stdout and "truncated" in res.stdout
 
 
 @pytest.mark.e2e
@@ -188,10 +228,10 @@ def test_two_deterministic_runs_are_bit_identical(tmp_path):
 
 
 @pytest.mark.e2e
-def test_expert_parallel_export_streams_sharded_checkpoints(tmp_path):
+def test_expert_parallel_export_streams_sharded_checkpoints_and_resumes_on_one_rank(tmp_path):
     """Two trainer ranks with expert parallel 2, disk sync in ~20 KB shards: each expert is
     sent by its owner to the exporting rank, the engines load the sharded checkpoint, and the
-    float32 engine equals the trainer at every step."""
+    float32 engine equals the trainer at every step; the run resumes on one rank."""
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
@@ -206,6 +246,23 @@ def test_expert_parallel_export_streams_sharded_checkpoints(tmp_path):
     index = json.loads((tmp_path / "run" / "weights" / "v2" /
                         "model.safetensors.index.json").read_text())
     assert len(shards) > 3 and set(index["weight_map"].values()) == {p.name for p in shards}
+    # resumed by ONE rank holding every expert: the EP2/DP2 checkpoint is resharded, and the
+    # weights it syncs at the resume equal those the two ranks synced after step 2
+    from safetensors.torch import load_file
+    before = {k: v for p in shards for k, v in load_file(p).items()}
+    one_rank = ("cluster.trainer_workers=1", "trainer.expert_parallel=1",
+                "cluster.weight_sync_bucket_mb=0.02", "trainer.export_hf=false",
+                "trainer.sft_warmup_steps=1")
+    res = _train(tmp_path, 2, *one_rank, resume=True)   # nothing left to do: sync and stop
+    assert "resharding" in res.stdout and "resuming at step 2" in res.stdout
+    after = {k: v for p in (tmp_path / "run" / "weights" / "v2").glob("model-*.safetensors")
+             for k, v in load_file(p).items()}
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    _train(tmp_path, 3, *one_rank, resume=True)   # and one more step on one rank
+    rows = [json.loads(line) for line in
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[2]["mismatch/k3"] < 1e-6
 
 
 @pytest.mark.slow

@@ -113,10 +113,10 @@ def test_resume_is_bit_identical(tiny, tmp_path):
     batches = [engine_samples(hf_model, seed=10 + i) for i in range(3)]
     run = PolicyTrainer(make_cfg(path, corrections=["metropolis"]), path)
     run.train_step(copy.deepcopy(batches[0]))
-    run.save_checkpoint(str(tmp_path / "ckpt.pt"))
+    run.save_checkpoint(str(tmp_path / "ckpt"))
     m1 = run.train_step(copy.deepcopy(batches[1]))
     resumed = PolicyTrainer(make_cfg(path, corrections=["metropolis"]), path)
-    resumed.load_checkpoint(str(tmp_path / "ckpt.pt"))
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
     m2 = resumed.train_step(copy.deepcopy(batches[1]))
     assert m1 == m2
     for a, b in zip(run.model.module.parameters(), resumed.model.module.parameters()):

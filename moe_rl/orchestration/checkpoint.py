@@ -1,9 +1,11 @@
 """Run checkpoints: one directory per saved step (``iter_0000100/``), written under a temporary
 name and renamed when complete, then the tracker file (``latest_checkpointed_iteration.txt``)
-replaced atomically; the last ``trainer.keep_checkpoints`` are kept. A directory holds every
-trainer rank's state (model, optimizer, scheduler, RNG, EMA, guard counters), the loop state
-(step, data sampler), the resolved config and a manifest of its files with their sizes, which a
-load checks first (a truncated file is refused naming it)."""
+replaced atomically; the last ``trainer.keep_checkpoints`` are kept. A directory holds the
+trainer state (``trainer/dist``: weights, Adam state and EMA as megatron-core ``dist_checkpointing``
+shards that any parallel layout can load; ``trainer/rank{r}.pt``: each rank's scheduler, counters
+and RNG states), the loop state (step, data sampler), the resolved config, the model and layout
+that wrote it, and a manifest of every file with its size, which a load checks first (a
+truncated or missing file is refused naming it)."""
 from __future__ import annotations
 
 import json
@@ -28,7 +30,9 @@ def iteration_dir(ckpt_dir: str, step: int) -> str:
 
 
 def _layout(cfg: Config) -> dict:
-    """What a checkpoint must share with the run that loads it (per-rank files: same layout)."""
+    """What a checkpoint records of the run that wrote it: the model, the optimizer's dtype and
+    whether it has an EMA (a loading run must share them) and the parallel layout (it may
+    differ: the state is resharded)."""
     t = cfg.trainer
     with open(os.path.join(cfg.model.path, "config.json"), encoding="utf-8") as fh:
         model = json.load(fh)
@@ -36,27 +40,30 @@ def _layout(cfg: Config) -> dict:
             "n_routed_experts", "num_local_experts", "num_experts_per_tok",
             "moe_intermediate_size", "num_attention_heads", "num_key_value_heads")
     return {"model": {k: model[k] for k in keys if k in model},
-            "trainer_workers": cfg.cluster.trainer_workers,
-            "tensor_parallel": t.tensor_parallel, "expert_parallel": t.expert_parallel,
-            "pipeline_parallel": t.pipeline_parallel, "optimizer_dtype": cfg.model.dtype,
-            "ema": t.ema_decay is not None}
+            "optimizer_dtype": cfg.model.dtype, "ema": t.ema_decay is not None,
+            "parallel": {"trainer_workers": cfg.cluster.trainer_workers,
+                         "tensor_parallel": t.tensor_parallel,
+                         "expert_parallel": t.expert_parallel,
+                         "pipeline_parallel": t.pipeline_parallel}}
 
 
 def save(trainers, loop_state: dict, cfg: Config, ckpt_dir: str, step: int) -> str:
     """Write the checkpoint of ``step`` (every trainer rank's file, the loop state, the config,
     the manifest), publish it, prune old ones; returns its directory. An error (for example no
-    space left) leaves the previous checkpoint and the tracker as they were."""
+    space left) leaves the previous checkpoint and the tracker as they were and is raised as a
+    CheckpointError saying so (``moe-rl train`` stops with it, exit 2)."""
     final = iteration_dir(ckpt_dir, step)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        trainers.save(os.path.join(tmp, "trainer.pt"))
+        trainers.save(os.path.join(tmp, "trainer"))
         _write_json(os.path.join(tmp, LOOP_STATE), loop_state)
         _write_json(os.path.join(tmp, "layout.json"), _layout(cfg))
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as fh:
             fh.write(dump_config(cfg))
-        files = {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
+        files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
+                 for d, _, names in os.walk(tmp) for f in names}
         _write_json(os.path.join(tmp, MANIFEST), {"step": step, "files": files})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -66,6 +73,12 @@ def save(trainers, loop_state: dict, cfg: Config, ckpt_dir: str, step: int) -> s
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tracker_tmp, os.path.join(ckpt_dir, TRACKER))
+    except Exception as exc:   # from a trainer actor too (its error's last line says what)
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = [line for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
+        raise CheckpointError(f"saving step {step} to {final} failed: {cause[-1].strip()}; "
+                              f"the previous checkpoint ({latest(ckpt_dir) or 'none'}) and "
+                              f"the tracker are untouched") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -130,18 +143,27 @@ def _check_files(path: str) -> str | None:
     return None
 
 
-def open_checkpoint(path: str, cfg: Config) -> dict:
-    """Check checkpoint ``path`` against its manifest and the run's model and layout; returns
-    its loop state (CheckpointError naming the file or the difference otherwise)."""
+def verify(path: str) -> None:
+    """CheckpointError naming the file when checkpoint ``path`` is not complete."""
     problem = _check_files(path)
     if problem is not None:
         raise CheckpointError(problem)
+
+
+def open_checkpoint(path: str, cfg: Config) -> dict:
+    """Check checkpoint ``path`` against its manifest and the run's model and layout; returns
+    its loop state (CheckpointError naming the file or the difference otherwise)."""
+    verify(path)
     with open(os.path.join(path, "layout.json"), encoding="utf-8") as fh:
         saved = json.load(fh)
     now = _layout(cfg)
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {now[k]!r}" for k in now
-            if saved.get(k) != now[k]]
+            if k != "parallel" and saved.get(k) != now[k]]
     if diff:
-        raise CheckpointError(f"{path}: written by another model or layout: " + "; ".join(diff))
+        raise CheckpointError(f"{path}: written by another model or optimizer: " +
+                              "; ".join(diff))
+    if saved.get("parallel") != now["parallel"]:
+        print(f"resharding {path}: written with {saved.get('parallel')}, loaded with "
+              f"{now['parallel']}", flush=True)
     with open(os.path.join(path, LOOP_STATE), encoding="utf-8") as fh:
         return json.load(fh)

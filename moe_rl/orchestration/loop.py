@@ -127,7 +127,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     try:
         weights = weight_sync_for(cfg, trainers, rollout, os.path.join(run_dir, "weights"))
         if start_step:
-            trainers.load(os.path.join(resume_path, "trainer.pt"))
+            trainers.load(os.path.join(resume_path, "trainer"))
             weights.sync(start_step)
         elif cfg.trainer.sft_warmup_steps:
             sft = PromptSampler(len(prompts), cfg.rollout.prompts_per_step * 4,
@@ -181,6 +181,9 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             if last or (cfg.trainer.save_interval and (step + 1) % cfg.trainer.save_interval == 0):
                 checkpoint.save(trainers, {"step": step + 1, "sampler": sampler.state_dict()},
                                 cfg, ckpt_dir, step + 1)
+            every = cfg.trainer.export_hf_interval
+            if every and (step + 1) % every == 0:
+                trainers.export(os.path.join(run_dir, "hf", f"iter_{step + 1:07d}"))
         bar.close()
         if cfg.trainer.export_hf:
             final = os.path.join(run_dir, "final_hf")

@@ -122,10 +122,10 @@ class TrainerWorker:
         return sent
 
     def save(self, path: str) -> None:
-        self.trainer.save_checkpoint(f"{path}.rank{self.rank}")
+        self.trainer.save_checkpoint(path)
 
     def load(self, path: str) -> int:
-        self.trainer.load_checkpoint(f"{path}.rank{self.rank}")
+        self.trainer.load_checkpoint(path)
         return self.trainer.step
 
 

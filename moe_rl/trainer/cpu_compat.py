@@ -10,6 +10,8 @@
    ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` do nothing.
 6. :func:`cuda_factories_on_cpu`: a context in which ``device='cuda'`` arguments of tensor
    factories become 'cpu' (megatron's optimizer builds flag tensors on CUDA).
+7. ``torch.cuda.synchronize`` does nothing (``dist_checkpointing``'s writer waits for device
+   copies with it; on CPU there are none).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def apply_cpu_shims() -> bool:
     if _APPLIED:
         return True
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
     from megatron.core.tensor_parallel import random as tp_random
     tp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
     tp_random._get_cuda_rng_state = lambda *a, **k: None

@@ -27,6 +27,7 @@ from moe_rl.trainer.hf_weights import (exporting_rank, iter_hf_buckets,
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import ParallelSizes
 from moe_rl.trainer.replay import ReplayController
+from moe_rl.trainer.sharded_state import load_sharded, optimizer_step_count, save_sharded
 from moe_rl.trainer.step import StepRows, gather_rows, reduce_sums, step_inputs
 from moe_rl.types import MODEL_DTYPES, Sample, compact_routing
 
@@ -39,6 +40,10 @@ def _pad_rows(rows: list[torch.Tensor], fill: float = 0.0, dtype=torch.float32) 
     for i, r in enumerate(rows):
         out[i, :r.numel()] = r.to(dtype)
     return out
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _numpy_rng_state() -> dict:
@@ -509,33 +514,32 @@ class PolicyTrainer:
                         p.copy_(saved[name])
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        """Everything needed to resume bit-identically."""
-        return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "step": self.step,
-                "guard_skipped_total": self.guard_skipped_total,
-                "ema": self.ema, "generator": self.generator.get_state(),
-                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                "numpy_rng": _numpy_rng_state()}
-
     def save_checkpoint(self, path: str) -> None:
-        """Save this rank's state to ``path`` (a file per rank)."""
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = path + ".tmp"
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)
+        """Save to directory ``path`` (collective over the trainer ranks): the weights, Adam's
+        state and the EMA through megatron-core ``dist_checkpointing`` in ``path/dist`` (any
+        parallel layout can load them), and this rank's scheduler, counters and RNG states in
+        ``path/rank{r}.pt``."""
+        save_sharded(os.path.join(path, "dist"), self.model.module, self.optimizer, self.ema)
+        state = {"scheduler": self.scheduler.state_dict(), "step": self.step,
+                 "adam_steps": optimizer_step_count(self.optimizer),
+                 "guard_skipped_total": self.guard_skipped_total,
+                 "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+                 "python_rng": random.getstate(), "numpy_rng": _numpy_rng_state()}
+        torch.save(state, os.path.join(path, f"rank{_rank()}.pt"))
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore a state saved by :meth:`save_checkpoint`, read with ``weights_only=True``
-        (tensors and plain containers only: a crafted file cannot run code)."""
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        self.model.module.load_state_dict(state["model"])
-        with cuda_factories_on_cpu():
-            self.optimizer.load_state_dict(state["optimizer"])
+        """Restore what :meth:`save_checkpoint` wrote, whatever parallel layout wrote it
+        (collective). A rank the saving run did not have takes rank 0's scheduler, counters and
+        RNG states. Files are read with ``weights_only=True``: a crafted file cannot run code."""
+        rank_file = os.path.join(path, f"rank{_rank()}.pt")
+        if not os.path.isfile(rank_file):
+            rank_file = os.path.join(path, "rank0.pt")
+        state = torch.load(rank_file, map_location="cpu", weights_only=True)
+        load_sharded(os.path.join(path, "dist"), self.model.module, self.optimizer, self.ema,
+                     step=state["adam_steps"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self.guard_skipped_total = state["guard_skipped_total"]
-        self.ema = state["ema"]
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])

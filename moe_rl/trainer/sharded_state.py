@@ -1,0 +1,140 @@
+"""The trainer's weights and optimizer state as megatron-core sharded tensors, saved and loaded
+with ``dist_checkpointing`` (``torch_dist`` format) so that any parallel layout can read what
+another wrote (expert parallel 2 / data parallel 2 <-> 1 / 1, tensor parallel on GPUs).
+
+Every tensor is keyed by the model parameter it belongs to and carries that parameter's place in
+the global tensor: the weights (``model``), Adam's moments (``optim.exp_avg.*``,
+``optim.exp_avg_sq.*``), the float32 main weights of a bfloat16 model (``optim.main.*``) and the
+EMA (``ema.*``). The keys do not depend on how megatron splits its optimizer (one optimizer, or a
+dense and an expert one under expert parallelism), which is what makes the state reshardable.
+With megatron's distributed optimizer (GPUs) the optimizer writes its own sharded state
+(``fully_reshardable``) under ``optimizer``."""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _leaf_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _param_pairs(leaf) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(model parameter, the parameter the torch optimizer updates) of one megatron optimizer."""
+    if hasattr(leaf, "float16_groups"):   # bfloat16 model: float32 main copies
+        for model_group, main_group in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
+            yield from zip(model_group, main_group)
+        for group in leaf.fp32_from_fp32_groups:
+            yield from ((p, p) for p in group)
+    else:
+        for group in leaf.optimizer.param_groups:
+            yield from ((p, p) for p in group["params"])
+
+
+def _uses_distributed_optimizer(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    return any(isinstance(leaf, DistributedOptimizer) for leaf in _leaf_optimizers(optimizer))
+
+
+def _by_param(model_sd: dict) -> dict[int, object]:
+    """id(parameter) -> its ShardedTensor (or factory) in the model's sharded state dict."""
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    sharded, _ = extract_sharded_tensors_and_factories(model_sd)
+    return {id(t.data): t for t in nested_values(sharded)}
+
+
+def optimizer_step_count(optimizer) -> int:
+    """How many Adam steps the optimizer took (0 before the first)."""
+    for leaf in _leaf_optimizers(optimizer):
+        for _, main in _param_pairs(leaf):
+            step = leaf.optimizer.state.get(main, {}).get("step")
+            if step is not None:
+                return int(step)
+    return 0
+
+
+def sharded_trainer_state(model, optimizer, ema: dict | None, loading: bool = False,
+                          step: int = 0) -> dict:
+    """The sharded state dict of the weights, optimizer and EMA. With ``loading`` the optimizer
+    state is created first (zeros, Adam step ``step``) so that loading fills it in place."""
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+    model_sd = model.sharded_state_dict()
+    state: dict = {"model": model_sd}
+    by_param = _by_param(model_sd)
+    names = {id(p): n for n, p in model.named_parameters()}   # local names: unique on a rank
+    if _uses_distributed_optimizer(optimizer):
+        state["optimizer"] = optimizer.sharded_state_dict(   # megatron's reshardable format
+            model_sd, is_loading=loading,
+            metadata={"distrib_optim_sharding_type": "fully_reshardable",
+                      "chained_optim_avoid_prefix": True})
+    else:
+        optim: dict = {}
+        for leaf in _leaf_optimizers(optimizer):
+            for param, main in _param_pairs(leaf):
+                slot = leaf.optimizer.state[main]
+                if loading:
+                    for k in _MOMENTS:
+                        slot.setdefault(k, torch.zeros_like(main, memory_format=torch.preserve_format))
+                    slot["step"] = torch.tensor(float(step))
+                sharded, name = by_param[id(param)], names[id(param)]
+                for k in _MOMENTS:
+                    if k in slot:
+                        optim[f"{k}.{name}"] = make_sharded_optimizer_tensor(
+                            sharded, slot[k], f"optim.{k}")
+                if main is not param:
+                    optim[f"main.{name}"] = make_sharded_optimizer_tensor(
+                        sharded, main, "optim.main")
+        state["optim"] = optim
+    if ema is not None:
+        state["ema"] = {n: make_sharded_optimizer_tensor(by_param[i], ema[n], "ema")
+                        for i, n in names.items() if i in by_param}
+    return state
+
+
+def save_sharded(path: str, model, optimizer, ema: dict | None) -> None:
+    """Write the sharded state to directory ``path`` (collective over every trainer rank)."""
+    from megatron.core import dist_checkpointing
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(sharded_trainer_state(model, optimizer, ema), path)
+
+
+def load_sharded(path: str, model, optimizer, ema: dict | None, step: int) -> None:
+    """Fill the model, optimizer (Adam at step ``step``) and EMA from directory ``path``, whatever
+    parallel layout wrote it (collective over every trainer rank)."""
+    from megatron.core import dist_checkpointing
+    state = sharded_trainer_state(model, optimizer, ema, loading=True, step=step)
+    targets = {part: {k: v.data for k, v in state[part].items()}   # where the values belong
+               for part in ("optim", "ema") if part in state}
+    loaded = dist_checkpointing.load(state, path)
+    model.load_state_dict(loaded["model"])
+    if "optimizer" in loaded:
+        optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():
+        for part, tensors in targets.items():
+            for key, target in tensors.items():
+                if target is not loaded[part][key]:
+                    target.copy_(loaded[part][key])
+
+
+def load_sharded_weights(path: str, model, use_ema: bool = False) -> None:
+    """Fill only the model's weights from directory ``path`` (``use_ema``: with the EMA that
+    was saved beside them), whatever parallel layout wrote it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+    model_sd = model.sharded_state_dict()
+    if not use_ema:
+        model.load_state_dict(dist_checkpointing.load({"model": model_sd}, path)["model"])
+        return
+    by_param = _by_param(model_sd)
+    params = {n: p for n, p in model.named_parameters() if id(p) in by_param}
+    state = {"ema": {n: make_sharded_optimizer_tensor(by_param[id(p)], torch.empty_like(p), "ema")
+                     for n, p in params.items()}}
+    loaded = dist_checkpointing.load(state, path)["ema"]
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(loaded[n])

@@ -1,0 +1,72 @@
+"""A trainer checkpoint written with expert parallel 2 / data parallel 2 loads with EP 1 / DP 1
+and back, over gloo processes: every tensor of the state (weights, Adam's moments, EMA) comes back
+exactly, and Adam's step count with it (multiproc)."""
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.helpers import engine_samples, write_tiny_qwen
+
+
+def _worker(rank, world, port, model_dir, base, load_from, save_to):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from moe_rl.config import config_from_dict
+    from moe_rl.trainer.parallel import ParallelSizes, destroy, init_distributed, \
+        init_model_parallel
+    from moe_rl.types import RolloutBatch
+    init_distributed(rank=rank, world_size=world)
+    init_model_parallel(ParallelSizes(expert=world))
+    from moe_rl.trainer.policy import PolicyTrainer
+    cfg = config_from_dict({"model": {"path": model_dir},
+                            "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
+                            "trainer": {"lr": 1e-2, "grad_clip": 0.0, "expert_parallel": world,
+                                        "ema_decay": 0.5},
+                            "cluster": {"trainer_workers": world}})
+    trainer = PolicyTrainer(cfg, model_dir)
+    if load_from:
+        trainer.load_checkpoint(os.path.join(base, load_from))
+    else:   # two steps, so that weights, moments and EMA all differ from their start
+        samples = RolloutBatch.load(os.path.join(base, "samples.st")).samples
+        for _ in range(2):
+            trainer.train_step(samples)   # the same rows on each rank: equal token counts
+    trainer.save_checkpoint(os.path.join(base, save_to))
+    destroy()
+
+
+def _run(world, *args):
+    from moe_rl.trainer.parallel import free_port
+    mp.start_processes(_worker, args=(world, free_port(), *args), nprocs=world,
+                       start_method="spawn")
+
+
+def _plain(path):
+    from megatron.core import dist_checkpointing
+    from moe_rl.trainer.parallel import init_distributed
+    init_distributed()   # one process reads every shard
+    return dist_checkpointing.load_plain_tensors(os.path.join(path, "dist"))
+
+
+@pytest.mark.multiproc
+def test_ep2_dp2_checkpoint_loads_with_ep1_dp1_and_back(tmp_path):
+    model_dir = tmp_path / "qwen"
+    hf = write_tiny_qwen(model_dir, seed=41)
+    from moe_rl.types import RolloutBatch
+    RolloutBatch(engine_samples(hf, n_groups=2, group_size=2, seed=42)).save(
+        str(tmp_path / "samples.st"))
+    args = (str(model_dir), str(tmp_path))
+    _run(2, *args, None, "ep2")      # trained and saved by 2 ranks, experts split in two
+    _run(1, *args, "ep2", "ep1")     # loaded by 1 rank holding every expert, saved again
+    _run(2, *args, "ep1", "ep2b")    # and back to 2 ranks
+    first, single, back = (_plain(tmp_path / d) for d in ("ep2", "ep1", "ep2b"))
+    keys = set(first)
+    assert keys == set(single) == set(back)
+    for part in ("optim.exp_avg.", "optim.exp_avg_sq.", "ema."):
+        assert any(k.startswith(part) and "experts" in k for k in keys), part
+    for k in sorted(keys):
+        assert torch.equal(first[k], single[k]) and torch.equal(first[k], back[k]), k
+    assert any(float(first[k].abs().max()) > 0 for k in keys if "exp_avg_sq" in k)
+    counts = [torch.load(tmp_path / d / f, weights_only=True)["adam_steps"]
+              for d, f in (("ep2", "rank0.pt"), ("ep1", "rank0.pt"), ("ep2b", "rank1.pt"))]
+    assert counts == [2, 2, 2]
