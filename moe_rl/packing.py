@@ -7,7 +7,7 @@ in [S, B, H] layout, so its router sees token (s, b) at index ``s * B + b``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,6 +59,37 @@ class MicroBatch:
     def unpack(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Per-position values [B, S] (or [..., B, S]) -> one [R] tensor per sample."""
         return [values[..., b, sl] for b, sl in self.response_slices()]
+
+    def padded_to(self, rows: int, length: int, num_experts: int) -> "MicroBatch":
+        """The same micro-batch grown to [rows, length] by rows and positions that hold no
+        response (nothing scored, kept sets unchanged; routing filled with valid ids). The
+        original rows' results are unchanged: attention is causal and MoE routing dropless."""
+        B, S = self.shape
+        if (rows, length) == (B, S):
+            return self
+        if rows < B or length < S:
+            raise ValueError(f"padded_to: [{rows}, {length}] is smaller than [{B}, {S}]")
+
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros((rows, length, *t.shape[2:]), dtype=t.dtype)
+            out[:B, :S] = t
+            return out
+
+        routing = valid = None
+        if self.routing is not None:
+            L, K = self.routing.shape[2:]
+            fill = padding_routing_rows(length * rows, K, num_experts).reshape(length, rows, K)
+            routing = fill.permute(1, 0, 2)[:, :, None, :].expand(rows, length, L, K).clone()
+            routing[:B, :S] = self.routing
+            valid = grow(self.routing_valid)
+        return replace(
+            self, input_ids=grow(self.input_ids), targets=grow(self.targets),
+            score_mask=grow(self.score_mask), response_mask=grow(self.response_mask),
+            routing=routing, routing_valid=valid,
+            position_ids=torch.arange(length, dtype=torch.long)[None, :].expand(rows, length)
+            .clone(),
+            attention_mask=torch.triu(torch.ones(length, length, dtype=torch.bool),
+                                      diagonal=1)[None, None])
 
     def to_response_padded(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Per-position [B, S] values -> response-aligned [B, R_max] (the algorithm layout)."""

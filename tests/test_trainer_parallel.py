@@ -42,6 +42,18 @@ def _worker(rank, port, model_dir, out_dir, mode):
                     "streamed_equal": all(torch.equal(v, exported[k]) for k, v in streamed.items()),
                     "expert5": exported["model.layers.0.mlp.experts.5.gate_proj.weight"]},
                    os.path.join(out_dir, f"ep{rank}.pt"))
+    elif mode == "ep_ragged":   # EP 2 / DP 2 with micro-batches of different shapes per rank
+        init_model_parallel(ParallelSizes(expert=2))
+        from moe_rl.trainer.policy import PolicyTrainer
+        cfg = config_from_dict({"model": {"path": model_dir},
+                                "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
+                                "trainer": {"lr": 1e-3, "grad_clip": 0.0, "expert_parallel": 2},
+                                "cluster": {"trainer_workers": 2},
+                                "algorithm": {"replay": "r3"}})
+        trainer = PolicyTrainer(cfg, model_dir)
+        m = trainer.train_step(_ragged_shares(samples)[rank])
+        torch.save({"grad_norm": m["grad_norm"], "agreement": m["routing/agreement"]},
+                   os.path.join(out_dir, f"epr{rank}.pt"))
     else:   # data parallel: each rank trains on its own group; gradients are all-reduced
         init_model_parallel()
         from moe_rl.trainer.policy import PolicyTrainer
@@ -54,6 +66,11 @@ def _worker(rank, port, model_dir, out_dir, mode):
         torch.save({"grads": [p.main_grad.clone() for p in trainer.model.module.parameters()],
                     "grad_norm": m["grad_norm"]}, os.path.join(out_dir, f"dp{rank}.pt"))
     destroy()
+
+
+def _ragged_shares(samples):
+    """Rank 0: group 0 (two rows); rank 1: one row of group 1: different micro-batch shapes."""
+    return [s for s in samples if s.group_id == 0], [s for s in samples if s.group_id == 1][:1]
 
 
 def _spawn(tmp_path, mode):
@@ -120,3 +137,27 @@ def test_data_parallel_gradients_are_the_global_mean(tmp_path):
     trainer.train_step(samples)
     for a, p in zip(outs[0]["grads"], trainer.model.module.parameters()):
         assert torch.allclose(a, p.main_grad, atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.multiproc
+def test_expert_parallel_ranks_with_different_micro_batch_shapes(tmp_path):
+    """On CPU the allgather dispatcher gathers hidden states over the expert-parallel group: a
+    rank with 2 rows and one with 1 row (other lengths too) must still train (each forward is
+    padded to the group's shape and cropped back), with the gradient norm and routing agreement
+    of one process training on the same 3 rows."""
+    model_dir, samples = _spawn(tmp_path, "ep_ragged")
+    outs = [torch.load(tmp_path / f"epr{r}.pt") for r in range(2)]
+    from moe_rl.config import config_from_dict
+    from moe_rl.trainer.parallel import init_distributed, init_model_parallel
+    from moe_rl.trainer.policy import PolicyTrainer
+    init_distributed()
+    init_model_parallel()
+    cfg = config_from_dict({"model": {"path": model_dir},
+                            "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
+                            "trainer": {"lr": 1e-3, "grad_clip": 0.0},
+                            "algorithm": {"replay": "r3"}})
+    share0, share1 = _ragged_shares(samples)
+    m = PolicyTrainer(cfg, model_dir).train_step(share0 + share1)
+    for out in outs:
+        assert out["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-5)
+        assert out["agreement"] == pytest.approx(m["routing/agreement"], abs=1e-7)

@@ -20,7 +20,7 @@ from moe_rl.algo import (Normalisers, aggregate, collapse_guard, count_normalise
 from moe_rl.config import Config
 from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu, cuda_absent
-from moe_rl.trainer.forward import forward_logprobs
+from moe_rl.trainer.forward import forward_logprobs, unwrap
 from moe_rl.trainer.loss import LossInputs, PolicyLoss
 from moe_rl.trainer.hf_weights import (exporting_rank, iter_hf_buckets,
                                        load_hf_into_megatron, save_hf_checkpoint)
@@ -206,23 +206,42 @@ class PolicyTrainer:
         carries, the rollout's for R3 or the one recorded per sample in the pi_old pass for R2;
         record: the router's own choice recorded; off: plain)."""
         a = self.cfg.algorithm
-        B, S = mb.input_ids.shape
+        shape = mb.shape
+        run = mb.padded_to(*self._ep_common_shape(shape), self.spec.facts.num_experts)
+        B, S = run.shape
         if mode == "replay":
             if mb.routing is None:
                 raise ValueError("algorithm.replay=r3: the rollout carries no routing (start "
                                  "SGLang with --enable-return-routed-experts)")
-            replay.replay(replay.local_indices(mb.replay_indices(), S, B),
+            replay.replay(replay.local_indices(run.replay_indices(), S, B),
                           collect_own=collect_own)
         elif mode == "record":
             replay.record()
         else:
             replay.off()
         with torch.set_grad_enabled(grad):
-            lp, ent = forward_logprobs(model, mb, temperature=self.cfg.rollout.temperature or 1.0,
+            lp, ent = forward_logprobs(model, run, temperature=self.cfg.rollout.temperature or 1.0,
                                        use_kept_sets=a.keep_sampling_mask,
                                        fp32_output_layer=self.cfg.model.fp32_output_layer)
         replay.finish_forward()
+        if run is not mb:
+            replay.crop(run.shape, shape)
+            lp, ent = lp[:shape[0], :shape[1]], ent[:shape[0], :shape[1]]
         return lp, ent
+
+    def _ep_common_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The [rows, positions] every rank of the expert-parallel group forwards: with
+        megatron's allgather token dispatcher (CPU) the group gathers hidden states, so all its
+        micro-batches must have one shape (the largest, others padded); else ``shape``."""
+        from megatron.core import parallel_state as ps
+        config = unwrap(self.model).config
+        if (config.moe_token_dispatcher_type != "allgather"
+                or ps.get_expert_tensor_and_model_parallel_world_size() == 1):
+            return shape
+        t = torch.tensor(shape, dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX,
+                        group=ps.get_expert_tensor_and_model_parallel_group())
+        return int(t[0]), int(t[1])
 
     # ------------------------------------------------------------------ step
     def prepare(self, samples: list[Sample]) -> tuple[StepBatch, dict[str, float]]:

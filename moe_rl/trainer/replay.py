@@ -94,6 +94,7 @@ class ReplayController:
         self._mode: str | None = None
         self._expected_rows: int | None = None
         self.collect_own = False
+        self._crop = None   # see crop()
         for r in self.routers:
             self._wrap(r)
         self.registry = RouterReplay
@@ -153,6 +154,7 @@ class ReplayController:
             rows = t.shape[0]
 
     def _reset(self) -> None:
+        self._crop = None
         for r in self.routers:
             r.replay.clear_indices()
             r.calls = 0
@@ -222,8 +224,19 @@ class ReplayController:
             if t is None:
                 raise RuntimeError(f"routing: layer {r.layer} recorded nothing; did the forward "
                                    f"run in record mode?")
-            out.append(t.detach().cpu())
+            out.append(self._cropped(t.detach().cpu()))
         return out
+
+    def crop(self, padded: tuple[int, int], shape: tuple[int, int]) -> None:
+        """The last forward ran on a micro-batch padded from [B, S] ``shape`` to ``padded``
+        (expert parallelism on CPU): report only the original tokens' routing."""
+        self._crop = (padded, shape)
+
+    def _cropped(self, t: torch.Tensor) -> torch.Tensor:
+        if self._crop is None:
+            return t
+        (B2, S2), (B, S) = self._crop   # router order s * B + b
+        return t.reshape(S2, B2, *t.shape[1:])[:S, :B].reshape(S * B, *t.shape[1:])
 
     def finish_forward(self) -> None:
         """Assert every MoE router of this stage ran exactly once in the last forward."""
@@ -257,7 +270,7 @@ class ReplayController:
         """The top-k each router would have chosen from its own scores in the last forward."""
         if any(len(r.own_topk) != 1 for r in self.routers):
             raise RuntimeError("routing: the router's own choice was not collected once per layer")
-        return [r.own_topk[0] for r in self.routers]
+        return [self._cropped(r.own_topk[0]) for r in self.routers]
 
     def agreement(self, engine: list[torch.Tensor], valid: torch.Tensor | None = None,
                   trainer: list[torch.Tensor] | None = None) -> dict[str, float]:
