@@ -67,7 +67,8 @@ class ModelInitConfig:
 @dataclass
 class ModelConfig:
     path: str = _f("outputs/tiny_model", "Hugging Face model directory (config.json + safetensors)")
-    dtype: Literal["float32", "bfloat16"] = _f("float32", "trainer parameter dtype")
+    dtype: Literal["float32", "bfloat16"] = _f("float32",
+                                               "trainer parameter dtype (bfloat16: GPUs only)")
     fp32_output_layer: bool = _f(False, "keep the output layer (LM head) in float32")
     init: ModelInitConfig = _sub(ModelInitConfig, "tiny model shape for `moe-rl init-model`")
 
@@ -641,6 +642,11 @@ def validate(cfg: Config) -> None:
         if r.engine == "sglang":
             raise ConfigError("rollout.engine: SGLang needs GPUs (cluster.gpus_per_node > 0); use "
                               "rollout.engine=reference on CPU")
+        if cfg.model.dtype == "bfloat16":
+            raise ConfigError("model.dtype: bfloat16 training needs GPUs (cluster.gpus_per_node > "
+                              "0): megatron-core's mixed-precision optimizer wraps CUDA tensors "
+                              "only; use float32 on CPU (rollout.engine_dtype=bfloat16 still "
+                              "gives a bfloat16 engine)")
         for key in ("tensor_parallel", "context_parallel"):
             if getattr(t, key) > 1:
                 raise ConfigError(f"trainer.{key}: > 1 is not supported on CPU (megatron-core's "

@@ -88,7 +88,8 @@ def test_another_model_or_optimizer_is_refused_another_layout_resharded(tmp_path
     assert "resharding" in capsys.readouterr().out
     for override, named in (("trainer.ema_decay=0.9", "ema: checkpoint False, this run True"),
                             ("model.dtype=bfloat16", "optimizer_dtype: checkpoint 'float32'")):
-        changed = load_config(None, [f"model.path={cfg.model.path}", override])
+        changed = load_config(None, [f"model.path={cfg.model.path}", override,
+                                     "cluster.gpus_per_node=8"])
         with pytest.raises(checkpoint.CheckpointError, match=named):
             checkpoint.open_checkpoint(path, changed)
     write_tiny_model(ModelInitConfig(hidden_size=32), str(tmp_path / "small"))

@@ -128,6 +128,7 @@ def test_other_incompatible_combinations():
     assert "rollout.engine" in _err(["rollout.engine=sglang"])  # no GPUs configured
     assert "trainer.tensor_parallel" in _err(["trainer.tensor_parallel=2"])
     assert "pipeline schedules" in _err(["trainer.pipeline_parallel=2", "cluster.gpus_per_node=8"])
+    assert "bfloat16 training needs GPUs" in _err(["model.dtype=bfloat16"])   # CPU run
     assert "trainer.expert_parallel" in _err(["trainer.expert_parallel=3"])
     assert "algorithm.correction.rs_low" in _err(["algorithm.correction.rs_low=3"])
     assert "data.path" in _err(["data.source=jsonl"])
