@@ -216,6 +216,10 @@ class TrainerConfig:
                                  "optimizer step and exported as final_hf (rollouts keep the raw "
                                  "weights; null = off)",
                                  **_rng(0, 1, lo_open=True, hi_open=True))
+    expert_bias_update_rate: float = _f(0.0, "DeepSeek-V3 routers: megatron's aux-loss-free "
+                                        "expert-bias update per optimizer step, from the "
+                                        "batch's tokens per expert (0 = frozen, the default)",
+                                        **_rng(0))
     sft_warmup_steps: int = _f(0, "supervised warm-start steps before RL", **_rng(0))
     sft_lr: float = _f(1e-3, "learning rate of the supervised warm-start", **_rng(0, lo_open=True))
     save_interval: int = _f(0, "checkpoint every n steps (0 = only at the end)", **_rng(0))

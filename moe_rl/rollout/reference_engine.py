@@ -322,7 +322,8 @@ class ReferenceEngine:
     @staticmethod
     def _routers(model, facts) -> list:
         """The MoE routers whose expert choice (their third output) is recorded."""
-        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        routers = [m for m in model.modules()
+                   if type(m).__name__.lower().endswith("topkrouter")]
         if len(routers) != len(facts.moe_layers):
             raise ValueError(f"found {len(routers)} routers for {len(facts.moe_layers)} MoE "
                              f"layers")

@@ -1,5 +1,7 @@
-"""Hugging Face safetensors <-> megatron-core weights (Qwen3-MoE, Mixtral), with tensor- and
-expert-parallel sharding and pipeline-stage layer offsets.
+"""Hugging Face safetensors <-> megatron-core weights (Qwen3-MoE, Mixtral, DeepSeek-V3), with
+tensor- and expert-parallel sharding and pipeline-stage layer offsets. The DeepSeek-V3 router's
+expert bias (``e_score_correction_bias``) is a megatron buffer, not a parameter: it travels with
+the parameters (:func:`hf_mapped_tensors`) in loads, exports and weight syncs.
 
 mbridge (the peers' bridge) maps to the Transformer Engine spec only and pins megatron versions;
 the CPU path uses the local spec, so the mapping is written here, for both specs: a parameter's
@@ -90,7 +92,9 @@ def tp_merge(shards: list[torch.Tensor], kind: str) -> torch.Tensor:
 
 
 def _sharding(local_name: str) -> str:
-    if local_name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+    if local_name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight",
+                            "linear_q_proj.weight", "linear_q_up_proj.weight",
+                            "linear_kv_up_proj.weight")):
         return "column"
     if local_name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return "row"
@@ -108,6 +112,10 @@ class _Names:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         if spec.arch == "qwen3_moe":
+            self.moe, self.router = "mlp", "mlp.gate.weight"
+            self.expert = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                           "mlp.experts.{e}.down_proj.weight")
+        elif spec.arch == "deepseek_v3":
             self.moe, self.router = "mlp", "mlp.gate.weight"
             self.expert = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
                            "mlp.experts.{e}.down_proj.weight")
@@ -153,9 +161,37 @@ class _Names:
             "mlp.linear_fc1.weight": ("cat", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
             "mlp.linear_fc2.weight": ("copy", [p + "mlp.down_proj.weight"]),
         }
+        if self.spec.arch == "deepseek_v3":
+            a = p + "self_attn."
+            q_norm, kv_norm = ("copy", [a + "q_a_layernorm.weight"]), \
+                ("copy", [a + "kv_a_layernorm.weight"])
+            table.update({   # MLA (local spec names; TE fuses the norms into the up projections)
+                "self_attention.linear_q_proj.weight": ("copy", [a + "q_proj.weight"]),
+                "self_attention.linear_q_down_proj.weight": ("copy", [a + "q_a_proj.weight"]),
+                "self_attention.q_layernorm.weight": q_norm,
+                "self_attention.linear_q_up_proj.layer_norm_weight": q_norm,
+                "self_attention.linear_q_up_proj.weight": ("copy", [a + "q_b_proj.weight"]),
+                "self_attention.linear_kv_down_proj.weight":
+                    ("copy", [a + "kv_a_proj_with_mqa.weight"]),
+                "self_attention.kv_layernorm.weight": kv_norm,
+                "self_attention.linear_kv_up_proj.layer_norm_weight": kv_norm,
+                "self_attention.linear_kv_up_proj.weight": ("copy", [a + "kv_b_proj.weight"]),
+                "mlp.shared_experts.linear_fc1.weight":
+                    ("cat", [p + "mlp.shared_experts.gate_proj.weight",
+                             p + "mlp.shared_experts.up_proj.weight"]),
+                "mlp.shared_experts.linear_fc2.weight":
+                    ("copy", [p + "mlp.shared_experts.down_proj.weight"]),
+            })
         if rest not in table:
             raise KeyError(f"no Hugging Face tensor for megatron parameter {name!r}")
         return table[rest]
+
+
+def hf_mapped_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """(megatron name, tensor) of everything that maps to the HF checkpoint: the parameters and
+    the routers' persistent expert-bias buffers."""
+    return list(model.named_parameters()) + [
+        (n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
 
 
 def _layer_numbers(model) -> dict[int, int]:
@@ -214,13 +250,27 @@ def megatron_param_from_hf(name: str, get, spec: ModelSpec, layer_of: dict[int, 
     return tp_split(full, _sharding(name), tp_rank, tp_size)
 
 
+def mtp_layers(names, spec: ModelSpec) -> list[int]:
+    """Indices of decoder layers beyond ``num_hidden_layers`` that tensor ``names`` hold (the
+    multi-token-prediction layers of a DeepSeek-V3 checkpoint)."""
+    found = {int(m.group(1)) for m in map(re.compile(r"^model\.layers\.(\d+)\.").match, names)
+             if m}
+    return sorted(i for i in found if i >= spec.num_layers)
+
+
 @torch.no_grad()
 def load_hf_into_megatron(model, spec: ModelSpec, hf_path: str) -> None:
     """Copy the HF checkpoint at ``hf_path`` into ``model`` (this rank's shards)."""
     ckpt = HFCheckpoint(hf_path)
     layer_of = _layer_numbers(model)
     ranks = _ranks()
-    for name, param in model.named_parameters():
+    extra = mtp_layers(ckpt.where, spec)
+    if extra:
+        raise ValueError(f"{hf_path}: the checkpoint holds multi-token-prediction layer(s) "
+                         f"{extra} (num_nextn_predict_layers), which moe_rl does not train or "
+                         f"serve; write a copy without the tensors of those layers and set "
+                         f"num_nextn_predict_layers: 0 in its config.json")
+    for name, param in hf_mapped_tensors(model):
         value = megatron_param_from_hf(name, ckpt.get, spec, layer_of, ranks)
         if value.shape != param.shape:
             raise ValueError(f"{name}: checkpoint gives shape {list(value.shape)}, the model "
@@ -270,7 +320,7 @@ class _Exporter:
         self.n_heads = int(hf["num_attention_heads"])
         self.head_dim = int(hf.get("head_dim") or spec.hidden_size // self.n_heads)
         self.keep = everywhere or exporting_rank()
-        self.params = list(model.named_parameters())
+        self.params = hf_mapped_tensors(model)
 
     def full_bytes(self, name: str, param: torch.Tensor) -> int:
         """Bytes of the HF tensors parameter ``name`` becomes (all ranks' shards and experts),

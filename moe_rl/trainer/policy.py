@@ -102,9 +102,15 @@ def finalize_grads(model) -> None:
     the data-parallel reduction, plus the all-reduce of gradients that tensor-parallel ranks hold
     as replicas (layer norms, q/k norms and, under sequence parallelism, the router), which
     ``finish_grad_sync`` alone leaves per-rank. The loss is already normalised by global counts,
-    so no token count is passed."""
+    so no token count is passed. With DeepSeek-V3 routers it also applies megatron's expert-bias
+    update (``trainer.expert_bias_update_rate``; 0 leaves the bias as it is) from the tokens
+    per expert counted in this step's training forwards, then clears the counts, so each update
+    sees one optimizer step's tokens."""
     from megatron.core.distributed import finalize_model_grads
     finalize_model_grads([model])
+    for name, counts in model.named_buffers():
+        if name.endswith("router.local_tokens_per_expert"):
+            counts.zero_()
 
 
 class PolicyTrainer:
@@ -123,7 +129,8 @@ class PolicyTrainer:
         dtype = MODEL_DTYPES[cfg.model.dtype]
         model, self.spec = build_model(hf_path, sizes=sizes, dtype=dtype,
                                        sequence_parallel=t.sequence_parallel,
-                                       recompute=t.recompute_activations)
+                                       recompute=t.recompute_activations,
+                                       expert_bias_update_rate=t.expert_bias_update_rate)
         load_hf_into_megatron(model, self.spec, hf_path)
         facts = self.spec.facts
         self.moe_shape = facts
