@@ -44,8 +44,32 @@ def _sub(cls: type, doc: str) -> Any:
 
 
 @dataclass
+class DeepseekInitConfig:
+    """DeepSeek-V3-only shape of the tiny model (``model.init.architecture: deepseek_v3``)."""
+    q_lora_rank: int | None = _f(32, "query LoRA rank of MLA (null = full query projection)",
+                                 **_rng(1))
+    kv_lora_rank: int = _f(32, "compressed key/value (latent) size of MLA", **_rng(1))
+    qk_nope_head_dim: int = _f(16, "per-head query/key size without rotary", **_rng(1))
+    qk_rope_head_dim: int = _f(8, "per-head rotary query/key size (even)", **_rng(2))
+    v_head_dim: int = _f(16, "per-head value size", **_rng(1))
+    n_group: int = _f(4, "expert groups of the group-limited router", **_rng(1))
+    topk_group: int = _f(2, "groups a token may use (num_experts_per_tok / topk_group must be 2 "
+                         "when < n_group)", **_rng(1))
+    n_shared_experts: int = _f(1, "shared (always-on, never routed) experts per MoE layer",
+                               **_rng(0))
+    first_k_dense_replace: int = _f(1, "leading dense layers", **_rng(0))
+    routed_scaling_factor: float = _f(2.5, "scale of the routed experts' gate weights",
+                                      **_rng(0, lo_open=True))
+    expert_bias_std: float = _f(0.01, "std of the random initial expert bias "
+                                "(e_score_correction_bias)", **_rng(0))
+
+
+@dataclass
 class ModelInitConfig:
-    """Shape of the tiny Qwen3-MoE model written by ``moe-rl init-model``."""
+    """Shape of the tiny model written by ``moe-rl init-model`` (Qwen3-MoE or DeepSeek-V3)."""
+    architecture: Literal["qwen3_moe", "deepseek_v3"] = _f(
+        "qwen3_moe", "qwen3_moe, or deepseek_v3 (MLA, sigmoid router with expert bias, "
+        "group-limited top-k, shared experts; shaped further by model.init.deepseek)")
     hidden_size: int = _f(64, "hidden size", **_rng(1))
     num_hidden_layers: int = _f(2, "decoder layers", **_rng(1))
     num_attention_heads: int = _f(4, "attention heads", **_rng(1))
@@ -62,6 +86,9 @@ class ModelInitConfig:
     rms_norm_eps: float = _f(1e-6, "RMSNorm epsilon", **_rng(0, lo_open=True))
     tie_word_embeddings: bool = _f(False, "tie input and output embeddings")
     seed: int = _f(0, "weight initialisation seed")
+    deepseek: DeepseekInitConfig = _sub(DeepseekInitConfig, "DeepSeek-V3-only shape "
+                                        "(num_key_value_heads, head_dim, decoder_sparse_step "
+                                        "do not apply to it)")
 
 
 @dataclass
@@ -528,7 +555,20 @@ def model_moe_facts(model: ModelConfig) -> MoEShape:
     if os.path.isfile(cfg_file):
         with open(cfg_file, encoding="utf-8") as fh:
             return MoEShape.from_hf(json.load(fh))
-    return MoEShape.from_hf(_to_dict(model.init))
+    return MoEShape.from_hf(init_hf_fields(model.init))
+
+
+def init_hf_fields(init: ModelInitConfig) -> dict:
+    """The ``model.init`` shape under the names of the architecture's HF ``config.json``."""
+    fields = _to_dict(init)
+    deepseek = fields.pop("deepseek")
+    fields["model_type"] = fields.pop("architecture")
+    if init.architecture == "deepseek_v3":
+        deepseek.pop("expert_bias_std")
+        for key in ("num_key_value_heads", "head_dim", "decoder_sparse_step"):
+            fields.pop(key)
+        fields.update(deepseek, n_routed_experts=fields.pop("num_experts"))
+    return fields
 
 
 # ----------------------------------------------------------------------------------------------
@@ -553,6 +593,27 @@ def engine_avg_refusal(cfg: Config, vocab_size: int | None) -> None:
             f"or algorithm.pi_old=trainer")
 
 
+def _check_deepseek_init(init: ModelInitConfig) -> None:
+    d = init.deepseek
+    if d.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.init.deepseek.qk_rope_head_dim: must be even, got "
+                          f"{d.qk_rope_head_dim}")
+    if init.num_experts % d.n_group:
+        raise ConfigError(f"model.init.deepseek.n_group: {d.n_group} must divide "
+                          f"model.init.num_experts ({init.num_experts})")
+    if d.topk_group > d.n_group:
+        raise ConfigError(f"model.init.deepseek.topk_group: {d.topk_group} exceeds n_group "
+                          f"({d.n_group})")
+    if d.topk_group < d.n_group and init.num_experts_per_tok != 2 * d.topk_group:
+        raise ConfigError(f"model.init.deepseek.topk_group: group-limited routing needs "
+                          f"num_experts_per_tok = 2 x topk_group (both transformers and "
+                          f"megatron-core rank a group by its best experts), got "
+                          f"{init.num_experts_per_tok} and {d.topk_group}")
+    if d.first_k_dense_replace >= init.num_hidden_layers:
+        raise ConfigError(f"model.init.deepseek.first_k_dense_replace: {d.first_k_dense_replace} "
+                          f"leaves no MoE layer of {init.num_hidden_layers}")
+
+
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` for incompatible combinations of otherwise valid values."""
     a, r, t, m = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.model
@@ -560,9 +621,11 @@ def validate(cfg: Config) -> None:
     if init.num_experts_per_tok > init.num_experts:
         raise ConfigError(f"model.init.num_experts_per_tok: {init.num_experts_per_tok} exceeds "
                           f"model.init.num_experts = {init.num_experts}")
-    if init.num_attention_heads % init.num_key_value_heads:
+    if init.architecture == "qwen3_moe" and init.num_attention_heads % init.num_key_value_heads:
         raise ConfigError("model.init.num_key_value_heads: must divide model.init."
                           f"num_attention_heads ({init.num_attention_heads})")
+    if init.architecture == "deepseek_v3":
+        _check_deepseek_init(init)
     facts = model_moe_facts(m)
     if a.replay != "off" and not facts.moe_layers:
         raise ConfigError(f"algorithm.replay: '{a.replay}' needs a model with MoE layers, but "

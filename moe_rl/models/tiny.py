@@ -1,14 +1,12 @@
-"""The tiny Qwen3-MoE model and character-level tokenizer of the CPU demo, built locally and
-deterministically (same config -> byte-identical files); nothing is downloaded."""
+"""The tiny Qwen3-MoE or DeepSeek-V3 model and character-level tokenizer of the CPU demo, built
+locally and deterministically (same config -> byte-identical files); nothing is downloaded."""
 from __future__ import annotations
 
 import os
 import string
-from dataclasses import asdict
-
 import torch
 
-from moe_rl.config import ModelInitConfig
+from moe_rl.config import ModelInitConfig, init_hf_fields
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 CHARSET = (string.digits + string.ascii_letters + " +-*/=().,:;!?'\"#%&<>[]_\n")
@@ -39,27 +37,44 @@ def padded_vocab_size(n: int, multiple: int = 8) -> int:
     return -(-n // multiple) * multiple
 
 
+def _hf_config(init: ModelInitConfig, tokenizer):
+    """The transformers config of the ``init`` shape."""
+    import transformers
+    fields = init_hf_fields(init)
+    fields.pop("seed")
+    arch = fields.pop("model_type")
+    common = dict(vocab_size=padded_vocab_size(len(tokenizer)), bos_token_id=None,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if arch == "deepseek_v3":
+        fields["rope_parameters"] = {"rope_type": "default",
+                                     "rope_theta": fields.pop("rope_theta")}
+        return transformers.DeepseekV3Config(
+            **common, num_key_value_heads=init.num_attention_heads, num_nextn_predict_layers=0,
+            topk_method="noaux_tc", rope_interleave=True, **fields)
+    return transformers.Qwen3MoeConfig(**common, mlp_only_layers=[], output_router_logits=False,
+                                       router_aux_loss_coef=0.0, **fields)
+
+
 def write_tiny_model(init: ModelInitConfig, out_dir: str) -> str:
-    """Write config.json, model.safetensors and the tokenizer of a tiny Qwen3-MoE to
-    ``out_dir``, deterministically from ``init.seed``. Returns ``out_dir``."""
+    """Write config.json, model.safetensors and the tokenizer of the tiny model of ``init``
+    (Qwen3-MoE or DeepSeek-V3) to ``out_dir``, deterministically from ``init.seed``. Returns
+    ``out_dir``."""
     import transformers
     tokenizer = build_tokenizer()
-    shape = asdict(init)
-    seed = shape.pop("seed")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=padded_vocab_size(len(tokenizer)), bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        mlp_only_layers=[], output_router_logits=False, router_aux_loss_coef=0.0, **shape)
-    gen = torch.Generator().manual_seed(seed)
+    cfg = _hf_config(init, tokenizer)
+    gen = torch.Generator().manual_seed(init.seed)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Qwen3MoeForCausalLM(cfg)
+        torch.manual_seed(init.seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():   # explicit seeded init: independent of transformers' init order
         for name, p in sorted(model.named_parameters()):
             if "norm" in name:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * init.deepseek.expert_bias_std)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
