@@ -287,22 +287,25 @@ def test_deepseek_init_shape_is_checked_at_config_time():
 @pytest.mark.e2e
 def test_cpu_twin_config_trains_through_the_loop_with_r3_and_converts(tmp_path):
     """`moe-rl init-model` + `moe-rl train --config configs/deepseek_tiny_cpu.yaml` (R3, IcePop
-    then seq-MIS, through Ray and HTTP): float32 engine and trainer agree (routing agreement 1,
-    mismatch/k3 ~0, nothing corrected away); the expert bias stays frozen; a checkpoint
-    converts to the exported HF model exactly."""
+    then seq-MIS, the keep-sampling mask with top-k/top-p, a supervised warm start, through Ray
+    and HTTP): float32 engine and trainer agree (routing agreement 1, mismatch/k3 ~0, nothing
+    corrected away); the expert bias stays frozen; a checkpoint converts to the exported HF model
+    exactly."""
     import subprocess
     import sys
     from tests.conftest import ROOT, train_cli
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "deepseek_tiny_cpu.yaml"), "--out",
                     str(tmp_path / "model")], check=True, capture_output=True, timeout=120)
-    train_cli(tmp_path, 3, config="deepseek_tiny_cpu.yaml")
+    train_cli(tmp_path, 3, "algorithm.keep_sampling_mask=true", "rollout.top_k=8",
+              "rollout.top_p=0.9", config="deepseek_tiny_cpu.yaml")
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["routing/agreement"] == 1.0 and r["routing/agreement_layer_1"] == 1.0
         assert "routing/agreement_layer_0" not in r   # the dense layer has no router
-        assert abs(r["mismatch/k3"]) < 1e-6
+        assert abs(r["mismatch/k3"]) < 1e-6 and r["mismatch/abs_diff_max"] < 1e-4
+        assert 1 <= r["sampling_mask/kept_mean"] <= 8
         assert r["correction/icepop/masked_token_frac"] == 0.0
         assert r["correction/seq_mis/masked_seq_frac"] == 0.0
     start = load_file(tmp_path / "model" / "model.safetensors")

@@ -208,10 +208,11 @@ class PolicyTrainer:
             (lp.sum() * 0.0).backward()
 
     def _forward(self, model, replay: ReplayController, mb: MicroBatch, mode: str,
-                 grad: bool = False, collect_own: bool = False):
+                 grad: bool = False, collect_own: bool = False, kept_sets: bool = True):
         """Forward one micro-batch under replay ``mode`` (replay: the routing the micro-batch
         carries, the rollout's for R3 or the one recorded per sample in the pi_old pass for R2;
-        record: the router's own choice recorded; off: plain)."""
+        record: the router's own choice recorded; off: plain). ``kept_sets=False`` scores on the
+        full vocabulary even with ``keep_sampling_mask`` (supervised samples have no kept sets)."""
         a = self.cfg.algorithm
         shape = mb.shape
         run = mb.padded_to(*self._ep_common_shape(shape), self.spec.facts.num_experts)
@@ -228,7 +229,7 @@ class PolicyTrainer:
             replay.off()
         with torch.set_grad_enabled(grad):
             lp, ent = forward_logprobs(model, run, temperature=self.cfg.rollout.temperature or 1.0,
-                                       use_kept_sets=a.keep_sampling_mask,
+                                       use_kept_sets=a.keep_sampling_mask and kept_sets,
                                        fp32_output_layer=self.cfg.model.fp32_output_layer)
         replay.finish_forward()
         if run is not mb:
@@ -485,7 +486,8 @@ class PolicyTrainer:
             if mb is None:
                 self._dummy_forward(self.model, self.replay, grad=True)
                 continue
-            lp, _ = self._forward(self.model, self.replay, mb, "off", grad=True)
+            lp, _ = self._forward(self.model, self.replay, mb, "off", grad=True,
+                                  kept_sets=False)
             mask = mb.score_mask.to(lp.device)
             loss = aggregate(-lp, mask, "token-mean", norm)
             loss.backward()
