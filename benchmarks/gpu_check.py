@@ -3,8 +3,10 @@
 
 Checks, each reported pass / fail (with the figure) / skipped (with the reason):
 1. megatron_cuda_local: the megatron-core model on CUDA (local spec) scores as transformers does
-   (float32, replayed routing), max |Δ log-prob|.
-2. megatron_cuda_te: the same with Transformer Engine's spec, when TE is installed.
+   (float32, replayed routing), max |Δ log-prob|; deepseek_cuda_local: the same for the tiny
+   DeepSeek-V3 model (MLA, biased group-limited sigmoid router, shared experts).
+2. megatron_cuda_te / deepseek_cuda_te: the same with Transformer Engine's spec, when TE is
+   installed.
 3. triton_kernel: the Triton log-prob/entropy kernel equals the torch one on CUDA, and their time
    ratio at T=4096, V=151,936, H=1024 (bf16).
 4. parallel_equivalence: TP=2 + SP and EP=2 steps equal TP=1 (needs 2 GPUs; torchrun).
@@ -35,6 +37,14 @@ def _tiny_model(path: str) -> str:
     return write_tiny_model(ModelInitConfig(seed=3, num_hidden_layers=3, rope_theta=1e6), path)
 
 
+def _tiny_deepseek(path: str) -> str:
+    from moe_rl.config import load_config
+    from moe_rl.models.tiny import write_tiny_model
+    init = load_config(ROOT / "configs" / "deepseek_tiny_cpu.yaml",
+                       [f"model.path={path}"]).model.init
+    return write_tiny_model(init, path)
+
+
 def check_megatron_cuda(path: str, use_te: bool) -> dict:
     """max |megatron - transformers| log-prob on CUDA with the engine's routing replayed."""
     import importlib.util
@@ -60,10 +70,13 @@ def check_megatron_cuda(path: str, use_te: bool) -> dict:
     model.eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     ids = torch.randint(0, spec.vocab_size, (48,), generator=torch.Generator().manual_seed(0))
+    picks = []   # the experts transformers chose (each router's third output), as the engine
+    for module in hf.modules():
+        if type(module).__name__.lower().endswith("topkrouter"):
+            module.register_forward_hook(lambda m, i, o: picks.append(o[2].detach()))
     with torch.no_grad():
-        out = hf(input_ids=ids[None].cuda(), output_router_logits=True)
-    k = spec.facts.topk
-    routing = torch.stack([r.topk(k, -1).indices for r in out.router_logits], 1).cpu()
+        out = hf(input_ids=ids[None].cuda())
+    routing = torch.stack(picks, 1).cpu()
     want = torch.log_softmax(out.logits[0].float(), -1)[15:-1].gather(
         1, ids[16:, None].cuda()).squeeze(1).cpu()
     sample = Sample(prompt_ids=ids[:16], response_ids=ids[16:],
@@ -198,12 +211,15 @@ def main() -> int:
         report["gpus"] = torch.cuda.device_count()
         from moe_rl.trainer.parallel import free_port
         path = _tiny_model(tempfile.mkdtemp(prefix="gpu_check_"))
+        deepseek = _tiny_deepseek(tempfile.mkdtemp(prefix="gpu_check_deepseek_"))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         init_distributed(rank=0, world_size=1)
         init_model_parallel()
         checks = {"megatron_cuda_local": lambda: check_megatron_cuda(path, use_te=False),
                   "megatron_cuda_te": lambda: check_megatron_cuda(path, use_te=True),
+                  "deepseek_cuda_local": lambda: check_megatron_cuda(deepseek, use_te=False),
+                  "deepseek_cuda_te": lambda: check_megatron_cuda(deepseek, use_te=True),
                   "triton_kernel": check_triton_kernel,
                   "parallel_equivalence": lambda: check_parallel(path),
                   "nccl_weight_sync": check_nccl_sync}

@@ -26,6 +26,17 @@ def test_megatron_on_cuda_matches_transformers(tiny):
 
 
 @needs_cuda
+def test_deepseek_v3_on_cuda_matches_transformers(tmp_path):
+    from moe_rl.trainer.parallel import init_distributed, init_model_parallel
+    init_distributed()
+    init_model_parallel()
+    path = gpu_check._tiny_deepseek(str(tmp_path / "deepseek"))
+    assert gpu_check.check_megatron_cuda(path, use_te=False)["status"] == "pass"
+    te = gpu_check.check_megatron_cuda(path, use_te=True)
+    assert te["status"] in ("pass", "skipped"), te
+
+
+@needs_cuda
 def test_triton_kernel_matches_torch_on_cuda():
     res = gpu_check.check_triton_kernel()
     assert res["status"] in ("pass", "skipped"), res
