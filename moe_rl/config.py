@@ -123,6 +123,14 @@ class RolloutConfig:
     engine_dtype: Literal["float32", "bfloat16"] = _f("float32", "reference engine dtype")
     prompts_per_step: int = _f(8, "prompts sampled per RL step", **_rng(1))
     n_samples_per_prompt: int = _f(8, "responses per prompt (the GRPO group size)", **_rng(1))
+    max_staleness: int = _f(0, "asynchronous pipeline: the rollout generates the next batches "
+                            "while the trainer trains, from weights at most this many versions "
+                            "old (0 = the synchronous loop)", **_rng(0))
+    dynamic_sampling: bool = _f(False, "drop prompt groups whose rewards are all equal and "
+                                "generate more until the step has prompts_per_step informative "
+                                "groups (DAPO)")
+    max_oversample: int | None = _f(None, "dynamic sampling: most extra prompt groups generated "
+                                    "per step (null = prompts_per_step)", **_rng(0))
     max_new_tokens: int = _f(16, "response length cap", **_rng(1))
     temperature: float = _f(1.0, "sampling temperature (0 = greedy)", **_rng(0))
     top_p: float = _f(1.0, "nucleus sampling mass", **_rng(0, 1, lo_open=True))
@@ -746,6 +754,15 @@ def validate(cfg: Config) -> None:
     if r.engine == "sglang" and r.sglang.deterministic_inference and r.min_p > 0:
         raise ConfigError("rollout.min_p: SGLang's deterministic inference does not support min_p "
                           "sampling; set rollout.min_p=0 or turn deterministic_inference off")
+    if r.max_staleness > 0 and cfg.cluster.colocate:
+        raise ConfigError("rollout.max_staleness: the asynchronous pipeline generates while the "
+                          "trainer trains, which colocated engines cannot (they give their memory "
+                          "to the trainer); set cluster.colocate=false or max_staleness=0")
+    if r.max_staleness > 0 and a.pi_old != "trainer":
+        raise ConfigError(f"algorithm.pi_old: '{a.pi_old}' with rollout.max_staleness > 0 would "
+                          f"make the (stale) behaviour policy the proximal policy; the "
+                          f"asynchronous pipeline needs pi_old: trainer (the trainer's current "
+                          f"pre-update policy), and the corrections act on the lag")
     if a.keep_sampling_mask and r.top_k >= r.sampling_mask_max_tokens:
         raise ConfigError(f"rollout.top_k: {r.top_k} must stay below "
                           f"rollout.sampling_mask_max_tokens ({r.sampling_mask_max_tokens}): "

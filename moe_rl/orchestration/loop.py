@@ -94,6 +94,51 @@ class Trainers:
         return ray.get([a.load.remote(path) for a in self.actors])[0]
 
 
+class RolloutPipeline:
+    """The rollout side of the loop: with ``rollout.max_staleness`` k = 0, each step's batch is
+    generated when the step starts (the synchronous loop); with k >= 1 the batches of the next
+    steps are generated while the trainer trains, each from the weights of its launch, at most
+    k versions older than the step that trains on it.
+
+    Weight updates never land in the middle of a request: the rollout worker is one Ray actor
+    that runs one call at a time, so a weight sync queued behind a batch's generation waits
+    until that batch is finished (a barrier between batches; no pause/continue needed)."""
+
+    def __init__(self, cfg: Config, rollout, sampler, n_shards: int, start_step: int):
+        self.cfg, self.rollout, self.sampler, self.n_shards = cfg, rollout, sampler, n_shards
+        self.next_step = start_step
+        self.pending: list[tuple[int, dict, list]] = []   # (step, sampler state before, refs)
+
+    def launch(self, version: int) -> None:
+        """Start generating every batch the staleness bound allows, with the engines at weight
+        ``version``: the steps up to ``version + max_staleness`` (and the trainer's steps)."""
+        r, steps = self.cfg.rollout, self.cfg.trainer.steps
+        while self.next_step < steps and self.next_step - version <= r.max_staleness:
+            state = self.sampler.state_dict()
+            indices = self.sampler.next_batch()
+            extra = []
+            if r.dynamic_sampling:
+                cap = r.prompts_per_step if r.max_oversample is None else r.max_oversample
+                extra = [i for _ in range(-(-cap // r.prompts_per_step))
+                         for i in self.sampler.next_batch()][:cap]
+            t = self.next_step
+            refs = self.rollout.collect.options(num_returns=self.n_shards + 1).remote(
+                indices, t, self.cfg.trainer.seed * 100_003 + t * 10_007, self.n_shards, extra)
+            self.pending.append((t, state, refs))
+            self.next_step += 1
+
+    def next_batch(self, step: int) -> tuple[dict, list]:
+        """The summary and the shard references of ``step``'s batch (waits for it)."""
+        t, _, (summary_ref, *shards) = self.pending.pop(0)
+        if t != step:
+            raise RuntimeError(f"rollout pipeline: expected the batch of step {step}, got {t}")
+        return ray.get(summary_ref), shards
+
+    def sampler_state(self) -> dict:
+        """The prompt sampler as of the consumed steps (before any in-flight batch drew)."""
+        return self.pending[0][1] if self.pending else self.sampler.state_dict()
+
+
 def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = False,
                  resume_from: str | None = None) -> list[dict]:
     """Run the configured RL job (``inputs``: the loaded model tokenizer, prompts and reward,
@@ -140,17 +185,16 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             weights.sync(0)
         bar = progress_bar(cfg.trainer.steps - start_step, "RL steps", cfg.logging.progress)
         failed_batches = 0
+        pipeline = RolloutPipeline(cfg, rollout, sampler, len(trainers.actors), start_step)
         for step in range(start_step, cfg.trainer.steps):
             timer = PhaseTimer()
             t0 = time.perf_counter()
-            idx = sampler.next_batch()
-            summary_ref, *shards = rollout.collect.options(
-                num_returns=len(trainers.actors) + 1).remote(
-                idx, step, cfg.trainer.seed * 100_003 + step * 10_007, len(trainers.actors))
-            summary = ray.get(summary_ref)   # the shards go to the trainers by reference
+            pipeline.launch(version=step)
+            with timer.phase("wait_rollout"):
+                summary, shards = pipeline.next_batch(step)
             timer.metrics.update(summary["timing"])
             failed_batches = failed_batches + 1 \
-                if summary["reward_failures"] == summary["samples"] else 0
+                if summary["reward_failures"] >= summary["samples"] else 0
             if failed_batches >= cfg.data.max_failed_reward_batches:
                 raise RuntimeError(
                     f"data.reward: {cfg.data.reward} failed on every sample of "
@@ -171,6 +215,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             metrics["timing/step_s"] = time.perf_counter() - t0
             metrics["reward/errors"] = float(summary["reward_errors_total"])
             metrics["rollout/stale_samples"] = float(summary["stale_samples"])
+            metrics.update(summary["counts"])
             metrics["rollout/engine_restarts"] = float(ray.get(rollout.restarts.remote()))
             metrics["rollout/weight_sync_recoveries"] = float(weights.recoveries)
             logger.log(step, metrics)
@@ -179,7 +224,9 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
             last = step + 1 == cfg.trainer.steps
             if last or (cfg.trainer.save_interval and (step + 1) % cfg.trainer.save_interval == 0):
-                checkpoint.save(trainers, {"step": step + 1, "sampler": sampler.state_dict()},
+                # the data order as of the consumed steps: in-flight batches are regenerated
+                checkpoint.save(trainers, {"step": step + 1,
+                                           "sampler": pipeline.sampler_state()},
                                 cfg, ckpt_dir, step + 1)
             every = cfg.trainer.export_hf_interval
             if every and (step + 1) % every == 0:

@@ -29,13 +29,22 @@ class DiskSync:
         self.recoveries = 0
 
     def sync(self, version: int) -> None:
-        """Bring every engine server to the trainer's current weights as ``version``."""
+        """Bring every engine server to the trainer's current weights as ``version``. The
+        export comes first: with the asynchronous pipeline it overlaps the batch the engines
+        are still generating (the rollout worker takes the load after that batch)."""
+        target = self._export(version)
         ray.get(self.rollout.health.remote())   # a dead server is restarted first
-        self._sync_disk(version)
+        self._load(target, version)
 
-    def _sync_disk(self, version: int) -> None:
+    def _export(self, version: int) -> str:
         target = os.path.join(self.weights_dir, f"v{version}")
         self.trainers.export(target)
+        return target
+
+    def _sync_disk(self, version: int) -> None:
+        self._load(self._export(version), version)
+
+    def _load(self, target: str, version: int) -> None:
         ray.get(self.rollout.update_weights.remote(target, version))
         for name in os.listdir(self.weights_dir):
             if name != f"v{version}":

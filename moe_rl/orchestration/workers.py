@@ -220,37 +220,78 @@ class RolloutWorker:
         self.engine.check_health()
         return True
 
-    def collect(self, indices: list[int], step: int, seed: int, shards: int) -> tuple:
+    def _generate_groups(self, indices: list[int], extra: list[int], seed: int) -> tuple:
+        """The step's prompt groups, rewards scored. Without dynamic sampling: the groups of
+        ``indices``. With it: groups whose rewards are all equal are dropped and as many more
+        prompts as are missing are taken from ``extra`` (in order; at most
+        ``rollout.max_oversample``), until ``len(indices)`` informative groups are there; when
+        ``extra`` runs out first, the batch is filled up with dropped groups (their advantages
+        are zero). Returns (samples renumbered group-major, counts)."""
+        from moe_rl.rewards.functions import score_rewards
+        cfg, inp = self.cfg, self.inputs
+        per, r = cfg.rollout.n_samples_per_prompt, cfg.rollout
+        cap = r.prompts_per_step if r.max_oversample is None else r.max_oversample
+        extra = list(extra)[:cap] if r.dynamic_sampling else []
+        informative, uniform = [], []
+        queue, generated, tokens = list(indices), 0, 0
+        while queue:
+            first = generated
+            samples = self.engine.generate([inp.prompts[i].ids for i in queue], per,
+                                           self.sampling, seed=seed + first * per,
+                                           group_ids=list(range(first, first + len(queue))))
+            for s in samples:
+                s.metadata["prompt_index"] = queue[s.sample_id // per]
+            score_rewards(samples, inp.tokenizer, inp.prompts, inp.reward)
+            generated += len(queue)
+            tokens += sum(s.response_len for s in samples)
+            for g in range(len(queue)):
+                group = samples[g * per:(g + 1) * per]
+                equal = len({s.reward for s in group}) == 1
+                (uniform if r.dynamic_sampling and equal else informative).append(group)
+            missing = len(indices) - len(informative)
+            queue, extra = extra[:max(missing, 0)], extra[max(missing, 0):]
+        filled = max(len(indices) - len(informative), 0)
+        chosen = informative[:len(indices)] + uniform[:filled]
+        out = []
+        for g, group in enumerate(chosen):
+            for s in group:
+                s.group_id, s.sample_id = g, len(out)
+                out.append(s)
+        counts = {"rollout/generated_groups": float(generated),
+                  "rollout/dropped_groups": float(generated - len(chosen)),
+                  "rollout/filled_groups": float(filled if r.dynamic_sampling else 0),
+                  "rollout/generated_tokens": float(tokens)}
+        return out, counts
+
+    def collect(self, indices: list[int], step: int, seed: int, shards: int,
+                extra: list[int] = ()) -> tuple:
         """One step's data, made here so it crosses to the trainers by reference: generate
-        ``n_samples_per_prompt`` samples of the prompts ``indices``, score their rewards, add
-        the engine's n scoring passes (``pi_old: engine_avg``), cut whole prompt groups into
-        ``shards`` data-parallel shards. Returns (summary, shard bytes ...); call it with
-        ``num_returns = shards + 1`` and hand the shard references to the trainer ranks."""
+        ``n_samples_per_prompt`` samples of the prompts ``indices`` (with dynamic sampling, more
+        from ``extra`` as needed), score their rewards, add the engine's n scoring passes
+        (``pi_old: engine_avg``), cut whole prompt groups into ``shards`` data-parallel shards.
+        Returns (summary, shard bytes ...); call it with ``num_returns = shards + 1`` and hand
+        the shard references to the trainer ranks."""
         import time
         from moe_rl.orchestration.sharding import shard_by_group
-        from moe_rl.rewards.functions import score_rewards
-        cfg, inp, per = self.cfg, self.inputs, self.cfg.rollout.n_samples_per_prompt
+        cfg, inp = self.cfg, self.inputs
         timing = {}
         t0 = time.perf_counter()
-        samples = self.engine.generate([inp.prompts[i].ids for i in indices], per, self.sampling,
-                                       group_ids=list(range(len(indices))), seed=seed)
-        for s in samples:
-            s.metadata["prompt_index"] = indices[s.sample_id // per]
-        t1 = time.perf_counter()
-        timing["timing/rollout_s"] = t1 - t0
         errors_before = inp.reward.errors
-        score_rewards(samples, inp.tokenizer, inp.prompts, inp.reward)
-        timing["timing/reward_s"] = time.perf_counter() - t1
-        summary = {"samples": len(samples), "reward_failures": inp.reward.errors - errors_before,
+        samples, counts = self._generate_groups(indices, extra, seed)
+        timing["timing/rollout_s"] = time.perf_counter() - t0
+        failures = inp.reward.errors - errors_before
+        summary = {"samples": len(samples), "reward_failures": failures,
                    "reward_errors_total": inp.reward.errors,
                    "first_reward_error": inp.reward.first_error,
-                   "stale_samples": sum(s.weight_version < step for s in samples)}
-        if summary["reward_failures"] < len(samples) and cfg.algorithm.pi_old == "engine_avg":
+                   "stale_samples": sum(s.weight_version < step for s in samples),
+                   "counts": counts}
+        if failures < len(samples) and cfg.algorithm.pi_old == "engine_avg":
             t2 = time.perf_counter()
             self.engine.score(samples, cfg.algorithm.pi_old_passes,
                               temperature=cfg.rollout.temperature,
                               window=cfg.rollout.score_window_tokens)
             timing["timing/engine_scoring_s"] = time.perf_counter() - t2
+        timing["timing/collect_s"] = time.perf_counter() - t0
         summary["timing"] = timing
         return (summary, *[RolloutBatch(part).to_bytes()
                            for part in shard_by_group(samples, shards)])

@@ -6,6 +6,7 @@ batch (whole prompt groups), computes advantages, and returns the step's metrics
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -29,6 +30,7 @@ from moe_rl.trainer.parallel import ParallelSizes
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.trainer.sharded_state import load_sharded, optimizer_step_count, save_sharded
 from moe_rl.trainer.step import StepRows, gather_rows, reduce_sums, step_inputs
+from moe_rl.trainer.versions import WeightVersions
 from moe_rl.types import MODEL_DTYPES, Sample, compact_routing
 
 
@@ -169,6 +171,9 @@ class PolicyTrainer:
             self.ema = {n: p.detach().clone().float() for n, p in model.named_parameters()}
         self._dummy_mb: MicroBatch | None = None
         self.step = 0
+        # the asynchronous pipeline scores stale samples at their own version as well
+        self.versions = WeightVersions(model, cfg.rollout.max_staleness) \
+            if cfg.rollout.max_staleness > 0 else None
         self.guard_skipped_total = 0
         self.generator = torch.Generator().manual_seed(t.seed)
         self.loss = PolicyLoss(cfg.algorithm, self.generator)
@@ -298,6 +303,9 @@ class PolicyTrainer:
                 lr_, _ = self._forward(self.ref_model, self.ref_replay, mb, mode)
                 lp_ref[rows, :width] = mb.to_response_padded(lr_.float())
         metrics.update(self._agreement_metrics(agree_rows))
+        lp_same = scored = stale = None
+        if self.versions is not None:
+            lp_same, scored, stale = self._score_at_own_versions(samples, lp_tr)
         passes = None
         if samples and all(s.pass_logprobs is not None for s in samples):
             passes = torch.stack([_pad_rows([s.pass_logprobs[j] for s in samples])
@@ -309,13 +317,17 @@ class PolicyTrainer:
             rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
             groups=torch.tensor([s.group_id for s in samples], dtype=torch.long),
             weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
-            lp_ref=lp_ref, passes=passes,
+            lp_ref=lp_ref, passes=passes, lp_same=lp_same, same_scored=scored, stale=stale,
             kept_logmass=_pad_rows([s.kept_logmass for s in samples]) if has_mass else None,
             kept_sizes=_pad_rows(kept, dtype=torch.long) if kept is not None else None)
         rows_all, mine = gather_rows(local, _dp_group())
         inputs = step_inputs(a, rows_all, deferred=self.loss.live,
                              generator=self.generator)
         metrics.update(inputs.metrics)
+        if self.versions is not None and rows_all.weight_versions.numel():
+            lag = (self.step - rows_all.weight_versions).clamp(min=0).double()
+            metrics["rollout/staleness_mean"] = float(lag.mean())
+            metrics["rollout/staleness_max"] = float(lag.max())
         replay_samples = samples
         if a.replay == "r2":   # the update replays, per sample, what the pi_old pass chose
             replay_samples = [dataclasses.replace(s, routing=r2_routing[i])
@@ -325,6 +337,38 @@ class PolicyTrainer:
                          own(rows_all.lp_tr), own(rows_all.entropy), own(inputs.lp_old),
                          own(rows_all.lp_ref), own(inputs.weights), own(inputs.keep),
                          own(inputs.advantages), replay_samples), metrics
+
+    def _score_at_own_versions(self, samples: list[Sample], lp_tr: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The asynchronous pipeline's same-version score: each sample generated from an older
+        weight version is scored again by the trainer with that version's weights (R3 replays
+        its routing), so ``mismatch/*`` compares engine and trainer at one version and
+        ``staleness/*`` shows the policy lag. Returns (log-probs at the sample's version,
+        scored [N], stale [N]); a sample whose version is no longer held (older than
+        ``rollout.max_staleness``) is left out of both. Every rank walks the same versions
+        with aligned micro-batches (expert-parallel collectives)."""
+        lp_same = lp_tr.clone()
+        versions = [s.weight_version for s in samples]
+        stale = torch.tensor([v < self.step for v in versions], dtype=torch.bool)
+        scored = torch.tensor([v == self.step or (v < self.step and self.versions.has(v))
+                               for v in versions], dtype=torch.bool)
+        mode = "replay" if self.cfg.algorithm.replay == "r3" else "off"
+        for v in range(self.step - self.cfg.rollout.max_staleness, self.step):
+            rows = [i for i, u in enumerate(versions) if u == v] if self.versions.has(v) else []
+            if not _dp_max(len(rows)):
+                continue
+            with contextlib.ExitStack() as stack:
+                if rows:
+                    stack.enter_context(self.versions.weights_of(v))
+                for mb in self._aligned(self._micro_batches(samples, rows)):
+                    if mb is None:
+                        self._dummy_forward(self.model, self.replay)
+                        continue
+                    lp, _ = self._forward(self.model, self.replay, mb,
+                                          mode if mb.routing is not None else "off")
+                    width = int(mb.response_lens.max())
+                    lp_same[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
+        return lp_same, scored, stale
 
     def _agreement_metrics(self, agree_rows: list[dict]) -> dict[str, float]:
         """routing/agreement (+ per layer) over the whole batch: position-weighted sums
@@ -369,6 +413,8 @@ class PolicyTrainer:
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One RL step on this rank's samples: returns the metrics (floats)."""
         a = self.cfg.algorithm
+        if self.versions is not None:
+            self.versions.remember(self.step)
         batch, metrics = self.prepare(samples)
         skip = collapse_guard(metrics, a.collapse_guard_k3)
         self.guard_skipped_total += int(skip)

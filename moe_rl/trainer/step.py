@@ -29,11 +29,14 @@ class StepRows:
     passes: torch.Tensor | None = None  # engine_avg scoring passes
     kept_logmass: torch.Tensor | None = None
     kept_sizes: torch.Tensor | None = None   # kept-set size per token (0 = none)
+    lp_same: torch.Tensor | None = None      # asynchronous pipeline: the trainer's log-probs
+    same_scored: torch.Tensor | None = None  # at the sample's own weight version ([N] bool:
+    stale: torch.Tensor | None = None        # that version was held), [N] bool: an older one
 
 
 ROW_DTYPES = {"mask": torch.bool, "groups": torch.long, "weight_versions": torch.long,
-              "kept_sizes": torch.long}
-PER_SAMPLE = ("rewards", "groups", "weight_versions")
+              "kept_sizes": torch.long, "same_scored": torch.bool, "stale": torch.bool}
+PER_SAMPLE = ("rewards", "groups", "weight_versions", "same_scored", "stale")
 
 
 @dataclass
@@ -44,6 +47,22 @@ class StepInputs:
     weights: torch.Tensor
     keep: torch.Tensor
     metrics: dict[str, float]
+
+
+def engine_and_lag_metrics(rows: StepRows) -> dict[str, float]:
+    """``mismatch/*`` between engine and trainer at the SAME weight version; with the
+    asynchronous pipeline (``lp_same`` present) also ``staleness/k1|k3`` between the trainer now
+    (pi_old) and the trainer at the sample's version, over the stale samples scored."""
+    mask = rows.mask
+    if rows.lp_same is None:
+        return mismatch_metrics(rows.lp_tr, rows.lp_roll, mask)
+    scored = mask & rows.same_scored[:, None]
+    out = mismatch_metrics(rows.lp_same, rows.lp_roll, scored)
+    lag = mismatch_metrics(rows.lp_tr, rows.lp_same, scored & rows.stale[:, None])
+    if lag:
+        out.update({"staleness/k1": lag["mismatch/k1"], "staleness/k3": lag["mismatch/k3"]})
+    out["staleness/unscored_samples"] = float((~rows.same_scored).sum())
+    return out
 
 
 def step_inputs(a, rows: StepRows, *, deferred: list[str],
@@ -64,7 +83,7 @@ def step_inputs(a, rows: StepRows, *, deferred: list[str],
                              "(the rollout must score them with n passes)")
         lp_old, _, pass_metrics = average_pass_logprobs(rows.passes, mask)
         metrics.update(pass_metrics)
-    metrics.update(mismatch_metrics(rows.lp_tr, rows.lp_roll, mask))
+    metrics.update(engine_and_lag_metrics(rows))
     if rows.kept_logmass is not None:
         mass = rows.kept_logmass.double().exp()
         metrics["mismatch/kept_mass_mean"] = float(mass[mask].mean()) if mask.any() else 1.0
