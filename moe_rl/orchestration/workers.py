@@ -226,14 +226,16 @@ class RolloutWorker:
         prompts as are missing are taken from ``extra`` (in order; at most
         ``rollout.max_oversample``), until ``len(indices)`` informative groups are there; when
         ``extra`` runs out first, the batch is filled up with dropped groups (their advantages
-        are zero). Returns (samples renumbered group-major, counts)."""
+        are zero). Returns (samples renumbered group-major, counts, seconds spent on
+        rewards)."""
+        import time
         from moe_rl.rewards.functions import score_rewards
         cfg, inp = self.cfg, self.inputs
         per, r = cfg.rollout.n_samples_per_prompt, cfg.rollout
         cap = r.prompts_per_step if r.max_oversample is None else r.max_oversample
         extra = list(extra)[:cap] if r.dynamic_sampling else []
         informative, uniform = [], []
-        queue, generated, tokens = list(indices), 0, 0
+        queue, generated, tokens, reward_s = list(indices), 0, 0, 0.0
         while queue:
             first = generated
             samples = self.engine.generate([inp.prompts[i].ids for i in queue], per,
@@ -241,7 +243,9 @@ class RolloutWorker:
                                            group_ids=list(range(first, first + len(queue))))
             for s in samples:
                 s.metadata["prompt_index"] = queue[s.sample_id // per]
+            t0 = time.perf_counter()
             score_rewards(samples, inp.tokenizer, inp.prompts, inp.reward)
+            reward_s += time.perf_counter() - t0
             generated += len(queue)
             tokens += sum(s.response_len for s in samples)
             for g in range(len(queue)):
@@ -261,7 +265,7 @@ class RolloutWorker:
                   "rollout/dropped_groups": float(generated - len(chosen)),
                   "rollout/filled_groups": float(filled if r.dynamic_sampling else 0),
                   "rollout/generated_tokens": float(tokens)}
-        return out, counts
+        return out, counts, reward_s
 
     def collect(self, indices: list[int], step: int, seed: int, shards: int,
                 extra: list[int] = ()) -> tuple:
@@ -277,8 +281,9 @@ class RolloutWorker:
         timing = {}
         t0 = time.perf_counter()
         errors_before = inp.reward.errors
-        samples, counts = self._generate_groups(indices, extra, seed)
-        timing["timing/rollout_s"] = time.perf_counter() - t0
+        samples, counts, reward_s = self._generate_groups(indices, extra, seed)
+        timing["timing/rollout_s"] = time.perf_counter() - t0 - reward_s
+        timing["timing/reward_s"] = reward_s
         failures = inp.reward.errors - errors_before
         summary = {"samples": len(samples), "reward_failures": failures,
                    "reward_errors_total": inp.reward.errors,
