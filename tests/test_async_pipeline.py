@@ -118,17 +118,17 @@ def _metrics(run_dir):
 
 @pytest.mark.e2e
 def test_train_with_max_staleness_1_through_the_loop(tmp_path):
-    """`moe-rl train` with rollout.max_staleness=1 (float32 engine, R3): step 0 trains on
-    version-0 samples, every later step on samples one version old; the same-version mismatch
-    stays ~0 and nothing is corrected away, the lag shows in staleness/*; the checkpoint keeps
-    the data order of the consumed steps."""
+    """`moe-rl train` with rollout.max_staleness=1 and dynamic sampling (float32 engine, R3):
+    step 0 trains on version-0 samples, every later step on samples one version old; the
+    same-version mismatch stays ~0 and nothing is corrected away, the lag shows in staleness/*;
+    the checkpoint keeps the data order of the consumed steps."""
     import subprocess
     import sys
     from moe_rl.data.prompts import PromptSampler
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
-    train_cli(tmp_path, 4, "rollout.max_staleness=1")
+    train_cli(tmp_path, 4, "rollout.max_staleness=1", "rollout.dynamic_sampling=true")
     rows = _metrics(tmp_path / "run")
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert [r["rollout/stale_samples"] for r in rows] == [0.0, 16.0, 16.0, 16.0]
@@ -136,12 +136,13 @@ def test_train_with_max_staleness_1_through_the_loop(tmp_path):
         assert abs(r["mismatch/k3"]) < 1e-6
         assert r["correction/seq_mis/masked_seq_frac"] == 0.0
         assert r["staleness/unscored_samples"] == 0.0
+        assert r["rollout/generated_groups"] - r["rollout/dropped_groups"] == 4
     assert all("staleness/k3" in r for r in rows[1:])
     state = json.loads((tmp_path / "run" / "checkpoints" / "iter_0000002" /
                         "loop_state.json").read_text())
     sampler = PromptSampler(100, 4, seed=0)
-    sampler.next_batch()
-    sampler.next_batch()
+    for _ in range(2 * 2):   # 2 steps, each a batch and its oversampling reserve
+        sampler.next_batch()
     assert state["sampler"] == sampler.state_dict()   # step 2's batch was in flight
 
 

@@ -209,8 +209,8 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             if cfg.cluster.colocate:
                 with timer.phase("engine_resume"):
                     ray.get(rollout.resume_memory.remote())
-            with timer.phase("weight_sync"):
-                weights.sync(step + 1)
+            with timer.phase("weight_sync"):   # asynchronous pipeline: queued, not awaited
+                weights.sync(step + 1, wait=cfg.rollout.max_staleness == 0)
             metrics.update(timer.metrics)
             metrics["timing/step_s"] = time.perf_counter() - t0
             metrics["reward/errors"] = float(summary["reward_errors_total"])
@@ -231,6 +231,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             every = cfg.trainer.export_hf_interval
             if every and (step + 1) % every == 0:
                 trainers.export(os.path.join(run_dir, "hf", f"iter_{step + 1:07d}"))
+        weights.wait()
         bar.close()
         if cfg.trainer.export_hf:
             final = os.path.join(run_dir, "final_hf")

@@ -27,14 +27,31 @@ class DiskSync:
         self.cfg, self.trainers, self.rollout = cfg, trainers, rollout
         self.weights_dir = weights_dir
         self.recoveries = 0
+        self._loading: tuple | None = None   # a load handed to the rollout worker, unconfirmed
 
-    def sync(self, version: int) -> None:
+    def sync(self, version: int, wait: bool = True) -> None:
         """Bring every engine server to the trainer's current weights as ``version``. The
-        export comes first: with the asynchronous pipeline it overlaps the batch the engines
-        are still generating (the rollout worker takes the load after that batch)."""
+        export comes first; the health check (a dead server is restarted first) and the load
+        are queued on the rollout worker, behind any batch it is still generating. ``wait``
+        False (the asynchronous pipeline) returns once they are queued: the batches launched
+        afterwards run after the load, and :meth:`wait` (called by the next sync and at the
+        end) confirms it and raises its error."""
+        self.wait()
         target = self._export(version)
-        ray.get(self.rollout.health.remote())   # a dead server is restarted first
-        self._load(target, version)
+        self._loading = (self.rollout.health.remote(),
+                         self.rollout.update_weights.remote(target, version), version)
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Confirm the last load (raises what it raised); then drop the older exports."""
+        if self._loading is None:
+            return
+        health, load, version = self._loading
+        self._loading = None
+        ray.get(health)
+        ray.get(load)
+        self._drop_older(version)
 
     def _export(self, version: int) -> str:
         target = os.path.join(self.weights_dir, f"v{version}")
@@ -42,10 +59,10 @@ class DiskSync:
         return target
 
     def _sync_disk(self, version: int) -> None:
-        self._load(self._export(version), version)
+        ray.get(self.rollout.update_weights.remote(self._export(version), version))
+        self._drop_older(version)
 
-    def _load(self, target: str, version: int) -> None:
-        ray.get(self.rollout.update_weights.remote(target, version))
+    def _drop_older(self, version: int) -> None:
         for name in os.listdir(self.weights_dir):
             if name != f"v{version}":
                 shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
@@ -59,7 +76,9 @@ class _InMemorySync(DiskSync, ABC):
         super().__init__(cfg, trainers, rollout, weights_dir)
         ray.get(rollout.set_weight_source.remote(trainers.actors, weights_dir))
 
-    def sync(self, version: int) -> None:
+    def sync(self, version: int, wait: bool = True) -> None:
+        """As :meth:`DiskSync.sync`, always waiting: the in-memory transfers involve the
+        trainer ranks and the engines together."""
         ray.get(self.rollout.health.remote())
         self._prepare()
         try:

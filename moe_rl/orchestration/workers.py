@@ -129,10 +129,12 @@ class TrainerWorker:
         return self.trainer.step
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"status": 1})
 class RolloutWorker:
     """Starts the engine servers (CPU reference engine or SGLang) and serves the loop's rollout
-    calls through the SGLang-protocol client."""
+    calls through the SGLang-protocol client. Its calls run one at a time, in order (the
+    asynchronous pipeline relies on it: a weight update queued behind a batch waits for it),
+    except the status reads (``restarts``), which answer at once from their own thread."""
 
     def __init__(self, cfg_tree: dict, log_dir: str):
         from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
@@ -346,7 +348,9 @@ class RolloutWorker:
         self.version = version
         return self.engine.weight_versions()
 
+    @ray.method(concurrency_group="status")
     def restarts(self) -> int:
+        """Engine servers restarted so far (answers while a batch is being generated)."""
         return sum(p.restarts for p in self.procs)
 
     def shutdown(self) -> None:
