@@ -14,18 +14,23 @@ TINY_QWEN = dict(vocab_size=48, hidden_size=32, num_hidden_layers=3, num_attenti
                  tie_word_embeddings=False)
 
 
-def write_tiny_qwen(path, seed: int = 0, **overrides):
-    """Save a random tiny Qwen3-MoE (confident routers) to ``path``; returns the model."""
-    import transformers
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3MoeConfig(**{**TINY_QWEN, **overrides})
-    model = transformers.Qwen3MoeForCausalLM(cfg)
+def sharpen(model) -> None:
+    """Non-trivial norms (a mapping mix-up shows) and confident routers (no near-ties)."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
             elif "gate.weight" in n:
                 p.mul_(20.0)
+
+
+def write_tiny_qwen(path, seed: int = 0, **overrides):
+    """Save a random tiny Qwen3-MoE (confident routers) to ``path``; returns the model."""
+    import transformers
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(**{**TINY_QWEN, **overrides})
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    sharpen(model)
     model.eval()
     model.save_pretrained(path)
     return model

@@ -17,7 +17,8 @@ from moe_rl.trainer.hf_weights import load_hf_into_megatron, megatron_to_hf
 from moe_rl.trainer.model_builder import build_model, model_spec, transformer_config
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.replay import ReplayController
-from moe_rl.types import Sample
+from moe_rl.types import RolloutBatch, Sample
+from tests.helpers import sharpen
 
 DEEPSEEK = dict(vocab_size=48, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
@@ -44,12 +45,8 @@ def write_deepseek(path, seed=0, bias_std=0.1, **overrides):
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(
         transformers.DeepseekV3Config(**{**DEEPSEEK, **overrides}))
+    sharpen(model)
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-            elif "gate.weight" in n:
-                p.mul_(20.0)
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape) * bias_std)
@@ -346,20 +343,30 @@ def test_convert_round_trip_through_the_cli_is_bit_identical(tmp_path):
     assert all(torch.equal(back[k], original[k]) for k in original)
 
 
-def _ep_worker(rank, port, model_dir, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from moe_rl.trainer.parallel import ParallelSizes, destroy
-    init_distributed(rank=rank, world_size=2)
-    init_model_parallel(ParallelSizes(expert=2))
-    mb = torch.load(os.path.join(out_dir, "mb.pt"), weights_only=False)
-    model, spec = build_model(model_dir, sizes=ParallelSizes(expert=2))
+def replayed_logprobs(model_dir, samples, sizes=None):
+    """(model, spec, log-probs [B, S]) of megatron on ``samples`` with their routing replayed."""
+    from moe_rl.trainer.parallel import ParallelSizes
+    model, spec = build_model(model_dir, sizes=sizes or ParallelSizes())
     load_hf_into_megatron(model, spec, model_dir)
+    mb = pack_one(samples, list(range(len(samples))), pad_token_id=0,
+                  num_experts=spec.facts.num_experts)
     ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
     ctl.replay(mb.replay_indices())
     model.eval()
     with torch.no_grad():
         lp, _ = forward_logprobs(model, mb)
     ctl.finish_forward()
+    ctl.close()
+    return model, spec, lp
+
+
+def _ep_worker(rank, port, model_dir, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from moe_rl.trainer.parallel import ParallelSizes, destroy
+    init_distributed(rank=rank, world_size=2)
+    init_model_parallel(ParallelSizes(expert=2))
+    samples = RolloutBatch.load(os.path.join(out_dir, "samples.st")).samples
+    model, spec, lp = replayed_logprobs(model_dir, samples, ParallelSizes(expert=2))
     torch.save({"lp": lp, "exported": megatron_to_hf(model, spec),
                 "local_experts": sum(1 for n, _ in model.named_parameters()
                                      if "decoder.layers.1.mlp.experts.local_experts" in n
@@ -383,19 +390,10 @@ def test_expert_parallel_2_matches_one_process(tmp_path):
         samples.append(Sample(prompt_ids=ids[:4], response_ids=ids[4:],
                               rollout_logprobs=-torch.ones(len(ids) - 4),
                               routing=routing[:-1].to(torch.uint8)))
-    mb = pack_one(samples, [0, 1], pad_token_id=0, num_experts=16)
-    torch.save(mb, tmp_path / "mb.pt")
+    RolloutBatch(samples).save(str(tmp_path / "samples.st"))
     mp.start_processes(_ep_worker, args=(free_port(), str(tmp_path / "hf"), str(tmp_path)),
                        nprocs=2, start_method="spawn")
-    model, spec = build_model(str(tmp_path / "hf"))
-    load_hf_into_megatron(model, spec, str(tmp_path / "hf"))
-    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
-    ctl.replay(mb.replay_indices())
-    model.eval()
-    with torch.no_grad():
-        ref, _ = forward_logprobs(model, mb)
-    ctl.finish_forward()
-    ctl.close()
+    _, _, ref = replayed_logprobs(str(tmp_path / "hf"), samples)
     original = load_file(tmp_path / "hf" / "model.safetensors")
     for r in range(2):
         out = torch.load(tmp_path / f"ep{r}.pt")

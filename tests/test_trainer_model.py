@@ -16,6 +16,7 @@ from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.replay import (ReplayController, context_parallel_positions,
                                    sequence_parallel_slice)
 from moe_rl.types import Sample
+from tests.helpers import sharpen
 
 QWEN = dict(model_type="qwen3_moe", vocab_size=48, hidden_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
@@ -47,12 +48,7 @@ def write_hf_model(tmp_path, cfg, seed=0, old_rope_layout=False):
     else:
         hf_cfg = transformers.MixtralConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
         model = transformers.MixtralForCausalLM(hf_cfg)
-    with torch.no_grad():   # non-trivial norms, so a mapping mix-up shows
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-            elif "gate.weight" in n:
-                p.mul_(20.0)   # confident routers: no near-ties
+    sharpen(model)
     model.eval()
     path = tmp_path / cfg["model_type"]
     model.save_pretrained(path)
