@@ -5,7 +5,9 @@ loop. Each run is a real ``moe-rl train`` (CPU reference engine, Ray, HTTP) of t
   sampling; sync and k = 1 with dynamic sampling; sync and k = 1 over ``--seeds`` seeds so the
   reward curves can be told apart from seed-to-seed noise; sync and k = 1 with a trainer-heavy
   step (``trainer.epochs=4``: the trainer's time comparable to the engine's);
-- tiny DeepSeek-V3 (configs/deepseek_tiny_cpu.yaml): sync vs k = 1.
+- tiny DeepSeek-V3 (configs/deepseek_tiny_cpu.yaml): sync vs k = 1;
+- a medium MoE shaped like Qwen3-30B-A3B's at CPU scale (8 layers, 64 experts, top-8, hidden
+  256; warmed up by the config's supervised steps): sync vs k = 1 over ``--medium-steps``.
 
 Per run: RL steps per hour (RL steps / summed ``timing/step_s``), generated tokens per second,
 trainer idle fraction (1 - train time / step time), engine idle fraction (1 - generation and
@@ -28,6 +30,12 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 COMMON = ["logging.progress=false", "trainer.export_hf=false"]
+MEDIUM = ["model.init.hidden_size=256", "model.init.num_hidden_layers=8",
+          "model.init.num_attention_heads=8", "model.init.num_key_value_heads=4",
+          "model.init.head_dim=32", "model.init.moe_intermediate_size=128",
+          "model.init.num_experts=64", "model.init.num_experts_per_tok=8"]
+MODELS = {"tiny": ("tiny_cpu.yaml", []), "deepseek": ("deepseek_tiny_cpu.yaml", []),
+          "medium": ("tiny_cpu.yaml", MEDIUM)}
 
 
 def _run(config: str, model: pathlib.Path, run_dir: pathlib.Path, steps: int,
@@ -62,22 +70,25 @@ def summarise(rows: list[dict]) -> dict:
             "wall": list(np.cumsum([r["timing/step_s"] for r in rows]))}
 
 
-def plan(seeds: int) -> list[tuple[str, str, str, int, list[str]]]:
-    """(name, config, variant, seed, overrides) of every run."""
+def plan(seeds: int, steps: int, medium_steps: int
+         ) -> list[tuple[str, str, str, int, int, list[str]]]:
+    """(name, model, variant, seed, steps, overrides) of every run."""
     runs = []
     for seed in range(seeds):
         for k in (0, 1):
-            runs.append((f"tiny_k{k}_s{seed}", "tiny_cpu.yaml", f"k{k}", seed,
+            runs.append((f"tiny_k{k}_s{seed}", "tiny", f"k{k}", seed, steps,
                          [f"rollout.max_staleness={k}", f"trainer.seed={seed + 1}"]))
-    runs.append(("tiny_k2_s0", "tiny_cpu.yaml", "k2", 0,
+    runs.append(("tiny_k2_s0", "tiny", "k2", 0, steps,
                  ["rollout.max_staleness=2", "trainer.seed=1"]))
     for k in (0, 1):
-        runs.append((f"tiny_k{k}_dyn_s0", "tiny_cpu.yaml", f"k{k}+dyn", 0,
+        runs.append((f"tiny_k{k}_dyn_s0", "tiny", f"k{k}+dyn", 0, steps,
                      [f"rollout.max_staleness={k}", "rollout.dynamic_sampling=true",
                       "trainer.seed=1"]))
-        runs.append((f"tiny4ep_k{k}_s0", "tiny_cpu.yaml", f"k{k}", 0,
+        runs.append((f"tiny4ep_k{k}_s0", "tiny", f"k{k}", 0, steps,
                      [f"rollout.max_staleness={k}", "trainer.epochs=4", "trainer.seed=1"]))
-        runs.append((f"deepseek_k{k}_s0", "deepseek_tiny_cpu.yaml", f"k{k}", 0,
+        runs.append((f"deepseek_k{k}_s0", "deepseek", f"k{k}", 0, steps,
+                     [f"rollout.max_staleness={k}", "trainer.seed=1"]))
+        runs.append((f"medium_k{k}_s0", "medium", f"k{k}", 0, medium_steps,
                      [f"rollout.max_staleness={k}", "trainer.seed=1"]))
     return runs
 
@@ -126,33 +137,34 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--medium-steps", type=int, default=40)
     args = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     with tempfile.TemporaryDirectory() as work:
         work = pathlib.Path(work)
-        models = {}
-        for config in ("tiny_cpu.yaml", "deepseek_tiny_cpu.yaml"):
-            models[config] = work / config.replace(".yaml", "_model")
+        for model, (config, shape) in MODELS.items():
             subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                            str(ROOT / "configs" / config), "--out", str(models[config])],
-                           check=True, capture_output=True, timeout=300)
-        for name, config, variant, seed, extra in plan(args.seeds):
-            rows = _run(config, models[config], work / name, args.steps, extra)
-            results[name] = {"variant": variant, "seed": seed, "overrides": extra,
-                             **summarise(rows)}
+                            str(ROOT / "configs" / config), "--out", str(work / model),
+                            *shape], check=True, capture_output=True, timeout=300)
+        for name, model, variant, seed, steps, extra in plan(args.seeds, args.steps,
+                                                             args.medium_steps):
+            rows = _run(MODELS[model][0], work / model, work / name, steps, extra)
+            results[name] = {"model": model, "variant": variant, "seed": seed,
+                             "overrides": extra, **summarise(rows)}
             r = results[name]
             print(f"{name}: {r['steps_per_hour']:.0f} steps/h, reward last 20 "
                   f"{r['reward_last20']:.3f}", flush=True)
     ratios = {}
-    for model in ("tiny_", "tiny4ep", "deepseek"):
+    for setting in ("tiny_", "tiny4ep_", "deepseek_", "medium_"):
         base = [r["steps_per_hour"] for n, r in results.items()
-                if n.startswith(model) and r["variant"] == "k0"]
+                if n.startswith(setting) and r["variant"] == "k0"]
         for variant in ("k1", "k2", "k0+dyn", "k1+dyn"):
             got = [r["steps_per_hour"] for n, r in results.items()
-                   if n.startswith(model) and r["variant"] == variant]
+                   if n.startswith(setting) and r["variant"] == variant]
             if base and got:
-                ratios[f"{model}/{variant}_vs_k0"] = float(np.mean(got) / np.mean(base))
+                ratios[f"{setting.rstrip('_')} {variant} vs k0"] = float(np.mean(got) /
+                                                                        np.mean(base))
     spread = {}
     for variant in ("k0", "k1"):
         last = [r["reward_last20"] for n, r in results.items()
@@ -160,15 +172,16 @@ def main() -> int:
         spread[variant] = {"mean": float(np.mean(last)), "min": float(min(last)),
                            "max": float(max(last)), "seeds": len(last)}
     (RESULTS / "async_throughput.json").write_text(json.dumps(
-        {"steps": args.steps, "ratios": ratios, "reward_last20_over_seeds": spread,
+        {"steps": args.steps, "medium_steps": args.medium_steps, "ratios": ratios, "reward_last20_over_seeds": spread,
          "runs": {n: {k: v for k, v in r.items() if k not in ("reward", "wall")}
                   for n, r in results.items()},
          "curves": {n: {"reward": r["reward"], "wall": r["wall"]}
                     for n, r in results.items()}}, indent=1))
     _plot(results, RESULTS / "async_throughput_reward.png")
     lines = ["# Asynchronous pipeline and dynamic sampling (CPU, 2 cores)", "",
-             f"{args.steps} RL steps per run after the config's supervised warm start; "
-             f"`python benchmarks/async_throughput.py --steps {args.steps} --seeds {args.seeds}`.",
+             f"{args.steps} RL steps per run ({args.medium_steps} for the medium model) after "
+             f"the config's supervised warm start; `python benchmarks/async_throughput.py "
+             f"--steps {args.steps} --seeds {args.seeds} --medium-steps {args.medium_steps}`.",
              "", "Throughput ratios against the synchronous loop (same model, mean over seeds):",
              ""] + [f"- {k}: **{v:.2f}x**" for k, v in ratios.items()] + [
              "", "Mean reward of the last 20 steps over seeds (tiny Qwen3-MoE):", ""] + [
