@@ -281,13 +281,18 @@ def test_deepseek_init_shape_is_checked_at_config_time():
             load_config(cfg, [override, "model.path=/nonexistent/deepseek"])
 
 
+def _rows(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
 @pytest.mark.e2e
 def test_cpu_twin_config_trains_through_the_loop_with_r3_and_converts(tmp_path):
     """`moe-rl init-model` + `moe-rl train --config configs/deepseek_tiny_cpu.yaml` (R3, IcePop
     then seq-MIS, the keep-sampling mask with top-k/top-p, a supervised warm start, through Ray
     and HTTP): float32 engine and trainer agree (routing agreement 1, mismatch/k3 ~0, nothing
     corrected away); the expert bias stays frozen; a checkpoint converts to the exported HF model
-    exactly."""
+    exactly; then `trainer.expert_bias_update_rate` > 0 moves the bias through the loop."""
+    import shutil
     import subprocess
     import sys
     from tests.conftest import ROOT, train_cli
@@ -296,7 +301,7 @@ def test_cpu_twin_config_trains_through_the_loop_with_r3_and_converts(tmp_path):
                     str(tmp_path / "model")], check=True, capture_output=True, timeout=120)
     train_cli(tmp_path, 3, "algorithm.keep_sampling_mask=true", "rollout.top_k=8",
               "rollout.top_p=0.9", config="deepseek_tiny_cpu.yaml")
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["routing/agreement"] == 1.0 and r["routing/agreement_layer_1"] == 1.0
@@ -319,6 +324,17 @@ def test_cpu_twin_config_trains_through_the_loop_with_r3_and_converts(tmp_path):
     converted = load_file(tmp_path / "converted" / "model.safetensors")
     assert converted.keys() == final.keys()
     assert all(torch.equal(converted[k], final[k]) for k in final)
+    # trainer.expert_bias_update_rate > 0 through the loop: the bias moves by +-rate per
+    # optimizer step, and the engine serves it (the float32 engine still equals the trainer)
+    shutil.rmtree(tmp_path / "run")
+    train_cli(tmp_path, 2, "trainer.expert_bias_update_rate=0.01", "trainer.sft_warmup_steps=0",
+              config="deepseek_tiny_cpu.yaml")
+    moved = load_file(tmp_path / "run" / "final_hf" / "model.safetensors")
+    for k in biases:
+        steps = (moved[k] - start[k]) / 0.01
+        assert steps.abs().max() > 0.5 and torch.allclose(steps, steps.round(), atol=1e-3)
+        assert steps.abs().max() <= 2.0 + 1e-3   # two optimizer steps
+    assert all(abs(r["mismatch/k3"]) < 1e-6 for r in _rows(tmp_path / "run"))
 
 
 def test_convert_round_trip_through_the_cli_is_bit_identical(tmp_path):
