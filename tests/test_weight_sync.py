@@ -15,7 +15,8 @@ from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
 from moe_rl.rollout.pool import EngineHTTPError, ServerPool
 from moe_rl.rollout.reference_process import ServerProcess
 from moe_rl.trainer.parallel import free_port
-from moe_rl.weight_sync import broadcast_tensors, open_group, parse_dtype, update_request
+from moe_rl.weight_sync import (broadcast_tensors, close_group, open_group, parse_dtype,
+                               update_request)
 
 
 @pytest.mark.multiproc
@@ -205,6 +206,8 @@ def _sglang_side(port, world, rank, out):
     t = torch.empty(3, 2)
     dist.broadcast(t, src=0, group=pg)
     torch.save(t, out)
+    dist.barrier(group=pg)   # every rank received before any tears its gloo threads down
+    dist.destroy_process_group(pg)   # (exiting with them alive can abort the process)
 
 
 @pytest.mark.multiproc
@@ -219,9 +222,11 @@ def test_trainer_group_meets_sglangs_construction(tmp_path):
     group = open_group("gloo", "127.0.0.1", port, 0, 3, "moe_rl_weights", timeout_s=60)
     sent = torch.arange(6.0).reshape(3, 2)
     broadcast_tensors(group, [("w", sent)])
+    group.group.barrier().wait()   # the receivers' barrier before they tear the group down
     for k in kids:
         k.join(60)
         assert k.exitcode == 0
+    close_group(group)
     for r in (1, 2):
         assert torch.equal(torch.load(tmp_path / f"r{r}.pt"), sent)
 
