@@ -131,7 +131,12 @@ class RolloutConfig:
                                 "groups (DAPO)")
     max_oversample: int | None = _f(None, "dynamic sampling: most extra prompt groups generated "
                                     "per step (null = prompts_per_step)", **_rng(0))
-    max_new_tokens: int = _f(16, "response length cap", **_rng(1))
+    max_new_tokens: int = _f(16, "response length cap (with data.environment: per model turn)",
+                             **_rng(1))
+    max_turns: int = _f(4, "data.environment: most model turns per trajectory", **_rng(1))
+    max_response_tokens: int | None = _f(None, "data.environment: cap on a trajectory's response "
+                                         "(model + observation tokens; null = max_new_tokens x "
+                                         "max_turns)", **_rng(1))
     temperature: float = _f(1.0, "sampling temperature (0 = greedy)", **_rng(0))
     top_p: float = _f(1.0, "nucleus sampling mass", **_rng(0, 1, lo_open=True))
     top_k: int = _f(-1, "top-k sampling (-1 = off)", **_rng(-1))
@@ -208,8 +213,9 @@ class AlgorithmConfig:
         "original", "normaliser of the aggregated loss: every response token (as verl, NeMo-RL, "
         "OpenRLHF: a masked token is a zero-weight sample) or only the tokens the corrections "
         "kept")
-    max_len_norm: int | None = _f(None, "constant of seq-mean-token-sum-norm "
-                                  "(null = rollout.max_new_tokens)", **_rng(1))
+    max_len_norm: int | None = _f(None, "constant of seq-mean-token-sum-norm (null = "
+                                  "rollout.max_new_tokens, or the response cap with "
+                                  "data.environment)", **_rng(1))
     pi_old: Literal["trainer", "rollout", "engine_avg"] = _f("trainer", "source of pi_old")
     pi_old_passes: int = _f(1, "n scoring passes averaged for engine_avg")
     replay: Literal["off", "r2", "r3"] = _f("r3", "routing replay mode")
@@ -292,6 +298,9 @@ class DataConfig:
     answer_key: str = _f("answer", "column holding the reference answer")
     chat_template: bool = _f(True, "wrap prompts with the tokenizer's chat template")
     reward: str = _f("toy", "reward: toy | math | module:function")
+    environment: str | None = _f(None, "multi-turn environment: calculator | module:Class (null "
+                                 "= single-turn completions scored by data.reward; with an "
+                                 "environment, the environment gives the reward)")
     max_failed_reward_batches: int = _f(1, "stop the run when the reward function failed on "
                                         "every sample of this many batches in a row", **_rng(1))
     toy_max_operand: int = _f(9, "toy task: largest operand of the additions", **_rng(1))
@@ -546,6 +555,15 @@ def dump_config(cfg: Config) -> str:
 # Model facts needed by validation
 
 
+def response_cap(cfg: Config) -> int:
+    """Most response tokens of a sample: rollout.max_new_tokens for single-turn completions; with
+    an environment, rollout.max_response_tokens (default max_new_tokens x max_turns)."""
+    r = cfg.rollout
+    if cfg.data.environment is None:
+        return r.max_new_tokens
+    return r.max_response_tokens or r.max_new_tokens * r.max_turns
+
+
 def facts_context(model: ModelConfig) -> int | None:
     """The model's context length (max_position_embeddings) from its config.json (None when
     there is none yet)."""
@@ -647,6 +665,11 @@ def validate(cfg: Config) -> None:
     if context is not None and r.max_new_tokens >= context:
         raise ConfigError(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for a "
                           f"prompt in the model's context ({context} positions)")
+    if cfg.data.environment is not None and context is not None \
+            and response_cap(cfg) >= context:
+        raise ConfigError(f"rollout.max_response_tokens: a trajectory's response of up to "
+                          f"{response_cap(cfg)} tokens leaves no room for a prompt in the "
+                          f"model's context ({context} positions)")
     if r.top_k == 0:
         raise ConfigError("rollout.top_k: 0 is not valid; use -1 for no top-k or a value >= 1")
     if a.keep_sampling_mask:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from moe_rl.config import Config, ConfigError
 from moe_rl.data.prompts import PromptRecord, load_prompts
+from moe_rl.envs import load_environment
 from moe_rl.rewards.functions import RewardFunction
 
 
@@ -15,10 +16,11 @@ class RunInputs:
     tokenizer: object
     prompts: list[PromptRecord]
     reward: RewardFunction
+    environment: type | None = None   # data.environment's class (multi-turn), if any
 
 
 def load_run_inputs(cfg: Config) -> RunInputs:
-    """The run's tokenizer, prompts and reward function; ConfigError naming the key whose file,
+    """The run's tokenizer, prompts, reward function and environment class; ConfigError naming the key whose file,
     module or content is missing or unreadable."""
     from transformers import AutoTokenizer
     path = cfg.model.path
@@ -34,6 +36,18 @@ def load_run_inputs(cfg: Config) -> RunInputs:
         reward = RewardFunction(cfg.data.reward)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    environment = None
+    if cfg.data.environment is not None:
+        try:
+            environment = load_environment(cfg.data.environment)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if cfg.trainer.sft_warmup_steps and not callable(getattr(environment, "demonstration",
+                                                                 None)):
+            raise ConfigError(f"trainer.sft_warmup_steps: the warm start of a multi-turn run "
+                              f"trains on the environment's demonstrations, and "
+                              f"{cfg.data.environment!r} has no demonstration(prompt) method; "
+                              f"set trainer.sft_warmup_steps=0")
     if cfg.data.source != "toy" and not os.path.isfile(cfg.data.path or ""):
         raise ConfigError(f"data.path: {cfg.data.path!r} is not a readable file")
     try:
@@ -41,4 +55,4 @@ def load_run_inputs(cfg: Config) -> RunInputs:
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(str(exc) if str(exc).startswith("data") else f"data.path: {exc}") \
             from None
-    return RunInputs(tokenizer, prompts, reward)
+    return RunInputs(tokenizer, prompts, reward, environment)

@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="batch-invariant results (SGLang's flag): every request is computed "
                              "alone, so its numbers never depend on what runs beside it")
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="no prefix cache (SGLang's flag): every request computes its whole "
+                             "input, cached_tokens is always 0")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=1 << 16,
+                        help="tokens the prefix cache holds before evicting the least recently "
+                             "used sequences")
     parser.add_argument("--sampling-backend", choices=["flashinfer", "pytorch"],
                         default="flashinfer",
                         help="kept-set rule of SGLang's sampler to follow (default: flashinfer, "
@@ -44,5 +50,7 @@ def run(args: argparse.Namespace) -> int:
           return_routed_experts=args.enable_return_routed_experts,
           sampling_mask_max_tokens=args.sampling_mask_max_tokens,
           sampling_backend=args.sampling_backend,
-          deterministic_inference=args.enable_deterministic_inference, fd=args.fd)
+          deterministic_inference=args.enable_deterministic_inference,
+          prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
+          fd=args.fd)
     return 0

@@ -51,14 +51,23 @@ def _placement(cfg: Config):
             for i in range(len(bundles))], pg
 
 
-def sft_samples(prompts, indices: list[int], tokenizer) -> list[Sample]:
-    """Supervised warm-start examples: prompt + reference answer + end of text."""
+def sft_samples(prompts, indices: list[int], tokenizer, environment: type | None = None,
+                vocab_size: int | None = None) -> list[Sample]:
+    """Supervised warm-start examples: prompt + reference answer + end of text; with an
+    environment, prompt + its demonstration, the observation segments loss-masked."""
+    from moe_rl.envs import demonstration_segments
     out = []
     for k, i in enumerate(indices):
         rec = prompts[i]
-        ans = tokenizer(rec.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        out.append(Sample(prompt_ids=rec.ids, response_ids=ans,
-                          rollout_logprobs=torch.zeros(len(ans)), sample_id=k, group_id=k))
+        if environment is None:
+            segs = [tokenizer(rec.answer, add_special_tokens=False)["input_ids"]
+                    + [tokenizer.eos_token_id]]
+        else:
+            segs = demonstration_segments(environment(tokenizer), rec, vocab_size)
+        ids = [t for seg in segs for t in seg]
+        mask = [j % 2 == 0 for j, seg in enumerate(segs) for _ in seg]
+        out.append(Sample(prompt_ids=rec.ids, response_ids=ids, loss_mask=mask,
+                          rollout_logprobs=torch.zeros(len(ids)), sample_id=k, group_id=k))
     return out
 
 
@@ -178,7 +187,8 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             sft = PromptSampler(len(prompts), cfg.rollout.prompts_per_step * 4,
                                 cfg.data.shuffle_seed + 1)
             for k in range(cfg.trainer.sft_warmup_steps):
-                m = trainers.sft_step(sft_samples(prompts, sft.next_batch(), tokenizer),
+                m = trainers.sft_step(sft_samples(prompts, sft.next_batch(), tokenizer,
+                                                  inputs.environment, len(tokenizer)),
                                       cfg.trainer.sft_lr)
             print(f"warm start: {cfg.trainer.sft_warmup_steps} supervised steps, last loss "
                   f"{m['sft/loss']:.3f}", flush=True)
@@ -195,17 +205,27 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             timer.metrics.update(summary["timing"])
             failed_batches = failed_batches + 1 \
                 if summary["reward_failures"] >= summary["samples"] else 0
+            if failed_batches >= cfg.data.max_failed_reward_batches and not summary["samples"]:
+                raise RuntimeError(
+                    f"data.environment: {cfg.data.environment} failed on every trajectory of "
+                    f"{failed_batches} batch(es) in a row (data.max_failed_reward_batches="
+                    f"{cfg.data.max_failed_reward_batches}); nothing is left to train on. "
+                    f"First error: {summary['first_env_error']}")
             if failed_batches >= cfg.data.max_failed_reward_batches:
                 raise RuntimeError(
                     f"data.reward: {cfg.data.reward} failed on every sample of "
                     f"{failed_batches} batch(es) in a row (data.max_failed_reward_batches="
                     f"{cfg.data.max_failed_reward_batches}); training on zero rewards would "
                     f"learn nothing. First error: {summary['first_reward_error']}")
+            dropped = summary["counts"].get("rollout/env_errors", 0)
+            if dropped and summary["first_env_error"]:
+                print(f"step {step}: {int(dropped)} trajectories dropped on environment errors; "
+                      f"first: {summary['first_env_error']}", flush=True)
             if cfg.cluster.colocate:   # the engines give their memory to the trainer
                 with timer.phase("engine_release"):
                     ray.get(rollout.release_memory.remote())
-            with timer.phase("train"):
-                metrics = trainers.train_step(shards)
+            with timer.phase("train"):   # a batch left empty (every trajectory dropped) skips
+                metrics = trainers.train_step(shards) if summary["samples"] else {}
             if cfg.cluster.colocate:
                 with timer.phase("engine_resume"):
                     ray.get(rollout.resume_memory.remote())

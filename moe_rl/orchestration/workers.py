@@ -228,30 +228,42 @@ class RolloutWorker:
         prompts as are missing are taken from ``extra`` (in order; at most
         ``rollout.max_oversample``), until ``len(indices)`` informative groups are there; when
         ``extra`` runs out first, the batch is filled up with dropped groups (their advantages
-        are zero). Returns (samples renumbered group-major, counts, seconds spent on
-        rewards)."""
+        are zero). With ``data.environment`` the groups are multi-turn trajectories (a dropped
+        trajectory leaves its group smaller). Returns (samples renumbered group-major, counts,
+        seconds spent on rewards, the first environment error or None)."""
         import time
         from moe_rl.rewards.functions import score_rewards
+        from moe_rl.rollout.multi_turn import TrajectoryStats
         cfg, inp = self.cfg, self.inputs
         per, r = cfg.rollout.n_samples_per_prompt, cfg.rollout
         cap = r.prompts_per_step if r.max_oversample is None else r.max_oversample
         extra = list(extra)[:cap] if r.dynamic_sampling else []
         informative, uniform = [], []
         queue, generated, tokens, reward_s = list(indices), 0, 0, 0.0
+        stats = TrajectoryStats()
         while queue:
             first = generated
-            samples = self.engine.generate([inp.prompts[i].ids for i in queue], per,
-                                           self.sampling, seed=seed + first * per,
-                                           group_ids=list(range(first, first + len(queue))))
+            gids = list(range(first, first + len(queue)))
+            if inp.environment is None:
+                samples = self.engine.generate([inp.prompts[i].ids for i in queue], per,
+                                               self.sampling, seed=seed + first * per,
+                                               group_ids=gids)
+            else:
+                samples = self._trajectories(queue, per, seed + first * per, gids, stats)
             for s in samples:
                 s.metadata["prompt_index"] = queue[s.sample_id // per]
-            t0 = time.perf_counter()
-            score_rewards(samples, inp.tokenizer, inp.prompts, inp.reward)
-            reward_s += time.perf_counter() - t0
+            if inp.environment is None:   # an environment gives its trajectories' rewards
+                t0 = time.perf_counter()
+                score_rewards(samples, inp.tokenizer, inp.prompts, inp.reward)
+                reward_s += time.perf_counter() - t0
             generated += len(queue)
-            tokens += sum(s.response_len for s in samples)
-            for g in range(len(queue)):
-                group = samples[g * per:(g + 1) * per]
+            tokens += sum(int(s.loss_mask.sum()) for s in samples)   # model tokens
+            by_group: dict[int, list] = {g: [] for g in gids}
+            for s in samples:
+                by_group[s.group_id].append(s)
+            for group in by_group.values():
+                if not group:   # every trajectory of the prompt was dropped
+                    continue
                 equal = len({s.reward for s in group}) == 1
                 (uniform if r.dynamic_sampling and equal else informative).append(group)
             missing = len(indices) - len(informative)
@@ -267,7 +279,23 @@ class RolloutWorker:
                   "rollout/dropped_groups": float(generated - len(chosen)),
                   "rollout/filled_groups": float(filled if r.dynamic_sampling else 0),
                   "rollout/generated_tokens": float(tokens)}
-        return out, counts, reward_s
+        if inp.environment is not None:
+            counts.update(stats.metrics())
+        return out, counts, reward_s, stats.first_error
+
+    def _trajectories(self, queue: list[int], per: int, seed: int, gids: list[int],
+                      stats) -> list:
+        """``per`` multi-turn trajectories of each prompt of ``queue`` with the environment
+        (their counts added to ``stats``)."""
+        from moe_rl.config import response_cap
+        from moe_rl.rollout.multi_turn import TrajectoryLimits, rollout_trajectories
+        inp, r = self.inputs, self.cfg.rollout
+        limits = TrajectoryLimits(r.max_turns, response_cap(self.cfg))
+        samples, _ = rollout_trajectories(
+            self.engine, lambda: inp.environment(inp.tokenizer), [inp.prompts[i] for i in queue],
+            per, self.sampling, limits, self.engine.layout.vocab_size, group_ids=gids, seed=seed,
+            stats=stats)
+        return samples
 
     def collect(self, indices: list[int], step: int, seed: int, shards: int,
                 extra: list[int] = ()) -> tuple:
@@ -283,16 +311,16 @@ class RolloutWorker:
         timing = {}
         t0 = time.perf_counter()
         errors_before = inp.reward.errors
-        samples, counts, reward_s = self._generate_groups(indices, extra, seed)
+        samples, counts, reward_s, env_error = self._generate_groups(indices, extra, seed)
         timing["timing/rollout_s"] = time.perf_counter() - t0 - reward_s
         timing["timing/reward_s"] = reward_s
         failures = inp.reward.errors - errors_before
         summary = {"samples": len(samples), "reward_failures": failures,
                    "reward_errors_total": inp.reward.errors,
-                   "first_reward_error": inp.reward.first_error,
+                   "first_reward_error": inp.reward.first_error, "first_env_error": env_error,
                    "stale_samples": sum(s.weight_version < step for s in samples),
                    "counts": counts}
-        if failures < len(samples) and cfg.algorithm.pi_old == "engine_avg":
+        if samples and failures < len(samples) and cfg.algorithm.pi_old == "engine_avg":
             t2 = time.perf_counter()
             self.engine.score(samples, cfg.algorithm.pi_old_passes,
                               temperature=cfg.rollout.temperature,

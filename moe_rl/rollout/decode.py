@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -87,10 +88,26 @@ def decode_sampling_logprobs(values, n_tokens: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-def sample_from_response(resp: dict, prompt_ids: list[int], layout: MoEShape, *,
-                         need_routing: bool, need_mask: bool, group_id: int, sample_id: int,
-                         metadata: dict | None = None) -> Sample:
-    """One generation response -> a validated :class:`Sample` (reward filled in later)."""
+@dataclass
+class Turn:
+    """One ``/generate`` response decoded: the generated ids and, per generated token, its
+    rollout log-prob (on the kept set with the sampling mask), kept set and kept mass; the
+    routing rows of the positions from ``routed_experts_start_len`` on."""
+    output_ids: list[int]
+    logprobs: torch.Tensor
+    routing: torch.Tensor | None
+    kept_offsets: torch.Tensor | None
+    kept_ids: torch.Tensor | None
+    kept_logmass: torch.Tensor | None
+    weight_version: int
+    finish_reason: dict
+    cached_tokens: int
+
+
+def decode_turn(resp: dict, input_len: int, layout: MoEShape, *, need_routing: bool,
+                need_mask: bool, routing_start: int = 0) -> Turn:
+    """A generation response to ``input_len`` input ids (routing asked from position
+    ``routing_start``) -> :class:`Turn`; ResponseError names the field that does not fit."""
     meta = resp.get("meta_info") or {}
     out = resp.get("output_ids")
     if not isinstance(out, list) or not out:
@@ -101,24 +118,38 @@ def sample_from_response(resp: dict, prompt_ids: list[int], layout: MoEShape, *,
     if need_routing:
         if not meta.get("routed_experts"):
             raise ResponseError(f"routed_experts: missing from the response; {R3_FIX}")
-        routing = decode_routing(meta["routed_experts"], len(prompt_ids) + R - 1, layout)
+        routing = decode_routing(meta["routed_experts"], input_len + R - 1 - routing_start,
+                                 layout)
     offsets = ids = logmass = None
     if need_mask:
         offsets, ids = decode_kept_sets(meta, R)
         kept_lp = decode_sampling_logprobs(meta.get("output_token_sampling_logprobs"), R)
         logmass = (lp - kept_lp).clamp(max=0.0)   # log of the kept set's full-vocabulary mass
         lp = kept_lp
-    version = meta.get("weight_version")
     try:
-        version = int(version)
+        version = int(meta.get("weight_version"))
     except (TypeError, ValueError):
         version = 0
-    return Sample(prompt_ids=prompt_ids, response_ids=out, rollout_logprobs=lp,
-                  routing=routing, sampling_mask_offsets=offsets, sampling_mask_ids=ids,
-                  kept_logmass=logmass,
-                  group_id=group_id, weight_version=version, sample_id=sample_id,
-                  metadata={**(metadata or {}),
-                            "finish_reason": (meta.get("finish_reason") or {}).get("type", "")})
+    cached = meta.get("cached_tokens", 0)
+    if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached <= input_len:
+        raise ResponseError(f"cached_tokens: expected an integer in [0, {input_len}], got "
+                            f"{cached!r}")
+    finish = meta.get("finish_reason") or {}
+    return Turn(out, lp, routing, offsets, ids, logmass, version,
+                finish if isinstance(finish, dict) else {"type": str(finish)}, cached)
+
+
+def sample_from_response(resp: dict, prompt_ids: list[int], layout: MoEShape, *,
+                         need_routing: bool, need_mask: bool, group_id: int, sample_id: int,
+                         metadata: dict | None = None) -> Sample:
+    """One generation response -> a validated :class:`Sample` (reward filled in later)."""
+    t = decode_turn(resp, len(prompt_ids), layout, need_routing=need_routing,
+                    need_mask=need_mask)
+    return Sample(prompt_ids=prompt_ids, response_ids=t.output_ids, rollout_logprobs=t.logprobs,
+                  routing=t.routing, sampling_mask_offsets=t.kept_offsets,
+                  sampling_mask_ids=t.kept_ids, kept_logmass=t.kept_logmass,
+                  group_id=group_id, weight_version=t.weight_version, sample_id=sample_id,
+                  metadata={**(metadata or {}), "finish_reason": t.finish_reason.get("type", "")})
 
 
 def decode_listed_logprobs(resp: dict, n_tokens: int, ids: list[int]) -> torch.Tensor:

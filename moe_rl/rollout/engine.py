@@ -27,10 +27,13 @@ class SamplingConfig:
     top_k: int = -1
     min_p: float = 0.0
     max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()   # besides end of text (a tool call's closing token)
 
     def to_json(self, seed: int | None = None) -> dict:
         out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                "min_p": self.min_p, "max_new_tokens": self.max_new_tokens}
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
         if seed is not None:
             out["sampling_seed"] = seed
         return out
@@ -46,7 +49,8 @@ class HTTPRolloutEngine:
         self.need_routing = need_routing
         self.need_mask = need_mask
 
-    def _run(self, coro_fn):
+    def run_with_pool(self, coro_fn):
+        """Run ``coro_fn(pool)`` to completion on a fresh pool (its own HTTP client)."""
         async def main():
             async with self.pool_factory() as pool:
                 return await coro_fn(pool)
@@ -83,7 +87,7 @@ class HTTPRolloutEngine:
         async def all_jobs(pool: ServerPool):
             return await asyncio.gather(*(one(pool, k, i, j) for k, (i, j) in enumerate(jobs)))
 
-        return list(self._run(all_jobs))
+        return list(self.run_with_pool(all_jobs))
 
     # ------------------------------------------------------------------ scoring
     def score(self, samples: list[Sample], n_passes: int, temperature: float = 1.0,
@@ -163,7 +167,7 @@ class HTTPRolloutEngine:
             results = await asyncio.gather(*(coros[k] for k in keys))
             return dict(zip(keys, results))
 
-        res = self._run(all_passes)
+        res = self.run_with_pool(all_passes)
         for i, s in enumerate(samples):
             s.pass_logprobs = torch.stack([res[(i, j)] for j in range(n_passes)])
             s.validate()
@@ -172,7 +176,7 @@ class HTTPRolloutEngine:
     def update_weights_from_disk(self, path: str, version: int) -> list[dict]:
         """Every server loads the HF checkpoint at ``path`` and reports ``version``."""
         body = {"model_path": path, "weight_version": str(version)}
-        return self._run(lambda pool: pool.broadcast("/update_weights_from_disk", body))
+        return self.run_with_pool(lambda pool: pool.broadcast("/update_weights_from_disk", body))
 
     def init_weights_update_group(self, master_address: str, master_port: int,
                                   ranks_per_server: int, group_name: str,
@@ -189,24 +193,24 @@ class HTTPRolloutEngine:
                 init_group_request(master_address, master_port, 1 + i * ranks_per_server, world,
                                    group_name, backend), server=s)
                 for i, s in enumerate(pool.servers))))
-        return self._run(run)
+        return self.run_with_pool(run)
 
     def update_weights_from_distributed(self, body: dict) -> list[dict]:
         """Every server receives the tensors the trainer broadcasts (the body lists them); call
         it between :meth:`begin_weight_update` and :meth:`end_weight_update`."""
-        return self._run(lambda pool: pool.broadcast("/update_weights_from_distributed", body))
+        return self.run_with_pool(lambda pool: pool.broadcast("/update_weights_from_distributed", body))
 
     def begin_weight_update(self) -> list[dict]:
         """Open every server's weight-update session (SGLang refuses distributed and tensor
         updates outside one)."""
-        return self._run(lambda pool: pool.broadcast("/begin_weight_update", {}))
+        return self.run_with_pool(lambda pool: pool.broadcast("/begin_weight_update", {}))
 
     def end_weight_update(self, missing_ok: bool = False) -> list[dict]:
         """Close every server's weight-update session (``missing_ok``: a server without one,
         e.g. just restarted, is not an error)."""
         if missing_ok:
             return self._broadcast_tolerant("/end_weight_update", {})
-        return self._run(lambda pool: pool.broadcast("/end_weight_update", {}))
+        return self.run_with_pool(lambda pool: pool.broadcast("/end_weight_update", {}))
 
     def destroy_weights_update_group(self, group_name: str) -> list[dict]:
         """Every server leaves weight-update group ``group_name`` (SGLang's
@@ -223,27 +227,27 @@ class HTTPRolloutEngine:
                 except EngineHTTPError as exc:
                     return {"success": False, "message": str(exc)}
             return list(await asyncio.gather(*(one(s) for s in pool.servers)))
-        return self._run(run)
+        return self.run_with_pool(run)
 
     def release_memory(self) -> list[dict]:
         """Colocated training: the servers free their weights (and KV cache) until resumed."""
-        return self._run(lambda pool: pool.broadcast("/release_memory_occupation", {}))
+        return self.run_with_pool(lambda pool: pool.broadcast("/release_memory_occupation", {}))
 
     def resume_memory(self) -> list[dict]:
         """Colocated training: the servers take their memory back."""
-        return self._run(lambda pool: pool.broadcast("/resume_memory_occupation", {}))
+        return self.run_with_pool(lambda pool: pool.broadcast("/resume_memory_occupation", {}))
 
     def flush_cache(self) -> list[dict]:
         """Drop every server's prefix cache (after a weight update)."""
-        return self._run(lambda pool: pool.broadcast("/flush_cache", {}))
+        return self.run_with_pool(lambda pool: pool.broadcast("/flush_cache", {}))
 
     def check_health(self) -> None:
         """Every server answers /health; a dead server is restarted and asked again
         (EngineHTTPError when one cannot be brought back)."""
-        self._run(lambda pool: pool.broadcast("/health", None, method="GET"))
+        self.run_with_pool(lambda pool: pool.broadcast("/health", None, method="GET"))
 
     def weight_versions(self) -> list[str]:
         """The weight version each server reports."""
-        infos = self._run(lambda pool: pool.broadcast("/get_model_info", None, method="GET"))
+        infos = self.run_with_pool(lambda pool: pool.broadcast("/get_model_info", None, method="GET"))
         return [str(i.get("weight_version")) for i in infos]
 

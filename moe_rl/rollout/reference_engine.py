@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from moe_rl.moe_shape import MoEShape
+from moe_rl.rollout.prefix_cache import CacheHit, PrefixCache
 from moe_rl.types import MODEL_DTYPES
 
 
@@ -168,6 +169,7 @@ class _Row:
                                                  "ids_lp": []})
     routing: list = field(default_factory=list)   # [positions, L_moe, K] per forward
     pending: int | None = None     # sampled, not yet fed back
+    cached: int = 0                # input tokens served from the prefix cache
     finish: dict | None = None
     error: Exception | None = None
 
@@ -244,7 +246,8 @@ class ReferenceEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0,
                  sampling_mask_max_tokens: int = 4096, return_routed_experts: bool = True,
-                 sampling_backend: str = "flashinfer", deterministic_inference: bool = False):
+                 sampling_backend: str = "flashinfer", deterministic_inference: bool = False,
+                 prefix_cache_tokens: int = 1 << 16):
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
         self.dtype_name = dtype
@@ -266,6 +269,7 @@ class ReferenceEngine:
         self._scratch = tempfile.TemporaryDirectory(prefix="moe_rl_engine_")   # gone at exit
         self._staged: dict[str, torch.Tensor] = {}   # buckets of an update not yet committed
         self.deterministic = deterministic_inference
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)   # 0: SGLang's --disable-radix-cache
         self.batches: list[_Batch] = []    # the running requests with their KV caches
         self._raw_logprobs = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in (
             "1", "true")
@@ -314,6 +318,7 @@ class ReferenceEngine:
             self.checkpoint_spec = spec
             self.tokenizer = tokenizer
             self.model = model
+            self.prefix_cache.flush()   # stored KV belongs to the old weights
             self.model_path = model_path
             self.vocab_size = int(hf["vocab_size"])
             self.eos = hf.get("eos_token_id")
@@ -382,6 +387,7 @@ class ReferenceEngine:
         import gc
         with self.lock:
             self.model = None
+            self.prefix_cache.flush()
             gc.collect()
 
     def resume_memory(self) -> None:
@@ -483,6 +489,14 @@ class ReferenceEngine:
             shutil.rmtree(previous, ignore_errors=True)
         return True
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while requests are running, as SGLang."""
+        with self.lock:
+            if self.running:
+                return False
+            self.prefix_cache.flush()
+            return True
+
     # ------------------------------------------------------------------ continuous batching
     @property
     def running(self) -> list["_Row"]:
@@ -552,8 +566,12 @@ class ReferenceEngine:
         generating to the running batch: together, left-padded, or (deterministic inference)
         each alone, as its own batch, so no request's numbers depend on another's."""
         rows = [self._new_row(r, h) for r, h in admit]
-        for group in ([[row] for row in rows] if self.deterministic else [rows]):
-            batch = self._prefill_batch(group, done)
+        hits = {id(row): self.prefix_cache.match(row.req.input_ids) for row in rows}
+        misses = [row for row in rows if hits[id(row)] is None]
+        groups = ([[row] for row in misses] if self.deterministic else [misses] if misses else [])
+        groups += [[row] for row in rows if hits[id(row)] is not None]   # a hit runs alone
+        for group in groups:
+            batch = self._prefill_batch(group, done, hits[id(group[0])])
             if not batch.rows:
                 continue
             if self.deterministic or not self.batches:
@@ -561,24 +579,42 @@ class ReferenceEngine:
             else:
                 self.batches[0].merge(batch)
 
-    def _prefill_batch(self, rows: list["_Row"], done: list) -> "_Batch":
-        lens = [len(r.req.input_ids) for r in rows]
-        B, P = len(rows), max(lens)
-        ids = torch.zeros((B, P), dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, P - lens[b]:] = torch.tensor(r.req.input_ids)
-            mask[b, P - lens[b]:] = 1
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        batch = _Batch(rows, DynamicCache(), mask)
-        logits, topk = self._forward(ids, mask, pos, batch.cache)
+    def _prefill_batch(self, rows: list["_Row"], done: list, hit: CacheHit | None = None
+                       ) -> "_Batch":
+        """Prefill ``rows`` together (left-padded); with a prefix-cache ``hit`` (one row), only
+        the positions after the hit are computed, on top of the stored KV, and the stored
+        routing stands for the cached positions."""
+        if hit is not None:
+            (row,) = rows
+            n, inp = hit.length, row.req.input_ids
+            cache = DynamicCache()
+            for layer, (k, v) in enumerate(hit.layers()):
+                cache.update(k.clone(), v.clone(), layer)
+            mask = torch.ones((1, len(inp)), dtype=torch.long)
+            batch = _Batch(rows, cache, mask)
+            logits, topk = self._forward(torch.tensor([inp[n:]]), mask,
+                                         torch.arange(n, len(inp))[None], cache)
+            row.cached = n
+            row.routing += [hit.routing(), topk[0]]
+        else:
+            lens = [len(r.req.input_ids) for r in rows]
+            B, P = len(rows), max(lens)
+            ids = torch.zeros((B, P), dtype=torch.long)
+            mask = torch.zeros((B, P), dtype=torch.long)
+            for b, r in enumerate(rows):
+                ids[b, P - lens[b]:] = torch.tensor(r.req.input_ids)
+                mask[b, P - lens[b]:] = 1
+            pos = (mask.cumsum(-1) - 1).clamp_min(0)
+            batch = _Batch(rows, DynamicCache(), mask)
+            logits, topk = self._forward(ids, mask, pos, batch.cache)
+            for b, row in enumerate(rows):
+                row.routing.append(topk[b, P - lens[b]:])
         for b, row in enumerate(rows):
-            row.routing.append(topk[b, P - lens[b]:])
             if row.req.params.max_new_tokens == 0:
                 row.finish = {"type": "length", "length": 0}
             else:
                 self._advance(row, logits[b, -1])
-        batch.select(self._collect(rows, done))
+        batch.select(self._collect(batch, done))
         return batch
 
     def _decode(self, batch: "_Batch", done: list) -> None:
@@ -591,7 +627,7 @@ class ReferenceEngine:
         for b, row in enumerate(batch.rows):
             row.routing.append(topk[b, -1:])
             self._advance(row, logits[b, -1])
-        batch.select(self._collect(batch.rows, done))
+        batch.select(self._collect(batch, done))
 
     def _advance(self, row: "_Row", logits: torch.Tensor) -> None:
         """Sample the row's next token (a failure finishes the row with its error)."""
@@ -608,20 +644,38 @@ class ReferenceEngine:
         elif len(row.state["out"]) >= r.params.max_new_tokens:
             row.finish = {"type": "length", "length": r.params.max_new_tokens}
 
-    def _collect(self, rows: list["_Row"], done: list) -> list[int]:
-        """Answer the finished rows into ``done``; the indices of those still generating."""
+    def _collect(self, batch: "_Batch", done: list) -> list[int]:
+        """Answer the finished rows of ``batch`` into ``done`` (storing their KV and routing in
+        the prefix cache); the indices of those still generating."""
         live = []
-        for i, row in enumerate(rows):
+        for i, row in enumerate(batch.rows):
             if row.error is not None:
                 done.append((row.handle, row.error))
             elif row.finish is not None:
                 try:
+                    self._cache_finished(batch, i)
                     done.append((row.handle, self._response(row)))
                 except Exception as exc:
                     done.append((row.handle, exc))
             else:
                 live.append(i)
         return live
+
+    def _cache_finished(self, batch: "_Batch", b: int) -> None:
+        """Store the KV and routing of row ``b``'s computed positions (its input and every
+        generated token fed back) in the prefix cache."""
+        if self.prefix_cache.capacity == 0:
+            return
+        row = batch.rows[b]
+        out = row.state["out"]
+        ids = list(row.req.input_ids) + out[:max(len(out) - 1, 0)]
+        cols = batch.mask[b].bool()
+        if int(cols.sum()) != len(ids):
+            raise RuntimeError(f"prefix cache: row holds {int(cols.sum())} KV positions for "
+                               f"{len(ids)} tokens")
+        self.prefix_cache.insert(ids, [layer.keys[b][:, cols] for layer in batch.cache.layers],
+                                 [layer.values[b][:, cols] for layer in batch.cache.layers],
+                                 torch.cat(row.routing, dim=0)[:len(ids)])
 
     def _sample(self, logits: torch.Tensor, r: Request, s: dict, gen: torch.Generator,
                 raw_env: bool) -> int:
@@ -653,7 +707,7 @@ class ReferenceEngine:
         r, s = row.req, row.state
         out = s["out"]
         meta = {"id": r.rid, "finish_reason": row.finish, "prompt_tokens": len(r.input_ids),
-                "completion_tokens": len(out), "cached_tokens": 0,
+                "completion_tokens": len(out), "cached_tokens": row.cached,
                 "weight_version": self.weight_version}
         if r.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s["lp"], out)]

@@ -345,7 +345,10 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
                 "weight_version": engine.weight_version}
 
     @app.post("/flush_cache")
-    async def flush_cache():   # SGLang answers in plain text
+    async def flush_cache():   # SGLang answers in plain text, and refuses while busy
+        if waiting or not engine.flush_cache():
+            return PlainTextResponse("Cache not flushed: there are running or waiting "
+                                     "requests.\n", status_code=400)
         return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
                                  "(When there are running or waiting requests, the operation "
                                  "will not be performed.)\n")
@@ -358,7 +361,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: st
           max_total_tokens: int = 1 << 18,
           return_routed_experts: bool = False, sampling_mask_max_tokens: int = 4096,
           sampling_backend: str = "flashinfer", deterministic_inference: bool = False,
-          fd: int | None = None) -> None:
+          prefix_cache_tokens: int = 1 << 16, fd: int | None = None) -> None:
     """Load the model and serve until interrupted (on the inherited bound socket ``fd`` when
     given, else on host:port)."""
     import socket
@@ -367,7 +370,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: st
                              sampling_mask_max_tokens=sampling_mask_max_tokens,
                              return_routed_experts=return_routed_experts,
                              sampling_backend=sampling_backend,
-                             deterministic_inference=deterministic_inference)
+                             deterministic_inference=deterministic_inference,
+                             prefix_cache_tokens=prefix_cache_tokens)
     app = build_app(engine, api_key, max_running_requests, max_total_tokens)
     if fd is None:
         uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from moe_rl.algo import (Normalisers, aggregate, collapse_guard, count_normalisers,
                          kept_set_sizes)
-from moe_rl.config import Config
+from moe_rl.config import Config, response_cap
 from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu, cuda_absent
 from moe_rl.trainer.forward import forward_logprobs, unwrap
@@ -445,7 +445,7 @@ class PolicyTrainer:
                 local = count_normalisers(eff)   # this rank's part; the loss uses the sums
                 counts = _dp_sum([local.num_tokens, local.num_seqs])
                 norm = Normalisers(counts[0], counts[1],
-                                   float(a.max_len_norm or cfg.rollout.max_new_tokens))
+                                   float(a.max_len_norm or response_cap(cfg)))
                 selection = self._covariance_selection(batch, mini)
                 for mb in self._aligned(self._micro_batches(batch.replay_samples, mini)):
                     if mb is None:

@@ -1,0 +1,241 @@
+"""Multi-turn rollouts against an environment, token ids end to end, over SGLang's protocol.
+
+Each turn sends the whole trajectory so far as ``input_ids`` to the same server (its prefix cache
+serves the earlier turns), with routing and sampling masks requested; the model's ids are kept
+exactly as generated and the environment's observation ids are appended as given (nothing is
+decoded and re-encoded). Observation tokens get loss mask 0, rollout log-prob 0 and a one-token
+kept set (the trainer scores them nowhere that counts).
+
+Routing across turns: the routing replayed for a position is the one recorded when the KV that
+later tokens attended to was computed. A turn asks for ``routed_experts_start_len`` = the
+positions already received, so only new positions travel. When the engine served the earlier
+positions from its prefix cache (``cached_tokens`` >= received) they are the routing already held
+(SGLang returns, for a cached prefix, the routing recorded with that KV). When it recomputed some
+of them (cache flushed or evicted between turns), the later tokens attended to the recomputed KV:
+a follow-up request (no new tokens, ``routed_experts_start_len = cached_tokens``), which the
+prefix cache serves from the turn just computed, fetches their routing, which replaces the rows
+held; the positions it returns a second time must agree with the turn's (else the trajectory is
+dropped).
+
+Limits: at most ``max_turns`` model turns and ``max_response_tokens`` response tokens (model +
+observation). A trajectory ends on a model turn: an observation is never appended when no model
+turn may follow it. Truncated trajectories (a limit reached before the environment said done, or
+the environment's own ``truncated``) keep their tokens, are marked ``metadata["truncated"]``, and
+get the environment's reward if it gave one, else 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.envs import EnvError, check_step
+from moe_rl.rollout.decode import ResponseError, decode_routing, decode_turn
+from moe_rl.types import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrajectoryLimits:
+    max_turns: int
+    max_response_tokens: int
+
+
+@dataclass
+class TrajectoryStats:
+    """What a batch of trajectories looked like (the rollout/* multi-turn metrics)."""
+    turns: int = 0
+    trajectories: int = 0
+    observation_tokens: int = 0
+    response_tokens: int = 0
+    truncated: int = 0
+    env_errors: int = 0
+    routing_refetches: int = 0
+    first_error: str | None = None
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self.trajectories, 1)
+        return {"rollout/turns_mean": self.turns / n,
+                "rollout/observation_token_frac":
+                    self.observation_tokens / max(self.response_tokens, 1),
+                "rollout/env_errors": float(self.env_errors),
+                "rollout/truncated_frac": self.truncated / n}
+
+
+class _Trajectory:
+    """The growing response of one trajectory."""
+
+    def __init__(self, prompt: list[int]):
+        self.prompt = list(prompt)
+        self.ids: list[int] = []
+        self.lp: list[torch.Tensor] = []
+        self.loss: list[torch.Tensor] = []
+        self.kept_lens: list[torch.Tensor] = []
+        self.kept_ids: list[torch.Tensor] = []
+        self.logmass: list[torch.Tensor] = []
+        self.routing: torch.Tensor | None = None   # rows of positions 0 .. received-1
+        self.versions: set[int] = set()
+
+    @property
+    def received(self) -> int:
+        return 0 if self.routing is None else int(self.routing.shape[0])
+
+    def add_model(self, turn) -> None:
+        n = len(turn.output_ids)
+        self.ids += turn.output_ids
+        self.lp.append(turn.logprobs)
+        self.loss.append(torch.ones(n, dtype=torch.bool))
+        if turn.kept_offsets is not None:
+            self.kept_lens.append(turn.kept_offsets[1:] - turn.kept_offsets[:-1])
+            self.kept_ids.append(turn.kept_ids)
+            self.logmass.append(turn.kept_logmass)
+        self.versions.add(turn.weight_version)
+
+    def add_observation(self, obs: list[int], need_mask: bool) -> None:
+        n = len(obs)
+        self.ids += obs
+        self.lp.append(torch.zeros(n))
+        self.loss.append(torch.zeros(n, dtype=torch.bool))
+        if need_mask:
+            self.kept_lens.append(torch.ones(n, dtype=torch.int64))
+            self.kept_ids.append(torch.tensor(obs, dtype=torch.int32))
+            self.logmass.append(torch.zeros(n))
+
+    def sample(self, need_mask: bool, **kw) -> Sample:
+        offsets = ids = logmass = None
+        if need_mask:
+            lens = torch.cat(self.kept_lens)
+            offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+            offsets[1:] = torch.cumsum(lens, 0)
+            ids, logmass = torch.cat(self.kept_ids), torch.cat(self.logmass)
+        return Sample(prompt_ids=self.prompt, response_ids=self.ids,
+                      rollout_logprobs=torch.cat(self.lp), loss_mask=torch.cat(self.loss),
+                      routing=self.routing, sampling_mask_offsets=offsets,
+                      sampling_mask_ids=ids, kept_logmass=logmass,
+                      weight_version=min(self.versions), **kw)
+
+
+async def _refetch_routing(engine, pool, server, ids: list[int], turn, traj: _Trajectory,
+                           new_rows: torch.Tensor) -> torch.Tensor:
+    """The routing of positions ``turn.cached_tokens ..`` of ``ids`` as the engine holds it after
+    a turn that recomputed already received positions; checked against ``new_rows`` (the turn's
+    rows of the positions from ``traj.received``), which it returns a second time."""
+    start = turn.cached_tokens
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+            "return_routed_experts": True, "routed_experts_start_len": start}
+    resp = await pool.request("/generate", body, server=server)
+    meta = resp.get("meta_info") or {}
+    if not meta.get("routed_experts"):
+        raise ResponseError("routed_experts: missing from the routing follow-up response")
+    rows = decode_routing(meta["routed_experts"], len(ids) - 1 - start, engine.layout)
+    twice = rows[traj.received - start:]
+    if not torch.equal(twice, new_rows):
+        raise ResponseError(f"routed_experts: positions {traj.received}..{len(ids) - 2} received "
+                            f"twice disagree (the engine recomputed them again between the turn "
+                            f"and its follow-up)")
+    return rows
+
+
+async def run_trajectory(engine, pool, server, env, record, sampling, limits: TrajectoryLimits,
+                         seed: int | None, vocab_size: int, stats: TrajectoryStats,
+                         **sample_kw) -> Sample:
+    """One trajectory of ``env`` from prompt ``record`` on ``server``; EnvError when the
+    environment fails or answers badly."""
+    need_routing, need_mask = engine.need_routing, engine.need_mask
+    traj = _Trajectory(record.ids)
+    stop = tuple(getattr(env, "stop_token_ids", ()) or ())
+    try:
+        await asyncio.to_thread(env.reset, record)
+    except Exception as exc:   # the user's code must never stop the run
+        raise EnvError(f"reset: {type(exc).__name__}: {exc}") from None
+    turns, reward, truncated, refetches = 0, None, False, 0
+    while True:
+        ids = traj.prompt + traj.ids
+        budget = limits.max_response_tokens - len(traj.ids)
+        params = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens,
+                                                                  budget),
+                                     stop_token_ids=stop)
+        body = engine.generate_body(ids, params, None if seed is None else seed + turns)
+        if need_routing:
+            body["routed_experts_start_len"] = traj.received
+        resp = await pool.request("/generate", body, server=server)
+        turn = decode_turn(resp, len(ids), engine.layout, need_routing=need_routing,
+                           need_mask=need_mask, routing_start=traj.received)
+        turns += 1
+        if need_routing:
+            rows = turn.routing
+            if turn.cached_tokens < traj.received:   # earlier positions were recomputed
+                rows = await _refetch_routing(engine, pool, server, ids + turn.output_ids,
+                                              turn, traj, rows)
+                traj.routing = traj.routing[:turn.cached_tokens]
+                refetches += 1
+            traj.routing = rows if traj.routing is None else torch.cat([traj.routing, rows])
+        traj.add_model(turn)
+        try:
+            result = await asyncio.to_thread(env.step, list(turn.output_ids),
+                                             dict(turn.finish_reason))
+        except Exception as exc:
+            raise EnvError(f"step: {type(exc).__name__}: {exc}") from None
+        result = check_step(result, vocab_size)
+        if result.done or result.truncated:
+            reward, truncated = result.reward, result.truncated and not result.done
+            break
+        obs = result.observation_ids
+        if turns >= limits.max_turns or len(traj.ids) + len(obs) >= limits.max_response_tokens:
+            truncated = True
+            break
+        traj.add_observation(obs, need_mask)
+    stats.trajectories += 1
+    stats.turns += turns
+    stats.truncated += truncated
+    stats.routing_refetches += refetches
+    stats.observation_tokens += sum(int((~m).sum()) for m in traj.loss)
+    stats.response_tokens += len(traj.ids)
+    s = traj.sample(need_mask, reward=0.0 if reward is None else reward, **sample_kw)
+    s.metadata.update(turns=turns, truncated=truncated, routing_refetches=refetches)
+    return s
+
+
+def rollout_trajectories(engine, env_factory, records: list, n: int, sampling,
+                         limits: TrajectoryLimits, vocab_size: int, *,
+                         group_ids: list[int], seed: int | None = None,
+                         stats: TrajectoryStats | None = None
+                         ) -> tuple[list[Sample], TrajectoryStats]:
+    """``n`` trajectories per prompt record (environments from ``env_factory()``), in
+    prompt-major order. A trajectory whose environment fails is dropped, counted and its first
+    reason logged; the others keep their ``sample_id`` (position in that order). Counts are
+    added to ``stats`` (a new one when None), which is returned with the samples."""
+    stats = stats if stats is not None else TrajectoryStats()
+    jobs = [(i, j) for i in range(len(records)) for j in range(n)]
+
+    def dropped(reason: str) -> None:
+        stats.env_errors += 1
+        if stats.first_error is None:
+            stats.first_error = reason
+            log.warning("environment failed, trajectory dropped: %s", reason)
+
+    async def one(pool, k: int, i: int):
+        server = pool.servers[k % len(pool.servers)]   # every turn on the same server
+        try:
+            env = env_factory()
+        except Exception as exc:   # the user's constructor must never stop the run
+            dropped(f"environment: {type(exc).__name__}: {exc}")
+            return None
+        try:
+            return await run_trajectory(
+                engine, pool, server, env, records[i], sampling, limits,
+                None if seed is None else seed + k * limits.max_turns, vocab_size, stats,
+                group_id=group_ids[i], sample_id=k)
+        except EnvError as exc:
+            dropped(str(exc))
+            return None
+
+    async def all_jobs(pool):
+        return await asyncio.gather(*(one(pool, k, i) for k, (i, _) in enumerate(jobs)))
+
+    samples = [s for s in engine.run_with_pool(all_jobs) if s is not None]
+    return samples, stats
