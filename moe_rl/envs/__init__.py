@@ -14,9 +14,10 @@ model turn first, alternating model and observation ids; the supervised warm sta
 """
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
+
+from moe_rl.plugins import load_named
 
 
 @dataclass
@@ -52,15 +53,7 @@ BUILTIN = {"calculator": "moe_rl.envs.calculator:CalculatorEnv"}
 
 def load_environment(spec: str) -> type:
     """A built-in environment name or ``module:Class`` (ValueError naming data.environment)."""
-    target = BUILTIN.get(spec, spec)
-    if ":" not in target:
-        raise ValueError(f"data.environment: expected one of {sorted(BUILTIN)} or module:Class, "
-                         f"got {spec!r}")
-    module, name = target.split(":", 1)
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"data.environment: cannot load {spec!r}: {exc}") from None
+    cls = load_named(spec, "data.environment", BUILTIN, "module:Class")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if not isinstance(cls, type) or missing:
         raise ValueError(f"data.environment: {spec!r} is not an environment class (needs "

@@ -2,12 +2,13 @@
 as ``module:function`` whose failures score 0 and are counted instead of crashing the run."""
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import re
 from fractions import Fraction
 from typing import Callable
+
+from moe_rl.plugins import load_named
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +104,7 @@ class RewardFunction:
 
 def load_reward(spec: str) -> Callable:
     """A built-in reward name, or ``module:function`` (error naming data.reward otherwise)."""
-    if spec in BUILTIN:
-        return BUILTIN[spec]
-    if ":" not in spec:
-        raise ValueError(f"data.reward: expected one of {sorted(BUILTIN)} or module:function, "
-                         f"got {spec!r}")
-    module, name = spec.split(":", 1)
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"data.reward: cannot load {spec!r}: {exc}") from None
+    fn = load_named(spec, "data.reward", BUILTIN, "module:function")
     if not callable(fn):
         raise ValueError(f"data.reward: {spec!r} is not callable")
     return fn
