@@ -269,7 +269,9 @@ class ReferenceEngine:
         self._scratch = tempfile.TemporaryDirectory(prefix="moe_rl_engine_")   # gone at exit
         self._staged: dict[str, torch.Tensor] = {}   # buckets of an update not yet committed
         self.deterministic = deterministic_inference
-        self.prefix_cache = PrefixCache(prefix_cache_tokens)   # 0: SGLang's --disable-radix-cache
+        # 0: SGLang's --disable-radix-cache; deterministic inference computes every request
+        # from scratch, so its numbers never depend on what ran before it either
+        self.prefix_cache = PrefixCache(0 if deterministic_inference else prefix_cache_tokens)
         self.batches: list[_Batch] = []    # the running requests with their KV caches
         self._raw_logprobs = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in (
             "1", "true")
