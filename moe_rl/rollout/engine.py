@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.rollout.decode import decode_listed_logprobs, sample_from_response, score_from_response
+from moe_rl.rollout.decode import (ResponseError, decode_listed_logprobs, sample_from_response,
+                                   score_from_response)
 from moe_rl.moe_shape import MoEShape
 from moe_rl.rollout.pool import EngineHTTPError, ServerPool
 from moe_rl.types import Sample
@@ -104,9 +105,11 @@ class HTTPRolloutEngine:
           of the whole vocabulary (``layout.vocab_size`` ids per position: small vocabularies
           only, the configuration refuses large ones).
 
-        Pass j of sample i goes to server (i + j) % num_servers and requests are sent in a
-        shuffled order, so passes are co-batched with different sequences (different numerics
-        unless the servers run deterministic inference)."""
+        Pass j of sample i goes to server (i + j) % num_servers; pass j runs after pass j - 1,
+        its samples shuffled and sent as batched requests of about N / 2^j samples (admitted
+        and prefilled together), so the passes of a sample run in batches of other sizes and
+        company, as on a loaded server: their last bits differ (split-KV attention) unless the
+        servers run deterministic inference."""
         if n_passes < 1:
             raise ValueError(f"algorithm.pi_old_passes: expected >= 1, got {n_passes}")
         if window < 1:
@@ -122,50 +125,71 @@ class HTTPRolloutEngine:
             off = s.sampling_mask_offsets
             return sorted(set(s.sampling_mask_ids[int(off[w0]):int(off[w1])].tolist()))
 
-        async def window_lp(pool, s: Sample, w0: int, w1: int, server) -> torch.Tensor:
-            ids = s.prompt_ids.tolist() + s.response_ids[:w1].tolist()
+        def window_part(s: Sample, w0: int, w1: int) -> tuple[dict, object]:
+            """The request of response tokens w0 .. w1 - 1 and the decoder of its answer."""
             listed = listed_ids(s, w0, w1)
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
-                    "return_logprob": True, "logprob_start_len": s.prompt_len - 1 + w0,
-                    "token_ids_logprob": listed}
-            resp = await pool.request("/generate", body, server=server)
-            raw = decode_listed_logprobs(resp, w1 - w0, listed) / T
-            col = {v: j for j, v in enumerate(listed)}
-            target = torch.tensor([col[int(y)] for y in s.response_ids[w0:w1]])
-            if self.need_mask:
-                off = s.sampling_mask_offsets
-                support = torch.zeros_like(raw, dtype=torch.bool)
-                for t in range(w0, w1):
-                    kept = s.sampling_mask_ids[int(off[t]):int(off[t + 1])].tolist()
-                    support[t - w0, [col[v] for v in kept]] = True
-                raw = raw.masked_fill(~support, -torch.inf)
-            lse = torch.logsumexp(raw, dim=-1)
-            return (raw.gather(1, target[:, None]).squeeze(1) - lse).float()
+            req = {"input_ids": s.prompt_ids.tolist() + s.response_ids[:w1].tolist(),
+                   "logprob_start_len": s.prompt_len - 1 + w0, "token_ids_logprob": listed}
 
-        async def one(pool, s: Sample, server) -> torch.Tensor:
+            def decode(resp) -> torch.Tensor:
+                raw = decode_listed_logprobs(resp, w1 - w0, listed) / T
+                col = {v: j for j, v in enumerate(listed)}
+                target = torch.tensor([col[int(y)] for y in s.response_ids[w0:w1]])
+                if self.need_mask:
+                    off = s.sampling_mask_offsets
+                    support = torch.zeros_like(raw, dtype=torch.bool)
+                    for t in range(w0, w1):
+                        kept = s.sampling_mask_ids[int(off[t]):int(off[t + 1])].tolist()
+                        support[t - w0, [col[v] for v in kept]] = True
+                    raw = raw.masked_fill(~support, -torch.inf)
+                lse = torch.logsumexp(raw, dim=-1)
+                return (raw.gather(1, target[:, None]).squeeze(1) - lse).float()
+            return req, decode
+
+        def parts(s: Sample) -> list[tuple[dict, object]]:
+            """One sample's scoring requests (one, or one per window of listed ids)."""
             if not renorm:
                 ids = s.prompt_ids.tolist() + s.response_ids.tolist()
-                body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
-                        "return_logprob": True, "logprob_start_len": s.prompt_len - 1}
-                resp = await pool.request("/generate", body, server=server)
-                return score_from_response(resp, s.prompt_len, len(ids))
+                return [({"input_ids": ids, "logprob_start_len": s.prompt_len - 1},
+                         lambda resp: score_from_response(resp, s.prompt_len, len(ids)))]
             R = s.response_len
-            parts = await asyncio.gather(*(window_lp(pool, s, w0, min(w0 + window, R), server)
-                                           for w0 in range(0, R, window)))
-            return torch.cat(parts)
+            return [window_part(s, w0, min(w0 + window, R)) for w0 in range(0, R, window)]
+
+        async def batch(pool, server, reqs: list[dict]) -> list[dict]:
+            """The requests as one batched /generate (SGLang's list inputs): they are admitted
+            together and run in one prefill."""
+            body = {"input_ids": [r["input_ids"] for r in reqs],
+                    "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                    "logprob_start_len": [r["logprob_start_len"] for r in reqs]}
+            if renorm:
+                body["token_ids_logprob"] = [r["token_ids_logprob"] for r in reqs]
+            out = await pool.request("/generate", body, server=server)
+            if not isinstance(out, list) or len(out) != len(reqs):
+                raise ResponseError(f"/generate: a batch of {len(reqs)} inputs needs a list of "
+                                    f"{len(reqs)} responses")
+            return out
 
         async def all_passes(pool: ServerPool):
-            jobs = [(i, j) for j in range(n_passes) for i in range(len(samples))]
-            gen = torch.Generator().manual_seed(len(samples) * 7919 + n_passes)
-            order = torch.randperm(len(jobs), generator=gen).tolist()
-            servers = pool.servers
-            coros = {}
-            for k in order:
-                i, j = jobs[k]
-                coros[(i, j)] = one(pool, samples[i], servers[(i + j) % len(servers)])
-            keys = list(coros)
-            results = await asyncio.gather(*(coros[k] for k in keys))
-            return dict(zip(keys, results))
+            servers, out = pool.servers, {}
+            for j in range(n_passes):   # pass j: batches of about N / 2^j samples
+                gen = torch.Generator().manual_seed(len(samples) * 7919 + n_passes * 31 + j)
+                order = torch.randperm(len(samples), generator=gen).tolist()
+                size = max(1, -(-len(samples) // 2 ** j))
+                for c in range(0, len(order), size):
+                    per_server: dict[int, list] = {}
+                    for i in order[c:c + size]:
+                        for part in parts(samples[i]):
+                            per_server.setdefault((i + j) % len(servers), []).append((i, part))
+                    keys = list(per_server)
+                    answers = await asyncio.gather(*(
+                        batch(pool, servers[k], [req for _, (req, _) in per_server[k]])
+                        for k in keys))
+                    pieces: dict[int, list] = {}
+                    for k, resps in zip(keys, answers):
+                        for (i, (_, decode)), resp in zip(per_server[k], resps):
+                            pieces.setdefault(i, []).append(decode(resp))
+                    out.update({(i, j): torch.cat(p) for i, p in pieces.items()})
+            return out
 
         res = self.run_with_pool(all_passes)
         for i, s in enumerate(samples):

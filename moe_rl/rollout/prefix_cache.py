@@ -63,11 +63,13 @@ class PrefixCache:
         """Drop every entry."""
         self.entries = []
 
-    def match(self, ids: list[int]) -> CacheHit | None:
-        """The longest stored prefix of ``ids`` (at most ``len(ids) - 1`` tokens), or None."""
+    def match(self, ids: list[int], limit: int | None = None) -> CacheHit | None:
+        """The longest stored prefix of ``ids`` of at most ``limit`` tokens (default and cap:
+        ``len(ids) - 1``), or None."""
+        limit = len(ids) - 1 if limit is None else min(limit, len(ids) - 1)
         best, length = None, 0
         for e in self.entries:
-            n = _common_prefix(e.ids, ids, len(ids) - 1)
+            n = _common_prefix(e.ids, ids, limit)
             if n > length:
                 best, length = e, n
         if best is None:

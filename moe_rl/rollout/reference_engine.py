@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from moe_rl.moe_shape import MoEShape
+from moe_rl.rollout import split_kv
 from moe_rl.rollout.prefix_cache import CacheHit, PrefixCache
 from moe_rl.types import MODEL_DTYPES
 
@@ -289,7 +290,7 @@ class ReferenceEngine:
                              f"config.json (the engine never downloads)")
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             model_path, dtype=MODEL_DTYPES[self.dtype_name], local_files_only=True,
-            output_loading_info=True)
+            output_loading_info=True, attn_implementation=split_kv.register())
         problems = {k: sorted(v)[:5] for k, v in info.items()
                     if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
         if problems:
@@ -339,8 +340,9 @@ class ReferenceEngine:
     def _forward(self, ids, mask, pos, cache):
         """Logits [B, S, V] (float32) and the routers' choices [B, S, L_moe, K]; ``cache`` grows."""
         self._captured = []
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache, use_cache=True)
+        with split_kv.split_policy(self.deterministic):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                             past_key_values=cache, use_cache=True)
         B, S = ids.shape
         topk = torch.stack([t.reshape(B, S, -1) for t in self._captured], dim=2)
         return out.logits.float(), topk
@@ -568,12 +570,11 @@ class ReferenceEngine:
         generating to the running batch: together, left-padded, or (deterministic inference)
         each alone, as its own batch, so no request's numbers depend on another's."""
         rows = [self._new_row(r, h) for r, h in admit]
-        hits = {id(row): self.prefix_cache.match(row.req.input_ids) for row in rows}
-        misses = [row for row in rows if hits[id(row)] is None]
-        groups = ([[row] for row in misses] if self.deterministic else [misses] if misses else [])
-        groups += [[row] for row in rows if hits[id(row)] is not None]   # a hit runs alone
-        for group in groups:
-            batch = self._prefill_batch(group, done, hits[id(group[0])])
+        hits = [self.prefix_cache.match(row.req.input_ids, self._reusable(row.req))
+                for row in rows]
+        pairs = list(zip(rows, hits))
+        for group in ([[p] for p in pairs] if self.deterministic else [pairs]):
+            batch = self._prefill_batch([r for r, _ in group], done, [h for _, h in group])
             if not batch.rows:
                 continue
             if self.deterministic or not self.batches:
@@ -581,36 +582,57 @@ class ReferenceEngine:
             else:
                 self.batches[0].merge(batch)
 
-    def _prefill_batch(self, rows: list["_Row"], done: list, hit: CacheHit | None = None
+    @staticmethod
+    def _reusable(r: Request) -> int:
+        """Most input positions a prefix-cache hit may cover: all but the last, and (as SGLang)
+        none from ``logprob_start_len`` on when input log-probs are asked (they are computed
+        from this request's own prefill)."""
+        if r.return_logprob and r.logprob_start_len >= 0:
+            return min(len(r.input_ids) - 1, r.logprob_start_len)
+        return len(r.input_ids) - 1
+
+    def _prefill_batch(self, rows: list["_Row"], done: list, hits: list[CacheHit | None]
                        ) -> "_Batch":
-        """Prefill ``rows`` together (left-padded); with a prefix-cache ``hit`` (one row), only
-        the positions after the hit are computed, on top of the stored KV, and the stored
-        routing stands for the cached positions."""
-        if hit is not None:
-            (row,) = rows
-            n, inp = hit.length, row.req.input_ids
-            cache = DynamicCache()
-            for layer, (k, v) in enumerate(hit.layers()):
-                cache.update(k.clone(), v.clone(), layer)
-            mask = torch.ones((1, len(inp)), dtype=torch.long)
-            batch = _Batch(rows, cache, mask)
-            logits, topk = self._forward(torch.tensor([inp[n:]]), mask,
-                                         torch.arange(n, len(inp))[None], cache)
-            row.cached = n
-            row.routing += [hit.routing(), topk[0]]
-        else:
-            lens = [len(r.req.input_ids) for r in rows]
-            B, P = len(rows), max(lens)
-            ids = torch.zeros((B, P), dtype=torch.long)
-            mask = torch.zeros((B, P), dtype=torch.long)
-            for b, r in enumerate(rows):
-                ids[b, P - lens[b]:] = torch.tensor(r.req.input_ids)
-                mask[b, P - lens[b]:] = 1
-            pos = (mask.cumsum(-1) - 1).clamp_min(0)
-            batch = _Batch(rows, DynamicCache(), mask)
-            logits, topk = self._forward(ids, mask, pos, batch.cache)
-            for b, row in enumerate(rows):
-                row.routing.append(topk[b, P - lens[b]:])
+        """Prefill ``rows`` together. A row with a prefix-cache hit computes only the positions
+        after it, on top of the stored KV, and the stored routing stands for the cached
+        positions. Layout per row: [pad, cached KV, pad, new tokens], the cached part and the
+        new part each right-aligned in a window as long as the longest (pads masked, positions
+        given), so hits and misses of any lengths share one forward."""
+        B = len(rows)
+        cached = [h.length if h is not None else 0 for h in hits]
+        new = [len(r.req.input_ids) - c for r, c in zip(rows, cached)]
+        C, S = max(cached), max(new)
+        cache = DynamicCache()
+        if C:
+            stored = [h.layers() if h is not None else None for h in hits]
+            for layer in range(len(next(x for x in stored if x is not None))):
+                parts_k, parts_v = [], []
+                for b in range(B):
+                    if stored[b] is None:
+                        k0, v0 = next(x for x in stored if x is not None)[layer]
+                        parts_k.append(k0.new_zeros(k0.shape[:2] + (C, k0.shape[3])))
+                        parts_v.append(v0.new_zeros(v0.shape[:2] + (C, v0.shape[3])))
+                    else:
+                        k, v = stored[b][layer]
+                        parts_k.append(_left_pad(k, C))
+                        parts_v.append(_left_pad(v, C))
+                cache.update(torch.cat(parts_k), torch.cat(parts_v), layer)
+        ids = torch.zeros((B, S), dtype=torch.long)
+        mask = torch.zeros((B, C + S), dtype=torch.long)
+        pos = torch.zeros((B, S), dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, S - new[b]:] = torch.tensor(r.req.input_ids[cached[b]:])
+            mask[b, C - cached[b]:C] = 1
+            mask[b, C + S - new[b]:] = 1
+            pos[b, S - new[b]:] = torch.arange(cached[b], len(r.req.input_ids))
+        batch = _Batch(rows, cache, mask)
+        logits, topk = self._forward(ids, mask, pos, cache)
+        for b, row in enumerate(rows):
+            row.cached = cached[b]
+            if hits[b] is not None:
+                row.routing.append(hits[b].routing())
+            row.routing.append(topk[b, S - new[b]:])
+            self._keep_input_logprobs(row, logits[b, S - new[b]:], cached[b])
         for b, row in enumerate(rows):
             if row.req.params.max_new_tokens == 0:
                 row.finish = {"type": "length", "length": 0}
@@ -713,8 +735,7 @@ class ReferenceEngine:
                 "weight_version": self.weight_version}
         if r.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s["lp"], out)]
-            inputs, listed = (self._input_logprobs(r) if r.logprob_start_len >= 0
-                              else ([], []))
+            inputs, listed = s.get("input_lp", ([], []))
             meta["input_token_logprobs"] = inputs
             if r.token_ids_logprob:
                 meta["input_token_ids_logprobs"] = listed
@@ -731,18 +752,23 @@ class ReferenceEngine:
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer else ""
         return {"text": text, "output_ids": out, "meta_info": meta}
 
-    def _input_logprobs(self, r: Request) -> tuple[list, list]:
-        """Raw (T = 1) log-probs of the input tokens from ``logprob_start_len`` (first None), and
-        per position those of the ids in ``token_ids_logprob`` (first None; [] when none asked)."""
-        ids = torch.tensor(r.input_ids)[None]
-        out = self.model(input_ids=ids)
-        self._captured = []
-        logp = torch.log_softmax(out.logits.float()[0], -1)
-        start = r.logprob_start_len
-        entries = [[None, r.input_ids[start], None]]
+    @staticmethod
+    def _keep_input_logprobs(row: "_Row", logits: torch.Tensor, first: int) -> None:
+        """From the prefill's ``logits`` of input positions ``first ..``: raw (T = 1) log-probs
+        of the input tokens from ``logprob_start_len`` (first entry None) and per position those
+        of the ids in ``token_ids_logprob`` (first None; [] when none asked), into the row's
+        state. They come from the batch the request was prefilled in, so their last bits depend
+        on it (split-KV attention), as on a serving engine."""
+        r = row.req
+        if not r.return_logprob or r.logprob_start_len < 0:
+            return
+        start, ids = r.logprob_start_len, r.input_ids
+        logp = torch.log_softmax(logits[start - first:len(ids) - 1 - first].float(), -1)
+        entries = [[None, ids[start], None]]
         listed = [None] if r.token_ids_logprob else []
-        for t in range(start + 1, len(r.input_ids)):
-            entries.append([float(logp[t - 1, r.input_ids[t]]), r.input_ids[t], None])
+        for t in range(start + 1, len(ids)):
+            row_lp = logp[t - 1 - start]
+            entries.append([float(row_lp[ids[t]]), ids[t], None])
             if r.token_ids_logprob:
-                listed.append([[float(logp[t - 1, v]), v, None] for v in r.token_ids_logprob])
-        return entries, listed
+                listed.append([[float(row_lp[v]), v, None] for v in r.token_ids_logprob])
+        row.state["input_lp"] = (entries, listed)

@@ -73,8 +73,11 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Req
     if any(r is not None and not isinstance(r, str) for r in rids):
         raise RequestError("rid: expected string request ids")
     start = body.get("logprob_start_len", -1)
-    if not isinstance(start, int) or isinstance(start, bool) or start < -1:
-        raise RequestError("logprob_start_len: expected an integer >= -1")
+    starts = start if isinstance(start, list) else [start] * len(seqs)
+    if len(starts) != len(seqs) or (isinstance(start, list) and not batch):
+        raise RequestError("logprob_start_len: a list needs a batch input, one entry per input")
+    if any(not isinstance(x, int) or isinstance(x, bool) or x < -1 for x in starts):
+        raise RequestError("logprob_start_len: expected an integer >= -1 (or one per input)")
     r_start = body.get("routed_experts_start_len", 0)
     if not isinstance(r_start, int) or isinstance(r_start, bool):
         raise RequestError("routed_experts_start_len: expected an integer")
@@ -88,7 +91,7 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Req
     if len(listed_per) != len(seqs):
         raise RequestError("token_ids_logprob: a list of lists must have one entry per input")
     out = []
-    for seq, p, rid, ids_lp in zip(seqs, plist, rids, listed_per):
+    for seq, p, rid, ids_lp, start in zip(seqs, plist, rids, listed_per, starts):
         if not isinstance(p, dict):
             raise RequestError("sampling_params: expected an object")
         params = parse_sampling_params(p, engine.mask_cap, want_mask)

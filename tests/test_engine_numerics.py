@@ -1,0 +1,107 @@
+"""The reference engine's real numerical differences from the trainer: batch-variant split-KV
+attention (a sequence's last bits depend on the batch it runs in; deterministic inference fixes
+the split), checked against transformers' own attention and through `moe-rl train`."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_rl.rollout import split_kv
+from moe_rl.trainer.parallel import free_port
+from tests.helpers import write_tiny_qwen
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_chunk_bounds_follow_the_batch():
+    """More rows -> fewer splits (the work slots fill up); deterministic: fixed chunks."""
+    counts = [len(split_kv.chunk_bounds(b, 2, 12, False)) - 1 for b in (1, 4, 8, 16, 32, 64)]
+    assert counts == [12, 8, 4, 2, 1, 1]
+    assert split_kv.chunk_bounds(8, 2, 40, True) == [0, 16, 32, 40]
+    assert split_kv.chunk_bounds(1, 2, 40, True) == split_kv.chunk_bounds(64, 8, 40, True)
+    b = split_kv.chunk_bounds(4, 2, 10, False)
+    assert b[0] == 0 and b[-1] == 10 and all(x < y for x, y in zip(b, b[1:]))
+
+
+def _attention_reference(q, k, v, mask):
+    """float64 softmax attention with GQA and an additive mask."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1).double(), v.repeat_interleave(g, 1).double()
+    s = q.double() @ k.transpose(2, 3) / q.shape[-1] ** 0.5 + mask.double()
+    return (torch.softmax(s, -1) @ v).transpose(1, 2)
+
+
+def test_split_kv_equals_softmax_attention_in_float32():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 4, 5, 8), torch.randn(3, 2, 9, 8), torch.randn(3, 2, 9, 6)
+    allowed = torch.ones(5, 9, dtype=torch.bool).tril(4)[None, None].repeat(3, 1, 1, 1)
+    allowed[0, :, :, :3] = False                         # left padding of row 0
+    mask = torch.zeros(3, 1, 5, 9).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    for b in (1, 8, 64):
+        with split_kv.split_policy(b == 64):
+            out, _ = split_kv.split_kv_attention(None, q, k, v, mask, scaling=8 ** -0.5)
+        assert out.shape == (3, 5, 4, 6)
+        torch.testing.assert_close(out.double(), _attention_reference(q, k, v, mask),
+                                   atol=1e-6, rtol=1e-5)
+    masked_row = torch.full((1, 1, 1, 9), torch.finfo(torch.float32).min)
+    out, _ = split_kv.split_kv_attention(None, q[:1, :, :1], k[:1], v[:1], masked_row, 0.3)
+    assert torch.equal(out, torch.zeros_like(out))       # a row that sees nothing: 0, not NaN
+
+
+def test_engine_results_depend_on_the_batch_unless_deterministic(tmp_path):
+    """bfloat16 engine: a sequence scored alone and beside others differs in the last bits;
+    with deterministic inference, bit for bit the same."""
+    from moe_rl.rollout.reference_engine import ReferenceEngine, Request, SamplingParams
+    write_tiny_qwen(tmp_path / "m")
+
+    def score(eng, seqs):
+        reqs = [Request(input_ids=s, params=SamplingParams(max_new_tokens=0), rid=str(i),
+                        return_logprob=True, logprob_start_len=0) for i, s in enumerate(seqs)]
+        return [[e[0] for e in r["meta_info"]["input_token_logprobs"][1:]]
+                for r in eng.run(reqs)]
+    seq = list(range(3, 15))
+    others = [list(range(20, 20 + n)) for n in (5, 9, 14)]
+    for deterministic in (False, True):
+        eng = ReferenceEngine(str(tmp_path / "m"), dtype="bfloat16",
+                              deterministic_inference=deterministic, prefix_cache_tokens=0)
+        alone = score(eng, [seq])[0]
+        together = score(eng, [*others, seq])[-1]
+        assert (alone == together) == deterministic
+
+
+def _train(model, run_dir, *overrides):
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+           str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={model}",
+           f"logging.dir={run_dir}", "trainer.steps=1", "trainer.sft_warmup_steps=0",
+           "trainer.export_hf=false", "rollout.prompts_per_step=2",
+           "rollout.n_samples_per_prompt=4", f"rollout.base_port={free_port()}",
+           "logging.progress=false", "logging.tensorboard=false", "algorithm.pi_old=engine_avg",
+           "algorithm.pi_old_passes=2", *overrides]
+    res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("numerics") / "model"
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_engine_passes_differ_like_a_loaded_server(tiny_model, tmp_path, deterministic):
+    """engine_avg's n passes run in batches of other sizes: they differ (pass_std > 0) on the
+    default engine and are bit-identical with deterministic inference; either way the float32
+    engine still agrees with the float32 trainer (zero-mismatch invariant)."""
+    m = _train(tiny_model, tmp_path / "run",
+               f"rollout.sglang.deterministic_inference={str(deterministic).lower()}")
+    assert (m["pi_old/pass_std"] == 0.0) == deterministic, m["pi_old/pass_std"]
+    assert m["mismatch/k3"] < 1e-6 and m["ratio/first_minibatch_max_dev"] < 1e-5
