@@ -105,3 +105,105 @@ def test_engine_passes_differ_like_a_loaded_server(tiny_model, tmp_path, determi
                f"rollout.sglang.deterministic_inference={str(deterministic).lower()}")
     assert (m["pi_old/pass_std"] == 0.0) == deterministic, m["pi_old/pass_std"]
     assert m["mismatch/k3"] < 1e-6 and m["ratio/first_minibatch_max_dev"] < 1e-5
+
+
+# ---------------------------------------------------------------------- FP8
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite E4M3 (fn) value, from its bit patterns, in float64."""
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    return vals[torch.isfinite(vals)].unique()
+
+
+def _quantize_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 block quantiser: per 128x128 block scale amax/448, round to nearest E4M3 (ties
+    to even mantissa), dequantised."""
+    grid = _e4m3_grid()
+    N, K = w.shape
+    out = torch.empty_like(w, dtype=torch.float64)
+    scales = torch.empty((-(-N // 128), -(-K // 128)), dtype=torch.float64)
+    for bi in range(scales.shape[0]):
+        for bj in range(scales.shape[1]):
+            blk = w[bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128].double()
+            scale = max(float(blk.abs().max()), 1e-300) / 448.0
+            x = (blk / scale).clamp(-448, 448)
+            idx = (x[..., None] - grid).abs().argmin(-1)
+            out[bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128] = grid[idx] * scale
+            scales[bi, bj] = scale
+    return out, scales
+
+
+def test_block_quantiser_against_float64_reference():
+    from moe_rl.rollout.fp8 import dequantize_blockwise, quantize_blockwise
+    torch.manual_seed(0)
+    w = torch.randn(200, 300) * torch.logspace(-3, 1, 300)    # blocks of very different ranges
+    q, scale = quantize_blockwise(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (2, 3)
+    deq = dequantize_blockwise(q, scale).double()
+    ref, ref_scale = _quantize_reference(w)
+    torch.testing.assert_close(scale.double(), ref_scale, rtol=1e-6, atol=0)
+    # one scale per block: the block's largest magnitude maps to exactly 448
+    for bi in range(2):
+        for bj in range(3):
+            blk = q[bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128].float()
+            assert float(blk.abs().max()) == 448.0
+    # equal to the reference except at exact rounding ties (none expected in random data)
+    assert (deq - ref).abs().max() <= 1e-6 * ref.abs().max()
+    # round-trip error: half an E4M3 step, 2^-4 relative for normals, 2^-10 x scale below
+    full = scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300].double()
+    bound = torch.maximum(w.double().abs() * 2 ** -4, full * 2 ** -10)
+    assert ((deq - w.double()).abs() <= bound * (1 + 1e-6)).all()
+
+
+def test_saturation_and_activation_groups():
+    from moe_rl.rollout.fp8 import quantize_activations, quantize_blockwise
+    q, _ = quantize_blockwise(torch.tensor([[1000.0, -1000.0, 1.0]]), scale=torch.ones(1, 1))
+    assert q.float().tolist() == [[448.0, -448.0, 1.0]]           # saturates at +-448
+    x = torch.zeros(2, 260)
+    x[0, :128], x[0, 128:256], x[0, 256:] = 1e-3, 5.0, 300.0      # three groups, own scales
+    x[1] = torch.linspace(-2, 2, 260)
+    deq = quantize_activations(x)
+    assert deq[0, :128].eq(1e-3).all() and deq[0, 128:256].eq(5.0).all()
+    assert deq[0, 256:].eq(300.0).all()
+    for g in range(3):
+        part = x[1, g * 128:(g + 1) * 128].double()
+        err = (deq[1, g * 128:(g + 1) * 128].double() - part).abs()
+        assert (err <= torch.maximum(part.abs() * 2 ** -4,
+                                     part.abs().max() / 448 * 2 ** -10 * torch.ones(1))).all()
+
+
+def test_fp8_engine_quantises_what_sglang_quantises_and_requantises_on_update(tmp_path):
+    from moe_rl.rollout.fp8 import dequantize_blockwise, quantize_blockwise
+    from moe_rl.rollout.reference_engine import ReferenceEngine, Request, SamplingParams
+    write_tiny_qwen(tmp_path / "a", seed=0)
+    write_tiny_qwen(tmp_path / "b", seed=1)
+    eng = ReferenceEngine(str(tmp_path / "a"), quantization="fp8", prefix_cache_tokens=0)
+    full = ReferenceEngine(str(tmp_path / "a"), prefix_cache_tokens=0)
+    mods = dict(eng.model.named_modules())
+    attn = mods["model.layers.0.self_attn.q_proj"]
+    expect = dequantize_blockwise(*quantize_blockwise(attn.weight))
+    assert torch.equal(attn.fp8_weight, expect)
+    experts = mods["model.layers.0.mlp.experts"]
+    assert experts.fp8_gate_up.shape == experts.gate_up_proj.shape
+    for name in ("lm_head", "model.layers.0.mlp.gate", "model.embed_tokens"):
+        assert not hasattr(mods[name], "fp8_weight"), name          # left unquantised
+    assert hasattr(mods["model.layers.1.mlp.gate_proj"], "fp8_weight")   # the dense layer
+    req = lambda: [Request(input_ids=list(range(3, 20)), params=SamplingParams(  # noqa: E731
+        max_new_tokens=0), rid="s", return_logprob=True, logprob_start_len=0)]
+    lp = lambda e: torch.tensor([x[0] for x in e.run(req())[0]["meta_info"]   # noqa: E731
+                                 ["input_token_logprobs"][1:]])
+    diff = (lp(eng) - lp(full)).abs()
+    assert 1e-5 < float(diff.max()) < 0.5                            # a real, bounded change
+    eng.load(str(tmp_path / "b"))                                    # a weight update
+    attn = dict(eng.model.named_modules())["model.layers.0.self_attn.q_proj"]
+    assert torch.equal(attn.fp8_weight, dequantize_blockwise(*quantize_blockwise(attn.weight)))
+    assert not torch.equal(attn.fp8_weight, expect)
+
+
+def test_fp8_rollouts_through_moe_rl_train(tiny_model, tmp_path):
+    """rollout.quantization=fp8 through `moe-rl train` (Ray, HTTP): the engine's log-probs now
+    differ from the float32 trainer's (mismatch/k3 > 0) and R3 still replays its routing."""
+    m = _train(tiny_model, tmp_path / "run", "rollout.quantization=fp8",
+               "algorithm.pi_old=trainer")
+    assert m["mismatch/k3"] > 1e-8 and m["mismatch/abs_diff_max"] > 1e-4
+    assert m["routing/agreement"] <= 1.0

@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="batch-invariant results (SGLang's flag): every request is computed "
                              "alone, so its numbers never depend on what runs beside it")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="fp8: serve with FP8 numerics (E4M3 weights in 128x128 blocks, "
+                             "activations per token in groups of 128, float32 accumulation; "
+                             "re-quantised at every weight load), as SGLang's FP8 path")
     parser.add_argument("--disable-radix-cache", action="store_true",
                         help="no prefix cache (SGLang's flag): every request computes its whole "
                              "input, cached_tokens is always 0")
@@ -52,5 +56,6 @@ def run(args: argparse.Namespace) -> int:
           sampling_backend=args.sampling_backend,
           deterministic_inference=args.enable_deterministic_inference,
           prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
+          quantization=args.quantization or "none",
           fd=args.fd)
     return 0

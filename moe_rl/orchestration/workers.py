@@ -156,7 +156,8 @@ class RolloutWorker:
                                      api_key=r.api_key, seed=cfg.trainer.seed + i, log_path=log,
                                      return_routed_experts=requests_routing(cfg),
                                      sampling_mask_max_tokens=r.sampling_mask_max_tokens,
-                                     deterministic_inference=r.sglang.deterministic_inference)
+                                     deterministic_inference=r.sglang.deterministic_inference,
+                                     quantization=r.quantization)
             self.procs.append(proc)
         for p in self.procs:
             p.start(r.health_timeout_s)

@@ -30,6 +30,7 @@ from transformers import DynamicCache
 
 from moe_rl.moe_shape import MoEShape
 from moe_rl.rollout import split_kv
+from moe_rl.rollout.fp8 import apply_fp8
 from moe_rl.rollout.prefix_cache import CacheHit, PrefixCache
 from moe_rl.types import MODEL_DTYPES
 
@@ -248,7 +249,10 @@ class ReferenceEngine:
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0,
                  sampling_mask_max_tokens: int = 4096, return_routed_experts: bool = True,
                  sampling_backend: str = "flashinfer", deterministic_inference: bool = False,
-                 prefix_cache_tokens: int = 1 << 16):
+                 prefix_cache_tokens: int = 1 << 16, quantization: str = "none"):
+        if quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization: expected 'none' or 'fp8', got {quantization!r}")
+        self.quantization = quantization
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
         self.dtype_name = dtype
@@ -300,6 +304,8 @@ class ReferenceEngine:
         if bad:
             raise ValueError(f"model_path: {model_path}: non-finite weights in {bad[:5]}")
         model.eval()
+        if self.quantization == "fp8":   # re-quantised from the weights of every load
+            apply_fp8(model)
         hf = model.config.to_dict()
         facts = MoEShape.from_hf(hf)
         if not facts.moe_layers:

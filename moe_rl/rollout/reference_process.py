@@ -51,13 +51,15 @@ class ServerProcess:
     def __init__(self, model: str, port: int, host: str = "127.0.0.1", dtype: str = "float32",
                  api_key: str | None = None, seed: int = 0, log_path: str | None = None,
                  return_routed_experts: bool = True, sampling_mask_max_tokens: int = 4096,
-                 max_total_tokens: int | None = None, deterministic_inference: bool = False):
+                 max_total_tokens: int | None = None, deterministic_inference: bool = False,
+                 quantization: str = "none"):
         self.model, self.port, self.host, self.dtype = model, port, host, dtype
         self.api_key, self.seed, self.log_path = api_key, seed, log_path
         self.return_routed_experts = return_routed_experts
         self.sampling_mask_max_tokens = sampling_mask_max_tokens
         self.max_total_tokens = max_total_tokens
         self.deterministic_inference = deterministic_inference
+        self.quantization = quantization
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
 
@@ -79,6 +81,8 @@ class ServerProcess:
         cmd += ["--sampling-mask-max-tokens", str(self.sampling_mask_max_tokens)]
         if self.deterministic_inference:
             cmd.append("--enable-deterministic-inference")
+        if self.quantization != "none":
+            cmd += ["--quantization", self.quantization]
         if self.max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(self.max_total_tokens)]
         return cmd, dict(os.environ, PYTHONUNBUFFERED="1")

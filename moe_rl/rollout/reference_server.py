@@ -364,7 +364,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: st
           max_total_tokens: int = 1 << 18,
           return_routed_experts: bool = False, sampling_mask_max_tokens: int = 4096,
           sampling_backend: str = "flashinfer", deterministic_inference: bool = False,
-          prefix_cache_tokens: int = 1 << 16, fd: int | None = None) -> None:
+          prefix_cache_tokens: int = 1 << 16, quantization: str = "none",
+          fd: int | None = None) -> None:
     """Load the model and serve until interrupted (on the inherited bound socket ``fd`` when
     given, else on host:port)."""
     import socket
@@ -374,7 +375,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: st
                              return_routed_experts=return_routed_experts,
                              sampling_backend=sampling_backend,
                              deterministic_inference=deterministic_inference,
-                             prefix_cache_tokens=prefix_cache_tokens)
+                             prefix_cache_tokens=prefix_cache_tokens,
+                             quantization=quantization)
     app = build_app(engine, api_key, max_running_requests, max_total_tokens)
     if fd is None:
         uvicorn.run(app, host=host, port=port, log_level="warning")

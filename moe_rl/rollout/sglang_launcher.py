@@ -26,6 +26,8 @@ def sglang_command(cfg: Config, port: int, model_path: str | None = None) -> tup
         argv.append("--enable-memory-saver")
     if g.deterministic_inference:
         argv.append("--enable-deterministic-inference")
+    if r.quantization == "fp8":   # online FP8 of the BF16 checkpoint, re-done at every load
+        argv += ["--quantization", "fp8"]
     if r.api_key:
         argv += ["--api-key", r.api_key]
     argv += list(g.extra_args)
