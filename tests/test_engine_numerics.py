@@ -207,3 +207,37 @@ def test_fp8_rollouts_through_moe_rl_train(tiny_model, tmp_path):
                "algorithm.pi_old=trainer")
     assert m["mismatch/k3"] > 1e-8 and m["mismatch/abs_diff_max"] > 1e-4
     assert m["routing/agreement"] <= 1.0
+
+
+# ---------------------------------------------------------------------- model presets
+
+def test_preset_warm_up_moves_the_routers_and_is_cached(tmp_path):
+    """`moe-rl init-model --preset`: the preset's shape, supervised warm-up steps that move the
+    routers off their initialisation, and a cached folder reused as it is."""
+    from safetensors.torch import load_file
+    from moe_rl.models.presets import PRESETS, write_preset
+    from moe_rl.models.tiny import write_tiny_model
+    from moe_rl.models.presets import preset_init
+    cold = tmp_path / "cold"
+    write_tiny_model(preset_init("tiny"), str(cold))
+    out = tmp_path / "warm"
+    res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--preset", "tiny",
+                          "--out", str(out), "--warmup-steps", "3"], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    cfg = json.loads((out / "config.json").read_text())
+    init = PRESETS["tiny"]["init"]
+    assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"]) == (
+        init["num_experts"], init["num_experts_per_tok"], init["hidden_size"])
+    a = load_file(str(cold / "model.safetensors"))
+    b = load_file(str(out / "model.safetensors"))
+    gate = "model.layers.0.mlp.gate.weight"
+    assert not torch.equal(a[gate], b[gate])                    # routers warmed up
+    marker = json.loads((out / "moe_rl_preset.json").read_text())
+    assert marker["warmup_steps"] == 3 and marker["final_loss"] > 0
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert write_preset("tiny", str(out), 3) == str(out)
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp   # reused, not rebuilt
+    bad = subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "exactly one of --config FILE or --preset NAME" in bad.stdout
