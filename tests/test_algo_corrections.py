@@ -329,8 +329,10 @@ def test_routing_agreement_sets_not_order():
     assert m["routing/agreement"] == pytest.approx(4 / 6)
     assert m["routing/agreement_layer_1"] == pytest.approx(2 / 3)
     assert m["routing/agreement_layer_3"] == pytest.approx(2 / 3)
+    assert m["routing/token_differs_frac"] == pytest.approx(2 / 3)   # positions 1 and 2
     valid = torch.tensor([True, False, True])
     assert routing_agreement(tr, eng, valid)["routing/agreement"] == pytest.approx(3 / 4)
+    assert routing_agreement(tr, eng, valid)["routing/token_differs_frac"] == 0.5
 
 
 def test_batch_metrics_and_guard():

@@ -117,8 +117,9 @@ def test_round_trip_and_equivalence_with_transformers(tmp_path, cfg, old):
     # the router's own choice equals transformers' (float32, confident routers)
     agree = ctl.agreement(mb.replay_indices(), mb.routing_valid_router_order())
     assert agree["routing/agreement"] == 1.0
-    assert set(agree) == {"routing/agreement"} | {f"routing/agreement_layer_{i}"
-                                                  for i in spec.facts.moe_layers}
+    assert set(agree) == {"routing/agreement", "routing/token_differs_frac"} | {
+        f"routing/agreement_layer_{i}" for i in spec.facts.moe_layers}
+    assert agree["routing/token_differs_frac"] == 0.0
     ctl.close()
 
 

@@ -52,8 +52,9 @@ def routing_agreement(trainer_topk: torch.Tensor, engine_topk: torch.Tensor,
     """Fraction of (position, layer) pairs whose top-k expert SETS agree (order ignored).
 
     trainer_topk, engine_topk: [N, L, K] expert ids; valid: [N] bool (positions to count).
-    Returns ``routing/agreement`` and ``routing/agreement_layer_{i}`` (i = ``layer_names[l]``,
-    default the MoE-layer index l).
+    Returns ``routing/agreement``, ``routing/agreement_layer_{i}`` (i = ``layer_names[l]``,
+    default the MoE-layer index l) and ``routing/token_differs_frac``: the share of positions
+    whose top-k set differs in at least one of the layers.
     """
     if trainer_topk.shape != engine_topk.shape or trainer_topk.dim() != 3:
         raise ValueError(f"routing: expected two [N, L, K] tensors of equal shape, got "
@@ -66,7 +67,8 @@ def routing_agreement(trainer_topk: torch.Tensor, engine_topk: torch.Tensor,
     if same.numel() == 0:
         return {}
     names = layer_names if layer_names is not None else list(range(same.shape[1]))
-    out = {"routing/agreement": float(same.double().mean())}
+    out = {"routing/agreement": float(same.double().mean()),
+           "routing/token_differs_frac": float((~same.all(-1)).double().mean())}
     per_layer = same.double().mean(0)
     for name, value in zip(names, per_layer.tolist()):
         out[f"routing/agreement_layer_{name}"] = value

@@ -106,10 +106,10 @@ class HTTPRolloutEngine:
           only, the configuration refuses large ones).
 
         Pass j of sample i goes to server (i + j) % num_servers; pass j runs after pass j - 1,
-        its samples shuffled and sent as batched requests of about N / 2^j samples (admitted
-        and prefilled together), so the passes of a sample run in batches of other sizes and
-        company, as on a loaded server: their last bits differ (split-KV attention) unless the
-        servers run deterministic inference."""
+        its samples shuffled (seeded by j) and sent as batched requests of random sizes in
+        [1, N] (each admitted and prefilled together), so each pass of a sample runs in a batch
+        of other size and company, as on a loaded server: their last bits differ (split-KV
+        attention) unless the servers run deterministic inference."""
         if n_passes < 1:
             raise ValueError(f"algorithm.pi_old_passes: expected >= 1, got {n_passes}")
         if window < 1:
@@ -171,13 +171,16 @@ class HTTPRolloutEngine:
 
         async def all_passes(pool: ServerPool):
             servers, out = pool.servers, {}
-            for j in range(n_passes):   # pass j: batches of about N / 2^j samples
+            for j in range(n_passes):   # pass j: its own shuffle, batches of random sizes
                 gen = torch.Generator().manual_seed(len(samples) * 7919 + n_passes * 31 + j)
                 order = torch.randperm(len(samples), generator=gen).tolist()
-                size = max(1, -(-len(samples) // 2 ** j))
-                for c in range(0, len(order), size):
+                cuts = [0]
+                while cuts[-1] < len(order):
+                    cuts.append(cuts[-1] + int(torch.randint(1, len(order) + 1, (1,),
+                                                             generator=gen)))
+                for c0, c1 in zip(cuts[:-1], cuts[1:]):
                     per_server: dict[int, list] = {}
-                    for i in order[c:c + size]:
+                    for i in order[c0:c1]:
                         for part in parts(samples[i]):
                             per_server.setdefault((i + j) % len(servers), []).append((i, part))
                     keys = list(per_server)

@@ -373,8 +373,8 @@ class PolicyTrainer:
     def _agreement_metrics(self, agree_rows: list[dict]) -> dict[str, float]:
         """routing/agreement (+ per layer) over the whole batch: position-weighted sums
         all-reduced over the data-parallel group (every rank enters, with or without rows)."""
-        keys = ["routing/agreement"] + [f"routing/agreement_layer_{n}"
-                                        for n in self.replay.layer_names]
+        keys = ["routing/agreement", "routing/token_differs_frac"] + [
+            f"routing/agreement_layer_{n}" for n in self.replay.layer_names]
         sums = [sum(r["w"] for r in agree_rows)] + [
             sum(r.get(k, 0.0) * r["w"] for r in agree_rows) for k in keys]
         total, *values = _dp_sum(sums)
