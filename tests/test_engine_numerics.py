@@ -241,3 +241,20 @@ def test_preset_warm_up_moves_the_routers_and_is_cached(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "exactly one of --config FILE or --preset NAME" in bad.stdout
+
+
+def test_demo_runs_on_fp8_and_reports_what_replay_removed(tmp_path):
+    """`moe-rl demo` (a few steps): the FP8 engine, then the reward rise and the replay summary."""
+    res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "demo", "trainer.steps=3",
+                          "trainer.sft_warmup_steps=2", f"model.path={tmp_path / 'model'}",
+                          f"logging.dir={tmp_path / 'run'}", "logging.progress=false",
+                          "trainer.export_hf=false", f"rollout.base_port={free_port()}",
+                          "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "quantization: fp8" in res.stdout and "engine_dtype: bfloat16" in res.stdout
+    assert "demo: 3 RL steps" in res.stdout
+    assert "engine: fp8 bfloat16 reference engine; trainer: float32" in res.stdout
+    assert "without replay the trainer's own routers would have agreed with the engine on" \
+        in res.stdout and "with R3 the trainer replays the engine's routing: mismatch/k3" \
+        in res.stdout
