@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_rl.config import ModelInitConfig
-from moe_rl.config import config_from_dict
+from moe_rl.config import ConfigError, config_from_dict
 from moe_rl.models.tiny import write_tiny_model
 from moe_rl.moe_shape import MoEShape
 from moe_rl.rollout.decode import ResponseError, decode_routing, sample_from_response
@@ -220,8 +220,17 @@ def test_sglang_command_lines():
                               "algorithm": {"replay": "off"}})
     argv, env = sglang_command(plain, 30000)
     assert "--enable-return-routed-experts" not in argv and "--enable-memory-saver" not in argv
-    assert "--sampling-mask-max-tokens" not in argv
+    assert "--sampling-mask-max-tokens" not in argv and "--quantization" not in argv
     assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+    fp8 = config_from_dict({"cluster": {"gpus_per_node": 8},
+                            "rollout": {"engine": "sglang", "quantization": "fp8"}})
+    assert "--quantization fp8" in " ".join(sglang_command(fp8, 30000)[0])
+    with pytest.raises(ConfigError, match="cluster.weight_sync: an online-FP8 SGLang server"):
+        config_from_dict({"cluster": {"gpus_per_node": 8, "weight_sync": "distributed"},
+                          "rollout": {"engine": "sglang", "quantization": "fp8"}})
+    ref = ServerProcess("/m", 30000, quantization="fp8").command()[0]
+    assert ref[ref.index("--quantization") + 1] == "fp8"
+    assert "--quantization" not in ServerProcess("/m", 30000).command()[0]
 
 
 def test_scoring_passes_give_the_rollout_distribution_at_any_temperature(server, layout,
