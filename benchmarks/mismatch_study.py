@@ -76,10 +76,15 @@ def tiny_model(out: str, steps: int = 30) -> str:
 
 
 def _server(model_dir: str, engine: str):
+    """A reference engine server; fp8 serves the FP8 checkpoint moe_rl writes for
+    ``rollout.quantization: fp8`` (as a run does)."""
+    from moe_rl.rollout.fp8 import write_fp8_checkpoint
     from moe_rl.rollout.reference_process import ServerProcess
     from moe_rl.trainer.parallel import free_port
     dtype, quant = ENGINES[engine]
-    return ServerProcess(model_dir, free_port(), dtype=dtype, quantization=quant).start(600)
+    if quant == "fp8":
+        model_dir = write_fp8_checkpoint(model_dir, model_dir + "_fp8")
+    return ServerProcess(model_dir, free_port(), dtype=dtype).start(600)
 
 
 def _rescore(url: str, samples, layout) -> float:

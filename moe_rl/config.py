@@ -121,9 +121,9 @@ class RolloutConfig:
                         "up, busy ones skipped", **_rng(1, 65535))
     api_key: str | None = _f(None, "API key the servers require (Authorization: Bearer)")
     engine_dtype: Literal["float32", "bfloat16"] = _f("float32", "reference engine dtype")
-    quantization: Literal["none", "fp8"] = _f("none", "rollout numerics: fp8 = FP8 weights and "
-                                              "activations (SGLang --quantization fp8; the "
-                                              "reference engine emulates block-wise E4M3)")
+    quantization: Literal["none", "fp8"] = _f("none", "rollout numerics: fp8 = the engines serve "
+                                              "a block-wise FP8 checkpoint of the weights "
+                                              "(128x128 E4M3 blocks), every sync quantised")
     prompts_per_step: int = _f(8, "prompts sampled per RL step", **_rng(1))
     n_samples_per_prompt: int = _f(8, "responses per prompt (the GRPO group size)", **_rng(1))
     max_staleness: int = _f(0, "asynchronous pipeline: the rollout generates the next batches "
@@ -780,12 +780,6 @@ def validate(cfg: Config) -> None:
     if r.engine == "sglang" and r.sglang.deterministic_inference and r.min_p > 0:
         raise ConfigError("rollout.min_p: SGLang's deterministic inference does not support min_p "
                           "sampling; set rollout.min_p=0 or turn deterministic_inference off")
-    if r.engine == "sglang" and r.quantization == "fp8" and cfg.cluster.weight_sync != "disk":
-        raise ConfigError(f"cluster.weight_sync: an online-FP8 SGLang server (rollout."
-                          f"quantization=fp8) quantises its weights when it loads a checkpoint "
-                          f"from disk; '{cfg.cluster.weight_sync}' updates would write BF16 "
-                          f"tensors into its FP8 parameters without new scales (moe_rl does not "
-                          f"quantise them on the trainer). Use cluster.weight_sync=disk")
     if r.max_staleness > 0 and cfg.cluster.colocate:
         raise ConfigError("rollout.max_staleness: the asynchronous pipeline generates while the "
                           "trainer trains, which colocated engines cannot (they give their memory "

@@ -20,7 +20,16 @@ import io
 import torch
 from torch.distributed import PrefixStore
 
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as broadcast: FP8 on CPU travels as its bytes (gloo has no FP8 type); on GPUs
+    NCCL broadcasts FP8 itself, as SGLang's receiver expects."""
+    if t.device.type == "cpu" and t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)
+    return t
 
 
 class WeightGroup:
@@ -103,7 +112,7 @@ def update_request(named: list[tuple[str, torch.Tensor]], version: int, group_na
 def broadcast_tensors(group, named: list[tuple[str, torch.Tensor]]) -> None:
     """Rank 0: send every tensor, in order."""
     for _, t in named:
-        group.broadcast(t.contiguous(), 0).wait()
+        group.broadcast(_wire(t.contiguous()), 0).wait()
 
 
 def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[list[int]],
@@ -114,7 +123,7 @@ def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[lis
     out = {}
     for name, dt, shape in zip(names, dtypes, shapes):
         t = torch.empty(shape, dtype=parse_dtype(dt), device=device)
-        group.broadcast(t, 0).wait()
+        group.broadcast(_wire(t), 0).wait()
         out[name] = t
     return out
 

@@ -201,10 +201,13 @@ def test_fp8_engine_quantises_what_sglang_quantises_and_requantises_on_update(tm
 
 
 def test_fp8_rollouts_through_moe_rl_train(tiny_model, tmp_path):
-    """rollout.quantization=fp8 through `moe-rl train` (Ray, HTTP): the engine's log-probs now
-    differ from the float32 trainer's (mismatch/k3 > 0) and R3 still replays its routing."""
+    """rollout.quantization=fp8 through `moe-rl train` (Ray, HTTP) with the distributed weight
+    sync (the trainer streams E4M3 weights and scales; the disk path runs in the demo test):
+    the engine's log-probs differ from the float32 trainer's (mismatch/k3 > 0), R3 replays."""
     m = _train(tiny_model, tmp_path / "run", "rollout.quantization=fp8",
-               "algorithm.pi_old=trainer")
+               "algorithm.pi_old=trainer", "cluster.weight_sync=distributed", "trainer.steps=2")
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 2 and json.loads(rows[1])["mismatch/k3"] > 1e-8
     assert m["mismatch/k3"] > 1e-8 and m["mismatch/abs_diff_max"] > 1e-4
     assert m["routing/agreement"] <= 1.0
 
@@ -258,3 +261,92 @@ def test_demo_runs_on_fp8_and_reports_what_replay_removed(tmp_path):
     assert "without replay the trainer's own routers would have agreed with the engine on" \
         in res.stdout and "with R3 the trainer replays the engine's routing: mismatch/k3" \
         in res.stdout
+
+
+def test_fp8_checkpoint_format_and_the_engine_serves_its_values(tmp_path):
+    """write_fp8_checkpoint: E4M3 weights + float32 weight_scale_inv per 128x128 block for what
+    SGLang quantises, the rest untouched, quantization_config in config.json (the format SGLang
+    serves block-wise FP8 from); the reference engine serves exactly those values."""
+    from safetensors import safe_open
+    from moe_rl.rollout.fp8 import (QUANTIZATION_CONFIG, dequantize_blockwise,
+                                    is_fp8_checkpoint, quantize_blockwise, read_fp8_checkpoint,
+                                    write_fp8_checkpoint)
+    from moe_rl.rollout.reference_engine import ReferenceEngine, checkpoint_spec
+    write_tiny_qwen(tmp_path / "bf", seed=2)
+    out = write_fp8_checkpoint(str(tmp_path / "bf"), str(tmp_path / "fp8"))
+    assert is_fp8_checkpoint(out) and not is_fp8_checkpoint(str(tmp_path / "bf"))
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())[
+        "quantization_config"] == QUANTIZATION_CONFIG
+    assert (tmp_path / "fp8" / "tokenizer_config.json").exists() or not (
+        tmp_path / "bf" / "tokenizer_config.json").exists()
+    spec = checkpoint_spec(out)
+    q_name = "model.layers.0.self_attn.q_proj.weight"
+    assert spec[q_name][1] == "torch.float8_e4m3fn"
+    assert spec["model.layers.0.self_attn.q_proj.weight_scale_inv"] == ([1, 1], "torch.float32")
+    assert spec["model.layers.0.mlp.experts.3.up_proj.weight"][1] == "torch.float8_e4m3fn"
+    for kept in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.gate.weight",
+                 "model.layers.0.input_layernorm.weight"):
+        assert spec[kept][1] == "torch.float32" and kept[:-6] + "weight_scale_inv" not in spec
+    with safe_open(str(tmp_path / "bf" / "model.safetensors"), "pt") as fh:
+        original = fh.get_tensor(q_name)
+    assert torch.equal(read_fp8_checkpoint(out)[q_name],
+                       dequantize_blockwise(*quantize_blockwise(original)))
+    eng = ReferenceEngine(out, dtype="bfloat16", prefix_cache_tokens=0)
+    deq = read_fp8_checkpoint(out)
+    mods = dict(eng.model.named_modules())
+    assert torch.equal(mods["model.layers.0.self_attn.q_proj"].fp8_weight, deq[q_name])
+    experts = mods["model.layers.0.mlp.experts"]
+    assert torch.equal(experts.fp8_gate_up[3], torch.cat([
+        deq["model.layers.0.mlp.experts.3.gate_proj.weight"],
+        deq["model.layers.0.mlp.experts.3.up_proj.weight"]]))
+    assert torch.equal(experts.fp8_down[5], deq["model.layers.0.mlp.experts.5.down_proj.weight"])
+    assert eng.checkpoint_spec == spec     # updates are checked against the FP8 names
+
+
+def test_fp8_weights_over_the_distributed_path(tmp_path):
+    """An engine serving an FP8 checkpoint takes a distributed update of E4M3 weights and
+    scales (gloo carries their bytes) and then serves exactly the new FP8 checkpoint."""
+    import threading
+    from safetensors.torch import load_file
+    from moe_rl.moe_shape import MoEShape
+    from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
+    from moe_rl.rollout.fp8 import quantise_named, write_fp8_checkpoint
+    from moe_rl.rollout.pool import ServerPool
+    from moe_rl.rollout.reference_process import ServerProcess
+    from moe_rl.weight_sync import broadcast_tensors, open_group, update_request
+    write_tiny_qwen(tmp_path / "a", seed=1)
+    write_tiny_qwen(tmp_path / "b", seed=2)
+    a8 = write_fp8_checkpoint(str(tmp_path / "a"), str(tmp_path / "a8"))
+    b8 = write_fp8_checkpoint(str(tmp_path / "b"), str(tmp_path / "b8"))
+    layout = MoEShape.from_hf(json.loads((tmp_path / "a" / "config.json").read_text()))
+    proc = ServerProcess(a8, free_port(), dtype="bfloat16").start()
+    ref = ServerProcess(b8, free_port(), dtype="bfloat16").start()
+    try:
+        eng = HTTPRolloutEngine(lambda: ServerPool([proc.url], max_retries=0), layout,
+                                need_routing=True, need_mask=False)
+        port, joined = free_port(), {}
+        t = threading.Thread(target=lambda: joined.update(
+            group=open_group("gloo", "127.0.0.1", port, 0, 2, "w")))
+        t.start()
+        eng.init_weights_update_group("127.0.0.1", port, 1, "w", "gloo")
+        t.join(60)
+        named = quantise_named(sorted(load_file(str(tmp_path / "b" / "model.safetensors"))
+                                      .items()))
+        assert any(t.dtype == torch.float8_e4m3fn for _, t in named)
+        eng.begin_weight_update()
+        sender = threading.Thread(target=broadcast_tensors, args=(joined["group"], named))
+        sender.start()
+        eng.update_weights_from_distributed(update_request(named, 3, "w"))
+        sender.join(60)
+        eng.end_weight_update()
+        prompt = [[6, 7, 20, 12, 30]]
+        got = eng.generate(prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
+        want = HTTPRolloutEngine(lambda: ServerPool([ref.url]), layout, need_routing=True,
+                                 need_mask=False).generate(prompt, 1,
+                                                           SamplingConfig(max_new_tokens=4),
+                                                           seed=3)[0]
+        assert got.response_ids.tolist() == want.response_ids.tolist()
+        assert torch.equal(got.rollout_logprobs, want.rollout_logprobs)
+    finally:
+        proc.stop()
+        ref.stop()

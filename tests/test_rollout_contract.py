@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_rl.config import ModelInitConfig
-from moe_rl.config import ConfigError, config_from_dict
+from moe_rl.config import config_from_dict
 from moe_rl.models.tiny import write_tiny_model
 from moe_rl.moe_shape import MoEShape
 from moe_rl.rollout.decode import ResponseError, decode_routing, sample_from_response
@@ -18,7 +18,7 @@ from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
 from moe_rl.rollout.pool import EngineHTTPError, ServerPool
 from moe_rl.rollout.reference_engine import kept_set
 from moe_rl.rollout.reference_process import ServerProcess
-from moe_rl.rollout.sglang_launcher import sglang_command
+from moe_rl.rollout.sglang_launcher import SGLangProcess, sglang_command
 from moe_rl.trainer.parallel import free_port
 
 pytestmark = pytest.mark.e2e
@@ -222,12 +222,13 @@ def test_sglang_command_lines():
     assert "--enable-return-routed-experts" not in argv and "--enable-memory-saver" not in argv
     assert "--sampling-mask-max-tokens" not in argv and "--quantization" not in argv
     assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
-    fp8 = config_from_dict({"cluster": {"gpus_per_node": 8},
+    # FP8: SGLang serves the FP8 checkpoint moe_rl wrote (its config declares the quantisation;
+    # no --quantization flag, which SGLang's docs forbid for pre-quantised checkpoints)
+    fp8 = config_from_dict({"cluster": {"gpus_per_node": 8, "weight_sync": "distributed"},
                             "rollout": {"engine": "sglang", "quantization": "fp8"}})
-    assert "--quantization fp8" in " ".join(sglang_command(fp8, 30000)[0])
-    with pytest.raises(ConfigError, match="cluster.weight_sync: an online-FP8 SGLang server"):
-        config_from_dict({"cluster": {"gpus_per_node": 8, "weight_sync": "distributed"},
-                          "rollout": {"engine": "sglang", "quantization": "fp8"}})
+    argv = SGLangProcess(fp8, 30000, model_path="/run/fp8_start").command()[0]
+    assert argv[argv.index("--model-path") + 1] == "/run/fp8_start"
+    assert "--quantization" not in argv
     ref = ServerProcess("/m", 30000, quantization="fp8").command()[0]
     assert ref[ref.index("--quantization") + 1] == "fp8"
     assert "--quantization" not in ServerProcess("/m", 30000).command()[0]

@@ -65,10 +65,14 @@ class TrainerWorker:
         ranks are never left in a collective. Returns the tensors sent."""
         import ray as _ray
         from moe_rl.weight_sync import broadcast_tensors, update_request
+        from moe_rl.rollout.fp8 import quantise_named
+        fp8 = self.trainer.cfg.rollout.quantization == "fp8"
         sent, failure = 0, None
         for bucket, last in self.trainer.hf_buckets():
             if self.rank != 0 or failure is not None or not bucket:
                 continue
+            if fp8:   # the engines serve block-wise FP8: send E4M3 weights and their scales
+                bucket = quantise_named(bucket)
             answer = rollout.update_weights_distributed.remote(
                 update_request(bucket, version, self.group_name, flush_cache=last))
             try:
@@ -101,8 +105,11 @@ class TrainerWorker:
         sent, failure = 0, None
         if self.rank == 0:   # SGLang loads tensor updates only inside a session
             post_all("/begin_weight_update", [{}] * len(urls))
+        from moe_rl.rollout.fp8 import quantise_named
+        fp8 = self.trainer.cfg.rollout.quantization == "fp8"
         for bucket, last in self.trainer.hf_buckets(everywhere=True):
-            payloads = gather_strings(serialize_named_tensors(bucket))
+            payloads = gather_strings(serialize_named_tensors(
+                quantise_named(bucket) if fp8 else bucket))
             if self.rank != 0 or failure is not None:
                 continue
             try:
@@ -146,18 +153,20 @@ class RolloutWorker:
         self.cfg = cfg
         r = cfg.rollout
         os.makedirs(log_dir, exist_ok=True)
+        # FP8 rollouts: the engines serve the block-wise FP8 checkpoint of the weights
+        served = self._served(cfg.model.path, os.path.join(os.path.dirname(log_dir),
+                                                            "fp8_start"))
         self.procs = []
         for i, port in enumerate(pick_ports(r.host, r.base_port, r.num_servers)):
             log = os.path.join(log_dir, f"engine_{i}.log")
             if r.engine == "sglang":
-                proc = SGLangProcess(cfg, port, log_path=log)
+                proc = SGLangProcess(cfg, port, log_path=log, model_path=served)
             else:
-                proc = ServerProcess(cfg.model.path, port, host=r.host, dtype=r.engine_dtype,
+                proc = ServerProcess(served, port, host=r.host, dtype=r.engine_dtype,
                                      api_key=r.api_key, seed=cfg.trainer.seed + i, log_path=log,
                                      return_routed_experts=requests_routing(cfg),
                                      sampling_mask_max_tokens=r.sampling_mask_max_tokens,
-                                     deterministic_inference=r.sglang.deterministic_inference,
-                                     quantization=r.quantization)
+                                     deterministic_inference=r.sglang.deterministic_inference)
             self.procs.append(proc)
         for p in self.procs:
             p.start(r.health_timeout_s)
@@ -193,6 +202,15 @@ class RolloutWorker:
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
         self.inputs = load_run_inputs(cfg)   # tokenizer, prompts, reward function
 
+    def _served(self, path: str, fp8_dir: str | None = None) -> str:
+        """The checkpoint the engines load for the HF checkpoint ``path``: itself, or with
+        ``rollout.quantization: fp8`` its FP8 checkpoint (written to ``fp8_dir``, default
+        ``path/fp8``, so it is dropped with its export)."""
+        if self.cfg.rollout.quantization != "fp8":
+            return path
+        from moe_rl.rollout.fp8 import write_fp8_checkpoint
+        return write_fp8_checkpoint(path, fp8_dir or os.path.join(path, "fp8"))
+
     def set_weight_source(self, trainer_actors: list, export_dir: str) -> None:
         """Non-disk weight sync: a server restarted outside a sync gets the trainer's current
         weights exported to ``export_dir`` (the trainer ranks are idle then)."""
@@ -210,7 +228,7 @@ class RolloutWorker:
         import ray as _ray
         path = os.path.join(self.export_dir, "restart")
         _ray.get([a.export_hf.remote(path) for a in self.trainer_actors])
-        return path
+        return self._served(path)
 
     def take_group_stale(self) -> bool:
         """Whether a server restarted since the weight group was built (and reset the flag)."""
@@ -333,6 +351,7 @@ class RolloutWorker:
                            for part in shard_by_group(samples, shards)])
 
     def update_weights(self, path: str, version: int) -> list[str]:
+        path = self._served(path)
         self.engine.update_weights_from_disk(path, version)
         self.weights_path, self.version = path, version
         return self.engine.weight_versions()

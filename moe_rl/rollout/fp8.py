@@ -1,4 +1,5 @@
-"""FP8 rollout numerics for the reference engine (``--quantization fp8``), emulated exactly:
+"""FP8 rollouts: block-wise FP8 checkpoints (what SGLang serves) and the reference engine's
+exact emulation of FP8 inference (``--quantization fp8``, or an FP8 checkpoint):
 
 - weights of every linear layer SGLang quantises (attention projections, dense and shared-expert
   MLPs, the routed experts) stored as E4M3 (``torch.float8_e4m3fn``) in 128 x 128 blocks with one
@@ -11,9 +12,20 @@
 
 Left unquantised, as by SGLang: the router gates (its MoE gate is built without a quantisation
 config), the embeddings, the LM head and every norm.
+
+FP8 checkpoints (``rollout.quantization: fp8``): the HF checkpoint with every quantised weight
+``X.weight`` stored as E4M3 plus ``X.weight_scale_inv`` (float32, one per 128 x 128 block, the
+factor that multiplies the E4M3 values back) and ``quantization_config`` {quant_method fp8,
+dynamic activations, weight_block_size [128, 128]} in config.json: the format SGLang serves
+block-wise FP8 from (its block quantisation takes FP8-serialised checkpoints only) and takes in
+weight updates. moe_rl quantises the trainer's weights into it for the engines' start and for
+every weight update, on every sync path.
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import types
 
 import torch
@@ -35,7 +47,7 @@ def quantize_blockwise(w: torch.Tensor, scale: torch.Tensor | None = None
     N, K = w.shape
     w = w.float()
     if scale is None:
-        pad = torch.zeros(_blocks(N) * BLOCK, _blocks(K) * BLOCK)
+        pad = w.new_zeros(_blocks(N) * BLOCK, _blocks(K) * BLOCK)
         pad[:N, :K] = w.abs()
         amax = pad.view(_blocks(N), BLOCK, _blocks(K), BLOCK).amax(dim=(1, 3))
         scale = (amax / E4M3_MAX).clamp_min(_TINY)
@@ -101,20 +113,121 @@ def is_quantised_linear(name: str, module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and leaf not in ("lm_head", "gate")
 
 
-def apply_fp8(model: nn.Module) -> int:
+def apply_fp8(model: nn.Module, exact: dict[str, torch.Tensor] | None = None) -> int:
     """Quantise ``model``'s weights (see the module docstring) and route its quantised layers
-    through FP8 matmuls; returns the number of weight matrices quantised."""
+    through FP8 matmuls; ``exact``: the dequantised weights of an FP8 checkpoint by HF name,
+    used as they are (the model's own copies went through its dtype). Returns the number of
+    weight matrices quantised."""
+    exact = exact or {}
+
+    def weight(name: str, w: torch.Tensor) -> torch.Tensor:
+        return exact[name] if name in exact else _quantized(w)
     count = 0
     with torch.no_grad():
         for name, module in model.named_modules():
             if is_quantised_linear(name, module):
-                module.fp8_weight = _quantized(module.weight)
+                module.fp8_weight = weight(f"{name}.weight", module.weight)
                 module.forward = types.MethodType(_linear_forward, module)
                 count += 1
             elif isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and \
                     isinstance(getattr(module, "down_proj", None), nn.Parameter):
-                module.fp8_gate_up = torch.stack([_quantized(w) for w in module.gate_up_proj])
-                module.fp8_down = torch.stack([_quantized(w) for w in module.down_proj])
+                gate_up, down = [], []
+                for e, (gu, dn) in enumerate(zip(module.gate_up_proj, module.down_proj)):
+                    pair = (f"{name}.{e}.gate_proj.weight", f"{name}.{e}.up_proj.weight")
+                    gate_up.append(torch.cat([exact[k] for k in pair])
+                                   if all(k in exact for k in pair) else _quantized(gu))
+                    down.append(weight(f"{name}.{e}.down_proj.weight", dn))
+                module.fp8_gate_up, module.fp8_down = torch.stack(gate_up), torch.stack(down)
                 module.forward = types.MethodType(_experts_forward, module)
-                count += 2 * module.gate_up_proj.shape[0]
+                count += 2 * len(gate_up)
     return count
+
+
+def read_fp8_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
+    """The dequantised (float32) weights of an FP8 checkpoint's quantised tensors, by name."""
+    raw = _read_all(model_dir)
+    return {name: dequantize_blockwise(t, raw[name[:-len("weight")] + SCALE_SUFFIX])
+            for name, t in raw.items()
+            if name.endswith(".weight") and name[:-len("weight")] + SCALE_SUFFIX in raw}
+
+
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": [BLOCK, BLOCK]}
+SCALE_SUFFIX = "weight_scale_inv"
+
+
+def quantised_weight_name(name: str, tensor: torch.Tensor) -> bool:
+    """HF weight names SGLang's FP8 path quantises: 2-D ``.weight`` of linear layers, not the
+    router gate, the embeddings, the LM head or a norm."""
+    return (name.endswith(".weight") and tensor.dim() == 2 and "norm" not in name
+            and "embed_tokens" not in name and not name.startswith("lm_head")
+            and not name.endswith("mlp.gate.weight"))
+
+
+def quantise_named(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """HF-named tensors in the FP8 checkpoint's form: each quantised weight becomes its E4M3
+    values and its ``weight_scale_inv`` (the others pass unchanged)."""
+    out = []
+    for name, t in named:
+        if quantised_weight_name(name, t):
+            q, scale = quantize_blockwise(t)
+            out += [(name, q), (name[:-len("weight")] + SCALE_SUFFIX, scale)]
+        else:
+            out.append((name, t))
+    return out
+
+
+def is_fp8_checkpoint(model_dir: str) -> bool:
+    """Whether ``model_dir``'s config.json declares block-wise FP8 weights."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
+            q = json.load(fh).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return False
+    return q.get("quant_method") == "fp8"
+
+
+def _read_all(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    out = {}
+    for fname in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        out.update(load_file(os.path.join(model_dir, fname)))
+    return out
+
+
+def _write(tensors: dict[str, torch.Tensor], src: str, dst: str, config_edit) -> str:
+    from safetensors.torch import save_file
+    os.makedirs(dst, exist_ok=True)
+    for fname in os.listdir(src):   # tokenizer, generation config, chat template
+        if (fname.endswith(".json") or fname.endswith(".jinja")) and fname not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy2(os.path.join(src, fname), dst)
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as fh:
+        config = json.load(fh)
+    config_edit(config)
+    with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=1)
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def write_fp8_checkpoint(src: str, dst: str) -> str:
+    """The HF checkpoint ``src`` quantised into an FP8 checkpoint at ``dst``; returns ``dst``."""
+    tensors = dict(quantise_named(list(_read_all(src).items())))
+    return _write(tensors, src, dst,
+                  lambda c: c.__setitem__("quantization_config", dict(QUANTIZATION_CONFIG)))
+
+
+def write_dequantised_checkpoint(src: str, dst: str, dtype: torch.dtype) -> str:
+    """The FP8 checkpoint ``src`` with its weights multiplied back (``dtype``), a plain HF
+    checkpoint at ``dst`` that any loader reads; returns ``dst``."""
+    raw = _read_all(src)
+    tensors = {}
+    for name, t in raw.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        scale = raw.get(name[:-len("weight")] + SCALE_SUFFIX) if name.endswith(".weight") \
+            else None
+        tensors[name] = (dequantize_blockwise(t, scale) if scale is not None else t).to(dtype)
+    return _write(tensors, src, dst, lambda c: c.pop("quantization_config", None))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import math
 import os
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -30,7 +31,8 @@ from transformers import DynamicCache
 
 from moe_rl.moe_shape import MoEShape
 from moe_rl.rollout import split_kv
-from moe_rl.rollout.fp8 import apply_fp8
+from moe_rl.rollout.fp8 import (apply_fp8, is_fp8_checkpoint, read_fp8_checkpoint,
+                                write_dequantised_checkpoint)
 from moe_rl.rollout.prefix_cache import CacheHit, PrefixCache
 from moe_rl.types import MODEL_DTYPES
 
@@ -225,7 +227,7 @@ def encode_routing(rows: np.ndarray) -> str:
 
 
 SAFETENSORS_DTYPES = {"F32": "torch.float32", "BF16": "torch.bfloat16", "F16": "torch.float16",
-                      "F64": "torch.float64"}
+                      "F64": "torch.float64", "F8_E4M3": "torch.float8_e4m3fn"}
 
 
 def checkpoint_spec(model_path: str) -> dict[str, tuple[list[int], str]]:
@@ -286,15 +288,27 @@ class ReferenceEngine:
         """(Re)load weights from a local HF checkpoint directory, atomically: the checkpoint is
         loaded and checked (every weight present, none unknown or of another shape, all finite)
         before it replaces the served model; on any failure the old model, weights and routing
-        layout stay and ValueError names what was wrong. Never downloads."""
+        layout stay and ValueError names what was wrong. Never downloads. An FP8 checkpoint
+        (``quantization_config`` fp8, as SGLang serves) is served with FP8 numerics from its own
+        E4M3 values and scales."""
         import transformers
         if not os.path.isdir(model_path) or not os.path.isfile(
                 os.path.join(model_path, "config.json")):
             raise ValueError(f"model_path: {model_path!r} is not a local directory with a "
                              f"config.json (the engine never downloads)")
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=MODEL_DTYPES[self.dtype_name], local_files_only=True,
-            output_loading_info=True, attn_implementation=split_kv.register())
+        exact, source = None, model_path
+        if is_fp8_checkpoint(model_path):   # loaded through its dequantised twin
+            exact = read_fp8_checkpoint(model_path)
+            source = write_dequantised_checkpoint(
+                model_path, tempfile.mkdtemp(prefix="fp8_", dir=self._scratch.name),
+                torch.float32)
+        try:
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                source, dtype=MODEL_DTYPES[self.dtype_name], local_files_only=True,
+                output_loading_info=True, attn_implementation=split_kv.register())
+        finally:
+            if source != model_path:
+                shutil.rmtree(source, ignore_errors=True)
         problems = {k: sorted(v)[:5] for k, v in info.items()
                     if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
         if problems:
@@ -304,8 +318,8 @@ class ReferenceEngine:
         if bad:
             raise ValueError(f"model_path: {model_path}: non-finite weights in {bad[:5]}")
         model.eval()
-        if self.quantization == "fp8":   # re-quantised from the weights of every load
-            apply_fp8(model)
+        if self.quantization == "fp8" or exact is not None:   # quantised at every load
+            apply_fp8(model, exact)
         hf = model.config.to_dict()
         facts = MoEShape.from_hf(hf)
         if not facts.moe_layers:
@@ -454,7 +468,6 @@ class ReferenceEngine:
         tensor, no unknown name, same shapes and dtypes, finite), and replaces the served
         weights atomically; on any refusal the staged buckets are dropped and the served weights
         stay. Returns whether this request committed."""
-        import shutil
         from safetensors.torch import save_file
         from moe_rl.weight_sync import receive_tensors
         if not self.in_update_session:
@@ -470,7 +483,7 @@ class ReferenceEngine:
         again = sorted(set(tensors) & set(self._staged))
         wrong = sorted(k for k in tensors if k in expected and
                        (list(tensors[k].shape), str(tensors[k].dtype)) != expected[k])
-        bad = sorted(k for k, t in tensors.items() if not torch.isfinite(t).all())
+        bad = sorted(k for k, t in tensors.items() if not torch.isfinite(t.float()).all())
         missing = sorted(set(expected) - set(tensors) - set(self._staged)) if flush_cache else []
         if unknown or again or wrong or bad or missing:
             self._staged = {}

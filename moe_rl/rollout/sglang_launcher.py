@@ -26,8 +26,6 @@ def sglang_command(cfg: Config, port: int, model_path: str | None = None) -> tup
         argv.append("--enable-memory-saver")
     if g.deterministic_inference:
         argv.append("--enable-deterministic-inference")
-    if r.quantization == "fp8":   # online FP8 of the BF16 checkpoint, re-done at every load
-        argv += ["--quantization", "fp8"]
     if r.api_key:
         argv += ["--api-key", r.api_key]
     argv += list(g.extra_args)
@@ -44,9 +42,10 @@ class SGLangProcess(ServerProcess):
 
     inherits_socket = False
 
-    def __init__(self, cfg: Config, port: int, log_path: str | None = None):
-        super().__init__(cfg.model.path, port, host=cfg.rollout.host, api_key=cfg.rollout.api_key,
-                         log_path=log_path)
+    def __init__(self, cfg: Config, port: int, log_path: str | None = None,
+                 model_path: str | None = None):
+        super().__init__(model_path or cfg.model.path, port, host=cfg.rollout.host,
+                         api_key=cfg.rollout.api_key, log_path=log_path)
         self.cfg = cfg
 
     def command(self, fd: int | None = None) -> tuple[list[str], dict]:
