@@ -313,7 +313,7 @@ def test_fp8_weights_over_the_distributed_path(tmp_path):
     from moe_rl.rollout.fp8 import quantise_named, write_fp8_checkpoint
     from moe_rl.rollout.pool import ServerPool
     from moe_rl.rollout.reference_process import ServerProcess
-    from moe_rl.weight_sync import broadcast_tensors, open_group, update_request
+    from moe_rl.weight_sync import broadcast_tensors, close_group, open_group, update_request
     write_tiny_qwen(tmp_path / "a", seed=1)
     write_tiny_qwen(tmp_path / "b", seed=2)
     a8 = write_fp8_checkpoint(str(tmp_path / "a"), str(tmp_path / "a8"))
@@ -326,9 +326,9 @@ def test_fp8_weights_over_the_distributed_path(tmp_path):
                                 need_routing=True, need_mask=False)
         port, joined = free_port(), {}
         t = threading.Thread(target=lambda: joined.update(
-            group=open_group("gloo", "127.0.0.1", port, 0, 2, "w")))
+            group=open_group("gloo", "127.0.0.1", port, 0, 2, "fp8_update")))
         t.start()
-        eng.init_weights_update_group("127.0.0.1", port, 1, "w", "gloo")
+        eng.init_weights_update_group("127.0.0.1", port, 1, "fp8_update", "gloo")
         t.join(60)
         named = quantise_named(sorted(load_file(str(tmp_path / "b" / "model.safetensors"))
                                       .items()))
@@ -336,7 +336,7 @@ def test_fp8_weights_over_the_distributed_path(tmp_path):
         eng.begin_weight_update()
         sender = threading.Thread(target=broadcast_tensors, args=(joined["group"], named))
         sender.start()
-        eng.update_weights_from_distributed(update_request(named, 3, "w"))
+        eng.update_weights_from_distributed(update_request(named, 3, "fp8_update"))
         sender.join(60)
         eng.end_weight_update()
         prompt = [[6, 7, 20, 12, 30]]
@@ -347,6 +347,9 @@ def test_fp8_weights_over_the_distributed_path(tmp_path):
                                                            seed=3)[0]
         assert got.response_ids.tolist() == want.response_ids.tolist()
         assert torch.equal(got.rollout_logprobs, want.rollout_logprobs)
+        eng.destroy_weights_update_group("fp8_update")
     finally:
+        if "group" in joined:   # the group's name is process-wide: leave it
+            close_group(joined["group"])
         proc.stop()
         ref.stop()
