@@ -73,3 +73,17 @@ def kernel_on_logits(logits, targets, offsets, ids, temperature=1.0):
     eye = torch.eye(logits.shape[1], dtype=logits.dtype)
     return logprob_entropy(logits, eye, targets, temperature=temperature, kept_offsets=offsets,
                            kept_ids=ids, backend="torch")
+
+
+def assert_serves_like(eng, ref_url: str, layout, prompt: list[list[int]]):
+    """``eng`` generates exactly what the server at ``ref_url`` generates for ``prompt`` (same
+    seed): token ids and log-probs bit for bit. Returns (eng's sample, the reference's)."""
+    from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
+    from moe_rl.rollout.pool import ServerPool
+    sampling = SamplingConfig(max_new_tokens=4)
+    got = eng.generate(prompt, 1, sampling, seed=3)[0]
+    want = HTTPRolloutEngine(lambda: ServerPool([ref_url]), layout, need_routing=True,
+                             need_mask=False).generate(prompt, 1, sampling, seed=3)[0]
+    assert got.response_ids.tolist() == want.response_ids.tolist()
+    assert torch.equal(got.rollout_logprobs, want.rollout_logprobs)
+    return got, want

@@ -13,7 +13,7 @@ import torch
 
 from moe_rl.rollout import split_kv
 from moe_rl.trainer.parallel import free_port
-from tests.helpers import write_tiny_qwen
+from tests.helpers import assert_serves_like, write_tiny_qwen
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -309,7 +309,7 @@ def test_fp8_weights_over_the_distributed_path(tmp_path):
     import threading
     from safetensors.torch import load_file
     from moe_rl.moe_shape import MoEShape
-    from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
+    from moe_rl.rollout.engine import HTTPRolloutEngine
     from moe_rl.rollout.fp8 import quantise_named, write_fp8_checkpoint
     from moe_rl.rollout.pool import ServerPool
     from moe_rl.rollout.reference_process import ServerProcess
@@ -339,14 +339,7 @@ def test_fp8_weights_over_the_distributed_path(tmp_path):
         eng.update_weights_from_distributed(update_request(named, 3, "fp8_update"))
         sender.join(60)
         eng.end_weight_update()
-        prompt = [[6, 7, 20, 12, 30]]
-        got = eng.generate(prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
-        want = HTTPRolloutEngine(lambda: ServerPool([ref.url]), layout, need_routing=True,
-                                 need_mask=False).generate(prompt, 1,
-                                                           SamplingConfig(max_new_tokens=4),
-                                                           seed=3)[0]
-        assert got.response_ids.tolist() == want.response_ids.tolist()
-        assert torch.equal(got.rollout_logprobs, want.rollout_logprobs)
+        assert_serves_like(eng, ref.url, layout, [[6, 7, 20, 12, 30]])
         eng.destroy_weights_update_group("fp8_update")
     finally:
         if "group" in joined:   # the group's name is process-wide: leave it

@@ -17,6 +17,7 @@ from moe_rl.rollout.reference_process import ServerProcess
 from moe_rl.trainer.parallel import free_port
 from moe_rl.weight_sync import (broadcast_tensors, close_group, open_group, parse_dtype,
                                update_request)
+from tests.helpers import assert_serves_like
 
 
 @pytest.mark.multiproc
@@ -69,13 +70,7 @@ def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
             eng.end_weight_update()
         assert eng.weight_versions() == ["5", "5"]
         prompt = [[6, 7, 68, 12, 72]]
-        got = eng.generate(prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
-        want = HTTPRolloutEngine(lambda: ServerPool([ref.url]), layout, need_routing=True,
-                                 need_mask=False).generate(prompt, 1,
-                                                           SamplingConfig(max_new_tokens=4),
-                                                           seed=3)[0]
-        assert got.response_ids.tolist() == want.response_ids.tolist()
-        assert torch.equal(got.rollout_logprobs, want.rollout_logprobs)
+        got, want = assert_serves_like(eng, ref.url, layout, prompt)
         assert got.weight_version == 5
         # colocated: released servers refuse generation, resumed ones serve the same weights
         eng.release_memory()
