@@ -27,6 +27,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+GPU_BACKENDS = "cpu:gloo,cuda:nccl"
+
+
+def default_backend(cuda: bool) -> str:
+    """The default group's backend: gloo on CPU; on GPUs NCCL for CUDA tensors *and* gloo for
+    CPU ones. The trainer reduces CPU tensors every step (metric sums, row gathers, text) over
+    the default group and megatron's groups, which inherit this backend; a bare ``"nccl"``
+    serves CUDA tensors only ("No backend type associated with device type cpu")."""
+    return GPU_BACKENDS if cuda else "gloo"
+
+
 def init_distributed(rank: int | None = None, world_size: int | None = None,
                      master_addr: str | None = None, master_port: int | None = None) -> None:
     """Initialise the default process group once (env:// style; single process by default)."""
@@ -40,7 +51,7 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
     elif world_size == 1:   # a port inherited from a parent process may still be bound there
         os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    backend = "gloo" if cuda_absent() else "nccl"
+    backend = default_backend(cuda=not cuda_absent())
     if not cuda_absent():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     dist.init_process_group(backend, rank=rank, world_size=world_size)
