@@ -346,3 +346,34 @@ def test_fp8_weights_over_the_distributed_path(tmp_path):
             close_group(joined["group"])
         proc.stop()
         ref.stop()
+
+
+def test_fp8_checkpoint_keeps_every_router_gate_unquantised(tmp_path):
+    """Mixtral's router is ``block_sparse_moe.gate``: SGLang builds it unquantised (it would copy
+    raw E4M3 values into it), so the FP8 writer must leave it as it is, as for Qwen3-MoE's
+    ``mlp.gate``; the writer and the reference engine quantise the same set."""
+    import transformers
+    from moe_rl.rollout.fp8 import is_quantised_linear, quantised_weight_name, \
+        write_fp8_checkpoint
+    from moe_rl.rollout.reference_engine import checkpoint_spec
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                     intermediate_size=16, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64,
+                                     tie_word_embeddings=False)
+    model = transformers.MixtralForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "mixtral")
+    spec = checkpoint_spec(write_fp8_checkpoint(str(tmp_path / "mixtral"), str(tmp_path / "q")))
+    gates = [n for n in spec if n.endswith("block_sparse_moe.gate.weight")]
+    assert len(gates) == 2
+    for g in gates:
+        assert spec[g][1] != "torch.float8_e4m3fn" and g[:-6] + "weight_scale_inv" not in spec
+    assert spec["model.layers.0.block_sparse_moe.experts.1.w2.weight"][1] == \
+        "torch.float8_e4m3fn"
+    quantised = {n for n, (_, dt) in spec.items() if dt == "torch.float8_e4m3fn"}
+    assert quantised == {n for n, (shape, _) in spec.items()
+                         if quantised_weight_name(n, torch.empty(shape, device="meta"))}
+    linears = {f"{n}.weight" for n, m in model.named_modules() if is_quantised_linear(n, m)}
+    assert linears and linears <= quantised
+    assert not any(n.endswith("gate.weight") for n in linears)

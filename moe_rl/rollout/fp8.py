@@ -108,9 +108,10 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 def is_quantised_linear(name: str, module: nn.Module) -> bool:
-    """The nn.Linear layers SGLang's FP8 path quantises: all but the LM head and router gates."""
-    leaf = name.rsplit(".", 1)[-1]
-    return isinstance(module, nn.Linear) and leaf not in ("lm_head", "gate")
+    """The nn.Linear layers SGLang's FP8 path quantises (:func:`quantised_weight_name` of their
+    weight)."""
+    return isinstance(module, nn.Linear) and quantised_weight_name(f"{name}.weight",
+                                                                   module.weight)
 
 
 def apply_fp8(model: nn.Module, exact: dict[str, torch.Tensor] | None = None) -> int:
@@ -156,12 +157,19 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme"
 SCALE_SUFFIX = "weight_scale_inv"
 
 
+UNQUANTISED_MODULES = ("gate", "lm_head", "embed_tokens")
+
+
 def quantised_weight_name(name: str, tensor: torch.Tensor) -> bool:
-    """HF weight names SGLang's FP8 path quantises: 2-D ``.weight`` of linear layers, not the
-    router gate, the embeddings, the LM head or a norm."""
-    return (name.endswith(".weight") and tensor.dim() == 2 and "norm" not in name
-            and "embed_tokens" not in name and not name.startswith("lm_head")
-            and not name.endswith("mlp.gate.weight"))
+    """Whether SGLang's FP8 path quantises the HF weight ``name``: the 2-D ``.weight`` of a linear
+    layer, not a router gate (Qwen3-MoE and DeepSeek-V3 ``mlp.gate``, Mixtral
+    ``block_sparse_moe.gate``: SGLang builds every MoE gate unquantised), the embeddings, the LM
+    head or a norm. The one predicate of the FP8 writer, every FP8 sync and the reference
+    engine."""
+    if not name.endswith(".weight") or tensor.dim() != 2:
+        return False
+    leaf = name[:-len(".weight")].rsplit(".", 1)[-1]
+    return leaf not in UNQUANTISED_MODULES and "norm" not in leaf
 
 
 def quantise_named(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
