@@ -578,13 +578,19 @@ def facts_context(model: ModelConfig) -> int | None:
     return int(value) if value else None
 
 
-def model_moe_facts(model: ModelConfig) -> MoEShape:
-    """Facts of the configured model: its config.json when present, else the ``init`` shape."""
+def model_hf_fields(model: ModelConfig) -> dict:
+    """The configured model's HF ``config.json`` fields: the file when present, else the
+    ``init`` shape."""
     cfg_file = os.path.join(model.path, "config.json")
     if os.path.isfile(cfg_file):
         with open(cfg_file, encoding="utf-8") as fh:
-            return MoEShape.from_hf(json.load(fh))
-    return MoEShape.from_hf(init_hf_fields(model.init))
+            return json.load(fh)
+    return init_hf_fields(model.init)
+
+
+def model_moe_facts(model: ModelConfig) -> MoEShape:
+    """Facts of the configured model: its config.json when present, else the ``init`` shape."""
+    return MoEShape.from_hf(model_hf_fields(model))
 
 
 def init_hf_fields(init: ModelInitConfig) -> dict:
@@ -780,6 +786,21 @@ def validate(cfg: Config) -> None:
     if r.engine == "sglang" and r.sglang.deterministic_inference and r.min_p > 0:
         raise ConfigError("rollout.min_p: SGLang's deterministic inference does not support min_p "
                           "sampling; set rollout.min_p=0 or turn deterministic_inference off")
+    if r.quantization == "fp8" and r.engine == "sglang":
+        from moe_rl.rollout.fp8_shapes import fp8_shape_errors
+        errors = fp8_shape_errors(model_hf_fields(m), r.sglang.tp_size, r.sglang.ep_size)
+        if errors:
+            raise ConfigError(f"rollout.quantization: SGLang refuses block-wise FP8 for this model "
+                              f"at rollout.sglang.tp_size={r.sglang.tp_size}, ep_size="
+                              f"{r.sglang.ep_size}: {'; '.join(errors)}. Change the TP/EP sizes "
+                              f"(a larger ep_size keeps experts whole) or set "
+                              f"rollout.quantization=none")
+    if cfg.cluster.colocate and cfg.cluster.weight_sync == "distributed" and \
+            cfg.cluster.gpus_per_node > 0:
+        raise ConfigError("cluster.weight_sync: 'distributed' with cluster.colocate=true puts "
+                          "trainer rank 0 and an SGLang rank on the same GPU in one NCCL "
+                          "communicator, which NCCL refuses; use weight_sync=tensor (CUDA "
+                          "tensors handed over on the shared GPUs) or disk, or colocate=false")
     if r.max_staleness > 0 and cfg.cluster.colocate:
         raise ConfigError("rollout.max_staleness: the asynchronous pipeline generates while the "
                           "trainer trains, which colocated engines cannot (they give their memory "

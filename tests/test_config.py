@@ -299,3 +299,57 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", *base],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "algorithm:" in ok.stdout
+
+
+def _hf_model(tmp_path, **fields):
+    d = tmp_path / "m"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(fields))
+    return f"model.path={d}"
+
+
+QWEN3_30B = dict(model_type="qwen3_moe", hidden_size=2048, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                 moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                 num_hidden_layers=48, vocab_size=151936, decoder_sparse_step=1,
+                 mlp_only_layers=[], max_position_embeddings=40960)
+SGLANG_FP8 = ["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.quantization=fp8"]
+
+
+def test_fp8_shapes_sglang_refuses_are_refused_at_config_time(tmp_path):
+    """SGLang's block-wise FP8 loader needs every merged-linear partition and each expert's
+    intermediate partition to be a multiple of 128 (hand-worked on Qwen3-30B-A3B's shape)."""
+    from moe_rl.rollout.fp8_shapes import fp8_shape_errors
+    assert fp8_shape_errors(QWEN3_30B, 1, 1) == []
+    assert fp8_shape_errors(QWEN3_30B, 4, 4) == []          # experts whole (768)
+    assert fp8_shape_errors(QWEN3_30B, 2, 1) == []          # 768 / 2 = 384 = 3 x 128
+    errors = fp8_shape_errors(QWEN3_30B, 4, 1)              # 768 / 4 = 192
+    assert len(errors) == 1 and "192" in errors[0] and "moe_intermediate_size 768" in errors[0]
+    model = _hf_model(tmp_path, **QWEN3_30B)
+    msg = _err(SGLANG_FP8 + [model, "rollout.sglang.tp_size=4", "cluster.trainer_workers=4"])
+    assert "rollout.quantization" in msg and "tp_size=4" in msg and "192" in msg
+    load_config(None, SGLANG_FP8 + [model, "rollout.sglang.tp_size=4",
+                                    "rollout.sglang.ep_size=4"])
+    # a merged QKV partition of 64 (head_dim 64 x 1 KV head) refuses even at TP 1
+    small = _hf_model(tmp_path, **{**QWEN3_30B, "head_dim": 64, "num_key_value_heads": 1})
+    assert "key/value partition" in _err(SGLANG_FP8 + [small])
+    # the reference engine emulates FP8 on any shape; SGLang without FP8 loads any shape
+    load_config(None, ["rollout.quantization=fp8"])
+    load_config(None, [small, "rollout.engine=sglang", "cluster.gpus_per_node=8"])
+    # Mixtral: the expert size is intermediate_size
+    mixtral = dict(model_type="mixtral", hidden_size=4096, num_attention_heads=32,
+                   num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+                   num_experts_per_tok=2, num_hidden_layers=32, vocab_size=32000,
+                   max_position_embeddings=4096)
+    assert fp8_shape_errors(mixtral, 8, 1) == []             # 14336 / 8 = 1792 = 14 x 128
+    assert fp8_shape_errors({**mixtral, "intermediate_size": 8256}, 1, 1)   # 8256 % 128 = 64
+
+
+def test_colocated_distributed_sync_on_gpus_is_refused():
+    """NCCL refuses two ranks of one communicator on the same GPU: trainer rank 0 and an SGLang
+    rank would be, with colocated engines and a distributed weight sync."""
+    gpu = ["cluster.gpus_per_node=8", "rollout.engine=sglang", "cluster.colocate=true"]
+    msg = _err(gpu + ["cluster.weight_sync=distributed"])
+    assert "cluster.weight_sync" in msg and "colocate" in msg and "NCCL" in msg
+    load_config(None, gpu + ["cluster.weight_sync=disk"])
+    load_config(None, ["cluster.colocate=true", "cluster.weight_sync=distributed"])   # gloo: fine
