@@ -110,6 +110,8 @@ class SGLangConfig:
                                        "the reference engine: batch-invariant results, "
                                        "reproducible runs (makes n-pass averaging useless)")
     extra_args: list[str] = _f([], "extra command-line arguments passed to sglang.launch_server")
+    python: str | None = _f(None, "the Python interpreter that runs `-m sglang.launch_server` "
+                            "(SGLang in its own environment; null = the trainer's)")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
 from moe_rl.rollout.pool import EngineHTTPError, ServerPool
 from moe_rl.rollout.reference_engine import kept_set
 from moe_rl.rollout.reference_process import ServerProcess
-from moe_rl.rollout.sglang_launcher import SGLangProcess, sglang_command
+from moe_rl.rollout.sglang_launcher import sglang_command
 from moe_rl.trainer.parallel import free_port
 
 pytestmark = pytest.mark.e2e
@@ -206,15 +206,15 @@ def test_sglang_command_lines():
                                         "api_key": "s", "sglang": {"tp_size": 4, "ep_size": 8,
                                                                    "extra_args": ["--x", "1"]}},
                             "algorithm": {"replay": "r3", "keep_sampling_mask": True}})
-    argv, env = sglang_command(cfg, 30001)
+    argv, env = sglang_command(cfg, 30001, gpus=[4, 5, 6, 7])
     line = " ".join(argv)
     for part in ("-m sglang.launch_server", "--model-path /m", "--port 30001", "--tp-size 4",
-                 "--ep-size 8", "--enable-return-routed-experts",
+                 "--ep-size 8", "--enable-return-routed-experts", "--base-gpu-id 0",
                  "--sampling-mask-max-tokens 4096", "--enable-memory-saver", "--api-key s",
                  "--x 1", "--host 127.0.0.1"):
         assert part in line, part
-    # output log-probs stay log_softmax(logits / T) (the trainer's distribution), never raw
-    assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+    # its own GPUs; output log-probs stay log_softmax(logits / T) (the trainer's), never raw
+    assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
     plain = config_from_dict({"cluster": {"gpus_per_node": 8},
                               "rollout": {"engine": "sglang", "return_routing": False},
                               "algorithm": {"replay": "off"}})
@@ -226,7 +226,7 @@ def test_sglang_command_lines():
     # no --quantization flag, which SGLang's docs forbid for pre-quantised checkpoints)
     fp8 = config_from_dict({"cluster": {"gpus_per_node": 8, "weight_sync": "distributed"},
                             "rollout": {"engine": "sglang", "quantization": "fp8"}})
-    argv = SGLangProcess(fp8, 30000, model_path="/run/fp8_start").command()[0]
+    argv = sglang_command(fp8, 30000, model_path="/run/fp8_start")[0]
     assert argv[argv.index("--model-path") + 1] == "/run/fp8_start"
     assert "--quantization" not in argv
     ref = ServerProcess("/m", 30000, quantization="fp8").command()[0]

@@ -25,6 +25,13 @@ def run(args: argparse.Namespace) -> int:
     inputs = inputs_or_report(cfg)
     if inputs is None:
         return 2
+    from moe_rl.config import ConfigError
+    from moe_rl.orchestration.placement import make_plan
+    try:   # the run must fit its cluster before anything starts
+        make_plan(cfg)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     from moe_rl.orchestration.checkpoint import CheckpointError
     from moe_rl.orchestration.loop import run_training
     try:

@@ -13,7 +13,10 @@ from moe_rl.data.prompts import PromptSampler
 from moe_rl.metrics_log import MetricsLogger, PhaseTimer, progress_bar
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.weight_sync import weight_sync_for
-from moe_rl.orchestration.workers import RolloutWorker, TrainerWorker
+from moe_rl.orchestration.placement import make_plan
+from moe_rl.orchestration.ray_placement import reserve, start_ray
+from moe_rl.orchestration.workers import (EngineHost, RolloutWorker, TrainerWorker,
+                                          served_checkpoint)
 from moe_rl.run_inputs import RunInputs, load_run_inputs
 from moe_rl.trainer.parallel import free_port
 from moe_rl.types import RolloutBatch, Sample
@@ -25,30 +28,21 @@ def _cfg_tree(cfg: Config) -> dict:
     return yaml.safe_load(dump_config(cfg))
 
 
-def _start_ray(cfg: Config) -> None:
-    if ray.is_initialized():
-        return
-    if cfg.cluster.ray_address:
-        ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
-    else:
-        need = cfg.cluster.trainer_workers * cfg.cluster.cpus_per_worker + 1
-        ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), log_to_driver=False,
-                 include_dashboard=False)
-
-
-def _placement(cfg: Config):
-    """One bundle per trainer rank (and its GPU on GPU runs) and one for the rollout worker."""
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    c = cfg.cluster
-    trainer_bundle = {"CPU": c.cpus_per_worker}
-    if c.gpus_per_node > 0:
-        trainer_bundle["GPU"] = 1
-    bundles = [dict(trainer_bundle) for _ in range(c.trainer_workers)] + [{"CPU": 1}]
-    pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready(), timeout=600)
-    return [PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-            for i in range(len(bundles))], pg
+def place_engines(cfg: Config, plan, reservation, model_path: str, log_dir: str) -> list:
+    """Start every engine server of ``plan`` on its node (an :class:`EngineHost` actor each, in
+    its node's bundle); returns the hosts once every server answers /health, with the plan's
+    engine entries updated to the address and port each server took."""
+    import dataclasses
+    from moe_rl.orchestration.placement import PlannedProcess
+    os.makedirs(log_dir, exist_ok=True)
+    tree = _cfg_tree(cfg)
+    hosts = [EngineHost.options(**reservation.options(cfg, p)).remote(
+        tree, dataclasses.asdict(p), plan.nodes, model_path,
+        os.path.join(log_dir, f"engine_{p.index}.log")) for p in plan.of("engine")]
+    placed = ray.get([h.start.remote() for h in hosts])
+    engines = iter(PlannedProcess(**d) for d in placed)
+    plan.processes = [next(engines) if p.role == "engine" else p for p in plan.processes]
+    return hosts
 
 
 def sft_samples(prompts, indices: list[int], tokenizer, environment: type | None = None,
@@ -72,15 +66,20 @@ def sft_samples(prompts, indices: list[int], tokenizer, environment: type | None
 
 
 class Trainers:
-    """The trainer worker group: one Ray actor per rank."""
+    """The trainer worker group: one Ray actor per rank, on the node and GPU the plan says."""
 
-    def __init__(self, cfg: Config, strategies):
+    def __init__(self, cfg: Config, plan, reservation):
         tree = _cfg_tree(cfg)
-        port = free_port()
-        n = cfg.cluster.trainer_workers
-        self.actors = [TrainerWorker.options(scheduling_strategy=strategies[r]).remote(
-            tree, r, n, "127.0.0.1" if cfg.cluster.num_nodes == 1 else
-            ray.util.get_node_ip_address(), port) for r in range(n)]
+        ranks = plan.of("trainer")
+        first = reservation.options(cfg, ranks[0])
+        # the rendezvous lives on rank 0's node: its address, and a port free there
+        address = "127.0.0.1" if plan.nodes == 1 else reservation.addresses[ranks[0].node]
+        port = ray.get(ray.remote(free_port).options(
+            scheduling_strategy=first["scheduling_strategy"], num_cpus=0).remote(
+            "127.0.0.1" if plan.nodes == 1 else address))
+        self.actors = [TrainerWorker.options(**reservation.options(cfg, p)).remote(
+            tree, p.index, len(ranks), address, port, p.gpus[0] if p.gpus else None)
+            for p in ranks]
 
     def train_step(self, shards: list) -> dict:
         """One RL step; ``shards``: one reference per rank to its rollout-batch bytes (Ray
@@ -172,13 +171,21 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
         sampler.load_state_dict(state["sampler"])
         print(f"resuming at step {start_step} from {resume_path}", flush=True)
     logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.jsonl, start_step)
-    _start_ray(cfg)
-    strategies, pg = _placement(cfg)
-    trainers = Trainers(cfg, strategies)
-    rollout = RolloutWorker.options(scheduling_strategy=strategies[-1]).remote(
-        _cfg_tree(cfg), os.path.join(run_dir, "logs"))
+    plan = make_plan(cfg)
+    start_ray(cfg, plan)
+    reservation = reserve(cfg, plan)
+    hosts: list = []
+    rollout = None
     history: list[dict] = []
     try:
+        trainers = Trainers(cfg, plan, reservation)
+        # FP8 rollouts: the engines serve the block-wise FP8 checkpoint of the weights
+        served = served_checkpoint(cfg, cfg.model.path, os.path.join(run_dir, "fp8_start"))
+        plan = make_plan(cfg, node_addresses=reservation.addresses, model_path=served)
+        hosts = place_engines(cfg, plan, reservation, served, os.path.join(run_dir, "logs"))
+        write_plan(plan, reservation, os.path.join(run_dir, "plan.json"))
+        rollout = RolloutWorker.options(**reservation.options(cfg, plan.of("rollout")[0])
+                                        ).remote(_cfg_tree(cfg), hosts)
         weights = weight_sync_for(cfg, trainers, rollout, os.path.join(run_dir, "weights"))
         if start_step:
             trainers.load(os.path.join(resume_path, "trainer"))
@@ -265,6 +272,16 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                 print(f"final policy exported to {final}", flush=True)
     finally:
         logger.close()
-        ray.get(rollout.shutdown.remote())
-        ray.util.remove_placement_group(pg)
+        ray.get([h.stop.remote() for h in hosts])
+        reservation.release()
     return history
+
+
+def write_plan(plan, reservation, path: str) -> None:
+    """The plan as placed (real addresses and ports, each node's Ray node id) to ``path``."""
+    import json
+    tree = plan.to_json()
+    tree["ray_nodes"] = [{"node": i, "node_id": nid, "address": addr} for i, (nid, addr)
+                         in enumerate(zip(reservation.node_ids, reservation.addresses))]
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(tree, fh, indent=1)

@@ -16,7 +16,6 @@ from abc import ABC, abstractmethod
 import ray
 
 from moe_rl.config import Config
-from moe_rl.trainer.parallel import free_port
 
 
 class DiskSync:
@@ -121,7 +120,7 @@ class DistributedSync(_InMemorySync):
         backend = "nccl" if self.cfg.cluster.gpus_per_node > 0 else "gloo"
         rank0 = self.trainers.actors[0]
         address = ray.get(rank0.node_ip.remote())
-        port = free_port()
+        port = ray.get(rank0.free_port.remote())   # free on the node that binds it
         previous, self.group_name = self.group_name, f"moe_rl_weights_{self.groups_built}"
         self.groups_built += 1
         ray.get([rank0.open_weight_group.remote(backend, address, port, world, self.group_name,

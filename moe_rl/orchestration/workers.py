@@ -20,14 +20,14 @@ class TrainerWorker:
     """Rank ``rank`` of the trainer: megatron parallel state, the policy, its optimizer."""
 
     def __init__(self, cfg_tree: dict, rank: int, world: int, master_addr: str,
-                 master_port: int):
+                 master_port: int, gpu: int | None = None):
         from moe_rl.trainer.parallel import ParallelSizes, init_distributed, init_model_parallel
         from moe_rl.trainer.policy import PolicyTrainer
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         cfg = config_from_dict(cfg_tree)
         t = cfg.trainer
         init_distributed(rank=rank, world_size=world, master_addr=master_addr,
-                         master_port=master_port)
+                         master_port=master_port, gpu=gpu)
         init_model_parallel(ParallelSizes(t.tensor_parallel, t.pipeline_parallel,
                                           t.expert_parallel, t.context_parallel))
         self.rank = rank
@@ -35,6 +35,11 @@ class TrainerWorker:
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        """A port free on this rank's node (the weight-update group's rendezvous)."""
+        from moe_rl.trainer.parallel import free_port
+        return free_port(ray.util.get_node_ip_address())
 
     def train_step(self, data: bytes) -> dict:
         return self.trainer.train_step(RolloutBatch.from_bytes(data).samples)
@@ -136,6 +141,56 @@ class TrainerWorker:
         return self.trainer.step
 
 
+def served_checkpoint(cfg, path: str, fp8_dir: str | None = None) -> str:
+    """The checkpoint the engines load for the HF checkpoint ``path``: itself, or with
+    ``rollout.quantization: fp8`` its FP8 checkpoint (written to ``fp8_dir``, default
+    ``path/fp8``, so it is dropped with its export)."""
+    if cfg.rollout.quantization != "fp8":
+        return path
+    from moe_rl.rollout.fp8 import write_fp8_checkpoint
+    return write_fp8_checkpoint(path, fp8_dir or os.path.join(path, "fp8"))
+
+
+@ray.remote
+class EngineHost:
+    """One engine server, started on the node and GPUs the plan gave it: binds the node's
+    address on a multi-node run, takes the first free port from the planned one on this node,
+    and restarts the server when asked."""
+
+    def __init__(self, cfg_tree: dict, planned: dict, nodes: int, model_path: str,
+                 log_path: str):
+        from moe_rl.orchestration.placement import PlannedProcess, engine_command, engine_host
+        from moe_rl.rollout.reference_process import CommandServer, pick_ports
+        cfg = config_from_dict(cfg_tree)
+        self.cfg = cfg
+        proc = PlannedProcess(**planned)
+        proc.host = engine_host(cfg, nodes, ray.util.get_node_ip_address())
+        proc.port = pick_ports(proc.host, proc.port, 1)[0]
+        proc.argv, proc.env = engine_command(cfg, proc, model_path)
+        self.planned = proc
+        self.server = CommandServer(proc.argv, proc.env, proc.host, proc.port,
+                                    inherits_socket=cfg.rollout.engine != "sglang",
+                                    api_key=cfg.rollout.api_key, log_path=log_path)
+
+    def start(self) -> dict:
+        """Start the server and wait for its /health; returns the process as placed."""
+        import dataclasses
+        self.server.start(self.cfg.rollout.health_timeout_s)
+        return dataclasses.asdict(self.planned)
+
+    def url(self) -> str:
+        return self.server.url
+
+    def restart(self) -> None:
+        self.server.restart(self.cfg.rollout.health_timeout_s)
+
+    def restarts(self) -> int:
+        return self.server.restarts
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 @ray.remote(concurrency_groups={"status": 1})
 class RolloutWorker:
     """Starts the engine servers (CPU reference engine or SGLang) and serves the loop's rollout
@@ -143,33 +198,15 @@ class RolloutWorker:
     asynchronous pipeline relies on it: a weight update queued behind a batch waits for it),
     except the status reads (``restarts``), which answer at once from their own thread."""
 
-    def __init__(self, cfg_tree: dict, log_dir: str):
+    def __init__(self, cfg_tree: dict, hosts: list):
         from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
         from moe_rl.rollout.pool import ServerPool
-        from moe_rl.rollout.reference_process import ServerProcess, pick_ports
         from moe_rl.rollout.server_needs import requests_routing, requests_sampling_mask
-        from moe_rl.rollout.sglang_launcher import SGLangProcess
         cfg = config_from_dict(cfg_tree)
         self.cfg = cfg
         r = cfg.rollout
-        os.makedirs(log_dir, exist_ok=True)
-        # FP8 rollouts: the engines serve the block-wise FP8 checkpoint of the weights
-        served = self._served(cfg.model.path, os.path.join(os.path.dirname(log_dir),
-                                                            "fp8_start"))
-        self.procs = []
-        for i, port in enumerate(pick_ports(r.host, r.base_port, r.num_servers)):
-            log = os.path.join(log_dir, f"engine_{i}.log")
-            if r.engine == "sglang":
-                proc = SGLangProcess(cfg, port, log_path=log, model_path=served)
-            else:
-                proc = ServerProcess(served, port, host=r.host, dtype=r.engine_dtype,
-                                     api_key=r.api_key, seed=cfg.trainer.seed + i, log_path=log,
-                                     return_routed_experts=requests_routing(cfg),
-                                     sampling_mask_max_tokens=r.sampling_mask_max_tokens,
-                                     deterministic_inference=r.sglang.deterministic_inference)
-            self.procs.append(proc)
-        for p in self.procs:
-            p.start(r.health_timeout_s)
+        self.hosts = hosts   # EngineHost actors, servers started (the driver placed them)
+        self.server_urls = ray.get([h.url.remote() for h in hosts])
         with open(os.path.join(cfg.model.path, "config.json"), encoding="utf-8") as fh:
             shape = MoEShape.from_hf(json.load(fh))
         engine_avg_refusal(cfg, shape.vocab_size)
@@ -179,37 +216,31 @@ class RolloutWorker:
         self.export_dir: str | None = None  # come from
         self.syncing = False
         self.group_stale = False
-        procs = self.procs
+        urls = self.server_urls
 
-        def restarter(proc):
+        def restarter(host, url):
             def restart():
-                proc.restart(r.health_timeout_s)
+                ray.get(host.restart.remote())
                 path = self._weights_for_restart()
                 if path is not None:   # a restarted server serves the current weights again
                     import httpx
                     headers = {"Authorization": f"Bearer {r.api_key}"} if r.api_key else {}
-                    httpx.post(proc.url + "/update_weights_from_disk", headers=headers,
+                    httpx.post(url + "/update_weights_from_disk", headers=headers,
                                json={"model_path": path, "weight_version": str(self.version)},
                                timeout=r.request_timeout_s).raise_for_status()
             return restart
 
         self.engine = HTTPRolloutEngine(
-            lambda: ServerPool([p.url for p in procs], api_key=r.api_key,
+            lambda: ServerPool(urls, api_key=r.api_key,
                                timeout=r.request_timeout_s, max_retries=r.max_retries,
                                concurrency=r.concurrency,
-                               restarters=[restarter(p) for p in procs]),
+                               restarters=[restarter(h, u) for h, u in zip(hosts, urls)]),
             shape, need_routing=requests_routing(cfg), need_mask=requests_sampling_mask(cfg))
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
         self.inputs = load_run_inputs(cfg)   # tokenizer, prompts, reward function
 
-    def _served(self, path: str, fp8_dir: str | None = None) -> str:
-        """The checkpoint the engines load for the HF checkpoint ``path``: itself, or with
-        ``rollout.quantization: fp8`` its FP8 checkpoint (written to ``fp8_dir``, default
-        ``path/fp8``, so it is dropped with its export)."""
-        if self.cfg.rollout.quantization != "fp8":
-            return path
-        from moe_rl.rollout.fp8 import write_fp8_checkpoint
-        return write_fp8_checkpoint(path, fp8_dir or os.path.join(path, "fp8"))
+    def _served(self, path: str) -> str:
+        return served_checkpoint(self.cfg, path)
 
     def set_weight_source(self, trainer_actors: list, export_dir: str) -> None:
         """Non-disk weight sync: a server restarted outside a sync gets the trainer's current
@@ -390,7 +421,7 @@ class RolloutWorker:
         self.engine.resume_memory()
 
     def urls(self) -> list[str]:
-        return [p.url for p in self.procs]
+        return list(self.server_urls)
 
     def set_version(self, version: int) -> list[str]:
         self.version = version
@@ -399,8 +430,7 @@ class RolloutWorker:
     @ray.method(concurrency_group="status")
     def restarts(self) -> int:
         """Engine servers restarted so far (answers while a batch is being generated)."""
-        return sum(p.restarts for p in self.procs)
+        return sum(ray.get([h.restarts.remote() for h in self.hosts]))
 
     def shutdown(self) -> None:
-        for p in self.procs:
-            p.stop()
+        ray.get([h.stop.remote() for h in self.hosts])

@@ -41,6 +41,31 @@ def pick_ports(host: str, first: int, count: int) -> list[int]:
     return ports
 
 
+REFERENCE_ENV = {"PYTHONUNBUFFERED": "1"}
+
+
+def reference_argv(model: str, host: str, port: int, *, dtype: str = "float32", seed: int = 0,
+                   api_key: str | None = None, return_routed_experts: bool = True,
+                   sampling_mask_max_tokens: int = 4096, deterministic_inference: bool = False,
+                   quantization: str = "none", max_total_tokens: int | None = None) -> list[str]:
+    """``moe-rl serve-reference ...`` for one server (``--fd`` is added when it starts on a
+    socket its parent bound)."""
+    cmd = [sys.executable, "-m", "moe_rl.cli", "serve-reference", "--model", model,
+           "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    cmd += ["--sampling-mask-max-tokens", str(sampling_mask_max_tokens)]
+    if deterministic_inference:
+        cmd.append("--enable-deterministic-inference")
+    if quantization != "none":
+        cmd += ["--quantization", quantization]
+    if max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(max_total_tokens)]
+    return cmd
+
+
 class ServerProcess:
     """One ``moe-rl serve-reference`` subprocess; restartable after a crash. The parent binds the
     port and hands the socket to the child (``--fd``), so no other process can take it between
@@ -69,23 +94,16 @@ class ServerProcess:
 
     def command(self, fd: int | None = None) -> tuple[list[str], dict]:
         """(argv, environment) of the server process (serving on inherited socket ``fd``)."""
-        cmd = [sys.executable, "-m", "moe_rl.cli", "serve-reference", "--model", self.model,
-               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
-               "--seed", str(self.seed)]
+        cmd = reference_argv(self.model, self.host, self.port, dtype=self.dtype, seed=self.seed,
+                             api_key=self.api_key,
+                             return_routed_experts=self.return_routed_experts,
+                             sampling_mask_max_tokens=self.sampling_mask_max_tokens,
+                             deterministic_inference=self.deterministic_inference,
+                             quantization=self.quantization,
+                             max_total_tokens=self.max_total_tokens)
         if fd is not None:
             cmd += ["--fd", str(fd)]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
-        if self.return_routed_experts:
-            cmd.append("--enable-return-routed-experts")
-        cmd += ["--sampling-mask-max-tokens", str(self.sampling_mask_max_tokens)]
-        if self.deterministic_inference:
-            cmd.append("--enable-deterministic-inference")
-        if self.quantization != "none":
-            cmd += ["--quantization", self.quantization]
-        if self.max_total_tokens is not None:
-            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
-        return cmd, dict(os.environ, PYTHONUNBUFFERED="1")
+        return cmd, dict(os.environ, **REFERENCE_ENV)
 
     def start(self, timeout: float = 120.0) -> "ServerProcess":
         """Launch the server and wait until /health answers (RuntimeError on timeout/exit)."""
@@ -147,3 +165,21 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+class CommandServer(ServerProcess):
+    """A server started from a given command line and environment (the placement plan's):
+    ``inherits_socket`` for the reference engine (``--fd`` appended), not for SGLang, which binds
+    its port itself."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], host: str, port: int, *,
+                 inherits_socket: bool, api_key: str | None = None,
+                 log_path: str | None = None):
+        super().__init__(argv[argv.index("--model-path" if "--model-path" in argv
+                                         else "--model") + 1],
+                         port, host=host, api_key=api_key, log_path=log_path)
+        self.argv, self.env, self.inherits_socket = list(argv), dict(env), inherits_socket
+
+    def command(self, fd: int | None = None) -> tuple[list[str], dict]:
+        return self.argv + (["--fd", str(fd)] if fd is not None else []), \
+            dict(os.environ, **self.env)

@@ -1,23 +1,23 @@
-"""Launch SGLang servers with the flags the configuration needs, wait for health, restart."""
+"""The SGLang server's command line and environment, as moe_rl launches it (the placement plan
+puts them on a node and its GPUs; :class:`moe_rl.rollout.reference_process.CommandServer` runs
+them)."""
 from __future__ import annotations
 
-import os
 import sys
 
 from moe_rl.config import Config
-from moe_rl.rollout.reference_process import ServerProcess
 from moe_rl.rollout.server_needs import requests_routing, requests_sampling_mask
 
 
-def sglang_command(cfg: Config, port: int, model_path: str | None = None) -> tuple[list[str],
-                                                                                   dict]:
-    """(argv, extra environment) of ``python -m sglang.launch_server`` for server ``port``."""
+def sglang_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]:
+    """``python -m sglang.launch_server ...`` for one server on ``host:port`` (its GPUs are the
+    visible ones from 0: ``--base-gpu-id 0``, see :func:`sglang_env`)."""
     r = cfg.rollout
     g = r.sglang
-    argv = [sys.executable, "-m", "sglang.launch_server",
-            "--model-path", model_path or cfg.model.path, "--host", r.host, "--port", str(port),
+    argv = [g.python or sys.executable, "-m", "sglang.launch_server",
+            "--model-path", model_path, "--host", host, "--port", str(port),
             "--tp-size", str(g.tp_size), "--dp-size", str(g.dp_size), "--ep-size", str(g.ep_size),
-            "--mem-fraction-static", str(g.mem_fraction_static)]
+            "--base-gpu-id", "0", "--mem-fraction-static", str(g.mem_fraction_static)]
     if requests_routing(cfg):
         argv.append("--enable-return-routed-experts")
     if requests_sampling_mask(cfg):
@@ -28,30 +28,22 @@ def sglang_command(cfg: Config, port: int, model_path: str | None = None) -> tup
         argv.append("--enable-deterministic-inference")
     if r.api_key:
         argv += ["--api-key", r.api_key]
-    argv += list(g.extra_args)
-    # Output log-probs must be log_softmax(logits / T), the distribution the trainer scores at the
-    # sampling temperature: SGLang's default. SGLANG_RETURN_ORIGINAL_LOGPROB=1 would make them raw
-    # (T = 1), so it is pinned off even when the caller's environment sets it.
+    return argv + list(g.extra_args)
+
+
+def sglang_env(gpus: list[int]) -> dict[str, str]:
+    """The environment moe_rl sets for an SGLang server: its GPUs (``CUDA_VISIBLE_DEVICES``),
+    and output log-probs at the sampling temperature, ``log_softmax(logits / T)`` (the
+    trainer's distribution, SGLang's default; ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` would make
+    them raw, so it is pinned off even when the caller's environment sets it)."""
     env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
-    return argv, env
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    return env
 
 
-class SGLangProcess(ServerProcess):
-    """One SGLang server subprocess (same start / health / restart logic as the reference;
-    SGLang binds its port itself)."""
-
-    inherits_socket = False
-
-    def __init__(self, cfg: Config, port: int, log_path: str | None = None,
-                 model_path: str | None = None):
-        super().__init__(model_path or cfg.model.path, port, host=cfg.rollout.host,
-                         api_key=cfg.rollout.api_key, log_path=log_path)
-        self.cfg = cfg
-
-    def command(self, fd: int | None = None) -> tuple[list[str], dict]:
-        argv, env = sglang_command(self.cfg, self.port, self.model)
-        return argv, dict(os.environ, **env)
-
-    def start(self, timeout: float | None = None) -> "SGLangProcess":
-        """Launch SGLang and wait for /health up to rollout.health_timeout_s."""
-        return super().start(timeout or self.cfg.rollout.health_timeout_s)
+def sglang_command(cfg: Config, port: int, model_path: str | None = None,
+                   host: str | None = None, gpus: list[int] = ()) -> tuple[list[str], dict]:
+    """(argv, environment moe_rl sets) of one SGLang server."""
+    return (sglang_argv(cfg, model_path or cfg.model.path, host or cfg.rollout.host, port),
+            sglang_env(list(gpus)))

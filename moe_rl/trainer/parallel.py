@@ -20,10 +20,10 @@ class ParallelSizes:
     context: int = 1
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on ``host`` (an address of this machine)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -39,8 +39,11 @@ def default_backend(cuda: bool) -> str:
 
 
 def init_distributed(rank: int | None = None, world_size: int | None = None,
-                     master_addr: str | None = None, master_port: int | None = None) -> None:
-    """Initialise the default process group once (env:// style; single process by default)."""
+                     master_addr: str | None = None, master_port: int | None = None,
+                     gpu: int | None = None) -> None:
+    """Initialise the default process group once (env:// style; single process by default).
+    On GPUs the rank uses GPU ``gpu`` (the placement plan's; default ``LOCAL_RANK``, else the
+    rank modulo the visible GPUs)."""
     if dist.is_initialized():
         return
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
@@ -53,7 +56,10 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     backend = default_backend(cuda=not cuda_absent())
     if not cuda_absent():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        if gpu is None:
+            local = os.environ.get("LOCAL_RANK")
+            gpu = int(local) if local is not None else rank % torch.cuda.device_count()
+        torch.cuda.set_device(gpu)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
 
 

@@ -1,0 +1,233 @@
+"""The placement plan: every process a run starts (trainer ranks, engine servers, the rollout
+worker), the node and the GPUs of that node it runs on, and for engines the exact command line
+and the environment moe_rl gives them; then the weight-update group's ranks. ``moe-rl plan``
+prints it and ``moe-rl train`` places its Ray actors and servers by it (one code path).
+
+Rules (GPU runs, ``cluster.gpus_per_node`` G > 0): the GPUs of the run are numbered node by
+node (slot ``node * G + gpu``). Trainer rank r takes slot r. Each engine server needs
+``tp_size x dp_size`` GPUs (``tp_size`` with ``--enable-dp-attention``) on one node; servers take
+the next free slots after the trainer's, moving to the next node when a server would straddle
+two, so engines and trainer never share a GPU. With ``cluster.colocate`` the servers start at
+slot 0 instead and share the trainer's GPUs (server s, TP rank j on trainer rank
+``s * tp_size + j``'s GPU, which the tensor sync relies on). A server sees only its own GPUs
+(``CUDA_VISIBLE_DEVICES``, ``--base-gpu-id 0``). CPU runs (G = 0): trainer ranks and servers are
+spread over the nodes in contiguous blocks. The rollout worker runs on node 0.
+
+Addresses: a single-node run binds the servers to ``rollout.host``; a multi-node run binds
+each server to its node's address (a loopback ``rollout.host`` cannot be reached from another
+node). Ports: server k of a node tries ``rollout.base_port + k`` first and takes the next free
+one on that node; the plan ``train`` writes to ``<run>/plan.json`` holds the ports taken."""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from dataclasses import dataclass, field
+
+from moe_rl.config import Config, ConfigError
+from moe_rl.rollout.reference_process import REFERENCE_ENV, reference_argv
+from moe_rl.rollout.server_needs import requests_routing
+from moe_rl.rollout.sglang_launcher import sglang_argv, sglang_env
+
+LOOPBACK_HOSTS = ("localhost",)
+
+
+@dataclass
+class PlannedProcess:
+    """One process of the run."""
+    role: str                      # "trainer" | "engine" | "rollout"
+    index: int                     # trainer rank / server index / 0
+    node: int
+    gpus: list[int]
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    host: str | None = None        # engines: the address the server binds
+    port: int | None = None        # engines: the port (preferred one until the server started)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.index}"
+
+
+@dataclass
+class Plan:
+    """Every process of a run and the weight-update group's members."""
+    nodes: int
+    gpus_per_node: int
+    processes: list[PlannedProcess]
+    weight_update_group: dict | None = None
+
+    def of(self, role: str) -> list[PlannedProcess]:
+        return [p for p in self.processes if p.role == role]
+
+    def to_json(self) -> dict:
+        return {"nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+                "processes": [{k: v for k, v in dataclasses.asdict(p).items()}
+                              for p in self.processes],
+                "weight_update_group": self.weight_update_group}
+
+    def node_resources(self, cfg: Config) -> list[dict[str, float]]:
+        """The Ray resources each node's processes reserve (one placement-group bundle per
+        node): CPUs, and the distinct GPUs used there."""
+        out = []
+        for n in range(self.nodes):
+            procs = [p for p in self.processes if p.node == n]
+            cpus = sum(ray_resources(cfg, p)["num_cpus"] for p in procs)
+            gpus = len({g for p in procs for g in p.gpus})
+            res = {"CPU": max(cpus, 1.0)}   # a node of engines alone: its hosts' CPU
+            if gpus:
+                res["GPU"] = float(gpus)
+            out.append(res)
+        return out
+
+
+def engine_gpus(cfg: Config) -> int:
+    """GPUs one SGLang server uses (0 for the CPU reference engine)."""
+    r = cfg.rollout
+    if r.engine != "sglang":
+        return 0
+    g = r.sglang
+    dp = 1 if "--enable-dp-attention" in g.extra_args else g.dp_size
+    return g.tp_size * dp
+
+
+def ray_resources(cfg: Config, proc: PlannedProcess) -> dict[str, float]:
+    """What ``proc``'s Ray actor reserves inside its node's bundle."""
+    if proc.role == "trainer":
+        return {"num_cpus": cfg.cluster.cpus_per_worker, "num_gpus": float(len(proc.gpus))}
+    if proc.role == "engine":   # colocated engines use the trainer's reservation
+        return {"num_cpus": 0.0,
+                "num_gpus": 0.0 if cfg.cluster.colocate else float(len(proc.gpus))}
+    return {"num_cpus": 1.0, "num_gpus": 0.0}
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host in LOOPBACK_HOSTS
+
+
+def engine_host(cfg: Config, nodes: int, node_address: str) -> str:
+    """The address a server binds: ``rollout.host``; on a multi-node run a loopback
+    ``rollout.host`` is replaced by the node's address."""
+    host = cfg.rollout.host
+    return node_address if nodes > 1 and is_loopback(host) else host
+
+
+def engine_command(cfg: Config, proc: PlannedProcess, model_path: str
+                   ) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment moe_rl sets) of engine ``proc`` at its host and port."""
+    r = cfg.rollout
+    if r.engine == "sglang":
+        return sglang_argv(cfg, model_path, proc.host, proc.port), sglang_env(proc.gpus)
+    return reference_argv(model_path, proc.host, proc.port, dtype=r.engine_dtype,
+                          seed=cfg.trainer.seed + proc.index, api_key=r.api_key,
+                          return_routed_experts=requests_routing(cfg),
+                          sampling_mask_max_tokens=r.sampling_mask_max_tokens,
+                          deterministic_inference=r.sglang.deterministic_inference), \
+        dict(REFERENCE_ENV)
+
+
+def _spread(count: int, nodes: int) -> list[int]:
+    """Node of each of ``count`` processes spread over ``nodes`` in contiguous blocks."""
+    return [i * nodes // count for i in range(count)]
+
+
+def make_plan(cfg: Config, nodes: int | None = None, gpus_per_node: int | None = None,
+              node_addresses: list[str] | None = None, model_path: str | None = None) -> Plan:
+    """The plan of ``cfg`` on ``nodes`` x ``gpus_per_node`` (default: the ``cluster`` keys);
+    ``node_addresses``: each node's address (default: placeholders ``<node N address>``);
+    ``model_path``: the checkpoint the engines serve (default ``model.path``). ConfigError when
+    the run does not fit, naming the keys and the numbers."""
+    c, r = cfg.cluster, cfg.rollout
+    nodes = c.num_nodes if nodes is None else nodes
+    G = c.gpus_per_node if gpus_per_node is None else gpus_per_node
+    if nodes < 1 or G < 0:
+        raise ConfigError(f"cluster.num_nodes / gpus_per_node: expected >= 1 and >= 0, got "
+                          f"{nodes} / {G}")
+    addresses = node_addresses or [f"<node {n} address>" for n in range(nodes)]
+    model_path = model_path or cfg.model.path
+    procs: list[PlannedProcess] = []
+    E = engine_gpus(cfg)
+    if G > 0:
+        if c.trainer_workers > nodes * G:
+            raise ConfigError(f"cluster.trainer_workers: {c.trainer_workers} ranks need as many "
+                              f"GPUs; the cluster has {nodes} x {G} (cluster.num_nodes x "
+                              f"cluster.gpus_per_node)")
+        for rank in range(c.trainer_workers):
+            procs.append(PlannedProcess("trainer", rank, rank // G, [rank % G]))
+        if E > G:
+            raise ConfigError(f"rollout.sglang.tp_size: a server needs {E} GPUs on one node "
+                              f"(tp_size x dp_size), more than cluster.gpus_per_node = {G}")
+        slot = 0 if c.colocate else c.trainer_workers
+        engine_slots = []
+        for s in range(r.num_servers):
+            if E and slot % G + E > G:
+                slot = (slot // G + 1) * G
+            engine_slots.append(slot)
+            slot += E
+        if slot > nodes * G:
+            raise ConfigError(
+                f"rollout.num_servers: {r.num_servers} servers of {E} GPUs "
+                f"{'on the trainer GPUs' if c.colocate else f'beside {c.trainer_workers} trainer GPUs'}"
+                f" need {slot} GPU slots; the cluster has {nodes} x {G} = {nodes * G} "
+                f"(cluster.num_nodes x cluster.gpus_per_node)")
+        if c.colocate and slot > c.trainer_workers:
+            raise ConfigError(f"cluster.colocate: {r.num_servers} servers of {E} GPUs need "
+                              f"{slot} GPUs, more than the {c.trainer_workers} trainer GPUs "
+                              f"they share (cluster.trainer_workers)")
+        engine_nodes = [s // G for s in engine_slots]
+        engine_gpu_lists = [list(range(s % G, s % G + E)) for s in engine_slots]
+    else:
+        for rank, node in enumerate(_spread(c.trainer_workers, nodes)):
+            procs.append(PlannedProcess("trainer", rank, node, []))
+        engine_nodes = _spread(r.num_servers, nodes)
+        engine_gpu_lists = [[] for _ in range(r.num_servers)]
+    on_node: dict[int, int] = {}
+    for s, (node, gpus) in enumerate(zip(engine_nodes, engine_gpu_lists)):
+        k = on_node.get(node, 0)
+        on_node[node] = k + 1
+        proc = PlannedProcess("engine", s, node, gpus,
+                              host=engine_host(cfg, nodes, addresses[node]),
+                              port=r.base_port + k)
+        proc.argv, proc.env = engine_command(cfg, proc, model_path)
+        procs.append(proc)
+    procs.append(PlannedProcess("rollout", 0, 0, []))
+    plan = Plan(nodes, G, procs)
+    plan.weight_update_group = weight_group_plan(cfg, plan)
+    return plan
+
+
+def weight_group_plan(cfg: Config, plan: Plan) -> dict | None:
+    """The weight-update group of ``cluster.weight_sync: distributed``: rank 0 is trainer rank
+    0, server s's TP rank j is rank ``1 + s * ranks_per_server + j``."""
+    if cfg.cluster.weight_sync != "distributed":
+        return None
+    per = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
+    t0 = plan.of("trainer")[0]
+    ranks = [{"rank": 0, "process": t0.name, "node": t0.node, "gpu": (t0.gpus or [None])[0]}]
+    for e in plan.of("engine"):
+        for j in range(per):
+            ranks.append({"rank": 1 + e.index * per + j, "process": f"{e.name} tp {j}",
+                          "node": e.node, "gpu": e.gpus[j] if e.gpus else None})
+    return {"backend": "nccl" if plan.gpus_per_node > 0 else "gloo",
+            "world_size": len(ranks), "ranks": ranks}
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a person reads it."""
+    lines = [f"{plan.nodes} node(s) x {plan.gpus_per_node} GPU(s)"]
+    for p in plan.processes:
+        gpus = ",".join(map(str, p.gpus)) if p.gpus else "-"
+        lines.append(f"{p.name:<10} node {p.node}  gpus {gpus}")
+        if p.role == "engine":
+            lines.append(f"           listens on {p.host}:{p.port}")
+            lines.append("           env " + " ".join(f"{k}={v}" for k, v in p.env.items()))
+            lines.append("           argv " + " ".join(p.argv))
+    g = plan.weight_update_group
+    if g:
+        lines.append(f"weight-update group ({g['backend']}, world size {g['world_size']}):")
+        for m in g["ranks"]:
+            gpu = "-" if m["gpu"] is None else m["gpu"]
+            lines.append(f"  rank {m['rank']:<3} {m['process']:<16} node {m['node']}  gpu {gpu}")
+    return "\n".join(lines)

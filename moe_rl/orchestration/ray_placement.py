@@ -1,0 +1,70 @@
+"""The placement plan made real on a Ray cluster: one placement-group bundle per plan node (the
+CPUs and GPUs its processes reserve; on several nodes ``STRICT_SPREAD``, so plan node i is one
+Ray node of its own), and the Ray options that put each process's actor in its node's bundle."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import ray
+
+from moe_rl.config import Config
+from moe_rl.orchestration.placement import Plan, PlannedProcess, ray_resources
+
+# Trainer ranks choose their GPU themselves (the plan's index, torch.cuda.set_device); Ray must
+# not narrow CUDA_VISIBLE_DEVICES to the one it would have picked.
+NO_RAY_CUDA_VISIBLE = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+def start_ray(cfg: Config, plan: Plan) -> None:
+    """Connect to ``cluster.ray_address`` or start a local Ray with the CPUs the plan reserves."""
+    if ray.is_initialized():
+        return
+    if cfg.cluster.ray_address:
+        ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
+    else:
+        need = sum(b["CPU"] for b in plan.node_resources(cfg))
+        ray.init(num_cpus=max(math.ceil(need), os.cpu_count() or 1), log_to_driver=False,
+                 include_dashboard=False)
+
+
+@dataclass
+class Reservation:
+    """The run's placement group and, per plan node, its Ray node id and address."""
+    pg: object
+    node_ids: list[str]
+    addresses: list[str]
+
+    def options(self, cfg: Config, proc: PlannedProcess) -> dict:
+        """``.options(...)`` of ``proc``'s actor: its node's bundle and its share of it."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        res = ray_resources(cfg, proc)
+        opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=proc.node),
+                "num_cpus": res["num_cpus"], "num_gpus": res["num_gpus"]}
+        if proc.role == "trainer" and proc.gpus:
+            opts["runtime_env"] = {"env_vars": dict(NO_RAY_CUDA_VISIBLE)}
+        return opts
+
+    def release(self) -> None:
+        ray.util.remove_placement_group(self.pg)
+
+
+def reserve(cfg: Config, plan: Plan, timeout_s: float = 600.0) -> Reservation:
+    """Reserve every plan node's resources on its own Ray node (waits up to ``timeout_s``; a
+    RuntimeError names what could not be placed)."""
+    from ray.util.placement_group import placement_group, placement_group_table
+    bundles = plan.node_resources(cfg)
+    pg = placement_group(bundles, strategy="STRICT_SPREAD" if plan.nodes > 1 else "PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(f"cluster: the Ray cluster cannot hold the plan's {plan.nodes} "
+                           f"node(s) (each on its own node): {bundles}; Ray has "
+                           f"{ray.cluster_resources()} over {len(ray.nodes())} node(s)") from None
+    table = placement_group_table(pg)["bundles_to_node_id"]
+    node_ids = [table[i] for i in range(len(bundles))]
+    by_id = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return Reservation(pg, node_ids, [by_id[i] for i in node_ids])
