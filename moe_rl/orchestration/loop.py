@@ -39,6 +39,7 @@ def place_engines(cfg: Config, plan, reservation, model_path: str, log_dir: str)
     hosts = [EngineHost.options(**reservation.options(cfg, p)).remote(
         tree, dataclasses.asdict(p), plan.nodes, model_path,
         os.path.join(log_dir, f"engine_{p.index}.log")) for p in plan.of("engine")]
+    ray.get([h.placed.remote() for h in hosts])   # every port held before any is released
     placed = ray.get([h.start.remote() for h in hosts])
     engines = iter(PlannedProcess(**d) for d in placed)
     plan.processes = [next(engines) if p.role == "engine" else p for p in plan.processes]

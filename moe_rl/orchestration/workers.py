@@ -160,23 +160,31 @@ class EngineHost:
     def __init__(self, cfg_tree: dict, planned: dict, nodes: int, model_path: str,
                  log_path: str):
         from moe_rl.orchestration.placement import PlannedProcess, engine_command, engine_host
-        from moe_rl.rollout.reference_process import CommandServer, pick_ports
+        from moe_rl.rollout.reference_process import CommandServer, bind_first_free
         cfg = config_from_dict(cfg_tree)
         self.cfg = cfg
         proc = PlannedProcess(**planned)
         proc.host = engine_host(cfg, nodes, ray.util.get_node_ip_address())
-        proc.port = pick_ports(proc.host, proc.port, 1)[0]
+        # the port is held from here to the launch: hosts sharing an address never collide
+        self.sock = bind_first_free(proc.host, proc.port)
+        proc.port = self.sock.getsockname()[1]
         proc.argv, proc.env = engine_command(cfg, proc, model_path)
         self.planned = proc
         self.server = CommandServer(proc.argv, proc.env, proc.host, proc.port,
                                     inherits_socket=cfg.rollout.engine != "sglang",
                                     api_key=cfg.rollout.api_key, log_path=log_path)
 
-    def start(self) -> dict:
-        """Start the server and wait for its /health; returns the process as placed."""
+    def placed(self) -> dict:
+        """The process as placed (its address and the port it holds)."""
         import dataclasses
-        self.server.start(self.cfg.rollout.health_timeout_s)
         return dataclasses.asdict(self.planned)
+
+    def start(self) -> dict:
+        """Start the server on the held port and wait for its /health; returns
+        :meth:`placed`."""
+        sock, self.sock = self.sock, None
+        self.server.start(self.cfg.rollout.health_timeout_s, sock=sock)
+        return self.placed()
 
     def url(self) -> str:
         return self.server.url

@@ -24,6 +24,17 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_first_free(host: str, first: int) -> socket.socket:
+    """A listening socket on the first port from ``first`` up that ``host`` can bind, held
+    (so no concurrent chooser on this address can take the same port)."""
+    for port in range(first, 65536):
+        try:
+            return bind_port(host, port)
+        except OSError:
+            continue
+    raise RuntimeError(f"rollout.base_port: no free port from {first} up on {host}")
+
+
 def pick_ports(host: str, first: int, count: int) -> list[int]:
     """The first ``count`` ports from ``first`` up that can be bound on ``host`` now (busy ones
     are skipped; RuntimeError when fewer are free below 65536)."""
@@ -105,12 +116,16 @@ class ServerProcess:
             cmd += ["--fd", str(fd)]
         return cmd, dict(os.environ, **REFERENCE_ENV)
 
-    def start(self, timeout: float = 120.0) -> "ServerProcess":
-        """Launch the server and wait until /health answers (RuntimeError on timeout/exit)."""
-        try:
-            sock = bind_port(self.host, self.port)
-        except OSError as exc:
-            raise RuntimeError(f"server port {self.port} on {self.host} is taken: {exc}") from exc
+    def start(self, timeout: float = 120.0, sock: socket.socket | None = None
+              ) -> "ServerProcess":
+        """Launch the server and wait until /health answers (RuntimeError on timeout/exit);
+        ``sock``: the server's port, already bound and held by the caller (closed here)."""
+        if sock is None:
+            try:
+                sock = bind_port(self.host, self.port)
+            except OSError as exc:
+                raise RuntimeError(f"server port {self.port} on {self.host} is taken: {exc}") \
+                    from exc
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             if self.inherits_socket:
