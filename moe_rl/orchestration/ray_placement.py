@@ -25,8 +25,9 @@ def start_ray(cfg: Config, plan: Plan) -> None:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
     else:
         need = sum(b["CPU"] for b in plan.node_resources(cfg))
-        ray.init(num_cpus=max(math.ceil(need), os.cpu_count() or 1), log_to_driver=False,
-                 include_dashboard=False)
+        # address="local": a new Ray of its own, never a cluster another run left behind
+        ray.init(address="local", num_cpus=max(math.ceil(need), os.cpu_count() or 1),
+                 log_to_driver=False, include_dashboard=False)
 
 
 @dataclass
