@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import datetime
 import io
+import pickle
 
 import torch
 from torch.distributed import PrefixStore
@@ -131,58 +132,55 @@ def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[lis
 CUDA_IPC_DEVICE_ARG = 6   # position of the device in torch's CUDA-tensor rebuild arguments
 
 
-def patch_cuda_ipc_device_uuid() -> None:
-    """Make torch's pickling of CUDA tensors name the device by GPU UUID instead of its index, as
-    SGLang's ``monkey_patch_torch_reductions`` does on both of its ends (an index names another
-    GPU in a process with other ``CUDA_VISIBLE_DEVICES``). Idempotent, and a no-op when SGLang's
-    patch is already in place (same marker attribute)."""
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _torch_reduce_tensor():
+    """torch's own reduction of a tensor for inter-process sharing (SGLang's original when its
+    patch is installed in this process)."""
     from torch.multiprocessing import reductions
-    if hasattr(reductions, "_reduce_tensor_original"):
-        return
-    original_reduce = reductions.reduce_tensor
-    original_rebuild = reductions.rebuild_cuda_tensor
+    return getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
 
-    def uuid_of(index):
-        return str(torch.cuda.get_device_properties(index).uuid)
 
-    def index_of(device):
-        if not isinstance(device, str):
-            return device
-        for i in range(torch.cuda.device_count()):
-            if uuid_of(i) == device:
-                return i
-        raise RuntimeError(f"no visible GPU has UUID {device}")
+def reduce_cuda_tensor(tensor: torch.Tensor) -> tuple:
+    """``(rebuild, args)`` of a CUDA tensor as SGLang's receiver reads it: torch's CUDA IPC
+    handle with the device named by GPU UUID (an index names another GPU under another
+    ``CUDA_VISIBLE_DEVICES``), rebuilt by ``torch.multiprocessing.reductions.rebuild_cuda_tensor``
+    looked up by name at load time (SGLang's patch, installed in its workers, maps the UUID
+    back). Only module-level functions are referenced, so nothing local is pickled and every
+    global is one SGLang's ``SafeUnpickler`` admits."""
+    from torch.multiprocessing import reductions
+    _, args = _torch_reduce_tensor()(tensor)
+    args = tuple(_device_uuid(a) if i == CUDA_IPC_DEVICE_ARG and isinstance(a, int) else a
+                 for i, a in enumerate(args))
+    return reductions.rebuild_cuda_tensor, args
 
-    def reduce_by_uuid(tensor):
-        fn, args = original_reduce(tensor)
-        if tensor.is_cuda:
-            args = tuple(uuid_of(a) if i == CUDA_IPC_DEVICE_ARG else a
-                         for i, a in enumerate(args))
-        return fn, args
 
-    def rebuild_by_uuid(*args):
-        return original_rebuild(*(index_of(a) if i == CUDA_IPC_DEVICE_ARG else a
-                                  for i, a in enumerate(args)))
+class _IPCPickler(pickle.Pickler):
+    """A pickler that shares CUDA tensors by IPC handle (:func:`reduce_cuda_tensor`)."""
 
-    reductions._reduce_tensor_original = original_reduce
-    reductions._rebuild_cuda_tensor_original = original_rebuild
-    reductions.reduce_tensor = reduce_by_uuid
-    reductions.rebuild_cuda_tensor = rebuild_by_uuid
-    reductions.init_reductions()
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            if not is_ipc_tensor(obj):
+                raise ValueError(f"cluster.weight_sync: tensor sync hands CUDA tensors to "
+                                 f"colocated SGLang; got a tensor on {obj.device}")
+            return reduce_cuda_tensor(obj)
+        return NotImplemented
+
+
+def is_ipc_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` can be shared by CUDA IPC handle."""
+    return tensor.is_cuda
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
-    """SGLang's ``MultiprocessingSerializer`` format: ForkingPickler dump (CUDA tensors travel as
-    IPC handles naming their GPU by UUID, so the tensors must stay alive until the server has
-    loaded them), base64. This produces a pickle for SGLang to read; moe_rl itself never
-    unpickles network data."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions)
-    if any(t.is_cuda for _, t in named):
-        patch_cuda_ipc_device_uuid()
+    """SGLang's ``MultiprocessingSerializer`` format (a pickle, base64) of ``[(name, tensor)]``
+    with CUDA tensors as IPC handles (:func:`reduce_cuda_tensor`): the tensors must stay alive
+    until the server has loaded them. This produces a pickle for SGLang to read; moe_rl itself
+    never unpickles network data."""
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(named)
+    _IPCPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(list(named))
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

@@ -124,18 +124,64 @@ def test_request_bodies():
         open_group("mpi", "127.0.0.1", free_port(), 0, 1, "g")
 
 
-def test_tensor_update_body_is_sglangs_serialisation():
-    import base64
+def fake_cuda_ipc(monkeypatch):
+    """No GPU here: tensors count as CUDA ones and torch's CUDA reduction is replaced by one
+    returning the argument layout torch gives a CUDA tensor (device index 0)."""
+    import torch.multiprocessing.reductions as reductions
+    import moe_rl.weight_sync as ws
+
+    def reduce(t):
+        return reductions.rebuild_cuda_tensor, (
+            torch.Tensor, t.size(), t.stride(), 0, torch.UntypedStorage, t.dtype, 0,
+            b"ipc-handle", t.numel() * t.element_size(), 0, False, b"ref-handle", 0,
+            b"event-handle", True)
+    monkeypatch.setattr(ws, "is_ipc_tensor", lambda t: True)
+    monkeypatch.setattr(ws, "_torch_reduce_tensor", lambda: reduce)
+    monkeypatch.setattr(ws, "_device_uuid", lambda i: f"GPU-uuid-{i}")
+
+
+def pickle_globals(data: bytes) -> set[tuple[str, str]]:
+    """The (module, name) globals a pickle references (loaded with every global stubbed, so
+    nothing it names runs)."""
+    import io
     import pickle
+    seen = set()
+
+    class Stub:
+        def __init__(self, *a, **k):
+            pass
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return Stub
+    Recorder(io.BytesIO(data)).load()
+    return seen
+
+
+def test_tensor_update_body_is_sglangs_serialisation(monkeypatch):
+    """CUDA tensors travel as IPC handles naming the GPU by UUID, through module-level functions
+    only (the defect: closures installed on torch's reductions could not be pickled, and a
+    moe_rl global would be refused by SGLang's SafeUnpickler). make test-contract reads these
+    bytes with SGLang's own deserializer."""
+    import base64
     from moe_rl.weight_sync import serialize_named_tensors, tensor_update_request
-    named = [("model.norm.weight", torch.arange(4.0))]
+    fake_cuda_ipc(monkeypatch)
+    named = [("model.norm.weight", torch.arange(4.0)), ("w", torch.ones(2, 3, dtype=torch.bfloat16))]
     per_rank = [serialize_named_tensors(named), serialize_named_tensors([("x", torch.ones(2))])]
     body = tensor_update_request(per_rank, version=3)
     assert body["weight_version"] == "3" and body["flush_cache"] is True
     assert body["serialized_named_tensors"] == per_rank   # TP rank j reads entry j
-    # bytes produced in this process (what SGLang's MultiprocessingSerializer.deserialize reads)
-    back = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
-    assert back[0][0] == "model.norm.weight" and torch.equal(back[0][1], named[0][1])
+    data = base64.b64decode(per_rank[0])
+    assert pickle_globals(data) == {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+                                    ("torch", "Tensor"), ("torch", "Size"),
+                                    ("torch.storage", "UntypedStorage"), ("torch", "float32"),
+                                    ("torch", "bfloat16")}
+    assert b"GPU-uuid-0" in data and b"moe_rl" not in data
+    import moe_rl.weight_sync as ws
+    monkeypatch.setattr(ws, "is_ipc_tensor", lambda t: t.is_cuda)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        serialize_named_tensors([("cpu", torch.ones(2))])
 
 
 def _gather_worker(rank, port, out):
