@@ -6,7 +6,12 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-all demo bench clean
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_VERSION := 0.5.23
+
+.PHONY: setup test test-slow test-all test-contract demo bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -19,13 +24,26 @@ $(STAMP): setup.py
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not slow and not contract" $(PYTEST_ARGS) tests
+
+# SGLang's own environment (its pinned wheel without its GPU dependencies, the CPU torch, the
+# light dependencies its Python needs); the contract tests run SGLang's code there as the judge.
+$(SGLANG_STAMP): tests/contract/requirements.txt
+	test -x $(SGLANG_PY) || $(PY_SYS) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install --quiet --upgrade pip
+	$(SGLANG_PY) -c "import torch" 2>/dev/null || $(SGLANG_PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	$(SGLANG_PY) -m pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	$(SGLANG_PY) -m pip install --quiet -r tests/contract/requirements.txt
+	touch $(SGLANG_STAMP)
+
+test-contract: $(STAMP) $(SGLANG_STAMP)
+	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m contract $(PYTEST_ARGS) tests/contract
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow" $(PYTEST_ARGS) tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not contract" $(PYTEST_ARGS) tests
 
 demo: $(STAMP)
 	$(VENV)/bin/moe-rl demo
@@ -34,4 +52,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info
