@@ -16,7 +16,8 @@ def _partitions(hf: dict, tp: int, ep: int) -> list[tuple[str, int, bool]]:
     model_type = hf.get("model_type", "")
     heads = int(hf.get("num_attention_heads") or 0)
     if heads and model_type != "deepseek_v3":   # MLA's projections are not merged this way
-        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+        head_dim = int(hf["hidden_size"] // heads if model_type == "mixtral"   # SGLang's rule
+                       else hf.get("head_dim") or hf["hidden_size"] // heads)
         kv = int(hf.get("num_key_value_heads") or heads)
         out += [("the query partition of the merged QKV projection (num_attention_heads / "
                  "tp_size x head_dim)", heads // tp * head_dim, True),

@@ -217,6 +217,42 @@ def fp8_config(cases: list[dict]) -> list[dict]:
     return out
 
 
+def fp8_modules(case: dict) -> dict:
+    """Build SGLang's own model class for the HF model at ``case["model"]`` on the meta device
+    with block-wise FP8 (``Fp8Config``), tensor parallel 1 over a one-process gloo group; return
+    every module that has a quantisation method, by name, with the method's class."""
+    import os
+    import torch
+    for name in ("vllm", "vllm._custom_ops"):   # an optional CPU rotary kernel, never called
+        m = types.ModuleType(name)
+        m.__path__ = []
+        m.rotary_embedding = None
+        sys.modules[name] = m
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.server_args import ServerArgs
+    import transformers
+    rc.publish(ServerArgs(model_path=case["model"], device="cpu"), role="scheduler")
+    port = case["port"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+    ps.initialize_model_parallel("gloo")
+    rc.get_parallel().override_permanently(
+        tp_rank=0, pp_rank=0, attn_cp_rank=0, moe_dp_rank=0, moe_ep_rank=0, moe_tp_rank=0,
+        attn_tp_rank=0, attn_dp_rank=0)
+    hf = transformers.AutoConfig.from_pretrained(case["model"])
+    cls, _ = ModelRegistry.resolve_model_cls(hf.architectures)
+    qc = Fp8Config.from_config(case["quantization_config"])
+    with torch.device("meta"):
+        model = cls(hf, quant_config=qc)
+    return {"class": cls.__name__,
+            "methods": {n: type(m.quant_method).__name__ for n, m in model.named_modules()
+                        if getattr(m, "quant_method", None) is not None}}
+
+
 def weight_group(case: dict) -> dict:
     """Join the trainer's weight-update group as SGLang does (``init_custom_process_group``)
     and receive the announced tensors the way its model runner does (broadcast from rank 0)."""
@@ -257,7 +293,7 @@ def sampling_mask(cases: list[dict]) -> list[dict]:
 
 
 COMMANDS = {"server_args": server_args, "requests": requests, "tensor_payload": tensor_payload,
-            "fp8_config": fp8_config, "weight_group": weight_group,
+            "fp8_config": fp8_config, "fp8_modules": fp8_modules, "weight_group": weight_group,
             "sampling_mask": sampling_mask}
 
 

@@ -340,3 +340,75 @@ def test_kept_set_matches_sglangs_torch_sampler_with_ties(tmp_path):
         ours = kept_set(torch.tensor(case["probs"], dtype=torch.float64), case["top_k"],
                         case["top_p"], case["min_p"], backend="pytorch")
         assert sorted(ours.tolist()) == res["kept"], (case, res)
+
+
+# ----------------------------------------------------------------------- FP8 quantised modules
+
+SHAPE_128 = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=128, max_position_embeddings=64,
+                 tie_word_embeddings=False)
+ARCHS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(SHAPE_128, intermediate_size=256, moe_intermediate_size=128,
+                       num_experts=4, num_experts_per_tok=2)),
+    # SGLang's Mixtral takes head_dim = hidden_size / heads (it ignores config.head_dim)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(SHAPE_128, hidden_size=512, intermediate_size=128, num_local_experts=4,
+                     num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(vocab_size=256, hidden_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, intermediate_size=256,
+                         moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
+                         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                         moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",
+                         norm_topk_prob=True,
+                         q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=128,
+                         qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=64,
+                         tie_word_embeddings=False,   # SGLang's CPU rope for MLA wants YaRN
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                          "factor": 4.0, "original_max_position_embeddings": 16,
+                                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0})),
+}
+# How SGLang's loaders fold HF weights into its modules (their stacked-parameter mappings):
+# q/k/v into qkv_proj, gate/up into gate_up_proj, every expert of a layer into one experts
+# module, DeepSeek's q_a_proj and kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa.
+MERGED = [(r"\.(q|k|v)_proj$", ".qkv_proj"), (r"\.(gate|up)_proj$", ".gate_up_proj"),
+          (r"\.experts\.\d+\.(gate_up_proj|down_proj|w1|w2|w3)$", ".experts"),
+          (r"\.(q_a_proj|kv_a_proj_with_mqa)$", ".fused_qkv_a_proj_with_mqa")]
+
+
+def _sglang_module(weight: str) -> str:
+    import re
+    name = weight[:-len(".weight")]
+    for pattern, repl in MERGED:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_fp8_writer_quantises_what_sglangs_model_builds_with_fp8(arch, tmp_path):
+    """For each supported architecture: the modules moe_rl's FP8 checkpoint quantises (its
+    one predicate) are exactly those SGLang's model class builds with an FP8 method, and every
+    module SGLang builds unquantised (router gates, embeddings, LM head) is left as it is."""
+    import transformers
+    from safetensors import safe_open
+    from moe_rl.rollout.fp8 import QUANTIZATION_CONFIG, write_fp8_checkpoint
+    conf_cls, model_cls, fields = ARCHS[arch]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, conf_cls)(**fields)
+    cfg.architectures = [model_cls]
+    getattr(transformers, model_cls)(cfg).save_pretrained(tmp_path / "hf")
+    out = write_fp8_checkpoint(str(tmp_path / "hf"), str(tmp_path / "fp8"))
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as fh:
+        names = list(fh.keys())
+    ours = {_sglang_module(n) for n in names if n + "_scale_inv" in names}
+    res = judge("fp8_modules", {"model": out, "port": free_port(),
+                                "quantization_config": QUANTIZATION_CONFIG}, tmp_path)
+    weights = {n: m for n, m in res["methods"].items() if "KVCache" not in m}   # not weights
+    fp8 = {n for n, m in weights.items() if m.startswith("Fp8")}
+    unquantised = {n for n, m in weights.items() if not m.startswith("Fp8")}
+    assert ours == fp8, f"{res['class']}: moe_rl only {sorted(ours - fp8)}, " \
+                        f"SGLang only {sorted(fp8 - ours)}"
+    assert not ours & unquantised
+    assert not any(n.endswith(".gate") for n in ours)         # router gates stay unquantised
