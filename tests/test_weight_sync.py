@@ -227,51 +227,6 @@ def test_tensor_sync_config_requirements():
                                           "rollout.sglang.dp_size=2"])
 
 
-def _sglang_side(port, world, rank, out):
-    """The engine's side as SGLang's ``init_weights_update_group`` builds it, step by step (written
-    here independently of moe_rl.weight_sync), then SGLang's receive: torch.distributed.broadcast
-    from group rank 0."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-    timeout = timedelta(seconds=60)
-    store, rank, world = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", rank, world,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore("moe_rl_weights", store)
-    pg, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend("gloo"), store,
-                                           group_name="moe_rl_weights", backend_options=None,
-                                           timeout=timeout)
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
-    t = torch.empty(3, 2)
-    dist.broadcast(t, src=0, group=pg)
-    torch.save(t, out)
-    dist.barrier(group=pg)   # every rank received before any tears its gloo threads down
-    dist.destroy_process_group(pg)   # (exiting with them alive can abort the process)
-
-
-@pytest.mark.multiproc
-def test_trainer_group_meets_sglangs_construction(tmp_path):
-    import multiprocessing as mp
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    kids = [ctx.Process(target=_sglang_side, args=(port, 3, r, str(tmp_path / f"r{r}.pt")))
-            for r in (1, 2)]
-    for k in kids:
-        k.start()
-    group = open_group("gloo", "127.0.0.1", port, 0, 3, "moe_rl_weights", timeout_s=60)
-    sent = torch.arange(6.0).reshape(3, 2)
-    broadcast_tensors(group, [("w", sent)])
-    group.group.barrier().wait()   # the receivers' barrier before they tear the group down
-    for k in kids:
-        k.join(60)
-        assert k.exitcode == 0
-    close_group(group)
-    for r in (1, 2):
-        assert torch.equal(torch.load(tmp_path / f"r{r}.pt"), sent)
-
-
 def test_buckets_hold_at_most_one_bucket_and_mark_the_last():
     from moe_rl.trainer.hf_weights import hf_buckets
     tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5, 5])]  # floats
