@@ -239,6 +239,8 @@ def test_every_request_body_is_read_by_sglang_as_meant(recorded_requests, tmp_pa
     assert any("token_ids_logprob" in b for b in generate)                  # kept-set scoring
     assert any(b["sampling_params"].get("max_new_tokens") == 0 for b in generate)   # scoring
     assert any(b.get("routed_experts_start_len") for b in generate)         # multi-turn turn 2
+    assert any(b["sampling_params"] == {"max_new_tokens": 0} and "routed_experts_start_len" in b
+               for b in generate)                                           # routing refetch
     results = judge("requests", recorded_requests, tmp_path)
     for req, res in zip(recorded_requests, results):
         where = f"{req['method']} {req['path']} {json.dumps(req['body'])[:300]}"
