@@ -11,7 +11,7 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_VERSION := 0.5.23
 
-.PHONY: setup test test-slow test-all test-contract demo bench clean
+.PHONY: setup test test-slow test-all test-contract test-multinode demo bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -24,7 +24,11 @@ $(STAMP): setup.py
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not contract" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not slow and not contract and not multinode" $(PYTEST_ARGS) tests
+
+# a run placed on Ray's multi-node test cluster (several raylets on this machine)
+test-multinode: $(STAMP)
+	$(PY) -m pytest -q -m multinode $(PYTEST_ARGS) tests
 
 # SGLang's own environment (its pinned wheel without its GPU dependencies, the CPU torch, the
 # light dependencies its Python needs); the contract tests run SGLang's code there as the judge.

@@ -40,6 +40,7 @@ def _shim(tmp_path, records) -> str:
     return str(path)
 
 
+@pytest.mark.multinode
 @pytest.mark.e2e
 def test_train_places_engines_on_their_nodes_and_gpus_as_planned(cluster, tmp_path):
     c, labels = cluster
