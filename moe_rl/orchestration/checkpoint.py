@@ -4,14 +4,17 @@ replaced atomically; the last ``trainer.keep_checkpoints`` are kept. A directory
 trainer state (``trainer/dist``: weights, Adam state and EMA as megatron-core ``dist_checkpointing``
 shards that any parallel layout can load; ``trainer/rank{r}.pt``: each rank's scheduler, counters
 and RNG states), the loop state (step, data sampler), the resolved config, the model and layout
-that wrote it, and a manifest of every file with its size, which a load checks first (a
-truncated or missing file is refused naming it)."""
+that wrote it, and a manifest of every file with its size and SHA-256, which a load checks
+first (a truncated, damaged, edited or missing file is refused naming it; ``--resume`` then takes
+the previous complete step and says so)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 
 from moe_rl.config import Config, dump_config
 
@@ -62,9 +65,7 @@ def save(trainers, loop_state: dict, cfg: Config, ckpt_dir: str, step: int) -> s
         _write_json(os.path.join(tmp, "layout.json"), _layout(cfg))
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as fh:
             fh.write(dump_config(cfg))
-        files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
-                 for d, _, names in os.walk(tmp) for f in names}
-        _write_json(os.path.join(tmp, MANIFEST), {"step": step, "files": files})
+        _write_json(os.path.join(tmp, MANIFEST), {"step": step, "files": _file_records(tmp)})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         tracker_tmp = os.path.join(ckpt_dir, TRACKER + ".tmp")
@@ -117,29 +118,70 @@ def latest(ckpt_dir: str) -> str | None:
             text = fh.read().strip()
         if text.isdigit():
             candidates.insert(0, int(text))
-    for step in candidates:
-        if _check_files(iteration_dir(ckpt_dir, step)) is None:
+    skipped = []
+    for step in dict.fromkeys(candidates):
+        problem = _check_files(iteration_dir(ckpt_dir, step))
+        if problem is None:
+            for why in skipped:   # never silently: the user learns which step was passed over
+                print(f"checkpoint skipped: {why}; resuming from "
+                      f"{iteration_dir(ckpt_dir, step)} instead", file=sys.stderr, flush=True)
             return iteration_dir(ckpt_dir, step)
+        if os.path.isdir(iteration_dir(ckpt_dir, step)):
+            skipped.append(problem)
+    for why in skipped:
+        print(f"checkpoint skipped: {why}", file=sys.stderr, flush=True)
     return None
 
 
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_records(root: str) -> dict[str, dict]:
+    """Every file under ``root``: its size and SHA-256 (hashed on several threads)."""
+    from concurrent.futures import ThreadPoolExecutor
+    paths = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        digests = list(pool.map(_sha256, paths))
+    return {os.path.relpath(p, root): {"size": os.path.getsize(p), "sha256": h}
+            for p, h in zip(paths, digests)}
+
+
 def _check_files(path: str) -> str | None:
-    """None when every file of the manifest is there with its size; else what is wrong."""
+    """None when every file of the manifest is there with its size and SHA-256 (and the loop
+    state names the manifest's step); else what is wrong, naming the file. Manifests written
+    before SHA-256s were recorded hold sizes only, which are checked."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         return f"{path}: not a complete checkpoint (no {MANIFEST})"
     try:
         with open(manifest_path, encoding="utf-8") as fh:
-            files = json.load(fh)["files"]
-    except (ValueError, KeyError) as exc:
+            manifest = json.load(fh)
+        files, step = manifest["files"], manifest["step"]
+    except (ValueError, KeyError, TypeError) as exc:
         return f"{manifest_path}: unreadable ({exc})"
-    for name, size in files.items():
+    for name, record in files.items():
         file = os.path.join(path, name)
+        size = record["size"] if isinstance(record, dict) else record
         if not os.path.isfile(file):
             return f"{file}: missing from the checkpoint"
         if os.path.getsize(file) != size:
             return (f"{file}: {os.path.getsize(file)} bytes, the manifest says {size} "
                     f"(truncated or corrupted)")
+        if isinstance(record, dict) and _sha256(file) != record.get("sha256"):
+            return f"{file}: its SHA-256 differs from the manifest's (damaged or edited)"
+    try:
+        with open(os.path.join(path, LOOP_STATE), encoding="utf-8") as fh:
+            loop_step = json.load(fh)["step"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{os.path.join(path, LOOP_STATE)}: unreadable ({exc})"
+    if loop_step != step:
+        return (f"{os.path.join(path, LOOP_STATE)}: step {loop_step}, but the checkpoint is of "
+                f"step {step}")
     return None
 
 
