@@ -101,8 +101,11 @@ def test_engine_passes_differ_like_a_loaded_server(tiny_model, tmp_path, determi
     """engine_avg's n passes run in batches of other sizes: they differ (pass_std > 0) on the
     default engine and are bit-identical with deterministic inference; either way the float32
     engine still agrees with the float32 trainer (zero-mismatch invariant)."""
+    # 4 passes of 16 samples: enough batches of different sizes that the passes of some sample
+    # land in batches that split the KV differently (2 passes of 8 samples at times did not)
     m = _train(tiny_model, tmp_path / "run",
-               f"rollout.sglang.deterministic_inference={str(deterministic).lower()}")
+               f"rollout.sglang.deterministic_inference={str(deterministic).lower()}",
+               "algorithm.pi_old_passes=4", "rollout.prompts_per_step=4")
     assert (m["pi_old/pass_std"] == 0.0) == deterministic, m["pi_old/pass_std"]
     assert m["mismatch/k3"] < 1e-6 and m["ratio/first_minibatch_max_dev"] < 1e-5
 
