@@ -34,7 +34,8 @@ def judge(command: str, cases, tmp_path, timeout: float = 600):
     """What SGLang's own code made of ``cases`` (run in SGLang's environment)."""
     python = os.environ.get("MOE_RL_SGLANG_PYTHON")
     if not python:
-        pytest.skip("MOE_RL_SGLANG_PYTHON is not set: run `make test-contract`")
+        pytest.fail("MOE_RL_SGLANG_PYTHON is not set: the contract tests need SGLang's own "
+                    "environment; run them with `make test-contract`")
     src, dst = tmp_path / f"{command}_in.json", tmp_path / f"{command}_out.json"
     src.write_text(json.dumps(cases))
     res = subprocess.run([python, "-P", str(JUDGE), command, str(src), str(dst)],
