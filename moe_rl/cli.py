@@ -32,9 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``moe-rl`` console script."""
+    from moe_rl.errors import UserError
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:   # the user's input refused: one line, no traceback
+        print(f"moe-rl {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

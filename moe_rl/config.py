@@ -18,10 +18,11 @@ from typing import Any, Literal
 
 import yaml
 
+from moe_rl.errors import UserError
 from moe_rl.moe_shape import MoEShape
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem, with the dotted key it concerns."""
 
 
@@ -308,6 +309,11 @@ class DataConfig:
                                  "environment, the environment gives the reward)")
     max_failed_reward_batches: int = _f(1, "stop the run when the reward function failed on "
                                         "every sample of this many batches in a row", **_rng(1))
+    reward_timeout_s: float = _f(60.0, "seconds one reward call may take; past it the sample is "
+                                 "dropped and counted (reward/timeouts)", **_rng(0, lo_open=True))
+    environment_timeout_s: float = _f(60.0, "seconds one environment call (constructor, reset, "
+                                      "step) may take; past it the trajectory is dropped and "
+                                      "counted (rollout/env_timeouts)", **_rng(0, lo_open=True))
     toy_max_operand: int = _f(9, "toy task: largest operand of the additions", **_rng(1))
     toy_size: int = _f(512, "toy task: number of prompts", **_rng(1))
     shuffle_seed: int = _f(0, "seed of the deterministic shuffle", **_rng(0, 2 ** 32 - 1))

@@ -18,3 +18,58 @@ def load_named(spec: str, key: str, builtin: dict, form: str):
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"{key}: cannot load {spec!r}: {exc}") from None
+
+
+class PluginTimeout(Exception):
+    """User code (a reward function, an environment) did not return within its bound."""
+
+
+def _start_daemon(fn, args, deliver) -> None:
+    """Run ``fn(*args)`` on a daemon thread (one that never returns cannot hold up the
+    process's exit) and hand ``deliver`` (ok, result-or-exception)."""
+    import threading
+
+    def target():
+        try:
+            result = fn(*args)
+        except BaseException as exc:   # noqa: BLE001 - handed to the caller as it is
+            deliver(False, exc)
+            return
+        deliver(True, result)
+    threading.Thread(target=target, daemon=True, name="plugin-call").start()
+
+
+def call_bounded(fn, *args, timeout_s: float):
+    """``fn(*args)``, or PluginTimeout when it has not returned after ``timeout_s`` seconds
+    (the call is abandoned on its thread); its own exceptions are raised here."""
+    import queue
+    box: queue.Queue = queue.Queue(maxsize=1)
+    _start_daemon(fn, args, lambda ok, value: box.put((ok, value)))
+    try:
+        ok, value = box.get(timeout=timeout_s)
+    except queue.Empty:
+        raise PluginTimeout(f"did not return within {timeout_s:g} s") from None
+    if not ok:
+        raise value
+    return value
+
+
+async def call_bounded_async(fn, *args, timeout_s: float):
+    """:func:`call_bounded` for a coroutine: the event loop runs on meanwhile."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def deliver(ok, value):
+        def settle():
+            if not fut.done():
+                (fut.set_result if ok else fut.set_exception)(value)
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:   # the loop is gone: nobody waits for this call any more
+            pass
+    _start_daemon(fn, args, deliver)
+    try:
+        return await asyncio.wait_for(fut, timeout_s)
+    except asyncio.TimeoutError:
+        raise PluginTimeout(f"did not return within {timeout_s:g} s") from None

@@ -33,7 +33,7 @@ def load_run_inputs(cfg: Config) -> RunInputs:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.path: no tokenizer loads from {path!r}: {exc}") from None
     try:
-        reward = RewardFunction(cfg.data.reward)
+        reward = RewardFunction(cfg.data.reward, cfg.data.reward_timeout_s)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     environment = None

@@ -51,23 +51,28 @@ def open_group(backend: str, master_address: str, master_port: int, rank: int, w
     ``tcp://address:port`` rendezvous store, wrapped in ``PrefixStore(group_name)``, handed to
     torch's process-group constructor under ``group_name`` (which prefixes ``group_name/`` again)
     with the identity rank map. Any other construction waits on other store keys and hangs.
-    Blocks until every member has joined."""
+    Blocks until every member has joined, ``timeout_s`` at most in all (rendezvous and the
+    backend's connection share one deadline); the group's collectives then wait ``timeout_s``."""
     import inspect
+    import time
 
     from torch.distributed import distributed_c10d as c10d
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend: expected 'nccl' or 'gloo', got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
+    deadline = time.monotonic() + timeout_s
     store, rank, world_size = next(c10d.rendezvous(
         f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+    store.set_timeout(left)
     store = PrefixStore(group_name, store)
     options = ("backend_options" if "backend_options"
                in inspect.signature(c10d._new_process_group_helper).parameters else "pg_options")
     group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                              group_name=group_name, timeout=timeout,
+                                              group_name=group_name, timeout=left,
                                               **{options: None})
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    c10d._set_pg_timeout(timeout, group)
     return WeightGroup(store, group)
 
 

@@ -88,7 +88,8 @@ def test_convert_of_a_checkpoint_with_crafted_metadata_runs_nothing(trained_run,
                           "--checkpoint", str(step), "--hf", str(trained_run / "model"),
                           "--out", str(tmp_path / "out")], capture_output=True, text=True,
                          timeout=300)
-    assert res.returncode != 0 and not marker.exists()
+    assert res.returncode == 2 and not marker.exists()
+    assert "Traceback" not in res.stdout + res.stderr
     expect = "refused to load checkpoint metadata" if manifest_too else "SHA-256"
     assert expect in res.stdout + res.stderr and ".metadata" in res.stdout + res.stderr
 
@@ -107,7 +108,8 @@ def test_resume_from_a_checkpoint_with_crafted_metadata_runs_nothing(trained_run
                           "trainer.steps=5", "logging.progress=false",
                           "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
                           "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert res.returncode != 0 and not marker.exists()
+    assert res.returncode == 2 and not marker.exists()
+    assert "Traceback" not in res.stdout + res.stderr
     assert "refused to load checkpoint metadata" in res.stdout + res.stderr
 
 

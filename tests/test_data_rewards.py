@@ -85,6 +85,72 @@ def test_user_reward_failures_score_zero_and_are_counted(tmp_path, monkeypatch):
         load_reward("toys")
 
 
+HANGING_REWARDS = """
+import threading
+calls = 0
+
+def never(prompt, response, answer, metadata):
+    threading.Event().wait()
+
+def every_fifth_hangs(prompt, response, answer, metadata):
+    global calls
+    calls += 1
+    if calls % 5 == 0:
+        threading.Event().wait()
+    return float(len(response) % 2)
+"""
+
+
+def test_a_reward_call_past_its_timeout_loses_the_sample(tmp_path, monkeypatch):
+    import time
+    from types import SimpleNamespace
+    import torch
+    from moe_rl.rewards.functions import score_rewards
+    (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = RewardFunction("hanging_rewards:never", timeout_s=0.3)
+    t0 = time.monotonic()
+    assert fn("", "x", None, {}) is None
+    assert time.monotonic() - t0 < 2 and fn.timeouts == 1 and fn.errors == 0
+    assert "did not return within 0.3 s" in fn.first_error
+    fifth = RewardFunction("hanging_rewards:every_fifth_hangs", timeout_s=0.3)
+    samples = [SimpleNamespace(metadata={}, response_ids=torch.tensor([6] * k), reward=None)
+               for k in range(10)]
+    kept = score_rewards(samples, TOK, [], fifth)
+    assert len(kept) == 8 and fifth.timeouts == 2
+    assert [s.reward for s in kept] == [float(len(TOK.decode([6] * k)) % 2)
+                                        for k in range(10) if (k + 1) % 5]
+
+
+@pytest.mark.e2e
+def test_a_hanging_reward_through_moe_rl_train(tmp_path):
+    """`moe-rl train` with a reward that never returns on every fifth call: those samples are
+    dropped and counted (reward/timeouts), the log names it once, the run finishes."""
+    import os
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    from moe_rl.trainer.parallel import free_port
+    (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
+                   check=True, capture_output=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+         str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
+         f"logging.dir={tmp_path / 'run'}", "trainer.steps=2", "trainer.sft_warmup_steps=0",
+         "logging.progress=false", f"rollout.base_port={free_port()}",
+         "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+         "data.reward=hanging_rewards:every_fifth_hangs", "data.reward_timeout_s=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/timeouts"] for r in rows] == [3.0, 6.0]   # 16 calls a step
+    assert rows[-1]["reward/errors"] == 0.0
+    assert res.stdout.count("did not return within 1 s (data.reward_timeout_s)") == 1
+
+
 def test_jsonl_and_parquet_with_chat_template(tmp_path):
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "4+4=", "answer": 8}]
     jl = tmp_path / "d.jsonl"

@@ -454,6 +454,22 @@ class Flaky(TwoTurns):
 class Broken(TwoTurns):
     def step(self, action_ids, finish_reason):
         return {"observation_ids": [10 ** 6]}
+
+
+class Hangs(TwoTurns):
+    """Every third environment built never returns from its first step."""
+    built = 0
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        Hangs.built += 1
+        self.hangs = Hangs.built % 3 == 0
+
+    def step(self, action_ids, finish_reason):
+        if self.hangs:
+            import threading
+            threading.Event().wait()
+        return super().step(action_ids, finish_reason)
 '''
 
 
@@ -491,11 +507,25 @@ def test_failing_environment_is_counted_not_fatal(agentic_model, tmp_path, env_m
                        "trainer.sft_warmup_steps=0", env=env_module)
     assert res.returncode == 0, res.stderr[-3000:]
     assert sum(m["rollout/env_errors"] for m in rows) > 0
-    assert "trajectories dropped on environment errors; first: step: RuntimeError: tool " \
-        "crashed" in res.stdout
+    assert "trajectories dropped on environment errors or timeouts; first: step: RuntimeError: " \
+        "tool crashed" in res.stdout
     res, rows = _train(agentic_model, tmp_path / "broken",
                        "data.environment=two_turn_envs:Broken", "trainer.sft_warmup_steps=0",
                        env=env_module)
     assert res.returncode != 0
     assert "data.environment: two_turn_envs:Broken failed on every trajectory" in res.stderr
     assert "step.observation_ids: token ids must lie in" in res.stderr
+
+
+def test_a_hanging_environment_loses_its_trajectory_and_the_run_goes_on(agentic_model, tmp_path,
+                                                                      env_module):
+    """An environment whose step() never returns: past data.environment_timeout_s its
+    trajectory is dropped, counted (rollout/env_timeouts) and named in the log; the run ends."""
+    res, rows = _train(agentic_model, tmp_path / "hangs", "data.environment=two_turn_envs:Hangs",
+                       "trainer.sft_warmup_steps=0", "data.environment_timeout_s=2",
+                       env=env_module)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(rows) == 2
+    assert sum(m["rollout/env_timeouts"] for m in rows) > 0
+    assert all(m["rollout/env_errors"] == 0 for m in rows)
+    assert "first: step: did not return within 2 s (data.environment_timeout_s)" in res.stdout

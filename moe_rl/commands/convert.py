@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from moe_rl.errors import UserError
+from moe_rl.orchestration.checkpoint import CheckpointError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", choices=["megatron", "hf"], required=True)
@@ -53,9 +56,34 @@ def _source_model(step_dir: str) -> str:
         return yaml.safe_load(fh)["model"]["path"]
 
 
+def _hf_dir(path: str, flag: str = "--hf") -> str:
+    """``path`` if it is a HF model directory (UserError otherwise)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(f"{flag} {path}: not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def _read_megatron(path: str) -> dict:
+    """The state dict of a Megatron file ``convert --to megatron`` wrote: tensors and plain
+    containers only (a crafted file cannot run code); UserError for anything else."""
+    import pickle
+    import torch
+    if not os.path.isfile(path):
+        raise UserError(f"--megatron {path}: no such file")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, UnicodeDecodeError,
+            OSError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise UserError(f"--megatron {path}: not a Megatron file written by moe-rl convert, or "
+                        f"it holds more than tensors ({type(exc).__name__}: {first})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise UserError(f"--megatron {path}: expected a dict with a 'model' state dict")
+    return saved["model"]
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
-    from moe_rl.orchestration.checkpoint import CheckpointError
     from moe_rl.trainer.hf_weights import (load_hf_into_megatron, megatron_to_hf,
                                            save_hf_checkpoint)
     from moe_rl.trainer.model_builder import build_model, load_hf_config
@@ -63,25 +91,21 @@ def run(args: argparse.Namespace) -> int:
     from moe_rl.trainer.sharded_state import load_sharded_weights
     sources = [f for f in ("megatron", "checkpoint") if getattr(args, f)]
     if args.to == "hf" and len(sources) != 1:
-        print("convert --to hf: give one of --megatron FILE or --checkpoint DIR")
-        return 2
+        raise UserError("--to hf: give one of --megatron FILE or --checkpoint DIR")
     if args.to == "megatron" and (sources or not args.hf):
-        print("convert --to megatron: give --hf DIR (and neither --megatron nor --checkpoint)")
-        return 2
+        raise UserError("--to megatron: give --hf DIR (and neither --megatron nor --checkpoint)")
     if args.ema and not args.checkpoint:
-        print("convert --ema: only with --checkpoint")
-        return 2
-    step_dir = None
-    if args.checkpoint:
-        try:
-            step_dir = _checkpoint_step(args.checkpoint)
-        except CheckpointError as exc:
-            print(f"convert: {exc}")
-            return 2
-    hf = args.hf or (_source_model(step_dir) if step_dir else None)
-    if hf is None:
-        print("convert --to hf --megatron: needs --hf DIR (the architecture)")
-        return 2
+        raise UserError("--ema: only with --checkpoint")
+    step_dir = _checkpoint_step(args.checkpoint) if args.checkpoint else None
+    if args.hf:
+        hf = _hf_dir(args.hf)
+    elif step_dir:
+        hf = _hf_dir(_source_model(step_dir), f"model.path of {step_dir}:")
+    else:
+        raise UserError("--to hf --megatron: needs --hf DIR (the architecture)")
+    if step_dir and args.ema and not _layout(step_dir).get("ema"):
+        raise UserError(f"--ema: {step_dir} was saved without an EMA (trainer.ema_decay unset)")
+    state = _read_megatron(args.megatron) if args.megatron else None
     init_distributed()
     init_model_parallel()
     model, spec = build_model(hf)
@@ -90,20 +114,21 @@ def run(args: argparse.Namespace) -> int:
         torch.save({"model": model.state_dict(), "hf_config": load_hf_config(hf)}, args.out)
     else:
         if step_dir:
-            if args.ema and not _layout(step_dir).get("ema"):
-                print(f"convert --ema: {step_dir} was saved without an EMA "
-                      f"(trainer.ema_decay unset)")
-                return 2
             try:
                 load_sharded_weights(os.path.join(step_dir, "trainer", "dist"), model,
                                      use_ema=args.ema)
             except Exception as exc:   # megatron names the key (another architecture)
-                print(f"convert: cannot read the weights of {step_dir} into {hf}: {exc}")
-                return 2
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise CheckpointError(f"cannot read the weights of {step_dir} into {hf}: "
+                                      f"{type(exc).__name__}: {first}") from None
             print(f"read {step_dir}")
-        else:   # tensors and plain containers only: a crafted file cannot run code
-            state = torch.load(args.megatron, map_location="cpu", weights_only=True)
-            model.load_state_dict(state["model"])
+        else:
+            try:
+                model.load_state_dict(state)
+            except (RuntimeError, KeyError, TypeError) as exc:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise UserError(f"--megatron {args.megatron}: does not fit the model of --hf "
+                                f"{hf}: {first}") from None
         save_hf_checkpoint(megatron_to_hf(model, spec), spec, args.out, source_dir=hf)
     print(f"wrote {args.out}")
     return 0

@@ -7,7 +7,7 @@ import argparse
 import os
 import time
 
-from moe_rl.commands import load_or_report
+from moe_rl.config import load_config
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_cpu.yaml")
 # the demo's engine differs from the float32 trainer as production engines do: FP8 weights and
@@ -21,9 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_or_report(args.config, [*DEMO_OVERRIDES, *args.overrides])
-    if cfg is None:
-        return 2
+    cfg = load_config(args.config, [*DEMO_OVERRIDES, *args.overrides])
     from moe_rl.models.tiny import write_tiny_model
     from moe_rl.orchestration.loop import run_training
     if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_rl.commands import load_or_report
+from moe_rl.config import load_config
 from moe_rl.models.presets import PRESETS, write_preset
 from moe_rl.models.tiny import write_tiny_model
 
@@ -32,9 +32,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         out = write_preset(args.preset, args.out, args.warmup_steps)
     else:
-        cfg = load_or_report(args.config, args.overrides)
-        if cfg is None:
-            return 2
+        cfg = load_config(args.config, args.overrides)
         out = write_tiny_model(cfg.model.init, args.out or cfg.model.path)
     print(f"wrote {out}")
     return 0

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from moe_rl.commands import inputs_or_report, load_or_report
+from moe_rl.config import load_config
+from moe_rl.run_inputs import load_run_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,22 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_rl.config import ConfigError
     from moe_rl.orchestration.placement import format_plan, make_plan
     overrides = list(args.overrides)
     if args.nodes is not None:
         overrides.append(f"cluster.num_nodes={args.nodes}")
     if args.gpus_per_node is not None:
         overrides.append(f"cluster.gpus_per_node={args.gpus_per_node}")
-    cfg = load_or_report(args.config, overrides)
-    if cfg is None:
-        return 2
-    if not args.no_inputs and inputs_or_report(cfg) is None:
-        return 2
-    try:
-        plan = make_plan(cfg)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, overrides)
+    if not args.no_inputs:
+        load_run_inputs(cfg)
+    plan = make_plan(cfg)
     print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
     return 0

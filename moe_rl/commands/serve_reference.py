@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_rl.rollout.reference_server import serve
+from moe_rl.rollout.reference_server import Limits, serve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +41,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-tokens", type=int, default=1 << 16,
                         help="tokens the prefix cache holds before evicting the least recently "
                              "used sequences")
+    parser.add_argument("--max-n", type=int, default=Limits.max_n,
+                        help="largest sampling_params.n of a request")
+    parser.add_argument("--max-batch-requests", type=int, default=Limits.max_batch_requests,
+                        help="most sub-requests (inputs x n) in one /generate call")
+    parser.add_argument("--max-request-tokens", type=int, default=Limits.max_request_tokens,
+                        help="most tokens (input + max_new_tokens, summed over its sub-requests) "
+                             "in one /generate call")
+    parser.add_argument("--max-request-bytes", type=int, default=Limits.max_request_bytes,
+                        help="largest request body in bytes")
+    parser.add_argument("--weight-group-timeout", type=float, default=120.0,
+                        help="seconds /init_weights_update_group waits for the group's other "
+                             "members, in all; the setup lock is free again at this deadline")
     parser.add_argument("--sampling-backend", choices=["flashinfer", "pytorch"],
                         default="flashinfer",
                         help="kept-set rule of SGLang's sampler to follow (default: flashinfer, "
@@ -57,5 +69,8 @@ def run(args: argparse.Namespace) -> int:
           deterministic_inference=args.enable_deterministic_inference,
           prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
           quantization=args.quantization or "none",
-          fd=args.fd)
+          fd=args.fd, weight_group_timeout_s=args.weight_group_timeout,
+          limits=Limits(max_n=args.max_n, max_batch_requests=args.max_batch_requests,
+                        max_request_tokens=args.max_request_tokens,
+                        max_request_bytes=args.max_request_bytes))
     return 0

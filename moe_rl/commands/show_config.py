@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from moe_rl.commands import inputs_or_report, load_or_report
-from moe_rl.config import dump_config, iter_keys
+from moe_rl.run_inputs import load_run_inputs
+from moe_rl.config import dump_config, iter_keys, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,10 +24,8 @@ def run(args: argparse.Namespace) -> int:
         for key, tp, default, doc in iter_keys():
             print(f"| `{key}` | {tp} | `{default!r}` | {doc} |")
         return 0
-    cfg = load_or_report(args.config, args.overrides)
-    if cfg is None:
-        return 2
+    cfg = load_config(args.config, args.overrides)
     print(dump_config(cfg), end="")
-    if not args.no_inputs and inputs_or_report(cfg) is None:
-        return 2
+    if not args.no_inputs:
+        load_run_inputs(cfg)
     return 0

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from moe_rl.commands import inputs_or_report, load_or_report
+from moe_rl.config import load_config
+from moe_rl.run_inputs import load_run_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,24 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_or_report(args.config, args.overrides)
-    if cfg is None:
-        return 2
-    inputs = inputs_or_report(cfg)
-    if inputs is None:
-        return 2
-    from moe_rl.config import ConfigError
+    cfg = load_config(args.config, args.overrides)
+    inputs = load_run_inputs(cfg)
     from moe_rl.orchestration.placement import make_plan
-    try:   # the run must fit its cluster before anything starts
-        make_plan(cfg)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    from moe_rl.orchestration.checkpoint import CheckpointError
+    make_plan(cfg)   # the run must fit its cluster before anything starts
     from moe_rl.orchestration.loop import run_training
-    try:
-        run_training(cfg, inputs, resume=args.resume, resume_from=args.resume_from)
-    except CheckpointError as exc:
-        print(f"checkpoint error: {exc}", file=sys.stderr)
-        return 2
+    run_training(cfg, inputs, resume=args.resume, resume_from=args.resume_from)
     return 0

@@ -17,6 +17,7 @@ import shutil
 import sys
 
 from moe_rl.config import Config, dump_config
+from moe_rl.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -24,7 +25,7 @@ LOOP_STATE = "loop_state.json"
 _ITER = re.compile(r"^iter_(\d{7})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is incomplete, corrupted or from another model or layout."""
 
 

@@ -100,7 +100,15 @@ class Trainers:
         ray.get([a.save.remote(path) for a in self.actors])
 
     def load(self, path: str) -> int:
-        return ray.get([a.load.remote(path) for a in self.actors])[0]
+        """Every rank loads checkpoint ``path``; a refusal (damaged or crafted files, another
+        model or layout) is a CheckpointError naming it."""
+        try:
+            return ray.get([a.load.remote(path) for a in self.actors])[0]
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            first = (str(cause).strip().splitlines() or [""])[0]
+            raise checkpoint.CheckpointError(
+                f"{path}: cannot be loaded ({type(cause).__name__}: {first})") from None
 
 
 class RolloutPipeline:
@@ -202,7 +210,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                   f"{m['sft/loss']:.3f}", flush=True)
             weights.sync(0)
         bar = progress_bar(cfg.trainer.steps - start_step, "RL steps", cfg.logging.progress)
-        failed_batches = 0
+        failed_batches, reward_timeouts_named = 0, False
         pipeline = RolloutPipeline(cfg, rollout, sampler, len(trainers.actors), start_step)
         for step in range(start_step, cfg.trainer.steps):
             timer = PhaseTimer()
@@ -212,8 +220,9 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                 summary, shards = pipeline.next_batch(step)
             timer.metrics.update(summary["timing"])
             failed_batches = failed_batches + 1 \
-                if summary["reward_failures"] >= summary["samples"] else 0
-            if failed_batches >= cfg.data.max_failed_reward_batches and not summary["samples"]:
+                if summary["reward_failures"] >= summary["reward_calls"] else 0
+            if failed_batches >= cfg.data.max_failed_reward_batches and not summary["samples"] \
+                    and cfg.data.environment is not None:
                 raise RuntimeError(
                     f"data.environment: {cfg.data.environment} failed on every trajectory of "
                     f"{failed_batches} batch(es) in a row (data.max_failed_reward_batches="
@@ -225,10 +234,17 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                     f"{failed_batches} batch(es) in a row (data.max_failed_reward_batches="
                     f"{cfg.data.max_failed_reward_batches}); training on zero rewards would "
                     f"learn nothing. First error: {summary['first_reward_error']}")
-            dropped = summary["counts"].get("rollout/env_errors", 0)
+            if summary["reward_timeouts_total"] and not reward_timeouts_named:
+                reward_timeouts_named = True
+                print(f"step {step}: reward {cfg.data.reward} did not return within "
+                      f"{cfg.data.reward_timeout_s:g} s (data.reward_timeout_s) on "
+                      f"{summary['reward_timeouts_total']} sample(s), dropped (counted in "
+                      f"reward/timeouts)", flush=True)
+            dropped = summary["counts"].get("rollout/env_errors", 0) + \
+                summary["counts"].get("rollout/env_timeouts", 0)
             if dropped and summary["first_env_error"]:
-                print(f"step {step}: {int(dropped)} trajectories dropped on environment errors; "
-                      f"first: {summary['first_env_error']}", flush=True)
+                print(f"step {step}: {int(dropped)} trajectories dropped on environment errors "
+                      f"or timeouts; first: {summary['first_env_error']}", flush=True)
             if cfg.cluster.colocate:   # the engines give their memory to the trainer
                 with timer.phase("engine_release"):
                     ray.get(rollout.release_memory.remote())
@@ -242,6 +258,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             metrics.update(timer.metrics)
             metrics["timing/step_s"] = time.perf_counter() - t0
             metrics["reward/errors"] = float(summary["reward_errors_total"])
+            metrics["reward/timeouts"] = float(summary["reward_timeouts_total"])
             metrics["rollout/stale_samples"] = float(summary["stale_samples"])
             metrics.update(summary["counts"])
             metrics["rollout/engine_restarts"] = float(ray.get(rollout.restarts.remote()))

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 import ray
 
 from moe_rl.config import Config
+from moe_rl.leftovers import reap_orphaned_ray_agents
 from moe_rl.orchestration.placement import Plan, PlannedProcess, ray_resources
 
 # Trainer ranks choose their GPU themselves (the plan's index, torch.cuda.set_device); Ray must
@@ -24,6 +26,10 @@ def start_ray(cfg: Config, plan: Plan) -> None:
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
     else:
+        reaped = reap_orphaned_ray_agents()
+        if reaped:
+            print(f"stopped {reaped} Ray agent process(es) left by a killed run",
+                  file=sys.stderr)
         need = sum(b["CPU"] for b in plan.node_resources(cfg))
         # address="local": a new Ray of its own, never a cluster another run left behind
         ray.init(address="local", num_cpus=max(math.ceil(need), os.cpu_count() or 1),

@@ -312,7 +312,7 @@ class RolloutWorker:
                 s.metadata["prompt_index"] = queue[s.sample_id // per]
             if inp.environment is None:   # an environment gives its trajectories' rewards
                 t0 = time.perf_counter()
-                score_rewards(samples, inp.tokenizer, inp.prompts, inp.reward)
+                samples = score_rewards(samples, inp.tokenizer, inp.prompts, inp.reward)
                 reward_s += time.perf_counter() - t0
             generated += len(queue)
             tokens += sum(int(s.loss_mask.sum()) for s in samples)   # model tokens
@@ -348,7 +348,8 @@ class RolloutWorker:
         from moe_rl.config import response_cap
         from moe_rl.rollout.multi_turn import TrajectoryLimits, rollout_trajectories
         inp, r = self.inputs, self.cfg.rollout
-        limits = TrajectoryLimits(r.max_turns, response_cap(self.cfg))
+        limits = TrajectoryLimits(r.max_turns, response_cap(self.cfg),
+                                  self.cfg.data.environment_timeout_s)
         samples, _ = rollout_trajectories(
             self.engine, lambda: inp.environment(inp.tokenizer), [inp.prompts[i] for i in queue],
             per, self.sampling, limits, self.engine.layout.vocab_size, group_ids=gids, seed=seed,
@@ -368,17 +369,20 @@ class RolloutWorker:
         cfg, inp = self.cfg, self.inputs
         timing = {}
         t0 = time.perf_counter()
-        errors_before = inp.reward.errors
+        errors_before, timeouts_before = inp.reward.errors, inp.reward.timeouts
         samples, counts, reward_s, env_error = self._generate_groups(indices, extra, seed)
         timing["timing/rollout_s"] = time.perf_counter() - t0 - reward_s
         timing["timing/reward_s"] = reward_s
-        failures = inp.reward.errors - errors_before
-        summary = {"samples": len(samples), "reward_failures": failures,
+        errors = inp.reward.errors - errors_before   # scored 0 (timed-out samples are gone)
+        timeouts = inp.reward.timeouts - timeouts_before
+        summary = {"samples": len(samples), "reward_failures": errors + timeouts,
+                   "reward_calls": len(samples) + timeouts,
                    "reward_errors_total": inp.reward.errors,
+                   "reward_timeouts_total": inp.reward.timeouts,
                    "first_reward_error": inp.reward.first_error, "first_env_error": env_error,
                    "stale_samples": sum(s.weight_version < step for s in samples),
                    "counts": counts}
-        if samples and failures < len(samples) and cfg.algorithm.pi_old == "engine_avg":
+        if samples and errors < len(samples) and cfg.algorithm.pi_old == "engine_avg":
             t2 = time.perf_counter()
             self.engine.score(samples, cfg.algorithm.pi_old_passes,
                               temperature=cfg.rollout.temperature,

@@ -8,7 +8,7 @@ import re
 from fractions import Fraction
 from typing import Callable
 
-from moe_rl.plugins import load_named
+from moe_rl.plugins import PluginTimeout, call_bounded, load_named
 
 log = logging.getLogger(__name__)
 
@@ -78,22 +78,34 @@ BUILTIN = {"toy": toy_reward, "math": math_reward}
 
 
 class RewardFunction:
-    """Calls the reward; exceptions and non-finite or non-numeric values score 0 and are counted
-    (``errors``, metric ``reward/errors``); the first message is logged."""
+    """Calls the reward, at most ``timeout_s`` seconds each: exceptions and non-finite or
+    non-numeric values score 0 and are counted (``errors``, metric ``reward/errors``); a call
+    past its time gives None, the sample is dropped and counted (``timeouts``, metric
+    ``reward/timeouts``); the first message of each kind is logged."""
 
-    def __init__(self, spec: str):
-        self.spec = spec
+    def __init__(self, spec: str, timeout_s: float = 60.0):
+        self.spec, self.timeout_s = spec, timeout_s
         self.fn: Callable = load_reward(spec)
-        self.errors = 0
+        self.errors = self.timeouts = 0
         self.first_error: str | None = None
 
-    def __call__(self, prompt: str, response: str, answer: str | None, metadata: dict) -> float:
+    def __call__(self, prompt: str, response: str, answer: str | None,
+                 metadata: dict) -> float | None:
         try:
-            value = self.fn(prompt, response, answer, metadata)
+            value = call_bounded(self.fn, prompt, response, answer, metadata,
+                                 timeout_s=self.timeout_s)
             value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"non-finite reward {value}")
             return value
+        except PluginTimeout as exc:
+            self.timeouts += 1
+            if self.timeouts == 1:
+                log.warning("reward %s %s (data.reward_timeout_s): sample dropped", self.spec,
+                            exc)
+            if self.first_error is None:
+                self.first_error = f"timed out: {exc} (data.reward_timeout_s)"
+            return None
         except Exception as exc:   # the user's code must never stop the run
             self.errors += 1
             if self.first_error is None:
@@ -110,13 +122,19 @@ def load_reward(spec: str) -> Callable:
     return fn
 
 
-def score_rewards(samples: list, tokenizer, prompts, reward_fn: RewardFunction) -> None:
-    """Decode each response and fill its reward."""
+def score_rewards(samples: list, tokenizer, prompts, reward_fn: RewardFunction) -> list:
+    """Decode each response and fill its reward; returns the samples scored (those whose reward
+    call timed out are left out)."""
     eos = tokenizer.eos_token_id
+    kept = []
     for s in samples:
         rec = prompts[s.metadata["prompt_index"]] if "prompt_index" in s.metadata else None
         ids = s.response_ids.tolist()
         stopped = bool(ids) and ids[-1] == eos
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        s.reward = reward_fn(rec.text if rec else "", text, rec.answer if rec else None,
-                             {**s.metadata, "stopped": stopped})
+        reward = reward_fn(rec.text if rec else "", text, rec.answer if rec else None,
+                           {**s.metadata, "stopped": stopped})
+        if reward is not None:
+            s.reward = reward
+            kept.append(s)
+    return kept

@@ -4,7 +4,9 @@ exact emulation of FP8 inference (``--quantization fp8``, or an FP8 checkpoint):
 - weights of every linear layer SGLang quantises (attention projections, dense and shared-expert
   MLPs, the routed experts) stored as E4M3 (``torch.float8_e4m3fn``) in 128 x 128 blocks with one
   float32 scale per block, ``scale = amax(|block|) / 448``; re-quantised from the served weights at
-  every load, so every weight update is quantised afresh;
+  every load, so every weight update is quantised afresh. Blocks are cut per HF weight (an
+  expert's gate and up projections each on their own, also where the model fuses them), so
+  online quantisation and an FP8 checkpoint of the same weights give the same values;
 - activations quantised per token in groups of 128 input features (scale ``amax / 448`` each)
   before each such matmul;
 - products accumulated in float32 (the dequantised operands multiplied in float32), the output
@@ -135,8 +137,8 @@ def apply_fp8(model: nn.Module, exact: dict[str, torch.Tensor] | None = None) ->
                 gate_up, down = [], []
                 for e, (gu, dn) in enumerate(zip(module.gate_up_proj, module.down_proj)):
                     pair = (f"{name}.{e}.gate_proj.weight", f"{name}.{e}.up_proj.weight")
-                    gate_up.append(torch.cat([exact[k] for k in pair])
-                                   if all(k in exact for k in pair) else _quantized(gu))
+                    gate_up.append(torch.cat([exact[k] if k in exact else _quantized(half)
+                                              for k, half in zip(pair, gu.chunk(2, dim=0))]))
                     down.append(weight(f"{name}.{e}.down_proj.weight", dn))
                 module.fp8_gate_up, module.fp8_down = torch.stack(gate_up), torch.stack(down)
                 module.forward = types.MethodType(_experts_forward, module)

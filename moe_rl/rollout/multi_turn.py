@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.envs import EnvError, check_step
+from moe_rl.plugins import PluginTimeout, call_bounded_async
 from moe_rl.rollout.decode import ResponseError, decode_routing, decode_turn
 from moe_rl.types import Sample
 
@@ -43,6 +44,22 @@ log = logging.getLogger(__name__)
 class TrajectoryLimits:
     max_turns: int
     max_response_tokens: int
+    env_timeout_s: float = 60.0   # one environment call (constructor, reset, step), at most
+
+
+class EnvTimeout(EnvError):
+    """An environment call did not return within ``env_timeout_s``."""
+
+
+async def _env_call(what: str, fn, *args, timeout_s: float):
+    """``fn(*args)`` of the environment on a thread of its own, bounded; EnvError (EnvTimeout
+    past the bound) names the call."""
+    try:
+        return await call_bounded_async(fn, *args, timeout_s=timeout_s)
+    except PluginTimeout as exc:
+        raise EnvTimeout(f"{what}: {exc} (data.environment_timeout_s)") from None
+    except Exception as exc:   # the user's code must never stop the run
+        raise EnvError(f"{what}: {type(exc).__name__}: {exc}") from None
 
 
 @dataclass
@@ -54,6 +71,7 @@ class TrajectoryStats:
     response_tokens: int = 0
     truncated: int = 0
     env_errors: int = 0
+    env_timeouts: int = 0
     routing_refetches: int = 0
     first_error: str | None = None
 
@@ -63,6 +81,7 @@ class TrajectoryStats:
                 "rollout/observation_token_frac":
                     self.observation_tokens / max(self.response_tokens, 1),
                 "rollout/env_errors": float(self.env_errors),
+                "rollout/env_timeouts": float(self.env_timeouts),
                 "rollout/truncated_frac": self.truncated / n}
 
 
@@ -148,10 +167,7 @@ async def run_trajectory(engine, pool, server, env, record, sampling, limits: Tr
     need_routing, need_mask = engine.need_routing, engine.need_mask
     traj = _Trajectory(record.ids)
     stop = tuple(getattr(env, "stop_token_ids", ()) or ())
-    try:
-        await asyncio.to_thread(env.reset, record)
-    except Exception as exc:   # the user's code must never stop the run
-        raise EnvError(f"reset: {type(exc).__name__}: {exc}") from None
+    await _env_call("reset", env.reset, record, timeout_s=limits.env_timeout_s)
     turns, reward, truncated, refetches = 0, None, False, 0
     while True:
         ids = traj.prompt + traj.ids
@@ -175,11 +191,8 @@ async def run_trajectory(engine, pool, server, env, record, sampling, limits: Tr
                 refetches += 1
             traj.routing = rows if traj.routing is None else torch.cat([traj.routing, rows])
         traj.add_model(turn)
-        try:
-            result = await asyncio.to_thread(env.step, list(turn.output_ids),
-                                             dict(turn.finish_reason))
-        except Exception as exc:
-            raise EnvError(f"step: {type(exc).__name__}: {exc}") from None
+        result = await _env_call("step", env.step, list(turn.output_ids),
+                                 dict(turn.finish_reason), timeout_s=limits.env_timeout_s)
         result = check_step(result, vocab_size)
         if result.done or result.truncated:
             reward, truncated = result.reward, result.truncated and not result.done
@@ -212,26 +225,25 @@ def rollout_trajectories(engine, env_factory, records: list, n: int, sampling,
     stats = stats if stats is not None else TrajectoryStats()
     jobs = [(i, j) for i in range(len(records)) for j in range(n)]
 
-    def dropped(reason: str) -> None:
-        stats.env_errors += 1
+    def dropped(exc: EnvError) -> None:
+        if isinstance(exc, EnvTimeout):
+            stats.env_timeouts += 1
+        else:
+            stats.env_errors += 1
         if stats.first_error is None:
-            stats.first_error = reason
-            log.warning("environment failed, trajectory dropped: %s", reason)
+            stats.first_error = str(exc)
+            log.warning("environment failed, trajectory dropped: %s", exc)
 
     async def one(pool, k: int, i: int):
         server = pool.servers[k % len(pool.servers)]   # every turn on the same server
         try:
-            env = env_factory()
-        except Exception as exc:   # the user's constructor must never stop the run
-            dropped(f"environment: {type(exc).__name__}: {exc}")
-            return None
-        try:
+            env = await _env_call("environment", env_factory, timeout_s=limits.env_timeout_s)
             return await run_trajectory(
                 engine, pool, server, env, records[i], sampling, limits,
                 None if seed is None else seed + k * limits.max_turns, vocab_size, stats,
                 group_id=group_ids[i], sample_id=k)
         except EnvError as exc:
-            dropped(str(exc))
+            dropped(exc)
             return None
 
     async def all_jobs(pool):

@@ -29,12 +29,15 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from moe_rl.leftovers import engine_scratch, sweep_engine_scratch
 from moe_rl.moe_shape import MoEShape
+from moe_rl.plugins import PluginTimeout, call_bounded
 from moe_rl.rollout import split_kv
 from moe_rl.rollout.fp8 import (apply_fp8, is_fp8_checkpoint, read_fp8_checkpoint,
                                 write_dequantised_checkpoint)
 from moe_rl.rollout.prefix_cache import CacheHit, PrefixCache
 from moe_rl.types import MODEL_DTYPES
+from moe_rl.weight_sync import parse_dtype
 
 
 
@@ -251,7 +254,8 @@ class ReferenceEngine:
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0,
                  sampling_mask_max_tokens: int = 4096, return_routed_experts: bool = True,
                  sampling_backend: str = "flashinfer", deterministic_inference: bool = False,
-                 prefix_cache_tokens: int = 1 << 16, quantization: str = "none"):
+                 prefix_cache_tokens: int = 1 << 16, quantization: str = "none",
+                 group_timeout_s: float = 120.0):
         if quantization not in ("none", "fp8"):
             raise ValueError(f"quantization: expected 'none' or 'fp8', got {quantization!r}")
         self.quantization = quantization
@@ -270,10 +274,13 @@ class ReferenceEngine:
         self._requests_seen = 0
         self.groups: dict = {}
         self.in_update_session = False
-        self.group_timeout_s = 120.0
+        self.session = 0                     # number of the open (or last) weight-update session
+        self._update_lock = threading.Lock()   # begin, end and a bucket's receive: one at a time
+        self.group_timeout_s = group_timeout_s   # joining a weight-update group, at most
         self.max_context = 1 << 30
         self._received_dir: str | None = None
-        self._scratch = tempfile.TemporaryDirectory(prefix="moe_rl_engine_")   # gone at exit
+        sweep_engine_scratch()   # scratch of engines that were killed
+        self._scratch = engine_scratch()   # gone at exit
         self._staged: dict[str, torch.Tensor] = {}   # buckets of an update not yet committed
         self.deterministic = deterministic_inference
         # 0: SGLang's --disable-radix-cache; deterministic inference computes every request
@@ -325,6 +332,12 @@ class ReferenceEngine:
         if not facts.moe_layers:
             raise ValueError(f"{model_path}: the reference engine serves MoE models only")
         routers = self._routers(model, facts)
+        try:   # a model the engine cannot run is refused now, not at every request
+            with torch.no_grad(), split_kv.split_policy(self.deterministic):
+                model(input_ids=torch.zeros((1, 2), dtype=torch.long))
+        except Exception as exc:
+            raise ValueError(f"model_path: {model_path}: the reference engine cannot run this "
+                             f"model ({type(exc).__name__}: {exc})") from exc
         spec = checkpoint_spec(model_path)
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(model_path,
@@ -422,7 +435,8 @@ class ReferenceEngine:
     def init_update_group(self, master_address: str, master_port: int, rank_offset: int,
                           world_size: int, group_name: str, backend: str) -> None:
         """Join the trainer's weight-update group (blocks until every member joined, at most
-        ``group_timeout_s``). Rank 0 hosts the group's store and belongs to the trainer."""
+        ``group_timeout_s``: past it the attempt is abandoned on its thread and RequestError
+        says so). Rank 0 hosts the group's store and belongs to the trainer."""
         from moe_rl.weight_sync import open_group
         if rank_offset < 1 or rank_offset >= world_size:
             raise RequestError(f"rank_offset: expected 1 <= rank_offset < world_size "
@@ -430,9 +444,16 @@ class ReferenceEngine:
         if backend != "gloo":
             raise RequestError(f"backend: the CPU reference engine supports 'gloo', got "
                                f"{backend!r}")
-        self.groups[group_name] = open_group(backend, master_address, master_port, rank_offset,
-                                             world_size, group_name,
-                                             timeout_s=self.group_timeout_s)
+        limit = self.group_timeout_s
+        try:   # bounded from outside too: a peer that accepts and never answers hangs torch
+            self.groups[group_name] = call_bounded(
+                lambda: open_group(backend, master_address, master_port, rank_offset,
+                                   world_size, group_name, timeout_s=limit), timeout_s=limit)
+        except (RuntimeError, OSError, PluginTimeout) as exc:   # nobody answered in time
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise RequestError(f"init_weights_update_group: could not join group "
+                               f"{group_name!r} at {master_address}:{master_port} within "
+                               f"{self.group_timeout_s:g} s: {first}") from None
 
     def destroy_update_group(self, group_name: str) -> None:
         """Leave weight-update group ``group_name``."""
@@ -443,58 +464,100 @@ class ReferenceEngine:
 
     def begin_weight_update(self) -> None:
         """Open a weight-update session (SGLang 0.5.23 loads distributed and tensor updates only
-        between /begin_weight_update and /end_weight_update; a second begin is refused)."""
-        if self.in_update_session:
-            raise RequestError("begin_weight_update: a weight-update session is already open")
-        self.in_update_session = True
+        between /begin_weight_update and /end_weight_update; a second begin is refused). Waits
+        for a bucket being received; anything staged before is dropped."""
+        with self._update_lock:
+            if self.in_update_session:
+                raise RequestError("begin_weight_update: a weight-update session is already "
+                                   "open")
+            self.session += 1
+            self.in_update_session = True
+            self._staged = {}
 
     def end_weight_update(self) -> None:
-        """Close the session opened by :meth:`begin_weight_update` (buckets of an update that
-        never committed are dropped: the served weights stay)."""
-        if not self.in_update_session:
-            raise RequestError("end_weight_update: no weight-update session is open")
-        self.in_update_session = False
-        if self._staged:
-            self._staged = {}
-            raise RequestError("end_weight_update: the update's last bucket (flush_cache: true) "
-                               "never came; its staged buckets are dropped, the served weights "
-                               "are unchanged")
+        """Close the session opened by :meth:`begin_weight_update`, after the bucket being
+        received (if any) is in; buckets of an update that never committed are dropped (the
+        served weights stay) and the call says so."""
+        with self._update_lock:
+            if not self.in_update_session:
+                raise RequestError("end_weight_update: no weight-update session is open")
+            self.in_update_session = False
+            if self._staged:
+                self._staged = {}
+                raise RequestError("end_weight_update: the update's last bucket (flush_cache: "
+                                   "true) never came; its staged buckets are dropped, the served "
+                                   "weights are unchanged")
+
+    def check_announcement(self, names, dtypes, shapes) -> None:
+        """An update's announced tensors against the served checkpoint, before anything is
+        allocated: every name a tensor of the served model, announced once per update, with its
+        dtype and shape. RequestError names the tensor and what was expected."""
+        if not all(isinstance(x, list) for x in (names, dtypes, shapes)) or not (
+                len(names) == len(dtypes) == len(shapes)):
+            raise RequestError("names, dtypes, shapes: expected lists of equal length")
+        seen: set = set()
+        for name, dt, shape in zip(names, dtypes, shapes):
+            if not isinstance(name, str) or name not in self.checkpoint_spec:
+                raise RequestError(f"names: {name!r} is not a tensor of the served model")
+            if name in seen or name in self._staged:
+                raise RequestError(f"names: {name!r} is sent twice in this update")
+            seen.add(name)
+            want_shape, want_dtype = self.checkpoint_spec[name]
+            if not isinstance(shape, list) or any(
+                    not isinstance(d, int) or isinstance(d, bool) for d in shape) or \
+                    shape != want_shape:
+                raise RequestError(f"shapes: {name}: announced {shape!r}, the served model's "
+                                   f"is {want_shape}")
+            try:
+                dtype = str(parse_dtype(dt))
+            except (ValueError, TypeError, AttributeError):
+                dtype = None
+            if dtype != want_dtype:
+                raise RequestError(f"dtypes: {name}: announced {dt!r}, the served model's is "
+                                   f"{want_dtype.removeprefix('torch.')}")
 
     def update_from_distributed(self, names, dtypes, shapes, group_name: str,
                                 flush_cache: bool = True) -> bool:
-        """Receive one bucket of broadcast weights (HF names) inside a session. Buckets are
-        staged; the one with ``flush_cache`` (SGLang's marker of an update's last request)
-        commits them: the staged set must then be the served checkpoint's, exactly (every
-        tensor, no unknown name, same shapes and dtypes, finite), and replaces the served
-        weights atomically; on any refusal the staged buckets are dropped and the served weights
-        stay. Returns whether this request committed."""
-        from safetensors.torch import save_file
+        """Receive one bucket of broadcast weights (HF names) inside a session. The announcement
+        is checked first (:meth:`check_announcement`); buckets are staged for the open session
+        (begin and end wait for a receive to finish); the one with ``flush_cache`` (SGLang's
+        marker of an update's last request) commits them: the staged set must then be the
+        served checkpoint's, exactly, all finite, and replaces the served weights atomically;
+        on any refusal the staged buckets are dropped and the served weights stay. Returns
+        whether this request committed."""
         from moe_rl.weight_sync import receive_tensors
-        if not self.in_update_session:
-            raise RequestError("update_weights_from_distributed: outside a weight-update "
-                               "session; POST /begin_weight_update first")
-        if group_name not in self.groups:
-            raise RequestError(f"group_name: no weight-update group {group_name!r}; call "
-                               f"/init_weights_update_group first")
-        # receive first (the trainer broadcasts whatever was announced), then check, then swap
-        tensors = receive_tensors(self.groups[group_name], names, dtypes, shapes)
-        expected = self.checkpoint_spec   # the served checkpoint's tensor names, shapes, dtypes
-        unknown = sorted(set(tensors) - set(expected))
-        again = sorted(set(tensors) & set(self._staged))
-        wrong = sorted(k for k in tensors if k in expected and
-                       (list(tensors[k].shape), str(tensors[k].dtype)) != expected[k])
-        bad = sorted(k for k, t in tensors.items() if not torch.isfinite(t.float()).all())
-        missing = sorted(set(expected) - set(tensors) - set(self._staged)) if flush_cache else []
-        if unknown or again or wrong or bad or missing:
-            self._staged = {}
-            raise RequestError(f"update_weights_from_distributed: refused, the served weights are "
-                               f"unchanged: unknown names {unknown[:5]}, sent twice {again[:5]}, "
-                               f"missing {missing[:5]}, wrong shape/dtype {wrong[:5]}, "
-                               f"non-finite {bad[:5]}")
-        self._staged.update(tensors)
-        if not flush_cache:
-            return False
-        tensors, self._staged = self._staged, {}
+        with self._update_lock:
+            if not self.in_update_session:
+                raise RequestError("update_weights_from_distributed: outside a weight-update "
+                                   "session; POST /begin_weight_update first")
+            if group_name not in self.groups:
+                raise RequestError(f"group_name: no weight-update group {group_name!r}; call "
+                                   f"/init_weights_update_group first")
+            try:
+                self.check_announcement(names, dtypes, shapes)
+            except RequestError:
+                self._staged = {}
+                raise
+            tensors = receive_tensors(self.groups[group_name], names, dtypes, shapes)
+            bad = sorted(k for k, t in tensors.items() if not torch.isfinite(t.float()).all())
+            missing = sorted(set(self.checkpoint_spec) - set(tensors) - set(self._staged)) \
+                if flush_cache else []
+            if bad or missing:
+                self._staged = {}
+                raise RequestError(f"update_weights_from_distributed: refused, the served "
+                                   f"weights are unchanged: missing {missing[:5]}, non-finite "
+                                   f"{bad[:5]}")
+            self._staged.update(tensors)
+            if not flush_cache:
+                return False
+            tensors, self._staged = self._staged, {}
+            self._serve_received(tensors)
+            return True
+
+    def _serve_received(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Write a complete received weight set beside the served checkpoint's config and load
+        it (the previous received set is removed once the new one serves)."""
+        from safetensors.torch import save_file
         target = tempfile.mkdtemp(prefix="weights_", dir=self._scratch.name)
         try:
             save_file(tensors, os.path.join(target, "model.safetensors"))
@@ -510,7 +573,6 @@ class ReferenceEngine:
         self._received_dir = target
         if previous:
             shutil.rmtree(previous, ignore_errors=True)
-        return True
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests are running, as SGLang."""
@@ -651,8 +713,13 @@ class ReferenceEngine:
             if hits[b] is not None:
                 row.routing.append(hits[b].routing())
             row.routing.append(topk[b, S - new[b]:])
-            self._keep_input_logprobs(row, logits[b, S - new[b]:], cached[b])
+            try:   # a request's own failure fails it alone
+                self._keep_input_logprobs(row, logits[b, S - new[b]:], cached[b])
+            except Exception as exc:
+                row.error = exc
         for b, row in enumerate(rows):
+            if row.error is not None:
+                continue
             if row.req.params.max_new_tokens == 0:
                 row.finish = {"type": "length", "length": 0}
             else:

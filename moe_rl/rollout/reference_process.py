@@ -88,7 +88,7 @@ class ServerProcess:
                  api_key: str | None = None, seed: int = 0, log_path: str | None = None,
                  return_routed_experts: bool = True, sampling_mask_max_tokens: int = 4096,
                  max_total_tokens: int | None = None, deterministic_inference: bool = False,
-                 quantization: str = "none"):
+                 quantization: str = "none", extra_args: tuple[str, ...] = ()):
         self.model, self.port, self.host, self.dtype = model, port, host, dtype
         self.api_key, self.seed, self.log_path = api_key, seed, log_path
         self.return_routed_experts = return_routed_experts
@@ -96,6 +96,7 @@ class ServerProcess:
         self.max_total_tokens = max_total_tokens
         self.deterministic_inference = deterministic_inference
         self.quantization = quantization
+        self.extra_args = list(extra_args)   # further serve-reference flags (limits, timeouts)
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
 
@@ -111,7 +112,7 @@ class ServerProcess:
                              sampling_mask_max_tokens=self.sampling_mask_max_tokens,
                              deterministic_inference=self.deterministic_inference,
                              quantization=self.quantization,
-                             max_total_tokens=self.max_total_tokens)
+                             max_total_tokens=self.max_total_tokens) + self.extra_args
         if fd is not None:
             cmd += ["--fd", str(fd)]
         return cmd, dict(os.environ, **REFERENCE_ENV)

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 import itertools
+import json
 import secrets
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from moe_rl.errors import UserError
 from moe_rl.rollout.reference_engine import (ReferenceEngine, Request, RequestError,
                                              parse_sampling_params)
 
@@ -37,11 +40,73 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one /generate call may ask; each is refused with 400 naming the limit. Together they
+    bound the work a call's parsing and expansion does on the server (so /health stays quick)."""
+    max_n: int = 256                     # sampling_params.n
+    max_batch_requests: int = 4096       # sub-requests of one call: inputs x n
+    max_request_tokens: int = 1 << 22    # input + max_new_tokens, summed over the call
+    max_request_bytes: int = 32 << 20    # the JSON body
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name}: expected >= 1, got {getattr(self, f.name)}")
+
+
+class ModelUpdateLock:
+    """SGLang's model-update lock: every /generate call holds it shared for its whole life; a
+    weight update or a session change holds it alone, so it waits for the running requests
+    and holds new ones until it is done (no answer mixes two weight versions)."""
+
+    def __init__(self):
+        self._cond = asyncio.Condition()
+        self.readers, self.writing, self.writers_waiting = 0, False, 0
+
+    @contextlib.asynccontextmanager
+    async def shared(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self.writing and not self.writers_waiting)
+            self.readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        async with self._cond:
+            self.writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self.writing and not self.readers)
+            finally:
+                self.writers_waiting -= 1
+            self.writing = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.writing = False
+                self._cond.notify_all()
+
+
 _BOOL_FIELDS = ("return_logprob", "return_routed_experts", "return_sampling_mask", "stream")
 
 
-def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Request], bool]:
-    """Parse a /generate body into requests; returns (requests, whether it was a batch)."""
+def _token_list(value, name: str) -> None:
+    """RequestError unless ``value`` is a list of integer token ids."""
+    if not isinstance(value, list) or any(not isinstance(t, int) or isinstance(t, bool)
+                                          for t in value):
+        raise RequestError(f"{name}: expected a list of integer token ids")
+
+
+def _as_requests(body: dict, engine: ReferenceEngine, counter, limits: Limits = Limits()
+                 ) -> tuple[list[Request], bool]:
+    """Parse a /generate body into requests; returns (requests, whether it was a batch).
+    ``limits`` are checked before any sub-request is built."""
     if not isinstance(body, dict):
         raise RequestError("body: expected a JSON object")
     if "text" in body and "input_ids" not in body:
@@ -90,11 +155,30 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Req
                   else [listed] * len(seqs))
     if len(listed_per) != len(seqs):
         raise RequestError("token_ids_logprob: a list of lists must have one entry per input")
-    out = []
-    for seq, p, rid, ids_lp, start in zip(seqs, plist, rids, listed_per, starts):
+    for i, ids_lp in enumerate(listed_per):
+        if ids_lp is not None:
+            _token_list(ids_lp, f"token_ids_logprob[{i}]" if listed_per is listed
+                        else "token_ids_logprob")
+    parsed = []
+    for p in plist:
         if not isinstance(p, dict):
             raise RequestError("sampling_params: expected an object")
-        params = parse_sampling_params(p, engine.mask_cap, want_mask)
+        parsed.append(parse_sampling_params(p, engine.mask_cap, want_mask))
+        if parsed[-1].n > limits.max_n:
+            raise RequestError(f"sampling_params.n: {parsed[-1].n} is over the server's limit "
+                               f"{limits.max_n} (--max-n)")
+    subs = sum(p.n for p in parsed)
+    if subs > limits.max_batch_requests:
+        raise RequestError(f"input_ids x sampling_params.n: {subs} sub-requests in one call, over "
+                           f"the server's limit {limits.max_batch_requests} "
+                           f"(--max-batch-requests)")
+    tokens = sum((len(seq) + p.max_new_tokens) * p.n for seq, p in zip(seqs, parsed))
+    if tokens > limits.max_request_tokens:
+        raise RequestError(f"input_ids + max_new_tokens: {tokens} tokens in one call, over the "
+                           f"server's limit {limits.max_request_tokens} (--max-request-tokens)")
+    out = []
+    for seq, params, rid, ids_lp, start in zip(seqs, parsed, rids, listed_per, starts):
+        _token_list(seq, "input_ids")
         for copy in range(params.n):   # n > 1: n samples of this prompt, in a row
             seeded = params if params.n == 1 or params.sampling_seed is None else \
                 dataclasses.replace(params, sampling_seed=params.sampling_seed + copy)
@@ -106,14 +190,16 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter) -> tuple[list[Req
                           return_routed_experts=bool(body.get("return_routed_experts", False)),
                           routed_experts_start_len=r_start, return_sampling_mask=want_mask,
                           sampling_logprobs_mode=mode, token_ids_logprob=ids_lp)
-            engine.validate(req)
+            if copy == 0:   # the copies differ in their seed and rid only
+                engine.validate(req)
             out.append(req)
         batch = batch or params.n > 1
     return out, batch
 
 
 def build_app(engine: ReferenceEngine, api_key: str | None = None,
-              max_running_requests: int = 64, max_total_tokens: int = 1 << 18) -> FastAPI:
+              max_running_requests: int = 64, max_total_tokens: int = 1 << 18,
+              limits: Limits = Limits()) -> FastAPI:
     """The FastAPI application serving ``engine``.
 
     Scheduling is SGLang's continuous batching: between two decode iterations, waiting requests
@@ -121,7 +207,9 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
     and the running ones reserve at most ``max_total_tokens`` tokens (input + max_new_tokens
     each); a request that alone needs more is refused with 400. A finished request leaves at
     once, so a short request never waits for a long one, and a request whose client went away is
-    dropped at the next iteration."""
+    dropped at the next iteration. A call's body is read, parsed and expanded off the event
+    loop within ``limits``; weight updates and session changes hold :class:`ModelUpdateLock`
+    alone, as SGLang's."""
     if max_running_requests < 1 or max_total_tokens < 1:
         raise ValueError("max_running_requests and max_total_tokens: expected >= 1")
     app = FastAPI(title="moe_rl reference engine")
@@ -129,7 +217,8 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
     waiting: collections.deque = collections.deque()
     counter = itertools.count()
     app.state.limits = {"max_running_requests": max_running_requests,
-                        "max_total_num_tokens": max_total_tokens}
+                        "max_total_num_tokens": max_total_tokens, **dataclasses.asdict(limits)}
+    model_update = ModelUpdateLock()
 
     def admissions() -> list:
         """Waiting requests that fit, in arrival order (a cancelled one is skipped)."""
@@ -202,28 +291,51 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
     async def weight_version():
         return {"weight_version": engine.weight_version}
 
-    @app.post("/generate")
-    async def generate(request: HTTPRequest):
+    async def read_body(request: HTTPRequest) -> bytes:
+        """The body, refused (RequestError) past ``limits.max_request_bytes``."""
+        too_big = RequestError(f"body: over the server's limit of {limits.max_request_bytes} "
+                               f"bytes (--max-request-bytes)")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limits.max_request_bytes:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_request_bytes:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse(raw: bytes) -> tuple[list[Request], bool]:
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except ValueError:
-            return JSONResponse(_error("body: not valid JSON"), status_code=400)
-        try:
-            reqs, batch = _as_requests(body, engine, counter)
-        except RequestError as exc:
-            return JSONResponse(_error(str(exc)), status_code=400)
+            raise RequestError("body: not valid JSON") from None
+        reqs, batch = _as_requests(body, engine, counter, limits)
         for r in reqs:
             need = len(r.input_ids) + r.params.max_new_tokens
             if need > max_total_tokens:
-                return JSONResponse(_error(
+                raise RequestError(
                     f"input_ids: {len(r.input_ids)} tokens + sampling_params.max_new_tokens "
                     f"{r.params.max_new_tokens} exceed the server's token budget "
-                    f"(--max-total-tokens {max_total_tokens})"), status_code=400)
+                    f"(--max-total-tokens {max_total_tokens})")
+        return reqs, batch
+
+    @app.post("/generate")
+    async def generate(request: HTTPRequest):
+        try:   # parsed on a thread: a large call never holds the event loop (/health answers)
+            reqs, batch = await asyncio.to_thread(parse, await read_body(request))
+        except RequestError as exc:
+            return JSONResponse(_error(str(exc)), status_code=400)
+        async with model_update.shared():   # a weight update waits for these requests
+            return await run_requests(request, reqs, batch)
+
+    async def run_requests(request: HTTPRequest, reqs: list[Request], batch: bool):
         loop = asyncio.get_running_loop()
         futures = []
         for r in reqs:
             fut = loop.create_future()
-            await queue.put((r, fut))
+            queue.put_nowait((r, fut))
             futures.append(fut)
         gathered = asyncio.gather(*futures)
         while not gathered.done():   # stop the work when the client goes away
@@ -242,7 +354,9 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
     async def _json_object(request: HTTPRequest):
         """The body as a JSON object, or the 400 answer naming what is wrong."""
         try:
-            body = await request.json()
+            body = json.loads(await read_body(request))
+        except RequestError as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
         except ValueError:
             body = None
         if not isinstance(body, dict):
@@ -261,39 +375,36 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
             return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
         return None
 
-    def control_endpoint(path: str, action, done: str) -> None:
-        """A body-less control endpoint: run ``action`` on the control threads."""
+    def control_endpoint(path: str, action, done: str, exclusive: bool) -> None:
+        """A body-less control endpoint: run ``action`` on the control threads (holding the
+        model-update lock alone when ``exclusive``)."""
         async def endpoint(request: HTTPRequest):
-            return await _blocking(action) or {"success": True, "message": done}
+            async with (model_update.exclusive() if exclusive else contextlib.nullcontext()):
+                return await _blocking(action) or {"success": True, "message": done}
         app.post(path)(endpoint)
 
-    for path, action, done in (
-            ("/release_memory_occupation", engine.release_memory, "weights released"),
-            ("/resume_memory_occupation", engine.resume_memory, "weights reloaded"),
-            ("/begin_weight_update", engine.begin_weight_update, "session open"),
-            ("/end_weight_update", engine.end_weight_update, "session closed")):
-        control_endpoint(path, action, done)
+    for path, action, done, exclusive in (
+            ("/release_memory_occupation", engine.release_memory, "weights released", False),
+            ("/resume_memory_occupation", engine.resume_memory, "weights reloaded", False),
+            ("/begin_weight_update", engine.begin_weight_update, "session open", True),
+            ("/end_weight_update", engine.end_weight_update, "session closed", True)):
+        control_endpoint(path, action, done, exclusive)
 
     @app.post("/init_weights_update_group")
     async def init_group(request: HTTPRequest):
         b = await _json_object(request)
         if isinstance(b, JSONResponse):
             return b
-        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size")
-                   if k not in b]
-        if missing:
-            return JSONResponse({"success": False, "message": f"missing fields {missing}"},
-                                status_code=400)
+        try:
+            args = _group_fields(b)
+        except RequestError as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
         if group_setup.locked():
             return JSONResponse({"success": False, "message": "init_weights_update_group: a "
                                  "group setup is already in progress"}, status_code=400)
         async with group_setup:   # one at a time, each bounded by the engine's group timeout
-            return await _blocking(engine.init_update_group, b["master_address"],
-                                   int(b["master_port"]), int(b["rank_offset"]),
-                                   int(b["world_size"]),
-                                   b.get("group_name", "weight_update_group"),
-                                   b.get("backend", "nccl")) or {"success": True,
-                                                                 "message": "joined"}
+            return await _blocking(engine.init_update_group, *args) or {
+                "success": True, "message": "joined"}
 
     @app.post("/destroy_weights_update_group")
     async def destroy_group(request: HTTPRequest):
@@ -315,11 +426,15 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
         if not isinstance(b.get("flush_cache", True), bool):
             return JSONResponse({"success": False, "message": "flush_cache: expected a boolean"},
                                 status_code=400)
+        if not isinstance(b.get("group_name", ""), str):
+            return JSONResponse({"success": False, "message": "group_name: expected a string"},
+                                status_code=400)
         committed = []
-        err = await _blocking(lambda *a: committed.append(engine.update_from_distributed(*a)),
-                              b["names"], b["dtypes"], b["shapes"],
-                              b.get("group_name", "weight_update_group"),
-                              b.get("flush_cache", True))
+        async with model_update.exclusive():
+            err = await _blocking(
+                lambda *a: committed.append(engine.update_from_distributed(*a)),
+                b["names"], b["dtypes"], b["shapes"], b.get("group_name", "weight_update_group"),
+                b.get("flush_cache", True))
         if err is not None:
             return err
         if committed[0] and b.get("weight_version") is not None:
@@ -337,10 +452,12 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
             return JSONResponse({"success": False, "message": "model_path: expected a string"},
                                 status_code=400)
         loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(control, engine.load, path)
-        except Exception as exc:
-            return JSONResponse({"success": False, "message": f"{path}: {exc}"}, status_code=400)
+        async with model_update.exclusive():   # running requests finish on the old weights
+            try:
+                await loop.run_in_executor(control, engine.load, path)
+            except Exception as exc:
+                return JSONResponse({"success": False, "message": f"{path}: {exc}"},
+                                    status_code=400)
         version = body.get("weight_version")
         engine.weight_version = str(version) if version is not None else str(
             int(engine.weight_version) + 1 if engine.weight_version.isdigit() else 1)
@@ -359,25 +476,54 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
     return app
 
 
+def _group_fields(b: dict) -> tuple:
+    """The arguments of ``engine.init_update_group`` from an /init_weights_update_group body;
+    RequestError names a missing or mistyped field."""
+    missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size")
+               if k not in b]
+    if missing:
+        raise RequestError(f"missing fields {missing}")
+    for key in ("master_port", "rank_offset", "world_size"):
+        if not isinstance(b[key], int) or isinstance(b[key], bool):
+            raise RequestError(f"{key}: expected an integer, got {b[key]!r}")
+    if not 0 < b["master_port"] < 65536:
+        raise RequestError(f"master_port: expected 1..65535, got {b['master_port']}")
+    for key in ("master_address", "group_name", "backend"):
+        if key in b and not isinstance(b[key], str):
+            raise RequestError(f"{key}: expected a string, got {b[key]!r}")
+    return (b["master_address"], b["master_port"], b["rank_offset"], b["world_size"],
+            b.get("group_name", "weight_update_group"), b.get("backend", "nccl"))
+
+
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32",
           api_key: str | None = None, seed: int = 0, max_running_requests: int = 64,
           max_total_tokens: int = 1 << 18,
           return_routed_experts: bool = False, sampling_mask_max_tokens: int = 4096,
           sampling_backend: str = "flashinfer", deterministic_inference: bool = False,
           prefix_cache_tokens: int = 1 << 16, quantization: str = "none",
-          fd: int | None = None) -> None:
+          fd: int | None = None, limits: Limits = Limits(),
+          weight_group_timeout_s: float = 120.0) -> None:
     """Load the model and serve until interrupted (on the inherited bound socket ``fd`` when
     given, else on host:port)."""
     import socket
+    import sys
     import uvicorn
-    engine = ReferenceEngine(model_path, dtype=dtype, seed=seed,
-                             sampling_mask_max_tokens=sampling_mask_max_tokens,
-                             return_routed_experts=return_routed_experts,
-                             sampling_backend=sampling_backend,
-                             deterministic_inference=deterministic_inference,
-                             prefix_cache_tokens=prefix_cache_tokens,
-                             quantization=quantization)
-    app = build_app(engine, api_key, max_running_requests, max_total_tokens)
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {host} without --api-key: anyone who reaches the port can "
+              f"generate, replace the weights and join the weight-update group",
+              file=sys.stderr)
+    try:
+        engine = ReferenceEngine(model_path, dtype=dtype, seed=seed,
+                                 group_timeout_s=weight_group_timeout_s,
+                                 sampling_mask_max_tokens=sampling_mask_max_tokens,
+                                 return_routed_experts=return_routed_experts,
+                                 sampling_backend=sampling_backend,
+                                 deterministic_inference=deterministic_inference,
+                                 prefix_cache_tokens=prefix_cache_tokens,
+                                 quantization=quantization)
+    except ValueError as exc:   # the model or a flag refused: one line (moe-rl's UserError)
+        raise UserError(str(exc)) from None
+    app = build_app(engine, api_key, max_running_requests, max_total_tokens, limits)
     if fd is None:
         uvicorn.run(app, host=host, port=port, log_level="warning")
         return

@@ -1,0 +1,6 @@
+"""The refusals a user's own input causes (a config key, a file, a checkpoint): ``moe-rl``
+prints them as one line and exits 2, with no traceback."""
+
+
+class UserError(Exception):
+    """Input the user gave is refused; the message names it and what was expected."""
