@@ -11,7 +11,7 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_VERSION := 0.5.23
 
-.PHONY: setup test test-slow test-all test-contract test-multinode demo bench clean
+.PHONY: setup test test-loop test-slow test-all test-contract test-multinode demo bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -24,7 +24,11 @@ $(STAMP): setup.py
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not contract and not multinode" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not slow and not contract and not multinode and not loop" $(PYTEST_ARGS) tests
+
+# the training loop end to end through `moe-rl train` / `moe-rl demo` (every option's user path)
+test-loop: $(STAMP)
+	$(PY) -m pytest -q -m "loop and not slow" $(PYTEST_ARGS) tests
 
 # a run placed on Ray's multi-node test cluster (several raylets on this machine)
 test-multinode: $(STAMP)

@@ -116,6 +116,7 @@ def _metrics(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.loop
 @pytest.mark.e2e
 def test_train_with_max_staleness_1_through_the_loop(tmp_path):
     """`moe-rl train` with rollout.max_staleness=1 and dynamic sampling (float32 engine, R3):
@@ -146,6 +147,7 @@ def test_train_with_max_staleness_1_through_the_loop(tmp_path):
     assert state["sampler"] == sampler.state_dict()   # step 2's batch was in flight
 
 
+@pytest.mark.loop
 @pytest.mark.e2e
 def test_train_with_dynamic_sampling_through_the_loop(tmp_path):
     """`moe-rl train` with rollout.dynamic_sampling=true (synchronous loop): groups whose

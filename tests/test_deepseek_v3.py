@@ -285,6 +285,7 @@ def _rows(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.loop
 @pytest.mark.e2e
 def test_cpu_twin_config_trains_through_the_loop_with_r3_and_converts(tmp_path):
     """`moe-rl init-model` + `moe-rl train --config configs/deepseek_tiny_cpu.yaml` (R3, IcePop

@@ -96,6 +96,7 @@ def tiny_model(tmp_path_factory):
     return out
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_engine_passes_differ_like_a_loaded_server(tiny_model, tmp_path, deterministic):
     """engine_avg's n passes run in batches of other sizes: they differ (pass_std > 0) on the
@@ -203,6 +204,7 @@ def test_fp8_engine_quantises_what_sglang_quantises_and_requantises_on_update(tm
     assert not torch.equal(attn.fp8_weight, expect)
 
 
+@pytest.mark.loop
 def test_fp8_rollouts_through_moe_rl_train(tiny_model, tmp_path):
     """rollout.quantization=fp8 through `moe-rl train` (Ray, HTTP) with the distributed weight
     sync (the trainer streams E4M3 weights and scales; the disk path runs in the demo test):
@@ -249,6 +251,7 @@ def test_preset_warm_up_moves_the_routers_and_is_cached(tmp_path):
     assert bad.returncode == 2 and "exactly one of --config FILE or --preset NAME" in bad.stdout
 
 
+@pytest.mark.loop
 def test_demo_runs_on_fp8_and_reports_what_replay_removed(tmp_path):
     """`moe-rl demo` (a few steps): the FP8 engine, then the reward rise and the replay summary."""
     res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "demo", "trainer.steps=3",

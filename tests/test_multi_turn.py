@@ -403,6 +403,7 @@ def _train(model, run_dir, *overrides, env=None, steps=2):
     return res, rows
 
 
+@pytest.mark.loop
 def test_agentic_config_trains_with_r3(agentic_model, tmp_path):
     """The demo config through `moe-rl train`: warm start on the calculator's demonstrations,
     then RL steps with R3 on multi-turn trajectories."""
@@ -480,6 +481,7 @@ def env_module(tmp_path_factory):
     return dict(os.environ, PYTHONPATH=f"{d}:{os.environ.get('PYTHONPATH', '')}")
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("mode", ["mask-engine_avg", "full-trainer"])
 def test_two_turn_zero_mismatch_invariant(agentic_model, tmp_path, env_module, mode):
     """Float32 engine and trainer, two-turn trajectories: every mismatch metric ~0, nothing
@@ -502,6 +504,7 @@ def test_two_turn_zero_mismatch_invariant(agentic_model, tmp_path, env_module, m
     assert m["ratio/first_minibatch_max_dev"] < 1e-5
 
 
+@pytest.mark.loop
 def test_failing_environment_is_counted_not_fatal(agentic_model, tmp_path, env_module):
     res, rows = _train(agentic_model, tmp_path / "flaky", "data.environment=two_turn_envs:Flaky",
                        "trainer.sft_warmup_steps=0", env=env_module)

@@ -57,6 +57,7 @@ def test_report_from_event_files(tmp_path):
     assert row["mismatch/k1"] is None
 
 
+@pytest.mark.loop
 @pytest.mark.e2e
 def test_report_command_on_a_real_run(trained_run, tmp_path):
     out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "report", str(trained_run / "run"),

@@ -143,6 +143,7 @@ def test_refused_combinations_name_the_reason(combo):
         load_config(CONFIG, overrides(combo))
 
 
+@pytest.mark.loop
 @pytest.mark.e2e
 @pytest.mark.multiproc
 def test_zero_mismatch_covering_set(model_dir, tmp_path):

@@ -84,6 +84,7 @@ def _read_megatron(path: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
     from moe_rl.trainer.hf_weights import (load_hf_into_megatron, megatron_to_hf,
                                            save_hf_checkpoint)
     from moe_rl.trainer.model_builder import build_model, load_hf_config
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 load_sharded_weights(os.path.join(step_dir, "trainer", "dist"), model,
                                      use_ema=args.ema)
-            except Exception as exc:   # megatron names the key (another architecture)
+            except (Exception, CheckpointException) as exc:   # names the file or the key
                 first = (str(exc).strip().splitlines() or [""])[0]
                 raise CheckpointError(f"cannot read the weights of {step_dir} into {hf}: "
                                       f"{type(exc).__name__}: {first}") from None

@@ -119,6 +119,9 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter, limits: Limits = 
     if batch and not all(isinstance(seq, list) for seq in seqs):
         raise RequestError("input_ids: a batch must be a list of lists of token ids, not a mix "
                            "of ids and lists")
+    if len(seqs) > limits.max_batch_requests:
+        raise RequestError(f"input_ids: {len(seqs)} inputs in one call, over the server's limit "
+                           f"{limits.max_batch_requests} (--max-batch-requests)")
     for name in _BOOL_FIELDS:
         if name in body and not isinstance(body[name], bool):
             raise RequestError(f"{name}: expected a boolean")

@@ -53,6 +53,14 @@ def read_metadata(path: str):
         return MetadataUnpickler(fh, path).load()
 
 
+def check(checkpoint_dir: str) -> None:
+    """Read ``checkpoint_dir``'s ``.metadata`` through the allow-list before torch does, so a
+    crafted file is refused here (UnsafeMetadata naming it), not inside DCP's load (which logs a
+    traceback and wraps the error)."""
+    import os
+    read_metadata(os.path.join(checkpoint_dir, ".metadata"))
+
+
 def install() -> None:
     """Make torch's ``FileSystemReader.read_metadata`` (what megatron's ``dist_checkpointing``
     calls) read through :func:`read_metadata`. Idempotent."""

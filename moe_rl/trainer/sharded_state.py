@@ -108,8 +108,9 @@ def load_sharded(path: str, model, optimizer, ema: dict | None, step: int) -> No
     parallel layout wrote it (collective over every trainer rank). The DCP metadata is read
     without running code from it (:mod:`moe_rl.trainer.dcp_metadata`)."""
     from megatron.core import dist_checkpointing
-    from moe_rl.trainer.dcp_metadata import install
+    from moe_rl.trainer.dcp_metadata import check, install
     install()
+    check(path)
     state = sharded_trainer_state(model, optimizer, ema, loading=True, step=step)
     targets = {part: {k: v.data for k, v in state[part].items()}   # where the values belong
                for part in ("optim", "ema") if part in state}
@@ -130,8 +131,9 @@ def load_sharded_weights(path: str, model, use_ema: bool = False) -> None:
     :func:`load_sharded`)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
-    from moe_rl.trainer.dcp_metadata import install
+    from moe_rl.trainer.dcp_metadata import check, install
     install()
+    check(path)
     model_sd = model.sharded_state_dict()
     if not use_ema:
         model.load_state_dict(dist_checkpointing.load({"model": model_sd}, path)["model"])
