@@ -90,7 +90,7 @@ def test_saved_steps_convert_to_hf_and_exports_every_n_steps(trained_run, tmp_pa
     victim = ck / "iter_0000002" / "trainer" / "rank0.pt"
     victim.write_bytes(victim.read_bytes()[:-5])
     res = convert("--checkpoint", str(ck / "iter_0000002"), "--out", str(tmp_path / "bad"))
-    assert res.returncode == 2 and "rank0.pt" in res.stdout and "truncated" in res.stdout
+    assert res.returncode == 2 and "rank0.pt" in res.stderr and "truncated" in res.stderr
 
 
 @pytest.mark.loop
