@@ -109,7 +109,21 @@ def test_scored_routing_matches_generation_routing(server, layout):
     assert torch.equal(scored, s.routing)   # float32, same weights: exact
 
 
-def test_n_pass_scoring_matches_independent_logprobs(server, layout, hf_model):
+@pytest.mark.parametrize("chunk", [None, 1], ids=["one_call", "calls_of_one"])
+def test_n_pass_scoring_matches_independent_logprobs(server, layout, hf_model, chunk,
+                                                     monkeypatch):
+    """(calls_of_one: a scoring batch larger than SCORE_BATCH_MAX goes as several calls.)"""
+    from moe_rl.rollout.pool import ServerPool
+    sizes = []
+    if chunk is not None:
+        monkeypatch.setattr("moe_rl.rollout.engine.SCORE_BATCH_MAX", chunk)
+        request = ServerPool.request
+
+        async def counted(self, path, body, **kw):
+            if isinstance(body.get("input_ids", [None])[0], list):
+                sizes.append(len(body["input_ids"]))
+            return await request(self, path, body, **kw)
+        monkeypatch.setattr(ServerPool, "request", counted)
     eng = engine_for([server.url], layout, need_mask=False)
     samples = eng.generate([[6, 7, 68, 12, 72], [9, 9]], 2, SamplingConfig(max_new_tokens=4),
                            seed=5)
@@ -124,6 +138,8 @@ def test_n_pass_scoring_matches_independent_logprobs(server, layout, hf_model):
             assert torch.allclose(s.pass_logprobs[j], want, atol=1e-4)
         # temperature 1: the generation log-probs equal the scoring ones
         assert torch.allclose(s.rollout_logprobs, want, atol=1e-4)
+    if chunk is not None:
+        assert set(sizes) == {1} and len(sizes) >= 3 * len(samples)
 
 
 def test_golden_response_decodes_exactly():

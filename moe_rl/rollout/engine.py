@@ -19,6 +19,8 @@ from moe_rl.moe_shape import MoEShape
 from moe_rl.rollout.pool import EngineHTTPError, ServerPool
 from moe_rl.types import Sample
 
+SCORE_BATCH_MAX = 1024   # inputs per batched scoring call (below the engine's request limits)
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -157,7 +159,13 @@ class HTTPRolloutEngine:
 
         async def batch(pool, server, reqs: list[dict]) -> list[dict]:
             """The requests as one batched /generate (SGLang's list inputs): they are admitted
-            together and run in one prefill."""
+            together and run in one prefill; more than SCORE_BATCH_MAX go as consecutive calls
+            of at most that many (the reference engine's --max-batch-requests)."""
+            if len(reqs) > SCORE_BATCH_MAX:
+                out = []
+                for c in range(0, len(reqs), SCORE_BATCH_MAX):
+                    out += await batch(pool, server, reqs[c:c + SCORE_BATCH_MAX])
+                return out
             body = {"input_ids": [r["input_ids"] for r in reqs],
                     "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
                     "logprob_start_len": [r["logprob_start_len"] for r in reqs]}
