@@ -4,3 +4,8 @@ prints them as one line and exits 2, with no traceback."""
 
 class UserError(Exception):
     """Input the user gave is refused; the message names it and what was expected."""
+
+
+def first_line(exc: BaseException) -> str:
+    """``exc``'s message cut to its first line (a library's multi-line error in one line)."""
+    return (str(exc).strip().splitlines() or [""])[0]

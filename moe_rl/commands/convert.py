@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from moe_rl.errors import UserError
+from moe_rl.errors import UserError, first_line
 from moe_rl.orchestration.checkpoint import CheckpointError
 
 
@@ -74,9 +74,9 @@ def _read_megatron(path: str) -> dict:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, UnicodeDecodeError,
             OSError) as exc:
-        first = (str(exc).strip().splitlines() or [""])[0]
         raise UserError(f"--megatron {path}: not a Megatron file written by moe-rl convert, or "
-                        f"it holds more than tensors ({type(exc).__name__}: {first})") from None
+                        f"it holds more than tensors ({type(exc).__name__}: "
+                        f"{first_line(exc)})") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise UserError(f"--megatron {path}: expected a dict with a 'model' state dict")
     return saved["model"]
@@ -119,17 +119,15 @@ def run(args: argparse.Namespace) -> int:
                 load_sharded_weights(os.path.join(step_dir, "trainer", "dist"), model,
                                      use_ema=args.ema)
             except (Exception, CheckpointException) as exc:   # names the file or the key
-                first = (str(exc).strip().splitlines() or [""])[0]
-                raise CheckpointError(f"cannot read the weights of {step_dir} into {hf}: "
-                                      f"{type(exc).__name__}: {first}") from None
+                        raise CheckpointError(f"cannot read the weights of {step_dir} into {hf}: "
+                                      f"{type(exc).__name__}: {first_line(exc)}") from None
             print(f"read {step_dir}")
         else:
             try:
                 model.load_state_dict(state)
             except (RuntimeError, KeyError, TypeError) as exc:
-                first = (str(exc).strip().splitlines() or [""])[0]
-                raise UserError(f"--megatron {args.megatron}: does not fit the model of --hf "
-                                f"{hf}: {first}") from None
+                        raise UserError(f"--megatron {args.megatron}: does not fit the model of --hf "
+                                f"{hf}: {first_line(exc)}") from None
         save_hf_checkpoint(megatron_to_hf(model, spec), spec, args.out, source_dir=hf)
     print(f"wrote {args.out}")
     return 0

@@ -10,6 +10,7 @@ import torch
 
 from moe_rl.config import Config, dump_config
 from moe_rl.data.prompts import PromptSampler
+from moe_rl.errors import first_line
 from moe_rl.metrics_log import MetricsLogger, PhaseTimer, progress_bar
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.weight_sync import weight_sync_for
@@ -106,9 +107,9 @@ class Trainers:
             return ray.get([a.load.remote(path) for a in self.actors])[0]
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if exc.cause is not None else exc
-            first = (str(cause).strip().splitlines() or [""])[0]
             raise checkpoint.CheckpointError(
-                f"{path}: cannot be loaded ({type(cause).__name__}: {first})") from None
+                f"{path}: cannot be loaded ({type(cause).__name__}: {first_line(cause)})") \
+                from None
 
 
 class RolloutPipeline:

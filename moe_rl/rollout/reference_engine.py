@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from moe_rl.errors import first_line
 from moe_rl.leftovers import engine_scratch, sweep_engine_scratch
 from moe_rl.moe_shape import MoEShape
 from moe_rl.plugins import PluginTimeout, call_bounded
@@ -450,10 +451,9 @@ class ReferenceEngine:
                 lambda: open_group(backend, master_address, master_port, rank_offset,
                                    world_size, group_name, timeout_s=limit), timeout_s=limit)
         except (RuntimeError, OSError, PluginTimeout) as exc:   # nobody answered in time
-            first = (str(exc).strip().splitlines() or [""])[0]
             raise RequestError(f"init_weights_update_group: could not join group "
                                f"{group_name!r} at {master_address}:{master_port} within "
-                               f"{self.group_timeout_s:g} s: {first}") from None
+                               f"{self.group_timeout_s:g} s: {first_line(exc)}") from None
 
     def destroy_update_group(self, group_name: str) -> None:
         """Leave weight-update group ``group_name``."""
