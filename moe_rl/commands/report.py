@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import argparse
 
-from moe_rl.report import make_report
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (logging.dir)")
@@ -12,5 +10,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_rl.report import make_report
     print(make_report(args.runs, args.out))
     return 0

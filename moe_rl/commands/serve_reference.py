@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_rl.rollout.reference_server import Limits, serve
+from moe_rl.rollout.admission_limits import Limits
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_rl.rollout.reference_server import serve
     serve(args.model, host=args.host, port=args.port, dtype=args.dtype, api_key=args.api_key,
           seed=args.seed, max_running_requests=args.max_running_requests,
           max_total_tokens=args.max_total_tokens,

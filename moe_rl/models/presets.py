@@ -6,8 +6,6 @@ import json
 import os
 import random
 
-import torch
-
 from moe_rl.config import ModelInitConfig
 from moe_rl.data.prompts import toy_problems
 
@@ -40,6 +38,7 @@ def warm_up(model_dir: str, steps: int, seed: int = 0, batch_size: int = 64,
     """``steps`` supervised steps (AdamW, float32) of the HF model in ``model_dir`` on the toy
     additions ("a+b=" -> "c<|endoftext|>", loss on the answer), saved in place. Returns the last
     loss."""
+    import torch
     import transformers
     tok = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import string
-import torch
 
 from moe_rl.config import ModelInitConfig, init_hf_fields
 
@@ -59,6 +58,7 @@ def write_tiny_model(init: ModelInitConfig, out_dir: str) -> str:
     """Write config.json, model.safetensors and the tokenizer of the tiny model of ``init``
     (Qwen3-MoE or DeepSeek-V3) to ``out_dir``, deterministically from ``init.seed``. Returns
     ``out_dir``."""
+    import torch
     import transformers
     tokenizer = build_tokenizer()
     cfg = _hf_config(init, tokenizer)
