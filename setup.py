@@ -7,33 +7,39 @@ setup(
     description="GRPO/GSPO RL for MoE LLMs on megatron-core with routing replay and "
     "training-inference mismatch corrections",
     python_requires=">=3.11",
-    packages=find_packages(include=["moe_rl", "moe_rl.*"]) + ["moe_rl_kernels"],
-    # The top-level kernels/ folder installs as `moe_rl_kernels` (a bare `kernels`
-    # would collide with the PyPI package of that name).
-    package_dir={"moe_rl_kernels": "kernels"},
+    packages=find_packages(include=["moe_rl", "moe_rl.*"]) + ["moe_rl_kernels", "moe_rl.configs"],
+    # The top-level kernels/ folder installs as `moe_rl_kernels` (a bare `kernels` would collide
+    # with the PyPI package of that name); configs/ ships as `moe_rl.configs` (package data, so
+    # `moe-rl demo --config tiny_cpu.yaml` works from a wheel installed anywhere).
+    package_dir={"moe_rl_kernels": "kernels", "moe_rl.configs": "configs"},
+    package_data={"moe_rl.configs": ["*.yaml"]},
+    # Ranges: the lower bound is the oldest version whose API moe_rl uses (SGLang 0.5.23's own
+    # pins, transformers 5.19.0 and tokenizers 0.23.2, must fit for the [sglang] extra); the
+    # upper bound stops before a release that may remove what moe_rl calls (megatron-core
+    # changes its API between minor releases; transformers removes `past_key_values` in 5.40).
     install_requires=[
-        "torch>=2.4",
-        "megatron-core>=0.16",
-        "transformers>=4.51",
-        "tokenizers>=0.20",
-        "safetensors>=0.4",
-        "einops",
-        "numpy",
-        "pyyaml>=6",
-        "ray>=2.40",
-        "tensorboard>=2.15",
-        "tqdm",
-        "httpx>=0.27",
-        "fastapi>=0.110",
-        "uvicorn>=0.29",
-        "pyarrow>=14",
-        "matplotlib>=3.8",
-        "psutil>=5.9",   # megatron-core dist_checkpointing writer
+        "torch>=2.6,<3",
+        "megatron-core>=0.16,<0.17",
+        "transformers>=5.19,<5.40",
+        "tokenizers>=0.22,<0.24",
+        "safetensors>=0.4,<1",
+        "einops>=0.7,<1",
+        "numpy>=1.26,<3",
+        "pyyaml>=6,<7",
+        "ray>=2.40,<3",
+        "tensorboard>=2.15,<3",
+        "tqdm>=4.66,<5",
+        "httpx>=0.27,<1",
+        "fastapi>=0.110,<1",
+        "uvicorn>=0.29,<1",
+        "pyarrow>=14,<28",
+        "matplotlib>=3.8,<4",
+        "psutil>=5.9,<8",   # megatron-core dist_checkpointing writer
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "triton>=3.2"],
-        "sglang": ["sglang>=0.5.23"],
-        "te": ["transformer-engine[pytorch]"],
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "triton>=3.2,<4", "packaging>=23"],
+        "sglang": ["sglang>=0.5.23,<0.6"],
+        "te": ["transformer-engine[pytorch]>=2.0,<3"],
     },
     entry_points={"console_scripts": ["moe-rl=moe_rl.cli:main"]},
 )

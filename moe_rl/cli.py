@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every available sub-command."""
     parser = argparse.ArgumentParser(prog="moe-rl", description="RL for Mixture-of-Experts LLMs: megatron-core trainer, SGLang or CPU reference engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (module, help_text) in COMMANDS.items():   # each imports its work lazily
         mod = importlib.import_module(f"moe_rl.commands.{module}")
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``moe-rl`` console script."""
     from moe_rl.errors import UserError
+    from moe_rl.orchestration.stop import RunStopped
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:   # the user's input refused: one line, no traceback
         print(f"moe-rl {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except RunStopped as exc:   # a signal stopped the run cleanly: where it is, how to go on
+        print(f"moe-rl {args.command}: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -269,7 +269,14 @@ class TrainerConfig:
                                         **_rng(0))
     sft_warmup_steps: int = _f(0, "supervised warm-start steps before RL", **_rng(0))
     sft_lr: float = _f(1e-3, "learning rate of the supervised warm-start", **_rng(0, lo_open=True))
-    save_interval: int = _f(0, "checkpoint every n steps (0 = only at the end)", **_rng(0))
+    save_interval: int = _f(50, "checkpoint every n steps (0 = by time and at the end only)",
+                            **_rng(0))
+    save_interval_minutes: float = _f(30.0, "also checkpoint when this many minutes passed since "
+                                      "the last checkpoint (whichever of steps or minutes comes "
+                                      "first; 0 = by steps only)", **_rng(0))
+    stop_grace_s: float = _f(120.0, "on SIGINT / SIGTERM / SIGUSR1, seconds the current step and "
+                             "its checkpoint may still take; past them the step is abandoned",
+                             **_rng(0, lo_open=True))
     checkpoint_dir: str | None = _f(None, "checkpoint folder (null = <logging.dir>/checkpoints)")
     keep_checkpoints: int = _f(2, "saved steps kept (iter_NNNNNNN/ folders; older ones are "
                                "removed once a newer one is complete)", **_rng(1))
@@ -324,7 +331,10 @@ class LoggingConfig:
     dir: str = _f("runs/default", "run directory: TensorBoard events, metrics.jsonl, checkpoints")
     tensorboard: bool = _f(True, "write TensorBoard event files")
     jsonl: bool = _f(True, "write metrics.jsonl")
-    progress: bool = _f(True, "console progress bars")
+    progress: bool = _f(True, "per-step progress on the console: a bar on a terminal, else one "
+                        "line per logging.log_interval steps on stdout")
+    log_interval: int = _f(1, "steps between progress lines when the console is not a terminal "
+                           "(nohup, Slurm, a pipe); the last step is always shown", **_rng(1))
 
 
 @dataclass
@@ -529,6 +539,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     """Read YAML ``path`` (optional), apply ``overrides`` and return a validated :class:`Config`."""
     tree: dict = {}
     if path is not None:
+        from moe_rl.shipped import config_path, shipped_configs
+        path = config_path(os.fspath(path))
+        if not os.path.exists(path):
+            raise ConfigError(f"config file not found: {path} (shipped configs, usable by name: "
+                              f"{', '.join(sorted(shipped_configs()))})")
         if os.path.isdir(path):
             raise ConfigError(f"config file {path}: is a directory; give a YAML file")
         try:
@@ -546,8 +561,24 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree, "")
+    resolve_paths(cfg)
     validate(cfg)
     return cfg
+
+
+# file and folder keys; relative ones resolve against the current directory when the config is
+# loaded (so every process of the run, on every node, sees the same absolute path)
+PATH_KEYS = ("model.path", "data.path", "logging.dir", "trainer.checkpoint_dir")
+
+
+def resolve_paths(cfg: Config) -> None:
+    """Make the :data:`PATH_KEYS` of ``cfg`` absolute (``~`` expanded; relative to the current
+    directory)."""
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value:
+            setattr(getattr(cfg, section), name, os.path.abspath(os.path.expanduser(value)))
 
 
 def config_from_dict(tree: dict) -> Config:

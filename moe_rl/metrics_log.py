@@ -1,4 +1,5 @@
-"""Metric outputs of a run: TensorBoard scalars, a JSONL copy, phase timers and progress bars."""
+"""Metric outputs of a run: TensorBoard scalars, a JSONL copy, phase timers and per-step
+progress (a bar on a terminal, lines elsewhere)."""
 from __future__ import annotations
 
 import contextlib
@@ -40,7 +41,7 @@ class MetricsLogger:
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step or None)
+            self.writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record ``metrics`` at ``step``."""
@@ -81,7 +82,50 @@ class PhaseTimer:
             self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
 
 
-def progress_bar(total: int, desc: str, enabled: bool = True) -> tqdm:
-    """A tqdm bar on stderr; disabled when asked or when stderr is not a terminal."""
-    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True,
-                disable=not enabled or not sys.stderr.isatty())
+def _duration(seconds: float) -> str:
+    """``1h02m``, ``6m40s`` or ``12s``."""
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class StepProgress:
+    """Progress a person can follow anywhere: on a terminal (stderr a TTY) a tqdm bar; otherwise
+    (nohup, Slurm, a pipe) one line on stdout every ``interval`` steps and at the last one:
+    ``<desc> 12/100 | reward 0.512 | ... | 4.1 s/step | ETA 6m01s``. ``enabled`` False: neither.
+    ``tty``: force the choice (None: look at stderr)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True, interval: int = 1,
+                 first: int = 0, tty: bool | None = None):
+        self.total, self.desc, self.interval, self.done = total, desc, max(1, interval), first
+        self.enabled = enabled
+        self.start, self.first = time.perf_counter(), first
+        tty = sys.stderr.isatty() if tty is None else tty
+        self.bar = tqdm(total=total, initial=first, desc=desc, leave=False, dynamic_ncols=True,
+                        disable=not enabled or not tty)
+        self.lines = enabled and not tty
+
+    def update(self, fields: dict[str, str]) -> None:
+        """One more step done; ``fields``: what to show of it, already formatted."""
+        self.done += 1
+        self.bar.update(1)
+        self.bar.set_postfix(fields, refresh=False)
+        if not self.lines or (self.done % self.interval and self.done != self.total):
+            return
+        per_step = (time.perf_counter() - self.start) / (self.done - self.first)
+        parts = [f"{self.desc} {self.done}/{self.total}", *(f"{k} {v}" for k, v in fields.items()),
+                 f"{per_step:.1f} s/step", f"ETA {_duration(per_step * (self.total - self.done))}"]
+        print(" | ".join(parts), flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def step_fields(metrics: dict[str, float]) -> dict[str, str]:
+    """The per-step progress fields of an RL step's metrics: reward, mismatch k3, routing
+    agreement (those present)."""
+    shown = {"reward": ("reward/mean", "{:.3f}"), "k3": ("mismatch/k3", "{:.2e}"),
+             "agreement": ("routing/agreement", "{:.4f}")}
+    return {name: fmt.format(metrics[key]) for name, (key, fmt) in shown.items()
+            if isinstance(metrics.get(key), (int, float)) and math.isfinite(metrics[key])}

@@ -8,17 +8,20 @@ import time
 import ray
 import torch
 
+from moe_rl import run_dir as run_dir_checks
 from moe_rl.config import Config, dump_config
 from moe_rl.data.prompts import PromptSampler
 from moe_rl.errors import first_line
-from moe_rl.metrics_log import MetricsLogger, PhaseTimer, progress_bar
+from moe_rl.metrics_log import MetricsLogger, PhaseTimer, StepProgress, step_fields
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.weight_sync import weight_sync_for
 from moe_rl.orchestration.placement import make_plan
 from moe_rl.orchestration.ray_placement import reserve, start_ray
+from moe_rl.orchestration.stop import Abandoned, RunStopped, StopRequest
 from moe_rl.orchestration.workers import (EngineHost, RolloutWorker, TrainerWorker,
                                           served_checkpoint)
 from moe_rl.run_inputs import RunInputs, load_run_inputs
+from moe_rl.run_summary import run_summary
 from moe_rl.trainer.parallel import free_port
 from moe_rl.types import RolloutBatch, Sample
 
@@ -158,142 +161,217 @@ class RolloutPipeline:
 
 
 def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = False,
-                 resume_from: str | None = None) -> list[dict]:
+                 resume_from: str | None = None, overwrite: bool = False,
+                 allow_changes: tuple[str, ...] = (),
+                 resume_command: str | None = None) -> list[dict]:
     """Run the configured RL job (``inputs``: the loaded model tokenizer, prompts and reward,
     loaded here when not given); ``resume``: continue from the latest complete checkpoint of
     the run (a fresh start when there is none), ``resume_from``: from that checkpoint
-    directory. Returns the per-step metrics."""
+    directory, refused when a key that shapes the run differs from the checkpoint's (unless
+    named in ``allow_changes``). A new run into a directory holding one is refused, or with
+    ``overwrite`` the old run is moved aside. A stop signal (see :mod:`.stop`) ends the run
+    cleanly with :class:`RunStopped`, whose message ends with ``resume_command``. Returns the
+    per-step metrics."""
+    run_dir_checks.prepare(cfg, resume=bool(resume or resume_from), overwrite=overwrite)
     inputs = inputs or load_run_inputs(cfg)
     tokenizer, prompts = inputs.tokenizer, inputs.prompts
     run_dir = cfg.logging.dir
-    ckpt_dir = cfg.trainer.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    ckpt_dir = run_dir_checks.checkpoint_dir(cfg)
+    resume_path = resume_from or (checkpoint.latest(ckpt_dir) if resume else None)
+    sampler = PromptSampler(len(prompts), cfg.rollout.prompts_per_step, cfg.data.shuffle_seed)
+    start_step = 0
+    if resume_path:   # checked before anything of the run directory is written
+        state = checkpoint.open_checkpoint(resume_path, cfg)
+        run_dir_checks.check_resume(resume_path, cfg, allow_changes)
+        start_step = state["step"]
+        sampler.load_state_dict(state["sampler"])
     os.makedirs(ckpt_dir, exist_ok=True)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
         fh.write(dump_config(cfg))
     print(dump_config(cfg), flush=True)
-    sampler = PromptSampler(len(prompts), cfg.rollout.prompts_per_step, cfg.data.shuffle_seed)
-    start_step = 0
-    resume_path = resume_from or (checkpoint.latest(ckpt_dir) if resume else None)
+    print(f"run directory: {os.path.abspath(run_dir)}", flush=True)
     if resume_path:
-        state = checkpoint.open_checkpoint(resume_path, cfg)
-        start_step = state["step"]
-        sampler.load_state_dict(state["sampler"])
         print(f"resuming at step {start_step} from {resume_path}", flush=True)
     logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.jsonl, start_step)
     plan = make_plan(cfg)
     start_ray(cfg, plan)
     reservation = reserve(cfg, plan)
     hosts: list = []
-    rollout = None
     history: list[dict] = []
-    try:
-        trainers = Trainers(cfg, plan, reservation)
-        # FP8 rollouts: the engines serve the block-wise FP8 checkpoint of the weights
-        served = served_checkpoint(cfg, cfg.model.path, os.path.join(run_dir, "fp8_start"))
-        plan = make_plan(cfg, node_addresses=reservation.addresses, model_path=served)
-        hosts = place_engines(cfg, plan, reservation, served, os.path.join(run_dir, "logs"))
-        write_plan(plan, reservation, os.path.join(run_dir, "plan.json"))
-        rollout = RolloutWorker.options(**reservation.options(cfg, plan.of("rollout")[0])
-                                        ).remote(_cfg_tree(cfg), hosts)
-        weights = weight_sync_for(cfg, trainers, rollout, os.path.join(run_dir, "weights"))
-        if start_step:
-            trainers.load(os.path.join(resume_path, "trainer"))
-            weights.sync(start_step)
-        elif cfg.trainer.sft_warmup_steps:
-            sft = PromptSampler(len(prompts), cfg.rollout.prompts_per_step * 4,
-                                cfg.data.shuffle_seed + 1)
-            for k in range(cfg.trainer.sft_warmup_steps):
-                m = trainers.sft_step(sft_samples(prompts, sft.next_batch(), tokenizer,
-                                                  inputs.environment, len(tokenizer)),
-                                      cfg.trainer.sft_lr)
-            print(f"warm start: {cfg.trainer.sft_warmup_steps} supervised steps, last loss "
-                  f"{m['sft/loss']:.3f}", flush=True)
-            weights.sync(0)
-        bar = progress_bar(cfg.trainer.steps - start_step, "RL steps", cfg.logging.progress)
-        failed_batches, reward_timeouts_named = 0, False
-        pipeline = RolloutPipeline(cfg, rollout, sampler, len(trainers.actors), start_step)
-        for step in range(start_step, cfg.trainer.steps):
-            timer = PhaseTimer()
-            t0 = time.perf_counter()
-            pipeline.launch(version=step)
-            with timer.phase("wait_rollout"):
-                summary, shards = pipeline.next_batch(step)
-            timer.metrics.update(summary["timing"])
-            failed_batches = failed_batches + 1 \
-                if summary["reward_failures"] >= summary["reward_calls"] else 0
-            if failed_batches >= cfg.data.max_failed_reward_batches and not summary["samples"] \
-                    and cfg.data.environment is not None:
-                raise RuntimeError(
-                    f"data.environment: {cfg.data.environment} failed on every trajectory of "
-                    f"{failed_batches} batch(es) in a row (data.max_failed_reward_batches="
-                    f"{cfg.data.max_failed_reward_batches}); nothing is left to train on. "
-                    f"First error: {summary['first_env_error']}")
-            if failed_batches >= cfg.data.max_failed_reward_batches:
-                raise RuntimeError(
-                    f"data.reward: {cfg.data.reward} failed on every sample of "
-                    f"{failed_batches} batch(es) in a row (data.max_failed_reward_batches="
-                    f"{cfg.data.max_failed_reward_batches}); training on zero rewards would "
-                    f"learn nothing. First error: {summary['first_reward_error']}")
-            if summary["reward_timeouts_total"] and not reward_timeouts_named:
-                reward_timeouts_named = True
-                print(f"step {step}: reward {cfg.data.reward} did not return within "
-                      f"{cfg.data.reward_timeout_s:g} s (data.reward_timeout_s) on "
-                      f"{summary['reward_timeouts_total']} sample(s), dropped (counted in "
-                      f"reward/timeouts)", flush=True)
-            dropped = summary["counts"].get("rollout/env_errors", 0) + \
-                summary["counts"].get("rollout/env_timeouts", 0)
-            if dropped and summary["first_env_error"]:
-                print(f"step {step}: {int(dropped)} trajectories dropped on environment errors "
-                      f"or timeouts; first: {summary['first_env_error']}", flush=True)
-            if cfg.cluster.colocate:   # the engines give their memory to the trainer
-                with timer.phase("engine_release"):
-                    ray.get(rollout.release_memory.remote())
-            with timer.phase("train"):   # a batch left empty (every trajectory dropped) skips
-                metrics = trainers.train_step(shards) if summary["samples"] else {}
-            if cfg.cluster.colocate:
-                with timer.phase("engine_resume"):
-                    ray.get(rollout.resume_memory.remote())
-            with timer.phase("weight_sync"):   # asynchronous pipeline: queued, not awaited
-                weights.sync(step + 1, wait=cfg.rollout.max_staleness == 0)
-            metrics.update(timer.metrics)
-            metrics["timing/step_s"] = time.perf_counter() - t0
-            metrics["reward/errors"] = float(summary["reward_errors_total"])
-            metrics["reward/timeouts"] = float(summary["reward_timeouts_total"])
-            metrics["rollout/stale_samples"] = float(summary["stale_samples"])
-            metrics.update(summary["counts"])
-            metrics["rollout/engine_restarts"] = float(ray.get(rollout.restarts.remote()))
-            metrics["rollout/weight_sync_recoveries"] = float(weights.recoveries)
-            logger.log(step, metrics)
-            history.append({"step": step, **metrics})
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
-            last = step + 1 == cfg.trainer.steps
-            if last or (cfg.trainer.save_interval and (step + 1) % cfg.trainer.save_interval == 0):
-                # the data order as of the consumed steps: in-flight batches are regenerated
-                checkpoint.save(trainers, {"step": step + 1,
-                                           "sampler": pipeline.sampler_state()},
-                                cfg, ckpt_dir, step + 1)
-            every = cfg.trainer.export_hf_interval
-            if every and (step + 1) % every == 0:
-                trainers.export(os.path.join(run_dir, "hf", f"iter_{step + 1:07d}"))
-        weights.wait()
-        bar.close()
-        if cfg.trainer.export_hf:
-            final = os.path.join(run_dir, "final_hf")
-            if cfg.trainer.ema_decay is not None:   # the EMA is the released policy
-                trainers.export(final, use_ema=True)
-                trainers.export(os.path.join(run_dir, "final_hf_raw"))
-                print(f"final policy (EMA, decay {cfg.trainer.ema_decay}) exported to {final}; "
-                      f"the raw weights to {final}_raw", flush=True)
-            else:
-                trainers.export(final)
-                print(f"final policy exported to {final}", flush=True)
-    finally:
-        logger.close()
-        ray.get([h.stop.remote() for h in hosts])
-        reservation.release()
+    started = time.perf_counter()
+    saved = resume_path   # the last complete checkpoint of this run
+    abandoned = None
+    with StopRequest(cfg.trainer.stop_grace_s) as stop:
+        try:
+            trainers = Trainers(cfg, plan, reservation)
+            # FP8 rollouts: the engines serve the block-wise FP8 checkpoint of the weights
+            served = served_checkpoint(cfg, cfg.model.path, os.path.join(run_dir, "fp8_start"))
+            plan = make_plan(cfg, node_addresses=reservation.addresses, model_path=served)
+            hosts = place_engines(cfg, plan, reservation, served, os.path.join(run_dir, "logs"))
+            write_plan(plan, reservation, os.path.join(run_dir, "plan.json"))
+            rollout = RolloutWorker.options(**reservation.options(cfg, plan.of("rollout")[0])
+                                            ).remote(_cfg_tree(cfg), hosts)
+            weights = weight_sync_for(cfg, trainers, rollout, os.path.join(run_dir, "weights"))
+            if start_step:
+                trainers.load(os.path.join(resume_path, "trainer"))
+                weights.sync(start_step)
+            elif cfg.trainer.sft_warmup_steps:
+                warm_start(cfg, trainers, inputs, stop)
+                weights.sync(0)
+            bar = StepProgress(cfg.trainer.steps, "RL step", cfg.logging.progress,
+                               cfg.logging.log_interval, first=start_step)
+            failed_batches, reward_timeouts_named = 0, False
+            pipeline = RolloutPipeline(cfg, rollout, sampler, len(trainers.actors), start_step)
+            last_save = time.monotonic()
+            for step in range(start_step, cfg.trainer.steps):
+                if stop.signum:
+                    break
+                timer = PhaseTimer()
+                t0 = time.perf_counter()
+                pipeline.launch(version=step)
+                with timer.phase("wait_rollout"):
+                    summary, shards = pipeline.next_batch(step)
+                timer.metrics.update(summary["timing"])
+                failed_batches = failed_batches + 1 \
+                    if summary["reward_failures"] >= summary["reward_calls"] else 0
+                check_batch(cfg, summary, failed_batches)
+                if summary["reward_timeouts_total"] and not reward_timeouts_named:
+                    reward_timeouts_named = True
+                    print(f"step {step}: reward {cfg.data.reward} did not return within "
+                          f"{cfg.data.reward_timeout_s:g} s (data.reward_timeout_s) on "
+                          f"{summary['reward_timeouts_total']} sample(s), dropped (counted in "
+                          f"reward/timeouts)", flush=True)
+                dropped = summary["counts"].get("rollout/env_errors", 0) + \
+                    summary["counts"].get("rollout/env_timeouts", 0)
+                if dropped and summary["first_env_error"]:
+                    print(f"step {step}: {int(dropped)} trajectories dropped on environment "
+                          f"errors or timeouts; first: {summary['first_env_error']}", flush=True)
+                if cfg.cluster.colocate:   # the engines give their memory to the trainer
+                    with timer.phase("engine_release"):
+                        ray.get(rollout.release_memory.remote())
+                with timer.phase("train"):   # a batch left empty (every trajectory dropped)
+                    metrics = trainers.train_step(shards) if summary["samples"] else {}
+                if cfg.cluster.colocate:
+                    with timer.phase("engine_resume"):
+                        ray.get(rollout.resume_memory.remote())
+                with timer.phase("weight_sync"):   # asynchronous pipeline: queued, not awaited
+                    weights.sync(step + 1, wait=cfg.rollout.max_staleness == 0)
+                metrics.update(timer.metrics)
+                metrics["timing/step_s"] = time.perf_counter() - t0
+                metrics["reward/errors"] = float(summary["reward_errors_total"])
+                metrics["reward/timeouts"] = float(summary["reward_timeouts_total"])
+                metrics["rollout/stale_samples"] = float(summary["stale_samples"])
+                metrics.update(summary["counts"])
+                metrics["rollout/engine_restarts"] = float(ray.get(rollout.restarts.remote()))
+                metrics["rollout/weight_sync_recoveries"] = float(weights.recoveries)
+                logger.log(step, metrics)
+                history.append({"step": step, **metrics})
+                bar.update(step_fields(metrics))
+                if checkpoint_due(cfg, step + 1, time.monotonic() - last_save) \
+                        or stop.wants_checkpoint:
+                    # the data order as of the consumed steps: in-flight batches are regenerated
+                    saved = checkpoint.save(trainers, {"step": step + 1,
+                                                       "sampler": pipeline.sampler_state()},
+                                            cfg, ckpt_dir, step + 1)
+                    last_save = time.monotonic()
+                every = cfg.trainer.export_hf_interval
+                if every and (step + 1) % every == 0:
+                    trainers.export(os.path.join(run_dir, "hf", f"iter_{step + 1:07d}"))
+            stop.stop_clock()
+            bar.close()
+            if not stop.signum:
+                weights.wait()
+                export_final(cfg, trainers)
+        except Abandoned as exc:
+            abandoned = str(exc)
+        finally:
+            stop.stop_clock()
+            logger.close()
+            stop_engines(hosts)
+            reservation.release()
+    if stop.signum:
+        if saved:
+            saved = os.path.relpath(saved)
+        where = f"last checkpoint {saved}" if saved else \
+            "no checkpoint was written (SIGTERM or SIGUSR1 checkpoint the current step)"
+        done = start_step + len(history)
+        what = f"{done} of {cfg.trainer.steps} steps done, the next one abandoned ({abandoned})" \
+            if abandoned else f"after step {done} of {cfg.trainer.steps}"
+        again = f"; continue with: {resume_command}" if saved and resume_command else ""
+        raise RunStopped(f"stopped by {stop.name}, {what}: {where}{again}", stop.signum)
+    print(run_summary(history, cfg, time.perf_counter() - started, saved), flush=True)
     return history
+
+
+def checkpoint_due(cfg: Config, done: int, since_save_s: float) -> bool:
+    """Whether a checkpoint is due after ``done`` steps, ``since_save_s`` seconds after the last:
+    at the last step, every ``trainer.save_interval`` steps, or ``save_interval_minutes`` after
+    the last save, whichever comes first."""
+    t = cfg.trainer
+    return (done == t.steps or bool(t.save_interval and done % t.save_interval == 0)
+            or bool(t.save_interval_minutes and since_save_s >= 60 * t.save_interval_minutes))
+
+
+def warm_start(cfg: Config, trainers: Trainers, inputs: RunInputs, stop: StopRequest) -> None:
+    """``trainer.sft_warmup_steps`` supervised steps on the reference answers (or the
+    environment's demonstrations), with their progress; a stop signal ends them early."""
+    prompts, tokenizer = inputs.prompts, inputs.tokenizer
+    sft = PromptSampler(len(prompts), cfg.rollout.prompts_per_step * 4, cfg.data.shuffle_seed + 1)
+    bar = StepProgress(cfg.trainer.sft_warmup_steps, "warm start", cfg.logging.progress,
+                       cfg.logging.log_interval)
+    for _ in range(cfg.trainer.sft_warmup_steps):
+        if stop.signum:
+            break
+        m = trainers.sft_step(sft_samples(prompts, sft.next_batch(), tokenizer,
+                                          inputs.environment, len(tokenizer)), cfg.trainer.sft_lr)
+        bar.update({"loss": f"{m['sft/loss']:.3f}"})
+    bar.close()
+    if bar.done:
+        print(f"warm start: {bar.done} supervised steps, last loss {m['sft/loss']:.3f}",
+              flush=True)
+
+
+def check_batch(cfg: Config, summary: dict, failed_batches: int) -> None:
+    """Stop the run (RuntimeError naming the key) when the reward function or the environment
+    failed on everything for ``data.max_failed_reward_batches`` batches in a row."""
+    if failed_batches < cfg.data.max_failed_reward_batches:
+        return
+    if not summary["samples"] and cfg.data.environment is not None:
+        raise RuntimeError(
+            f"data.environment: {cfg.data.environment} failed on every trajectory of "
+            f"{failed_batches} batch(es) in a row (data.max_failed_reward_batches="
+            f"{cfg.data.max_failed_reward_batches}); nothing is left to train on. "
+            f"First error: {summary['first_env_error']}")
+    raise RuntimeError(
+        f"data.reward: {cfg.data.reward} failed on every sample of {failed_batches} batch(es) "
+        f"in a row (data.max_failed_reward_batches={cfg.data.max_failed_reward_batches}); "
+        f"training on zero rewards would learn nothing. First error: "
+        f"{summary['first_reward_error']}")
+
+
+def export_final(cfg: Config, trainers: Trainers) -> None:
+    """The final policy as a HF model in ``<run>/final_hf`` (with an EMA: the EMA there, the raw
+    weights in ``final_hf_raw``), when ``trainer.export_hf``."""
+    if not cfg.trainer.export_hf:
+        return
+    final = os.path.join(cfg.logging.dir, "final_hf")
+    if cfg.trainer.ema_decay is not None:   # the EMA is the released policy
+        trainers.export(final, use_ema=True)
+        trainers.export(os.path.join(cfg.logging.dir, "final_hf_raw"))
+        print(f"final policy (EMA, decay {cfg.trainer.ema_decay}) exported to {final}; "
+              f"the raw weights to {final}_raw", flush=True)
+    else:
+        trainers.export(final)
+        print(f"final policy exported to {final}", flush=True)
+
+
+def stop_engines(hosts: list, timeout_s: float = 60.0) -> None:
+    """Stop every engine server (each host terminates its process, then kills it); a host that
+    does not answer within ``timeout_s`` is left to Ray's shutdown."""
+    refs = [h.stop.remote() for h in hosts]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
 def write_plan(plan, reservation, path: str) -> None:

@@ -1,0 +1,78 @@
+"""Clean stops of a run on a signal. SIGINT (Ctrl-C), SIGTERM (Slurm's preemption and
+``scancel``) and SIGUSR1 (``sbatch --signal``) ask the loop to stop after the current step;
+SIGTERM and SIGUSR1 also ask for a checkpoint of that step (SIGINT saves only one that is due).
+The step and its checkpoint get ``trainer.stop_grace_s`` seconds; past them, or on a second
+signal, the step is abandoned (nothing more is saved). The run then stops its engines and Ray
+and ``moe-rl`` prints one line: where the last checkpoint is and the command that resumes."""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+ASKS_FOR_CHECKPOINT = {signal.SIGTERM, signal.SIGUSR1}
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class Abandoned(BaseException):
+    """The current step is given up (a second signal, or the grace period ran out). A
+    BaseException, like KeyboardInterrupt, so that no ``except Exception`` swallows it."""
+
+
+class RunStopped(Exception):
+    """The run stopped on a signal, cleanly: ``message`` says where the last checkpoint is and
+    how to resume; ``exit_code`` is 128 + the signal's number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopRequest:
+    """While active (``with StopRequest(grace_s):`` in the main thread), the handled signals set
+    :attr:`signum` instead of killing the process; the loop looks at it between steps. Outside
+    the main thread (a library caller's worker thread) nothing is installed."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    @property
+    def wants_checkpoint(self) -> bool:
+        return self.signum in ASKS_FOR_CHECKPOINT
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in HANDLED:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            self._previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._on_alarm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_clock()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def stop_clock(self) -> None:
+        """No more abandoning: the step (and its checkpoint) is over, or the run is stopping."""
+        if self._previous:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise Abandoned(f"a second {signal.Signals(signum).name}")
+        self.signum = signum
+        then = "checkpoint it, " if self.wants_checkpoint else ""
+        print(f"{self.name}: finishing the current step (at most {self.grace_s:g} s, "
+              f"trainer.stop_grace_s), then {then}stop; send it again to abandon the step now",
+              file=sys.stderr, flush=True)
+        signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+
+    def _on_alarm(self, signum, frame) -> None:
+        raise Abandoned(f"the grace period of {self.grace_s:g} s (trainer.stop_grace_s) ran out")

@@ -1,0 +1,124 @@
+"""Run directories are never silently reused: a new run into a directory that holds one is
+refused (or, asked, the old run is moved aside), a resumed run must keep the settings that shape
+what it learns, and the demo takes a fresh directory each time."""
+from __future__ import annotations
+
+import os
+
+import yaml
+
+from moe_rl.config import Config, dump_config
+from moe_rl.errors import UserError
+
+# what a run writes into logging.dir first; any of them means the directory holds a run
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "tb", "checkpoints")
+
+# keys a resumed run may change: how long it runs, where and how it is placed, saved, logged and
+# served, and time limits; every other key shapes what the run learns and must match the
+# checkpoint's (or be named with --allow-change)
+RESUMABLE = {
+    "trainer.steps", "trainer.save_interval", "trainer.save_interval_minutes",
+    "trainer.keep_checkpoints", "trainer.checkpoint_dir", "trainer.export_hf",
+    "trainer.export_hf_interval", "trainer.stop_grace_s", "trainer.tensor_parallel",
+    "trainer.pipeline_parallel", "trainer.expert_parallel", "trainer.context_parallel",
+    "trainer.sequence_parallel", "trainer.recompute_activations", "model.path",
+    "rollout.num_servers", "rollout.host", "rollout.base_port", "rollout.api_key",
+    "rollout.request_timeout_s", "rollout.max_retries", "rollout.concurrency",
+    "rollout.health_timeout_s", "rollout.sglang.tp_size", "rollout.sglang.dp_size",
+    "rollout.sglang.ep_size", "rollout.sglang.mem_fraction_static", "rollout.sglang.python",
+    "data.reward_timeout_s", "data.environment_timeout_s", "data.max_failed_reward_batches",
+}
+RESUMABLE_PREFIXES = ("cluster.", "logging.", "model.init.")
+
+
+def checkpoint_dir(cfg: Config) -> str:
+    """Where the run's checkpoints go (``trainer.checkpoint_dir`` or ``<logging.dir>/checkpoints``)."""
+    return cfg.trainer.checkpoint_dir or os.path.join(cfg.logging.dir, "checkpoints")
+
+
+def holds_run(path: str) -> bool:
+    """Whether ``path`` holds (part of) a run: its config, metrics, events or checkpoints."""
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, m))
+                                       for m in RUN_MARKERS)
+
+
+def _has_checkpoints(path: str) -> bool:
+    return os.path.isdir(path) and any(n.startswith("iter_") for n in os.listdir(path))
+
+
+def _aside(path: str) -> str:
+    """The first free ``<path>.old-N``."""
+    n = 1
+    while os.path.exists(f"{path}.old-{n}"):
+        n += 1
+    return f"{path}.old-{n}"
+
+
+def prepare(cfg: Config, resume: bool, overwrite: bool) -> None:
+    """Check that a new run may write into ``logging.dir`` (and a separate
+    ``trainer.checkpoint_dir``). A resumed run continues the run there. Otherwise a directory
+    that holds a run is refused (UserError naming ``--resume``, a new ``logging.dir`` and
+    ``--overwrite``) or, with ``overwrite``, moved aside to ``<dir>.old-N`` (said on stdout)."""
+    if resume:
+        return
+    run, ckpt = cfg.logging.dir, checkpoint_dir(cfg)
+    taken = [p for p in (run,) if holds_run(p)]
+    if cfg.trainer.checkpoint_dir and _has_checkpoints(ckpt):
+        taken.append(ckpt)
+    if not taken:
+        return
+    if not overwrite:
+        what = " and ".join(taken)
+        raise UserError(
+            f"logging.dir: {what} already holds a run; continue it with --resume, start a new "
+            f"one with logging.dir=NEW_DIR, or pass --overwrite to move the old run aside to "
+            f"{_aside(taken[0])} (nothing is deleted)")
+    for path in taken:
+        dest = _aside(path)
+        os.replace(path, dest)
+        print(f"moved the previous run in {path} aside to {dest}", flush=True)
+
+
+def fresh(path: str) -> str:
+    """``path`` when it holds no run, else the first ``<path>-N`` (N >= 2) that holds none."""
+    n, out = 2, path
+    while holds_run(out):
+        out, n = f"{path}-{n}", n + 1
+    return out
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resume_changes(saved_config: str, cfg: Config) -> list[tuple[str, object, object]]:
+    """``(key, saved value, this run's value)`` for every key that shapes the run and differs
+    between the config saved at ``saved_config`` (a checkpoint's ``config.yaml``) and ``cfg``."""
+    with open(saved_config, encoding="utf-8") as fh:
+        saved = _flat(yaml.safe_load(fh) or {})
+    now = _flat(yaml.safe_load(dump_config(cfg)))
+    return [(k, saved.get(k), v) for k, v in now.items()
+            if k in saved and saved[k] != v and k not in RESUMABLE
+            and not k.startswith(RESUMABLE_PREFIXES)]
+
+
+def check_resume(checkpoint: str, cfg: Config, allowed: tuple[str, ...] = ()) -> None:
+    """UserError naming the first key that differs between checkpoint ``checkpoint``'s config and
+    ``cfg`` (and is not in ``allowed``); the ``allowed`` changes that differ are said on stdout."""
+    changes = resume_changes(os.path.join(checkpoint, "config.yaml"), cfg)
+    refused = [c for c in changes if c[0] not in allowed]
+    if refused:
+        key, old, new = refused[0]
+        more = f" (and {', '.join(c[0] for c in refused[1:])})" if refused[1:] else ""
+        raise UserError(
+            f"{key}: the run in {checkpoint} was trained with {old!r}, this command gives "
+            f"{new!r}{more}; resume with the saved value, start a new run (a new logging.dir), "
+            f"or accept the change with --allow-change {key}")
+    for key, old, new in changes:
+        print(f"resuming with {key} changed: {old!r} -> {new!r} (--allow-change)", flush=True)

@@ -1,0 +1,55 @@
+"""The lines a run prints when it ends (``moe-rl train`` and ``moe-rl demo``): steps and time,
+the reward's rise, the mismatch and routing agreement, where the checkpoint and policy are."""
+from __future__ import annotations
+
+import math
+import os
+
+
+def _mean(history: list[dict], key: str, rows: slice = slice(None)) -> float:
+    vals = [h[key] for h in history[rows] if isinstance(h.get(key), (int, float))
+            and math.isfinite(h[key])]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def run_summary(history: list[dict], cfg, seconds: float, checkpoint: str | None) -> str:
+    """What the run did, in a few lines (``history``: the per-step metrics of this process)."""
+    done = len(history)
+    if not done:
+        return (f"run finished: no RL step left to do (trainer.steps={cfg.trainer.steps}); "
+                f"checkpoint {checkpoint or 'none'}")
+    k = max(1, min(10, done // 2))
+    first, last = _mean(history, "reward/mean", slice(0, k)), _mean(history, "reward/mean",
+                                                                     slice(-k, None))
+    lines = [f"run finished: {done} RL steps (steps {history[0]['step']}-{history[-1]['step']}) "
+             f"in {seconds / 60:.1f} min ({_mean(history, 'timing/step_s'):.1f} s/step); mean "
+             f"reward of the first {k} steps {first:.3f}, of the last {k} {last:.3f} (rise "
+             f"{last - first:+.3f})",
+             f"  mismatch/k3 {_mean(history, 'mismatch/k3'):.2e} (mean), routing/agreement "
+             f"{_mean(history, 'routing/agreement'):.4f} (mean)",
+             f"  run directory {cfg.logging.dir}; last checkpoint {checkpoint or 'none'}"]
+    if cfg.trainer.export_hf:
+        lines.append(f"  final policy (HF) {os.path.join(cfg.logging.dir, 'final_hf')}")
+    return "\n".join(lines)
+
+
+def replay_summary(history: list[dict], cfg) -> str:
+    """What the engine/trainer difference was and what routing replay did about it, averaged
+    over the run's steps."""
+    r = cfg.rollout
+    engine = f"{r.quantization} " if r.quantization != "none" else ""
+    lines = [f"engine: {engine}{r.engine_dtype} reference engine; trainer: {cfg.model.dtype}"]
+    if cfg.algorithm.replay == "r3":
+        lines.append(f"  without replay the trainer's own routers would have agreed with the "
+                     f"engine on {100 * _mean(history, 'routing/agreement'):.2f}% of (token, "
+                     f"layer) choices; {100 * _mean(history, 'routing/token_differs_frac'):.1f}% "
+                     f"of tokens would have been routed differently in some layer")
+        lines.append(f"  with R3 the trainer replays the engine's routing: mismatch/k3 "
+                     f"{_mean(history, 'mismatch/k3'):.2e}, extreme_frac "
+                     f"{_mean(history, 'mismatch/extreme_frac'):.4f} (what is left is the FP8 / "
+                     f"bfloat16 arithmetic itself)")
+    else:
+        lines.append(f"  replay {cfg.algorithm.replay}: routing agreement "
+                     f"{_mean(history, 'routing/agreement'):.4f}, mismatch/k3 "
+                     f"{_mean(history, 'mismatch/k3'):.2e}")
+    return "\n".join(lines)

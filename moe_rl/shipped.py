@@ -1,0 +1,24 @@
+"""The configs that ship with moe_rl (the top-level ``configs/`` folder, installed as the package
+``moe_rl.configs``): ``--config tiny_cpu.yaml`` (or ``tiny_cpu``) names one of them when no such
+file exists where you are, so a wheel installed anywhere runs ``moe-rl demo``."""
+from __future__ import annotations
+
+import os
+from importlib import resources
+
+DEFAULT_CONFIG = "tiny_cpu.yaml"
+
+
+def shipped_configs() -> dict[str, str]:
+    """{file name: path} of every shipped config."""
+    folder = resources.files("moe_rl.configs")
+    return {p.name: str(p) for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+def config_path(name: str) -> str:
+    """``name`` itself when it is a file there; else the shipped config it names (with or
+    without ``.yaml``); else ``name`` unchanged (the loader says it is not found)."""
+    if os.path.exists(name) or os.sep in name:
+        return name
+    shipped = shipped_configs()
+    return shipped.get(name) or shipped.get(f"{name}.yaml") or name
