@@ -262,7 +262,7 @@ def test_demo_runs_on_fp8_and_reports_what_replay_removed(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "quantization: fp8" in res.stdout and "engine_dtype: bfloat16" in res.stdout
-    assert "demo: 3 RL steps" in res.stdout
+    assert "run finished: 3 RL steps" in res.stdout
     assert "engine: fp8 bfloat16 reference engine; trainer: float32" in res.stdout
     assert "without replay the trainer's own routers would have agreed with the engine on" \
         in res.stdout and "with R3 the trainer replays the engine's routing: mismatch/k3" \

@@ -67,3 +67,76 @@ def test_report_command_on_a_real_run(trained_run, tmp_path):
     assert "| routing/agreement |" in text and "| mismatch/k3 |" in text
     assert (tmp_path / "rep" / "reward.png").read_bytes().startswith(PNG)
     assert out.stdout.strip().endswith("report.md")
+
+
+def _report_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "moe_rl.cli", "report", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_report_defaults_skips_empty_runs_and_refuses_missing_ones(tmp_path):
+    a = _fake_run(tmp_path / "a", [0.1, 0.2, 0.3])
+    b = _fake_run(tmp_path / "b", [0.3, 0.2, 0.1])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    one = _report_cli(str(a), cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.strip() == str(a / "report" / "report.md") and not (tmp_path / "report").exists()
+    both = _report_cli(str(a), str(empty), str(b), cwd=tmp_path)
+    assert both.returncode == 0, both.stderr
+    assert both.stdout.strip() == str(a / "report-vs-empty-b" / "report.md")
+    assert f"{empty}: no TensorBoard scalars" in both.stderr and "skipped" in both.stderr
+    text = (a / "report-vs-empty-b" / "report.md").read_text()
+    assert "## a" in text and "## b" in text and "## empty" not in text
+    gone = _report_cli(str(tmp_path / "nowhere"))
+    assert gone.returncode == 2 and "no such directory" in gone.stderr and \
+        "Traceback" not in gone.stderr and "deleted" not in gone.stderr
+    nothing = _report_cli(str(empty))
+    assert nothing.returncode == 2 and "holds TensorBoard scalars" in nothing.stderr
+    bad = _report_cli(str(a), "--smooth", "1.5")
+    assert bad.returncode == 2 and "--smooth" in bad.stderr
+
+
+def test_mismatch_axes_are_logarithmic_so_float32_and_fp8_runs_both_show():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from moe_rl.report import _scale
+    steps = np.arange(3)
+    runs = {"f32": {"mismatch/k3": (steps, np.array([1e-14, 2e-14, 3e-14])),
+                    "mismatch/k1": (steps, np.array([-1e-9, 0.0, 2e-9])),
+                    "reward/mean": (steps, np.array([0.1, 0.2, 0.3]))},
+            "fp8": {"mismatch/k3": (steps, np.array([1e-4, 2e-4, 3e-4]))}}
+    scales = {}
+    for tag in ("mismatch/k3", "mismatch/k1", "reward/mean"):
+        fig, ax = plt.subplots()
+        _scale(ax, tag, runs)
+        scales[tag] = ax.get_yscale()
+        plt.close(fig)
+    assert scales == {"mismatch/k3": "log", "mismatch/k1": "symlog", "reward/mean": "linear"}
+
+
+def test_smoothing_matches_tensorboards_debiased_ema():
+    from moe_rl.report import smooth
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=40)
+    for w in (0.0, 0.6, 0.9):
+        ref = np.array([sum(w ** (i - j) * (1 - w) * v[j] for j in range(i + 1)) /
+                        (1 - w ** (i + 1)) if w else v[i] for i in range(len(v))],
+                       dtype=np.float64)
+        np.testing.assert_allclose(smooth(v, w), ref, rtol=1e-12, atol=1e-12)
+    assert np.std(np.diff(smooth(v, 0.9))) < np.std(np.diff(v))
+
+
+def test_eval_metrics_get_their_own_panel(tmp_path):
+    run = tmp_path / "with_eval"
+    log = MetricsLogger(str(run))
+    for step in range(4):
+        log.log(step, {"reward/mean": 0.1 * step, "eval/accuracy": 0.2 + 0.1 * step})
+    log.close()
+    md = make_report([str(run)], smoothing=0.5)
+    assert (run / "report" / "eval.png").read_bytes().startswith(PNG)
+    assert "| eval/accuracy | 0.2 | 0.5 |" in pathlib.Path(md).read_text()
+    plain = _fake_run(tmp_path / "plain", [0.1, 0.2])
+    make_report([str(plain)])
+    assert not (plain / "report" / "eval.png").exists()

@@ -291,8 +291,8 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             stop_engines(hosts)
             reservation.release()
     if stop.signum:
-        if saved:
-            saved = os.path.relpath(saved)
+        if saved and os.path.abspath(saved).startswith(os.getcwd() + os.sep):
+            saved = os.path.relpath(saved)   # shorter, when under the current directory
         where = f"last checkpoint {saved}" if saved else \
             "no checkpoint was written (SIGTERM or SIGUSR1 checkpoint the current step)"
         done = start_step + len(history)
