@@ -37,7 +37,7 @@ setup(
         "psutil>=5.9,<8",   # megatron-core dist_checkpointing writer
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "triton>=3.2,<4", "packaging>=23"],
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "triton>=3.2,<4", "packaging>=23,<27"],
         "sglang": ["sglang>=0.5.23,<0.6"],
         "te": ["transformer-engine[pytorch]>=2.0,<3"],
     },

@@ -25,9 +25,12 @@ def load_run_inputs(cfg: Config) -> RunInputs:
     from transformers import AutoTokenizer
     path = cfg.model.path
     if not os.path.isfile(os.path.join(path, "config.json")):
+        hint = ("point model.path at your local copy of the model's Hugging Face checkpoint "
+                "(moe-rl init-model writes only the tiny CPU models)" if cfg.cluster.gpus_per_node
+                else "write the tiny one with `moe-rl init-model --config FILE`, or point "
+                     "model.path at a Hugging Face checkpoint")
         raise ConfigError(f"model.path: no local HF model at {path!r} (a directory with "
-                          f"config.json; write the tiny one with `moe-rl init-model --config "
-                          f"FILE`)")
+                          f"config.json); {hint}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:

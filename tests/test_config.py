@@ -282,9 +282,16 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
     base = ["--config", str(root / "configs" / "tiny_cpu.yaml"), f"model.path={model}",
             f"logging.dir={tmp_path / 'run'}"]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1="}\n{not json\n')
+    (tmp_path / "sigs.py").write_text("def two_args(prompt, response):\n    return 0.0\n"
+                                      "async def later(prompt, response, answer, metadata):\n"
+                                      "    return 0.0\n")
     cases = [([f"model.path={tmp_path / 'nowhere'}"], "model.path: no local HF model"),
              (["data.reward=no_such_module:score"], "data.reward: cannot load"),
              (["data.reward=builtins:len_"], "data.reward: cannot load"),
+             (["data.reward=sigs:two_args"], "data.reward: 'sigs:two_args' takes (prompt, "
+              "response), which cannot be called as reward(prompt: str, response: str, answer: "
+              "str | None, metadata: dict) -> float"),
+             (["data.reward=sigs:later"], "data.reward: 'sigs:later' is a coroutine function"),
              (["data.source=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"],
               "data.path: "),
              (["data.source=jsonl", f"data.path={tmp_path / 'bad.jsonl'}"],
@@ -299,6 +306,12 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", *base],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "algorithm:" in ok.stdout
+    # a cluster config: the hint is to point model.path at the real checkpoint
+    gpu = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", "--config",
+                          "qwen3_30b_a3b_r3_gspo.yaml", f"model.path={tmp_path / 'nowhere'}"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert gpu.returncode == 2 and "point model.path at your local copy of the model's " \
+        "Hugging Face checkpoint" in gpu.stderr and "init-model --config" not in gpu.stderr
 
 
 def _hf_model(tmp_path, **fields):

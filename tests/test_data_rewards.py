@@ -183,3 +183,27 @@ def test_sampler_order_resumes_exactly():
     assert [b.next_batch() for _ in range(4)] == rest
     c = PromptSampler(10, 4, seed=7)
     assert [c.next_batch() for _ in range(3)] == first  # deterministic from the seed
+
+
+def test_reward_signature_is_checked_when_loaded(tmp_path, monkeypatch):
+    (tmp_path / "sig_rewards.py").write_text(textwrap.dedent("""
+        def extra_default(prompt, response, answer, metadata, scale=1.0):
+            return scale
+        def anything(*args, **kwargs):
+            return 1.0
+        class Scorer:
+            def __call__(self, prompt, response, answer, metadata):
+                return 0.5
+        scorer = Scorer()
+        def three(prompt, response, answer):
+            return 0.0
+        def keyword_only(prompt, response, *, answer, metadata):
+            return 0.0
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for ok in ("extra_default", "anything", "scorer", "toy", "math"):
+        name = ok if ok in ("toy", "math") else f"sig_rewards:{ok}"
+        assert callable(load_reward(name))
+    for bad in ("three", "keyword_only"):
+        with pytest.raises(ValueError, match=r"data.reward: 'sig_rewards:%s' takes \(" % bad):
+            load_reward(f"sig_rewards:{bad}")

@@ -114,11 +114,30 @@ class RewardFunction:
             return 0.0
 
 
+SIGNATURE = "reward(prompt: str, response: str, answer: str | None, metadata: dict) -> float"
+
+
 def load_reward(spec: str) -> Callable:
-    """A built-in reward name, or ``module:function`` (error naming data.reward otherwise)."""
+    """A built-in reward name, or ``module:function`` taking the four arguments of
+    :data:`SIGNATURE` (ValueError naming data.reward and the expected signature otherwise)."""
+    import inspect
     fn = load_named(spec, "data.reward", BUILTIN, "module:function")
     if not callable(fn):
-        raise ValueError(f"data.reward: {spec!r} is not callable")
+        raise ValueError(f"data.reward: {spec!r} is not callable; expected a function {SIGNATURE}")
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)):
+        raise ValueError(f"data.reward: {spec!r} is a coroutine function (async def); expected a "
+                         f"plain function {SIGNATURE}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):   # a callable without a readable signature (C code)
+        return fn
+    try:
+        sig.bind("prompt", "response", "answer", {})
+    except TypeError as exc:
+        raise ValueError(f"data.reward: {spec!r} takes {sig}, which cannot be called as "
+                         f"{SIGNATURE} ({exc}); moe_rl calls it with these four positional "
+                         f"arguments") from None
     return fn
 
 

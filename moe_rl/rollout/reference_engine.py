@@ -18,6 +18,7 @@ with dense layers 0.
 from __future__ import annotations
 
 import base64
+import inspect
 import math
 import os
 import shutil
@@ -355,6 +356,10 @@ class ReferenceEngine:
             self.checkpoint_spec = spec
             self.tokenizer = tokenizer
             self.model = model
+            # transformers 5.24 renamed the KV cache argument `cache` (`past_key_values`, which
+            # 5.19-5.23 take, warns there and goes in 5.40)
+            self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters \
+                else "past_key_values"
             self.prefix_cache.flush()   # stored KV belongs to the old weights
             self.model_path = model_path
             self.vocab_size = int(hf["vocab_size"])
@@ -376,7 +381,7 @@ class ReferenceEngine:
         self._captured = []
         with split_kv.split_policy(self.deterministic):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                             past_key_values=cache, use_cache=True)
+                             use_cache=True, **{self._cache_arg: cache})
         B, S = ids.shape
         topk = torch.stack([t.reshape(B, S, -1) for t in self._captured], dim=2)
         return out.logits.float(), topk

@@ -213,6 +213,8 @@ def transformer_config(spec: ModelSpec, *, sizes: ParallelSizes = ParallelSizes(
         # the loss is already normalised by global token/sequence counts: data-parallel
         # gradients must be summed, not averaged (megatron's DDP sums under this flag)
         calculate_per_token_loss=True,
+        # megatron's own default ("full") is deprecated in its favour: the whole layer, no graph
+        cuda_graph_scope=[],
     )
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform",
