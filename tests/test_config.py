@@ -366,3 +366,18 @@ def test_colocated_distributed_sync_on_gpus_is_refused():
     assert "cluster.weight_sync" in msg and "colocate" in msg and "NCCL" in msg
     load_config(None, gpu + ["cluster.weight_sync=disk"])
     load_config(None, ["cluster.colocate=true", "cluster.weight_sync=distributed"])   # gloo: fine
+
+
+def test_every_shipped_config_states_its_checkpoint_interval():
+    """A crash never loses a whole run: each shipped config says how often it checkpoints (by
+    steps and by minutes), and the defaults checkpoint periodically too."""
+    import pathlib
+    import yaml
+    from moe_rl.config import TrainerConfig
+    configs = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert len(configs) >= 5
+    for path in configs:
+        trainer = yaml.safe_load(path.read_text())["trainer"]
+        assert trainer.get("save_interval", 0) > 0 and trainer.get("save_interval_minutes", 0) > 0, \
+            path.name
+    assert TrainerConfig().save_interval > 0 and TrainerConfig().save_interval_minutes > 0

@@ -1,0 +1,71 @@
+"""run_dir on its own: what counts as a run, refusal / moving aside (a separate checkpoint
+folder too), fresh demo directories, the keys a resume may change, and when a checkpoint is
+due (steps or minutes, whichever first)."""
+import pytest
+
+from moe_rl.config import load_config
+from moe_rl.errors import UserError
+from moe_rl.orchestration.loop import checkpoint_due
+from moe_rl import run_dir
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(None, [f"logging.dir={tmp_path / 'run'}", *extra])
+
+
+def test_a_directory_holding_a_run_is_refused_or_moved_aside_whole(tmp_path):
+    cfg = _cfg(tmp_path, f"trainer.checkpoint_dir={tmp_path / 'ck'}")
+    run_dir.prepare(cfg, resume=False, overwrite=False)   # nothing there: fine
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")   # not a run's file
+    run_dir.prepare(cfg, resume=False, overwrite=False)
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "ck" / "iter_0000004").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"already holds a run; continue it with --resume"):
+        run_dir.prepare(cfg, resume=False, overwrite=False)
+    run_dir.prepare(cfg, resume=True, overwrite=False)     # a resume continues it
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+    run_dir.prepare(cfg, resume=False, overwrite=True)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ck").exists()
+    assert (tmp_path / "run.old-1" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "ck.old-1" / "iter_0000004").is_dir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tb").mkdir()
+    run_dir.prepare(cfg, resume=False, overwrite=True)
+    assert (tmp_path / "run.old-2" / "tb").is_dir()
+
+
+def test_fresh_directories_for_the_demo(tmp_path):
+    base = str(tmp_path / "runs" / "tiny")
+    assert run_dir.fresh(base) == base
+    for name in ("tiny", "tiny-2"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "config.yaml").write_text("")
+    assert run_dir.fresh(base) == base + "-3"
+
+
+def test_resume_changes_name_the_keys_that_shape_the_run(tmp_path):
+    from moe_rl.config import dump_config
+    saved = _cfg(tmp_path, "trainer.lr=1e-3", "trainer.steps=10")
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.yaml").write_text(dump_config(saved))
+    same_run = _cfg(tmp_path, "trainer.lr=1e-3", "trainer.steps=50", "rollout.base_port=1234",
+                    "cluster.trainer_workers=2", "trainer.save_interval=5",
+                    "data.reward_timeout_s=5", f"logging.dir={tmp_path / 'moved'}")
+    assert run_dir.resume_changes(str(tmp_path / "ck" / "config.yaml"), same_run) == []
+    other = _cfg(tmp_path, "trainer.lr=1e-5", "algorithm.replay=off")
+    changes = run_dir.resume_changes(str(tmp_path / "ck" / "config.yaml"), other)
+    assert [c[0] for c in changes] == ["algorithm.replay", "trainer.lr"]
+    with pytest.raises(UserError, match=r"^algorithm.replay: .* \(and trainer.lr\)"):
+        run_dir.check_resume(str(tmp_path / "ck"), other)
+    run_dir.check_resume(str(tmp_path / "ck"), other, ("algorithm.replay", "trainer.lr"))
+
+
+def test_checkpoint_due_by_steps_or_minutes_whichever_first(tmp_path):
+    cfg = _cfg(tmp_path, "trainer.steps=100", "trainer.save_interval=10",
+               "trainer.save_interval_minutes=5")
+    assert [d for d in range(1, 101) if checkpoint_due(cfg, d, 0.0)] == list(range(10, 101, 10))
+    assert checkpoint_due(cfg, 3, 5 * 60) and not checkpoint_due(cfg, 3, 5 * 60 - 1)
+    only_end = _cfg(tmp_path, "trainer.steps=7", "trainer.save_interval=0",
+                    "trainer.save_interval_minutes=0")
+    assert [d for d in range(1, 8) if checkpoint_due(only_end, d, 1e9)] == [7]
