@@ -49,6 +49,7 @@ def test_three_node_dry_run():
     for part in ("cluster.ray_address=10.0.0.1:6379", "cluster.num_nodes=3",
                  "cluster.gpus_per_node=8", "trainer.lr=1e-6"):
         assert part in train
+    assert train.endswith(" --resume")   # a requeued job continues its run
     teardown = cmds[5:]
     assert [c.split("-w ")[1].split()[0] for c in teardown] == ["gpu01", "gpu02", "gpu03"]
     assert all("ray stop" in c for c in teardown)
@@ -60,3 +61,61 @@ def test_single_node_dry_run():
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == ("+ moe-rl train --config configs/tiny_cpu.yaml cluster.num_nodes=1 "
                    "cluster.gpus_per_node=0 trainer.steps=3")
+
+
+def test_single_node_finds_the_checkout_venv_when_moe_rl_is_not_on_path(tmp_path):
+    """After `make`, moe-rl lives in .venv/bin, not on PATH: the script uses it (or says how
+    to get it)."""
+    import shutil
+    bare = dict(os.environ, DRY_RUN="1", GPUS="0", PATH="/usr/bin:/bin")
+    bare.pop("MOE_RL", None)
+    venv_moe_rl = ROOT / ".venv" / "bin" / "moe-rl"
+    if venv_moe_rl.exists():
+        out = subprocess.run(["bash", str(ROOT / "launch" / "single_node.sh"),
+                              "configs/tiny_cpu.yaml"], env=bare, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out.startswith(f"+ {venv_moe_rl} train --config configs/tiny_cpu.yaml")
+    copy = tmp_path / "launch"
+    copy.mkdir()
+    shutil.copy(ROOT / "launch" / "single_node.sh", copy)   # a checkout without .venv
+    res = subprocess.run(["bash", str(copy / "single_node.sh"), "configs/tiny_cpu.yaml"],
+                         env=bare, capture_output=True, text=True)
+    assert res.returncode == 127 and "run make" in res.stderr and "source .venv/bin/activate" \
+        in res.stderr
+
+
+def test_sbatch_passes_slurms_warning_signal_to_train_and_tears_down(tmp_path):
+    """The batch script as Slurm runs it, with srun / python / moe-rl as recording shims: the
+    SIGUSR1 Slurm sends before the time limit reaches `moe-rl train`, whose exit status the
+    job keeps, and Ray is stopped on every node afterwards."""
+    import signal
+    import time
+    log = tmp_path / "calls.log"
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "srun").write_text(f'#!/bin/bash\necho "srun $*" >> {log}\n')
+    (shims / "py").write_text('#!/bin/bash\nif [[ "$3" == expand ]]; then echo n1; echo n2; fi\n')
+    (shims / "train").write_text(
+        f'#!/bin/bash\necho "train $*" >> {log}\n'
+        f'trap \'echo "train got USR1" >> {log}; exit 138\' USR1\n'
+        'while true; do sleep 0.1; done\n')
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", PYTHON=str(shims / "py"),
+               MOE_RL=str(shims / "train"), CONFIG="c.yaml", SLURM_JOB_NODELIST="n[1-2]",
+               SLURM_GPUS_ON_NODE="8", MOE_RL_HOST_IP="10.0.0.1")
+    proc = subprocess.Popen(["bash", str(ROOT / "launch" / "slurm_multinode.sbatch"),
+                             "trainer.lr=1e-6"], env=env)
+    deadline = time.monotonic() + 30
+    while "train " not in (log.read_text() if log.exists() else "") and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=30) == 138
+    calls = log.read_text()
+    assert "train got USR1" in calls
+    assert "train train --config c.yaml cluster.ray_address=10.0.0.1:6379" in calls and \
+        "trainer.lr=1e-6 --resume" in calls
+    stops = [line for line in calls.splitlines() if "ray stop" in line]
+    assert [s.split("-w ")[1].split()[0] for s in stops] == ["n1", "n2"]
