@@ -46,3 +46,13 @@ def test_second_signal_abandons_at_once_and_stop_clock_disarms_the_grace():
 def test_exit_code_is_128_plus_the_signal():
     assert RunStopped("x", signal.SIGTERM).exit_code == 143
     assert RunStopped("x", signal.SIGINT).exit_code == 130
+
+
+def test_signals_while_closing_are_acknowledged_not_raised(capsys):
+    with StopRequest(grace_s=0.1) as stop:
+        stop.closing()
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)   # no grace clock either
+    assert stop.signum == signal.SIGINT
+    assert capsys.readouterr().err.count("already stopping the engines and Ray") == 2

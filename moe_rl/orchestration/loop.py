@@ -286,15 +286,15 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
         except Abandoned as exc:
             abandoned = str(exc)
         finally:
-            stop.stop_clock()
+            stop.closing()
             logger.close()
             stop_engines(hosts)
             reservation.release()
     if stop.signum:
         if saved and os.path.abspath(saved).startswith(os.getcwd() + os.sep):
             saved = os.path.relpath(saved)   # shorter, when under the current directory
-        where = f"last checkpoint {saved}" if saved else \
-            "no checkpoint was written (SIGTERM or SIGUSR1 checkpoint the current step)"
+        where = f"last checkpoint {saved}" if saved else "no checkpoint was written" + (
+            "" if stop.wants_checkpoint else " (SIGTERM or SIGUSR1 checkpoint the current step)")
         done = start_step + len(history)
         what = f"{done} of {cfg.trainer.steps} steps done, the next one abandoned ({abandoned})" \
             if abandoned else f"after step {done} of {cfg.trainer.steps}"

@@ -64,7 +64,21 @@ class StopRequest:
         if self._previous:
             signal.setitimer(signal.ITIMER_REAL, 0)
 
+    def closing(self) -> None:
+        """The run is stopping its engines and Ray: the grace no longer runs out and a further
+        signal is only acknowledged (the stop is already bounded)."""
+        self.stop_clock()
+        self._closing = True
+
+    _closing = False
+
     def _on_signal(self, signum, frame) -> None:
+        if self._closing:
+            print(f"{signal.Signals(signum).name}: already stopping the engines and Ray",
+                  file=sys.stderr, flush=True)
+            if self.signum is None:
+                self.signum = signum
+            return
         if self.signum is not None:
             raise Abandoned(f"a second {signal.Signals(signum).name}")
         self.signum = signum
