@@ -107,6 +107,7 @@ def test_resume_from_a_checkpoint_with_crafted_metadata_runs_nothing(trained_run
                           f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
                           "trainer.steps=5", "logging.progress=false",
                           "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+                          "algorithm.corrections=[icepop,seq_mis]",   # as the run was trained
                           "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert res.returncode == 2 and not marker.exists()
     assert "Traceback" not in res.stdout + res.stderr

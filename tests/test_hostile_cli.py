@@ -83,7 +83,7 @@ def test_resume_of_a_damaged_or_crafted_checkpoint_is_one_line(trained_run, tmp_
     common = ["train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
               f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
               "trainer.steps=5", "logging.progress=false", "rollout.prompts_per_step=4",
-              "rollout.n_samples_per_prompt=4"]
+              "rollout.n_samples_per_prompt=4", "algorithm.corrections=[icepop,seq_mis]"]
     res = _cli(*common, "--resume-from", str(step), cwd=tmp_path)
     _one_line_refusal(res, str(step), shard.name)
     manifest = json.loads((step / "manifest.json").read_text())   # forged to match the damage

@@ -52,9 +52,7 @@ def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     assert "| k3 " in out and "| agreement " in out
     assert "run finished: 2 RL steps (steps 0-1)" in out and "mean reward of the first" in out
     assert f"last checkpoint {run / 'checkpoints' / 'iter_0000002'}" in out
-    # the warnings a run printed, fixed at their cause: Ray announcing the auth mode it chose,
-    # transformers' deprecated `past_key_values` in the engine
-    assert "Token authentication is enabled" not in first.stderr
+    # a warning a run printed, fixed at its cause: transformers' deprecated `past_key_values`
     engine_log = (run / "logs" / "engine_0.log").read_text()
     assert "FutureWarning" not in engine_log and "deprecated" not in engine_log
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}

@@ -31,9 +31,6 @@ def start_ray(cfg: Config, plan: Plan) -> None:
             print(f"stopped {reaped} Ray agent process(es) left by a killed run",
                   file=sys.stderr)
         need = sum(b["CPU"] for b in plan.node_resources(cfg))
-        # a local Ray of the run's own authenticates its clients by token (Ray's default, said
-        # explicitly so Ray does not warn that it chose it); a RAY_AUTH_MODE of the user's stays
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
         # address="local": a new Ray of its own, never a cluster another run left behind
         ray.init(address="local", num_cpus=max(math.ceil(need), os.cpu_count() or 1),
                  log_to_driver=False, include_dashboard=False)
