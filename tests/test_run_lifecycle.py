@@ -94,10 +94,10 @@ def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     assert list(read_scalars(str(old))["reward/mean"][0]) == [0, 1, 2]
 
 
-def _start(cwd, args, session=False):
+def _start(cwd, args, session=False, env=None):
     return subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "train", "--config", CONFIG,
                              *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=session)
+                            text=True, start_new_session=session, env=env)
 
 
 def _wait_for_line(proc, needle, timeout=300) -> list[str]:
@@ -158,18 +158,30 @@ def test_ctrl_c_twice_abandons_the_step_and_stops_everything(model, tmp_path):
     """Ctrl-C as a terminal sends it: SIGINT to the whole process group (Ray's processes
     and the engines must survive the first one); the second abandons the step at once."""
     run = tmp_path / "run"
+    # each reward call takes 1 s: a step's rollout lasts >= 4 s, so both signals land in it
+    (tmp_path / "slow_reward.py").write_text(
+        "import time\nfrom moe_rl.rewards.functions import toy_reward\n"
+        "def slow(prompt, response, answer, metadata):\n"
+        "    time.sleep(1.0)\n    return toy_reward(prompt, response, answer, metadata)\n")
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
             "trainer.steps=100", "trainer.save_interval=2", f"rollout.base_port={free_port()}",
-            *SMALL]
-    proc = _start(tmp_path, args, session=True)
+            "data.reward=slow_reward:slow", *SMALL]
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    proc = _start(tmp_path, args, session=True, env=env)
     _wait_for_line(proc, "RL step 3/100")
     port = [p["port"] for p in json.loads((run / "plan.json").read_text())["processes"]
             if p["role"] == "engine"][0]
     sent = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
-    time.sleep(0.5)
+    # the second once the first is acknowledged (two signals before Python's handler runs are
+    # one signal to it)
+    first = []
+    while not first or "SIGINT: finishing the current step" not in first[-1]:
+        first.append(proc.stderr.readline())
+        assert first[-1], "".join(first)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=90)
+    err = "".join(first) + err
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
     assert time.monotonic() - sent < 60 + 30
     assert "Traceback" not in err and "KeyboardInterrupt" not in err

@@ -56,3 +56,15 @@ def test_signals_while_closing_are_acknowledged_not_raised(capsys):
         time.sleep(0.3)   # no grace clock either
     assert stop.signum == signal.SIGINT
     assert capsys.readouterr().err.count("already stopping the engines and Ray") == 2
+
+
+def test_an_abandon_wrapped_by_other_code_is_found():
+    from moe_rl.orchestration.stop import abandoned_in
+    try:
+        try:
+            raise Abandoned("a second SIGINT")
+        except Abandoned as inner:
+            raise SystemError("returned a result with an exception set") from inner
+    except SystemError as outer:
+        assert str(abandoned_in(outer)) == "a second SIGINT"
+    assert abandoned_in(ValueError("plain")) is None

@@ -17,7 +17,7 @@ from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.weight_sync import weight_sync_for
 from moe_rl.orchestration.placement import make_plan
 from moe_rl.orchestration.ray_placement import reserve, start_ray
-from moe_rl.orchestration.stop import Abandoned, RunStopped, StopRequest
+from moe_rl.orchestration.stop import Abandoned, RunStopped, StopRequest, abandoned_in
 from moe_rl.orchestration.workers import (EngineHost, RolloutWorker, TrainerWorker,
                                           served_checkpoint)
 from moe_rl.run_inputs import RunInputs, load_run_inputs
@@ -285,6 +285,10 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                 export_final(cfg, trainers)
         except Abandoned as exc:
             abandoned = str(exc)
+        except Exception as exc:   # the handler's Abandoned, wrapped by Ray's C code
+            if abandoned_in(exc) is None:
+                raise
+            abandoned = str(abandoned_in(exc))
         finally:
             stop.closing()
             logger.close()

@@ -19,6 +19,19 @@ class Abandoned(BaseException):
     BaseException, like KeyboardInterrupt, so that no ``except Exception`` swallows it."""
 
 
+def abandoned_in(exc: BaseException) -> Abandoned | None:
+    """The :class:`Abandoned` behind ``exc``, if any: raised while Ray's C code runs Python (in
+    ``ray.get``), the handler's exception can come out wrapped, e.g. as a SystemError whose
+    cause it is."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, Abandoned):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class RunStopped(Exception):
     """The run stopped on a signal, cleanly: ``message`` says where the last checkpoint is and
     how to resume; ``exit_code`` is 128 + the signal's number."""
