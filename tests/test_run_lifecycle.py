@@ -41,7 +41,7 @@ def steps_of(run) -> list[int]:
 def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     run = tmp_path / "run"
     base = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=1",
-            f"rollout.base_port={free_port()}", *SMALL]
+            f"rollout.base_port={free_port()}", "trainer.save_interval_minutes=0.0001", *SMALL]
     first = train(tmp_path, *base, "trainer.steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
     # not a terminal: one progress line per step, the warm start's too, then the summary
@@ -52,6 +52,9 @@ def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     assert "| k3 " in out and "| agreement " in out
     assert "run finished: 2 RL steps (steps 0-1)" in out and "mean reward of the first" in out
     assert f"last checkpoint {run / 'checkpoints' / 'iter_0000002'}" in out
+    # save_interval_minutes (here 6 ms) came before save_interval (25 steps): every step saved
+    assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == \
+        ["iter_0000001", "iter_0000002"]
     # a warning a run printed, fixed at its cause: transformers' deprecated `past_key_values`
     engine_log = (run / "logs" / "engine_0.log").read_text()
     assert "FutureWarning" not in engine_log and "deprecated" not in engine_log
@@ -123,9 +126,11 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_the_printed_command_resume
     run = tmp_path / "run"
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
             "trainer.steps=100", "trainer.save_interval=0", "trainer.save_interval_minutes=0",
-            "trainer.stop_grace_s=60", f"rollout.base_port={free_port()}", *SMALL]
+            "trainer.stop_grace_s=60", f"rollout.base_port={free_port()}",
+            "logging.log_interval=2", *SMALL]
     proc = _start(tmp_path, args)
-    _wait_for_line(proc, "RL step 2/100")
+    lines = _wait_for_line(proc, "RL step 2/100")
+    assert not any("RL step 1/100" in line for line in lines)   # every log_interval steps
     port = json.loads((run / "plan.json").read_text())["processes"]
     port = [p["port"] for p in port if p["role"] == "engine"][0]
     sent = time.monotonic()
@@ -135,6 +140,8 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_the_printed_command_resume
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert took < 60 + 60, took   # trainer.stop_grace_s + the engines' stop
     assert "Traceback" not in err
+    assert "SIGTERM: finishing the current step (at most 60 s, trainer.stop_grace_s), then " \
+        "checkpoint it, stop" in err
     last = [line for line in err.splitlines() if line.startswith("moe-rl train: stopped")]
     assert len(last) == 1, err[-3000:]
     done = len(steps_of(run))
