@@ -242,7 +242,9 @@ def test_sglang_command_lines():
     # no --quantization flag, which SGLang's docs forbid for pre-quantised checkpoints)
     fp8 = config_from_dict({"cluster": {"gpus_per_node": 8, "weight_sync": "distributed"},
                             "rollout": {"engine": "sglang", "quantization": "fp8"},
-                            "model": {"init": {"head_dim": 128, "moe_intermediate_size": 128,
+                            # a path with no model: the init shape is what is checked
+                            "model": {"path": "/nonexistent/model",
+                                      "init": {"head_dim": 128, "moe_intermediate_size": 128,
                                                "intermediate_size": 256}}})
     argv = sglang_command(fp8, 30000, model_path="/run/fp8_start")[0]
     assert argv[argv.index("--model-path") + 1] == "/run/fp8_start"
