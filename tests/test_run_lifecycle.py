@@ -79,9 +79,12 @@ def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
         in unknown.stderr
 
     # --resume extending the run (steps, port: keys that do not shape it) continues it
-    resumed = train(tmp_path, *base, "trainer.steps=3", "--resume")
+    # (and a key that shapes it, accepted by name)
+    resumed = train(tmp_path, *base, "trainer.steps=3", "trainer.lr=1e-3", "--resume",
+                    "--allow-change", "trainer.lr")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at step 2" in resumed.stdout and steps_of(run) == [0, 1, 2]
+    assert "resuming with trainer.lr changed: 0.002 -> 0.001 (--allow-change)" in resumed.stdout
 
     # --overwrite: the old run moved aside whole, the new one alone in the directory
     fresh = train(tmp_path, *base, "trainer.steps=1", "--overwrite")
