@@ -4,7 +4,10 @@ SGLang 0.5.23's own pins inside them (the [sglang] extra installs beside moe_rl)
 deprecated calls gone (transformers' `past_key_values`, megatron's "full" CUDA-graph scope)."""
 import ast
 import importlib.metadata
+import os
 import pathlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -60,3 +63,30 @@ def test_no_deprecation_warning_from_the_engine_or_the_trainer_config(tmp_path):
                                   "r0")])
         transformer_config(model_spec(load_hf_config(str(tmp_path / "m"))))
     assert len(out[0]["output_ids"]) >= 1
+
+
+RAY_RUN = """
+import ray
+from moe_rl.orchestration.ray_placement import choose_local_ray_auth
+choose_local_ray_auth()                     # after `import ray`, as in a test process
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+print("answer", ray.get(ray.remote(lambda: 41 + 1).remote()))
+ray.shutdown()
+"""
+
+
+def test_the_run_chooses_rays_authentication_and_ray_says_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env["HOME"] = str(tmp_path)          # Ray writes its token under ~/.ray
+    res = subprocess.run([sys.executable, "-c", RAY_RUN], env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert res.returncode == 0 and "answer 42" in res.stdout, res.stderr[-3000:]
+    assert "Token authentication" not in res.stderr, res.stderr[-3000:]
+    assert (tmp_path / ".ray" / "auth_token").is_file()
+
+
+def test_a_users_ray_auth_mode_is_kept(monkeypatch):
+    from moe_rl.orchestration.ray_placement import choose_local_ray_auth
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    choose_local_ray_auth()
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"

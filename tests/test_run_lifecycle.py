@@ -58,6 +58,8 @@ def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     # a warning a run printed, fixed at its cause: transformers' deprecated `past_key_values`
     engine_log = (run / "logs" / "engine_0.log").read_text()
     assert "FutureWarning" not in engine_log and "deprecated" not in engine_log
+    # and Ray's notice that it chose token authentication for the run: the run chooses it
+    assert "Token authentication" not in first.stderr + first.stdout, first.stderr[-2000:]
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
     # the same command again: refused before anything starts, nothing touched

@@ -17,6 +17,19 @@ from moe_rl.orchestration.placement import Plan, PlannedProcess, ray_resources
 # Trainer ranks choose their GPU themselves (the plan's index, torch.cuda.set_device); Ray must
 # not narrow CUDA_VISIBLE_DEVICES to the one it would have picked.
 NO_RAY_CUDA_VISIBLE = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+RAY_AUTH_MODE = "RAY_AUTH_MODE"
+
+
+def choose_local_ray_auth() -> None:
+    """Token authentication for the run's own local Ray, chosen explicitly: Ray 2.60 turns it
+    on by default for a new local cluster and warns on every run that it did. ``RAY_AUTH_MODE``
+    given by the user is kept as it is."""
+    if os.environ.get(RAY_AUTH_MODE):
+        return
+    os.environ[RAY_AUTH_MODE] = "token"
+    config = getattr(ray._raylet, "Config", None)
+    if config is not None:       # a Ray imported before the choice re-reads its settings
+        config.initialize("")
 
 
 def start_ray(cfg: Config, plan: Plan) -> None:
@@ -30,6 +43,7 @@ def start_ray(cfg: Config, plan: Plan) -> None:
         if reaped:
             print(f"stopped {reaped} Ray agent process(es) left by a killed run",
                   file=sys.stderr)
+        choose_local_ray_auth()
         need = sum(b["CPU"] for b in plan.node_resources(cfg))
         # address="local": a new Ray of its own, never a cluster another run left behind
         ray.init(address="local", num_cpus=max(math.ceil(need), os.cpu_count() or 1),
