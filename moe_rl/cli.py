@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``moe-rl`` console script."""
     from moe_rl.errors import UserError
+    from moe_rl.orchestration.failures import RunFailed
     from moe_rl.orchestration.stop import RunStopped
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as exc:   # a signal stopped the run cleanly: where it is, how to go on
         print(f"moe-rl {args.command}: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except RunFailed as exc:   # a node or process of the run was lost: what, and how to go on
+        print(f"moe-rl {args.command}: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

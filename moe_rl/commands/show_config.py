@@ -5,7 +5,19 @@ from __future__ import annotations
 import argparse
 
 from moe_rl.run_inputs import load_run_inputs
-from moe_rl.config import dump_config, iter_keys, load_config
+from moe_rl.config import Config, ConfigError, dump_config, iter_keys, load_config
+
+
+def config_value(cfg: Config, key: str) -> str:
+    """``key``'s resolved value as a config file would give it (``null`` for None)."""
+    node = cfg
+    for part in key.split("."):
+        if not hasattr(node, part) or part.startswith("_"):
+            raise ConfigError(f"--get: unknown key {key!r} (moe-rl config --keys lists them)")
+        node = getattr(node, part)
+    if hasattr(node, "__dataclass_fields__"):
+        raise ConfigError(f"--get: {key!r} is a section; name one of its keys")
+    return "null" if node is None else str(node).lower() if isinstance(node, bool) else str(node)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-inputs", action="store_true",
                         help="skip the checks of the model, tokenizer, data and reward function "
                              "(for a config written away from the machine that runs it)")
+    parser.add_argument("--get", metavar="KEY",
+                        help="print only KEY's resolved value (for scripts; no input checks)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
 
 
@@ -25,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"| `{key}` | {tp} | `{default!r}` | {doc} |")
         return 0
     cfg = load_config(args.config, args.overrides)
+    if args.get:
+        print(config_value(cfg, args.get))
+        return 0
     print(dump_config(cfg), end="")
     if not args.no_inputs:
         load_run_inputs(cfg)

@@ -17,6 +17,7 @@ from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.weight_sync import weight_sync_for
 from moe_rl.orchestration.placement import make_plan
 from moe_rl.orchestration.ray_placement import reserve, start_ray
+from moe_rl.orchestration.failures import RunFailed, lost_process
 from moe_rl.orchestration.stop import Abandoned, RunStopped, StopRequest, abandoned_in
 from moe_rl.orchestration.workers import (EngineHost, RolloutWorker, TrainerWorker,
                                           served_checkpoint)
@@ -85,6 +86,22 @@ class Trainers:
         self.actors = [TrainerWorker.options(**reservation.options(cfg, p)).remote(
             tree, p.index, len(ranks), address, port, p.gpus[0] if p.gpus else None)
             for p in ranks]
+
+    def unreachable(self, timeout_s: float = 30.0) -> str | None:
+        """The first rank that is gone or does not answer within ``timeout_s`` (after a peer's
+        error, e.g. gloo's "Connection closed by peer": which rank was lost), else None."""
+        for rank, actor in enumerate(self.actors):
+            try:
+                ray.get(actor.node_ip.remote(), timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                return f"trainer rank {rank}: no answer within {timeout_s:g} s"
+            except Exception as exc:   # noqa: BLE001  (what Ray says about the rank)
+                return f"trainer rank {rank}: {lost_process(exc) or type(exc).__name__}"
+        return None
+
+    def addresses(self) -> list[str]:
+        """The node address each rank runs at, as the rank itself sees it."""
+        return ray.get([a.node_ip.remote() for a in self.actors])
 
     def train_step(self, shards: list) -> dict:
         """One RL step; ``shards``: one reference per rank to its rollout-batch bytes (Ray
@@ -201,7 +218,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     history: list[dict] = []
     started = time.perf_counter()
     saved = resume_path   # the last complete checkpoint of this run
-    abandoned = None
+    abandoned = lost = trainers = None
     with StopRequest(cfg.trainer.stop_grace_s) as stop:
         try:
             trainers = Trainers(cfg, plan, reservation)
@@ -209,7 +226,8 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             served = served_checkpoint(cfg, cfg.model.path, os.path.join(run_dir, "fp8_start"))
             plan = make_plan(cfg, node_addresses=reservation.addresses, model_path=served)
             hosts = place_engines(cfg, plan, reservation, served, os.path.join(run_dir, "logs"))
-            write_plan(plan, reservation, os.path.join(run_dir, "plan.json"))
+            write_plan(plan, reservation, os.path.join(run_dir, "plan.json"),
+                       trainers.addresses())
             rollout = RolloutWorker.options(**reservation.options(cfg, plan.of("rollout")[0])
                                             ).remote(_cfg_tree(cfg), hosts)
             weights = weight_sync_for(cfg, trainers, rollout, os.path.join(run_dir, "weights"))
@@ -286,23 +304,32 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
         except Abandoned as exc:
             abandoned = str(exc)
         except Exception as exc:   # the handler's Abandoned, wrapped by Ray's C code
-            if abandoned_in(exc) is None:
-                raise
-            abandoned = str(abandoned_in(exc))
+            if abandoned_in(exc) is not None:
+                abandoned = str(abandoned_in(exc))
+            else:   # a node or process of the run went away (itself, or a rank's peer)
+                lost = lost_process(exc) or (trainers.unreachable() if trainers else None)
+                if lost is None:
+                    raise
+                if lost_process(exc) is None:
+                    seen = getattr(exc, "cause", None) or exc   # a rank's own error
+                    lost += f"; the error seen first: {type(seen).__name__}: {first_line(seen)}"
         finally:
             stop.closing()
             logger.close()
             stop_engines(hosts)
             reservation.release()
+    shown = os.path.relpath(saved) if saved and os.path.abspath(saved).startswith(
+        os.getcwd() + os.sep) else saved   # shorter, when under the current directory
+    done = start_step + len(history)
+    again = f"; continue with: {resume_command}" if saved and resume_command else ""
+    if lost:
+        raise RunFailed(f"lost a process of the run during step {done} ({lost}): " + (
+            f"last checkpoint {shown}{again}" if saved else "no checkpoint was written"))
     if stop.signum:
-        if saved and os.path.abspath(saved).startswith(os.getcwd() + os.sep):
-            saved = os.path.relpath(saved)   # shorter, when under the current directory
-        where = f"last checkpoint {saved}" if saved else "no checkpoint was written" + (
+        where = f"last checkpoint {shown}" if saved else "no checkpoint was written" + (
             "" if stop.wants_checkpoint else " (SIGTERM or SIGUSR1 checkpoint the current step)")
-        done = start_step + len(history)
         what = f"{done} of {cfg.trainer.steps} steps done, the next one abandoned ({abandoned})" \
             if abandoned else f"after step {done} of {cfg.trainer.steps}"
-        again = f"; continue with: {resume_command}" if saved and resume_command else ""
         raise RunStopped(f"stopped by {stop.name}, {what}: {where}{again}", stop.signum)
     print(run_summary(history, cfg, time.perf_counter() - started, saved), flush=True)
     return history
@@ -378,10 +405,15 @@ def stop_engines(hosts: list, timeout_s: float = 60.0) -> None:
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
-def write_plan(plan, reservation, path: str) -> None:
-    """The plan as placed (real addresses and ports, each node's Ray node id) to ``path``."""
+def write_plan(plan, reservation, path: str, trainer_addresses: list[str]) -> None:
+    """The plan as placed (real addresses and ports, each node's Ray node id, the address each
+    trainer rank reports from where it runs) to ``path``."""
     import json
     tree = plan.to_json()
+    ranks = iter(trainer_addresses)
+    for proc in tree["processes"]:
+        if proc["role"] == "trainer":
+            proc["address"] = next(ranks)
     tree["ray_nodes"] = [{"node": i, "node_id": nid, "address": addr} for i, (nid, addr)
                          in enumerate(zip(reservation.node_ids, reservation.addresses))]
     with open(path, "w", encoding="utf-8") as fh:

@@ -1,0 +1,159 @@
+"""`launch/slurm_multinode.sbatch` run by a real Slurm (slurmctld + one slurmd per node, each node
+a network namespace with its own address and hostname; see tests/slurm_cluster.py): a 2-node run
+with a trainer rank on each node (gloo between the namespaces), then a node killed mid-run, the
+job requeued and resumed from its last complete checkpoint, equal to the uninterrupted run on
+every step after the resume. `make test-cluster` (root; installs slurm-wlm and munge)."""
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch" / "slurm_multinode.sbatch"
+STEPS = 6
+KILL_AFTER = 3            # the node dies once this step's checkpoint is complete
+FAIL_WITHIN_S = 120       # the job must have failed and be requeued this soon after the kill
+RUN_TIMEOUT_S = 480
+
+pytestmark = [pytest.mark.cluster,
+              pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("slurmctld"),
+                                 reason="needs root and slurm-wlm (make test-cluster)")]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from tests.slurm_cluster import SlurmCluster
+    with SlurmCluster(nodes=2, cpus=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A directory every node sees (the shared filesystem) with the tiny model in it."""
+    d = tmp_path_factory.mktemp("slurm")
+    d.chmod(0o755)
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config", "tiny_cpu",
+                    "--out", str(d / "model")], check=True, capture_output=True, timeout=300)
+    return d
+
+
+def _submit(cluster, work, name: str) -> int:
+    bindir = pathlib.Path(sys.executable).parent
+    env = {"PATH": f"{bindir}:{os.environ['PATH']}", "CONFIG": "tiny_cpu",
+           "PYTHON": sys.executable, "MOE_RL": str(bindir / "moe-rl"), "STOP_TIMEOUT": "60"}
+    return cluster.sbatch(
+        "-N", "2", "--gpus-per-node=0", f"--output={work / name}-%j.out", str(SCRIPT),
+        f"model.path={work / 'model'}", f"logging.dir={work / name}",
+        "cluster.trainer_workers=2", "cluster.cpus_per_worker=0.5", f"trainer.steps={STEPS}",
+        "trainer.save_interval=1", "trainer.sft_warmup_steps=0", "rollout.prompts_per_step=2",
+        "rollout.n_samples_per_prompt=2", "rollout.sglang.deterministic_inference=true",
+        "logging.progress=false", cwd=work, env=env)
+
+
+def _rows(run: pathlib.Path) -> dict[int, dict]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = {k: v for k, v in r.items() if not k.startswith("timing/")}
+    return out
+
+
+def _only_slurmd_left(cluster) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        left = {n: [p for p in cluster.processes(n) if "slurmd" not in p.split()[1]]
+                for n in cluster.nodes}
+        if not any(left.values()):
+            return
+        assert time.monotonic() < deadline, f"processes left after the job: {left}"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, work):
+    job = _submit(cluster, work, "base")
+    info = cluster.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, RUN_TIMEOUT_S)
+    return job, info
+
+
+def test_two_node_run_places_a_rank_on_each_node_and_leaves_nothing(cluster, work,
+                                                                    uninterrupted):
+    job, info = uninterrupted
+    out = (work / f"base-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out[-4000:]
+    run = work / "base"
+    addr = {cluster.addresses[n]: n for n in cluster.nodes}
+    # Ray on both nodes, each at its own address; the head found at n1's cluster address
+    assert f"head n1 ({cluster.addresses['n1']}:6379)" in out
+    assert f"ray cluster ready: 2 nodes ({', '.join(sorted(addr))})" in out
+    for n in cluster.nodes:
+        log = (run / "logs" / f"slurm-{job}.0" / f"ray-{n}.log").read_text()
+        assert f"Local node IP: {cluster.addresses[n]}" in log, log[-2000:]
+    # the run's own records: the plan's nodes are the two Slurm nodes, a trainer rank on each
+    # (each reports the address it ran at), the engine at the address of the node the plan says
+    plan = json.loads((run / "plan.json").read_text())
+    node_addr = {r["node"]: r["address"] for r in plan["ray_nodes"]}
+    assert sorted(node_addr.values()) == sorted(addr)
+    trainers = [p for p in plan["processes"] if p["role"] == "trainer"]
+    assert [t["address"] for t in trainers] == [node_addr[t["node"]] for t in trainers]
+    assert len({t["address"] for t in trainers}) == 2
+    engine = next(p for p in plan["processes"] if p["role"] == "engine")
+    assert engine["host"] == node_addr[engine["node"]]
+    # every step ran, and on identical float32 engine and trainer nothing differs
+    rows = _rows(run)
+    assert sorted(rows) == list(range(STEPS))
+    for step, m in rows.items():
+        assert m["mismatch/k3"] < 1e-6 and m["mismatch/extreme_frac"] == 0.0, (step, m)
+        assert m["routing/agreement"] == 1.0, (step, m)
+    assert "run finished: 6 RL steps" in out
+    _only_slurmd_left(cluster)
+
+
+def test_a_node_lost_mid_run_requeues_the_job_which_resumes_where_it_was(cluster, work,
+                                                                       uninterrupted):
+    job = _submit(cluster, work, "lost")
+    run = work / "lost"
+    tracker = run / "checkpoints" / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (tracker.exists() and tracker.read_text().strip()
+               and int(tracker.read_text()) >= KILL_AFTER):
+        assert time.monotonic() < deadline, cluster.job(job)
+        time.sleep(0.2)
+    killed = cluster.kill_node("n2")
+    t_kill = time.monotonic()
+    assert killed
+    # the job fails cleanly and goes back to the queue (no hang): Slurm's node-failure requeue
+    # or the script's own, whichever comes first
+    info = cluster.wait_job(job, {"PENDING"}, FAIL_WITHIN_S)
+    failed_after = time.monotonic() - t_kill
+    assert info["Restarts"] == "1", info
+    print(f"job {job}: failed and requeued {failed_after:.0f} s after the node was killed")
+    out = (work / f"lost-{job}.out").read_text()
+    assert "Traceback" not in out, out[-4000:]
+    # the node comes back; Slurm holds a requeued job ~2 min before it may start again: now
+    cluster.start_node("n2")
+    cluster.scontrol("update", f"JobId={job}", "StartTime=now")
+    info = cluster.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, RUN_TIMEOUT_S)
+    out = (work / f"lost-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", out[-5000:]
+    assert "restart 1," in out and f"logs in {run}/logs/slurm-{job}.1" in out
+    resumed = re.search(r"resuming at step (\d+) from (\S+)", out)
+    assert resumed, out[-4000:]
+    start = int(resumed.group(1))
+    assert KILL_AFTER <= start < STEPS
+    # the same data order and the same numbers as the uninterrupted run after the resume
+    base, lost = _rows(work / "base"), _rows(run)
+    assert sorted(lost) == list(range(STEPS))
+    for step in range(start, STEPS):
+        assert lost[step] == base[step], step
+    from safetensors.torch import load_file
+    import torch
+    a, b = (load_file(str(r / "final_hf" / "model.safetensors")) for r in (work / "base", run))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _only_slurmd_left(cluster)
