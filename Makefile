@@ -11,7 +11,7 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_VERSION := 0.5.23
 
-.PHONY: setup test test-loop test-slow test-all test-contract test-multinode test-cluster demo bench clean
+.PHONY: setup test test-loop test-slow test-all test-contract test-multinode test-cluster docs demo bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -61,6 +61,15 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not contract" $(PYTEST_ARGS) tests
+
+# the manual (docs/, MkDocs Material) as a site in site/; --strict: a broken link or anchor fails
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) setup.py
+	$(PY) -m pip install --quiet -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 demo: $(STAMP)
 	$(VENV)/bin/moe-rl demo

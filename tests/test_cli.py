@@ -72,3 +72,18 @@ def test_crafted_files_cannot_run_code(tmp_path):
     with pytest.raises(Exception, match="Weights only load failed"):
         trainer.load_checkpoint(str(crafted_ckpt))
     assert not marker.exists()
+
+
+def test_config_get_prints_one_resolved_value_for_scripts(capsys):
+    from moe_rl import cli
+    assert cli.main(["config", "--config", "tiny_cpu", "--get", "logging.dir",
+                     "logging.dir=/shared/runs/x"]) == 0
+    assert capsys.readouterr().out == "/shared/runs/x\n"
+    assert cli.main(["config", "--get", "cluster.ray_address"]) == 0
+    assert capsys.readouterr().out == "null\n"
+    assert cli.main(["config", "--get", "logging.progress"]) == 0
+    assert capsys.readouterr().out == "true\n"
+    assert cli.main(["config", "--get", "logging"]) == 2
+    assert "'logging' is a section" in capsys.readouterr().err
+    assert cli.main(["config", "--get", "trainer.nope"]) == 2
+    assert "--get: unknown key 'trainer.nope'" in capsys.readouterr().err

@@ -179,11 +179,14 @@ def test_every_shipped_config_loads(tmp_path):
         ("r3", "gspo", ["seq_mis"])
 
 
-def test_readme_documents_every_key():
+def test_the_manual_holds_the_generated_key_table():
+    """docs/configuration.md's table is `moe-rl config --keys`, row for row (regenerate it with
+    that command when a key, default or meaning changes)."""
     import pathlib
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    missing = [k for k, *_ in iter_keys() if f"`{k}`" not in readme]
-    assert not missing, f"README lacks config keys: {missing}"
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    want = [f"| `{key}` | {tp} | `{default!r}` | {doc} |" for key, tp, default, doc in iter_keys()]
+    assert rows == want
 
 
 def test_every_shipped_config_resolves_through_the_cli():
@@ -381,3 +384,26 @@ def test_every_shipped_config_states_its_checkpoint_interval():
         assert trainer.get("save_interval", 0) > 0 and trainer.get("save_interval_minutes", 0) > 0, \
             path.name
     assert TrainerConfig().save_interval > 0 and TrainerConfig().save_interval_minutes > 0
+
+
+def test_readme_and_the_manual_name_the_same_libraries():
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+
+    def table(path):
+        text = path.read_text()
+        start = text.index("| job | library |")
+        return text[start:text.index("\n\n", start)]
+    assert table(root / "README.md") == table(root / "docs" / "libraries.md") \
+        == table(root / "docs" / "index.md")
+
+
+def test_the_manuals_home_page_is_the_readme():
+    """docs/index.md is README.md with its links made relative to docs/ (edit both together)."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    home = (root / "docs" / "index.md").read_text()
+    assert home == readme.replace("](docs/", "](").replace(
+        "The manual is in [`docs/`](index.md), one page per concern",
+        "This manual has one page per concern")

@@ -157,3 +157,41 @@ def test_a_node_lost_mid_run_requeues_the_job_which_resumes_where_it_was(cluster
     a, b = (load_file(str(r / "final_hf" / "model.safetensors")) for r in (work / "base", run))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     _only_slurmd_left(cluster)
+
+
+def _made_by(tag: str) -> list[str]:
+    """Namespaces, links, /etc/netns entries, processes whose names carry ``tag``."""
+    found = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                       text=True).stdout.split() if tag in n]
+    found += [line for line in subprocess.run(["ip", "-o", "link"], capture_output=True,
+                                              text=True).stdout.splitlines() if tag in line]
+    if os.path.isdir("/etc/netns"):
+        found += [n for n in os.listdir("/etc/netns") if tag in n]
+    return found
+
+
+def test_a_killed_sessions_cluster_is_removed_by_the_next(tmp_path):
+    """A harness process killed with SIGKILL leaves its cluster; the next one removes it (the
+    processes in its namespaces, munged, namespaces, bridge, files)."""
+    ready = tmp_path / "ready.json"
+    code = ("import json, sys, time\n"
+            "from tests.slurm_cluster import SlurmCluster\n"
+            "c = SlurmCluster(nodes=1)\n"
+            "c.start()\n"
+            f"open({str(ready)!r}, 'w').write(json.dumps(c.made | {{'tag': c.tag}}))\n"
+            "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    made = json.loads(ready.read_text())
+    proc.kill()
+    proc.wait()
+    assert _made_by(made["tag"]) and os.path.isdir(made["workdir"])   # left behind
+    from tests.slurm_cluster import remove_leftovers
+    remove_leftovers()
+    assert _made_by(made["tag"]) == [] and not os.path.exists(made["workdir"])
+    for pid in made["pids"]:
+        assert not pathlib.Path(f"/proc/{pid}").exists() or \
+            "Z" in pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2]
