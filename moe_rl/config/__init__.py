@@ -1,0 +1,26 @@
+"""Typed configuration: YAML file + ``key.sub=value`` overrides, validated before anything starts.
+
+:mod:`~moe_rl.config.schema` holds every key (type, default, meaning, range);
+:mod:`~moe_rl.config.loader` reads YAML and overrides into it; :mod:`~moe_rl.config.checks`
+holds the cross-field rules, one small check per concern; :mod:`~moe_rl.config.model_facts` what
+the rules need to know about the model. ``load_config`` raises :class:`ConfigError` naming the
+offending key.
+"""
+from moe_rl.config.checks import engine_avg_refusal, validate
+from moe_rl.config.loader import (PATH_KEYS, config_from_dict, dump_config, iter_keys,
+                                  load_config, parse_override, resolve_paths)
+from moe_rl.config.model_facts import (facts_context, init_hf_fields, model_hf_fields,
+                                       model_moe_facts, response_cap)
+from moe_rl.config.schema import (CORRECTIONS, AlgorithmConfig, ClusterConfig, Config,
+                                  ConfigError, CorrectionParams, DataConfig, DeepseekInitConfig,
+                                  EntropyControlConfig, KLConfig, LoggingConfig, ModelConfig,
+                                  ModelInitConfig, RolloutConfig, SGLangConfig, TrainerConfig,
+                                  as_dict)
+
+__all__ = ["CORRECTIONS", "AlgorithmConfig", "ClusterConfig", "Config", "ConfigError",
+           "CorrectionParams", "DataConfig", "DeepseekInitConfig", "EntropyControlConfig",
+           "KLConfig", "LoggingConfig", "ModelConfig", "ModelInitConfig", "RolloutConfig",
+           "SGLangConfig", "TrainerConfig", "PATH_KEYS", "as_dict", "config_from_dict", "dump_config",
+           "engine_avg_refusal", "facts_context", "init_hf_fields", "iter_keys", "load_config",
+           "model_hf_fields", "model_moe_facts", "parse_override", "resolve_paths",
+           "response_cap", "validate"]

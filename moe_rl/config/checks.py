@@ -1,0 +1,311 @@
+"""The cross-field rules: combinations of otherwise valid values that cannot run, each a small
+named check per concern; :func:`validate` runs them all and raises :class:`ConfigError` naming
+the key."""
+from __future__ import annotations
+
+import difflib
+
+from moe_rl.config.model_facts import (facts_context, model_hf_fields, model_moe_facts,
+                                       response_cap)
+from moe_rl.config.schema import CORRECTIONS, Config, ConfigError, ModelInitConfig
+from moe_rl.moe_shape import MoEShape
+
+
+def engine_avg_refusal(cfg: Config, vocab_size: int | None) -> None:
+    """engine_avg pi_old at temperature T != 1 without the sampling mask needs the engine's raw
+    log-probs of the whole vocabulary at every position (SGLang's prefill log-probs ignore T):
+    exact, but refused above ``rollout.score_full_vocab_max`` ids (``vocab_size`` None: unknown
+    yet; the rollout worker checks again with the served model)."""
+    a, r = cfg.algorithm, cfg.rollout
+    if a.pi_old != "engine_avg" or a.keep_sampling_mask or r.temperature in (0.0, 1.0):
+        return
+    if vocab_size is not None and vocab_size > r.score_full_vocab_max:
+        raise ConfigError(
+            f"algorithm.pi_old: engine_avg at rollout.temperature={r.temperature} needs the "
+            f"engine's log-probs at that temperature, but SGLang's prefill (scoring) log-probs "
+            f"are at T = 1; renormalising them exactly needs all {vocab_size} vocabulary ids at "
+            f"every position (rollout.score_full_vocab_max={r.score_full_vocab_max}). Use "
+            f"algorithm.keep_sampling_mask=true (exact from the kept ids), rollout.temperature=1, "
+            f"or algorithm.pi_old=trainer")
+
+
+def check_deepseek_init(init: ModelInitConfig) -> None:
+    d = init.deepseek
+    if d.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.init.deepseek.qk_rope_head_dim: must be even, got "
+                          f"{d.qk_rope_head_dim}")
+    if init.num_experts % d.n_group:
+        raise ConfigError(f"model.init.deepseek.n_group: {d.n_group} must divide "
+                          f"model.init.num_experts ({init.num_experts})")
+    if d.topk_group > d.n_group:
+        raise ConfigError(f"model.init.deepseek.topk_group: {d.topk_group} exceeds n_group "
+                          f"({d.n_group})")
+    if d.topk_group < d.n_group and init.num_experts_per_tok != 2 * d.topk_group:
+        raise ConfigError(f"model.init.deepseek.topk_group: group-limited routing needs "
+                          f"num_experts_per_tok = 2 x topk_group (both transformers and "
+                          f"megatron-core rank a group by its best experts), got "
+                          f"{init.num_experts_per_tok} and {d.topk_group}")
+    if d.first_k_dense_replace >= init.num_hidden_layers:
+        raise ConfigError(f"model.init.deepseek.first_k_dense_replace: {d.first_k_dense_replace} "
+                          f"leaves no MoE layer of {init.num_hidden_layers}")
+
+
+def check_model_init(cfg: Config) -> None:
+    """model.init: the shape ``init-model`` would write."""
+    init = cfg.model.init
+    if init.num_experts_per_tok > init.num_experts:
+        raise ConfigError(f"model.init.num_experts_per_tok: {init.num_experts_per_tok} exceeds "
+                          f"model.init.num_experts = {init.num_experts}")
+    if init.architecture == "qwen3_moe" and init.num_attention_heads % init.num_key_value_heads:
+        raise ConfigError("model.init.num_key_value_heads: must divide model.init."
+                          f"num_attention_heads ({init.num_attention_heads})")
+    if init.architecture == "deepseek_v3":
+        check_deepseek_init(init)
+
+
+def check_model_fit(cfg: Config, facts: MoEShape) -> None:
+    """What the model must have or leave room for: MoE layers to replay, context for a prompt."""
+    a, r, m = cfg.algorithm, cfg.rollout, cfg.model
+    if a.replay != "off" and not facts.moe_layers:
+        raise ConfigError(f"algorithm.replay: '{a.replay}' needs a model with MoE layers, but "
+                          f"{m.path} has none; set algorithm.replay=off")
+    context = facts_context(m)
+    if context is not None and r.max_new_tokens >= context:
+        raise ConfigError(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for a "
+                          f"prompt in the model's context ({context} positions)")
+    if cfg.data.environment is not None and context is not None \
+            and response_cap(cfg) >= context:
+        raise ConfigError(f"rollout.max_response_tokens: a trajectory's response of up to "
+                          f"{response_cap(cfg)} tokens leaves no room for a prompt in the "
+                          f"model's context ({context} positions)")
+
+
+def check_places(cfg: Config) -> None:
+    """Ports and the run directory."""
+    r = cfg.rollout
+    if r.base_port + r.num_servers - 1 > 65535:
+        raise ConfigError(f"rollout.base_port: servers use ports {r.base_port}.."
+                          f"{r.base_port + r.num_servers - 1}, beyond 65535")
+    if not cfg.logging.dir.strip():
+        raise ConfigError("logging.dir: expected a directory path, got an empty string")
+
+
+def check_sampling(cfg: Config, facts: MoEShape) -> None:
+    """The sampling settings and the distribution pi_old is scored on (one rule for top_k against the mask's cap)."""
+    a, r = cfg.algorithm, cfg.rollout
+    if r.top_k == 0:
+        raise ConfigError("rollout.top_k: 0 is not valid; use -1 for no top-k or a value >= 1")
+    if a.keep_sampling_mask:
+        if not 1 < r.top_k:
+            raise ConfigError(
+                "algorithm.keep_sampling_mask: needs a finite rollout.top_k with 1 < top_k < "
+                f"rollout.sampling_mask_max_tokens ({r.sampling_mask_max_tokens}); got "
+                f"rollout.top_k={r.top_k}")
+        if r.top_k >= r.sampling_mask_max_tokens:
+            raise ConfigError(f"rollout.top_k: {r.top_k} must stay below "
+                              f"rollout.sampling_mask_max_tokens ({r.sampling_mask_max_tokens}): "
+                              f"tokens tied at the top-k cut overflow the cap and SGLang answers 400")
+        if r.temperature == 0:
+            raise ConfigError("algorithm.keep_sampling_mask: greedy sampling (rollout.temperature"
+                              "=0) keeps one token; turn the mask off")
+    engine_avg_refusal(cfg, facts.vocab_size)
+    if a.pi_old_passes < 1:
+        raise ConfigError(f"algorithm.pi_old_passes: expected n >= 1 scoring passes, got "
+                          f"{a.pi_old_passes}")
+
+
+def check_loss(cfg: Config) -> None:
+    """The loss, its clip ranges, aggregation, KL and entropy control, the advantage's groups."""
+    a, r = cfg.algorithm, cfg.rollout
+    if a.entropy_control.method == "kl_cov" and a.loss != "ppo":
+        raise ConfigError("algorithm.entropy_control.method: kl_cov replaces the token PPO "
+                          "surrogate (unclipped -A r + penalty); it needs algorithm.loss=ppo")
+    if a.loss == "gspo" and (a.clip_low <= 0 or a.clip_high <= 0):
+        raise ConfigError(f"algorithm.clip_low/clip_high: GSPO needs positive clip ranges, got "
+                          f"{a.clip_low} / {a.clip_high}")
+    if a.clip_low < 0 or a.clip_high < 0:
+        raise ConfigError("algorithm.clip_low/clip_high: clip ranges must be >= 0")
+    if a.loss == "gspo" and a.aggregation != "seq-mean-token-mean":
+        raise ConfigError(f"algorithm.aggregation: GSPO's token form has the sequence objective's "
+                          f"gradient only under seq-mean-token-mean; got {a.aggregation!r}")
+    if a.clip_low >= 1:
+        raise ConfigError(f"algorithm.clip_low: must be < 1 (ratio floor 1 - clip_low), got "
+                          f"{a.clip_low}")
+    if a.kl.in_reward and a.kl.coef == 0:
+        raise ConfigError("algorithm.kl.in_reward: needs algorithm.kl.coef > 0")
+    if a.entropy_control.method == "clip_cov" and (a.entropy_control.clip_cov_low
+                                                    >= a.entropy_control.clip_cov_high):
+        raise ConfigError("algorithm.entropy_control.clip_cov_low: must be below clip_cov_high")
+    if r.n_samples_per_prompt < 2 and a.advantage in ("grpo", "rloo"):
+        raise ConfigError(f"rollout.n_samples_per_prompt: '{a.advantage}' advantages need groups "
+                          f"of at least 2, got {r.n_samples_per_prompt}")
+
+
+def check_corrections(cfg: Config) -> None:
+    """algorithm.corrections: known, once each, with their thresholds ordered."""
+    a = cfg.algorithm
+    for i, name in enumerate(a.corrections):
+        if name not in CORRECTIONS:
+            close = difflib.get_close_matches(name, CORRECTIONS, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"algorithm.corrections[{i}]: unknown correction '{name}'{hint}; "
+                              f"valid: {', '.join(CORRECTIONS)}")
+    if len(set(a.corrections)) != len(a.corrections):
+        raise ConfigError(f"algorithm.corrections: a correction is listed twice: {a.corrections}")
+    if "opsm" in a.corrections and a.correction.opsm_delta is None:
+        raise ConfigError("algorithm.correction.opsm_delta: the DeepSeek off-policy mask ('opsm' "
+                          "in algorithm.corrections) needs a threshold delta")
+    c = a.correction
+    for lo, hi in (("rs_low", "rs_high"), ("geo_low", "geo_high"), ("icepop_low", "icepop_high")):
+        if getattr(c, lo) >= getattr(c, hi):
+            raise ConfigError(f"algorithm.correction.{lo}: must be below algorithm.correction.{hi}"
+                              f" ({getattr(c, lo)} >= {getattr(c, hi)})")
+
+
+def check_optimiser_and_layout(cfg: Config, facts: MoEShape) -> None:
+    """The learning-rate floor and the parallel layouts the trainer runs."""
+    t = cfg.trainer
+    if t.min_lr > t.lr:
+        raise ConfigError(f"trainer.min_lr: {t.min_lr} exceeds trainer.lr = {t.lr}")
+    if t.sequence_parallel and t.tensor_parallel == 1:
+        raise ConfigError("trainer.sequence_parallel: needs trainer.tensor_parallel > 1")
+    if facts.moe_layers and facts.num_experts % t.expert_parallel:
+        raise ConfigError(f"trainer.expert_parallel: {t.expert_parallel} does not divide the "
+                          f"{facts.num_experts} experts")
+    if t.pipeline_parallel > 1:
+        raise ConfigError("trainer.pipeline_parallel: the training step runs the model without "
+                          "megatron's pipeline schedules; use 1 (data, expert, tensor and context "
+                          "parallelism are supported)")
+
+
+def check_cpu(cfg: Config) -> None:
+    """What a CPU run (cluster.gpus_per_node 0) cannot do."""
+    r, t = cfg.rollout, cfg.trainer
+    if cfg.cluster.gpus_per_node == 0:
+        if r.engine == "sglang":
+            raise ConfigError("rollout.engine: SGLang needs GPUs (cluster.gpus_per_node > 0); use "
+                              "rollout.engine=reference on CPU")
+        if cfg.model.dtype == "bfloat16":
+            raise ConfigError("model.dtype: bfloat16 training needs GPUs (cluster.gpus_per_node > "
+                              "0): megatron-core's mixed-precision optimizer wraps CUDA tensors "
+                              "only; use float32 on CPU (rollout.engine_dtype=bfloat16 still "
+                              "gives a bfloat16 engine)")
+        for key in ("tensor_parallel", "context_parallel"):
+            if getattr(t, key) > 1:
+                raise ConfigError(f"trainer.{key}: > 1 is not supported on CPU (megatron-core's "
+                                  "local spec refuses sequence parallelism there); run it on GPUs")
+
+
+def check_weight_sync(cfg: Config) -> None:
+    """cluster.weight_sync against colocation, the engine and the trainer ranks."""
+    r, t = cfg.rollout, cfg.trainer
+    if cfg.cluster.weight_sync == "tensor" and not (cfg.cluster.colocate and r.engine == "sglang"
+                                                    and cfg.cluster.gpus_per_node > 0):
+        raise ConfigError("cluster.weight_sync: 'tensor' hands CUDA tensors to SGLang on the same "
+                          "GPUs: it needs cluster.colocate=true, rollout.engine=sglang and GPUs; "
+                          "use 'distributed' or 'disk' otherwise")
+    if r.engine == "sglang" and cfg.cluster.weight_sync in ("distributed", "tensor") \
+            and r.sglang.dp_size > 1:
+        raise ConfigError(f"rollout.sglang.dp_size: SGLang updates weights from a process group "
+                          f"or from tensors only with dp_size 1 (it asserts so); got "
+                          f"{r.sglang.dp_size} with cluster.weight_sync={cfg.cluster.weight_sync}"
+                          f"; use more servers (rollout.num_servers) or weight_sync=disk")
+    if cfg.cluster.weight_sync == "tensor" and \
+            t.tensor_parallel * t.context_parallel * t.expert_parallel == 1 and \
+            cfg.cluster.trainer_workers != r.num_servers * r.sglang.tp_size:
+        raise ConfigError(f"cluster.trainer_workers: colocated tensor sync builds each SGLang TP "
+                          f"rank's payload on the trainer rank sharing its GPU, so it needs "
+                          f"trainer_workers == rollout.num_servers * rollout.sglang.tp_size "
+                          f"({r.num_servers * r.sglang.tp_size}); got {cfg.cluster.trainer_workers}")
+    if cfg.cluster.colocate and cfg.cluster.weight_sync == "distributed" and \
+            cfg.cluster.gpus_per_node > 0:
+        raise ConfigError("cluster.weight_sync: 'distributed' with cluster.colocate=true puts "
+                          "trainer rank 0 and an SGLang rank on the same GPU in one NCCL "
+                          "communicator, which NCCL refuses; use weight_sync=tensor (CUDA "
+                          "tensors handed over on the shared GPUs) or disk, or colocate=false")
+
+
+def check_model_parallel(cfg: Config, facts: MoEShape) -> None:
+    """Tensor and context parallelism of a MoE model."""
+    t = cfg.trainer
+    if t.tensor_parallel > 1 and facts.moe_layers and not t.sequence_parallel:
+        raise ConfigError("trainer.sequence_parallel: megatron-core's MoE layers need sequence "
+                          "parallelism when trainer.tensor_parallel > 1; set it true")
+    if t.context_parallel > 1:
+        raise ConfigError("trainer.context_parallel: > 1 is refused until the inputs are split "
+                          "per CP rank in megatron's layout (the replay slices are ready, the "
+                          "input split is not); use 1")
+
+
+def check_sglang(cfg: Config) -> None:
+    """What SGLang refuses: min_p under deterministic inference, FP8 shapes at the TP/EP sizes."""
+    r, m = cfg.rollout, cfg.model
+    if r.engine == "sglang" and r.sglang.deterministic_inference and r.min_p > 0:
+        raise ConfigError("rollout.min_p: SGLang's deterministic inference does not support min_p "
+                          "sampling; set rollout.min_p=0 or turn deterministic_inference off")
+    if r.quantization == "fp8" and r.engine == "sglang":
+        from moe_rl.rollout.fp8_shapes import fp8_shape_errors
+        errors = fp8_shape_errors(model_hf_fields(m), r.sglang.tp_size, r.sglang.ep_size)
+        if errors:
+            raise ConfigError(f"rollout.quantization: SGLang refuses block-wise FP8 for this model "
+                              f"at rollout.sglang.tp_size={r.sglang.tp_size}, ep_size="
+                              f"{r.sglang.ep_size}: {'; '.join(errors)}. Change the TP/EP sizes "
+                              f"(a larger ep_size keeps experts whole) or set "
+                              f"rollout.quantization=none")
+
+
+def check_async(cfg: Config) -> None:
+    """The asynchronous pipeline (rollout.max_staleness > 0)."""
+    a, r = cfg.algorithm, cfg.rollout
+    if r.max_staleness > 0 and cfg.cluster.colocate:
+        raise ConfigError("rollout.max_staleness: the asynchronous pipeline generates while the "
+                          "trainer trains, which colocated engines cannot (they give their memory "
+                          "to the trainer); set cluster.colocate=false or max_staleness=0")
+    if r.max_staleness > 0 and a.pi_old != "trainer":
+        raise ConfigError(f"algorithm.pi_old: '{a.pi_old}' with rollout.max_staleness > 0 would "
+                          f"make the (stale) behaviour policy the proximal policy; the "
+                          f"asynchronous pipeline needs pi_old: trainer (the trainer's current "
+                          f"pre-update policy), and the corrections act on the lag")
+
+
+def check_ranks(cfg: Config) -> None:
+    """The trainer ranks split into model-parallel groups, each data-parallel rank with prompts."""
+    r, t = cfg.rollout, cfg.trainer
+    model_parallel = t.tensor_parallel * t.pipeline_parallel * t.context_parallel
+    if cfg.cluster.trainer_workers % model_parallel or \
+            (cfg.cluster.trainer_workers // model_parallel) % t.expert_parallel:
+        raise ConfigError(f"cluster.trainer_workers: {cfg.cluster.trainer_workers} ranks do not "
+                          f"split into tensor x pipeline x context parallel ({model_parallel}) "
+                          f"groups whose data-parallel size is a multiple of "
+                          f"trainer.expert_parallel ({t.expert_parallel})")
+    data_parallel = cfg.cluster.trainer_workers // model_parallel
+    if r.prompts_per_step < data_parallel:
+        raise ConfigError(f"rollout.prompts_per_step: {r.prompts_per_step} prompt groups cannot "
+                          f"give each of the {data_parallel} data-parallel ranks one; use at "
+                          f"least {data_parallel}")
+
+
+def check_data(cfg: Config) -> None:
+    """The prompt source."""
+    if cfg.data.source in ("jsonl", "parquet") and not cfg.data.path:
+        raise ConfigError(f"data.path: data.source={cfg.data.source} needs a file path")
+
+
+def validate(cfg: Config) -> None:
+    """Raise :class:`ConfigError` for incompatible combinations of otherwise valid values: every
+    check below, in this order (the first refusal is the one reported)."""
+    check_model_init(cfg)
+    facts = model_moe_facts(cfg.model)
+    check_model_fit(cfg, facts)
+    check_places(cfg)
+    check_sampling(cfg, facts)
+    check_loss(cfg)
+    check_corrections(cfg)
+    check_optimiser_and_layout(cfg, facts)
+    check_cpu(cfg)
+    check_weight_sync(cfg)
+    check_model_parallel(cfg, facts)
+    check_sglang(cfg)
+    check_async(cfg)
+    check_ranks(cfg)
+    check_data(cfg)

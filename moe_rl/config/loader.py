@@ -1,0 +1,267 @@
+"""From YAML and ``key.sub=value`` overrides to a typed, validated :class:`Config`: names, types
+and ranges checked here (the cross-field rules in :mod:`moe_rl.config.checks`); the YAML dump;
+the table of every key."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+from moe_rl.config.checks import validate
+from moe_rl.config.schema import Config, ConfigError, as_dict
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off/on as false/true
+            value = {False: "off", True: "on"}[value]
+        if value in typing.get_args(tp):
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in typing.get_args(tp)], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}{hint}")
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        (arg,) = typing.get_args(tp)
+        return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected a boolean (true/false), got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):  # PyYAML reads "1e-5" (no dot) as a string
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp!r}")  # pragma: no cover - schema error
+
+
+def _check_range(value: Any, meta: dict, key: str) -> None:
+    if value is None or "range" not in meta:
+        return
+    lo, hi, lo_open, hi_open = meta["range"]
+    bad = ((lo is not None and (value <= lo if lo_open else value < lo))
+           or (hi is not None and (value >= hi if hi_open else value > hi)))
+    if bad:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        lo_s = "-inf" if lo is None else repr(lo)
+        hi_s = "inf" if hi is None else repr(hi)
+        raise ConfigError(f"{key}: {value!r} is out of range, expected a value in "
+                          f"{left}{lo_s}, {hi_s}{right}")
+
+
+def _unknown_key(cls: type, name: str, prefix: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{prefix}{name}'{hint} "
+                       f"(valid keys under '{prefix or '<top>'}': {', '.join(names)})")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """Instantiate dataclass ``cls`` from a mapping, checking every key and value."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        if name not in fields:
+            raise _unknown_key(cls, str(name), prefix)
+        tp = hints[name]
+        key = prefix + name
+        if _is_dataclass_type(tp):
+            kwargs[name] = _build(tp, value, key + ".")
+        else:
+            kwargs[name] = _coerce(value, tp, key)
+            _check_range(kwargs[name], fields[name].metadata, key)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set ``tree[a][b][c] = value`` for ``a.b.c``, validating names against the schema."""
+    parts = dotted.split(".")
+    cls: type = Config
+    node = tree
+    for i, part in enumerate(parts):
+        prefix = ".".join(parts[:i]) + ("." if i else "")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if part not in names:
+            raise _unknown_key(cls, part, prefix)
+        tp = typing.get_type_hints(cls)[part]
+        if i == len(parts) - 1:
+            if _is_dataclass_type(tp) and not isinstance(value, dict):
+                raise ConfigError(f"{dotted}: is a section; set one of its keys, e.g. "
+                                  f"{dotted}.{dataclasses.fields(tp)[0].name}=...")
+            node[part] = value
+            return
+        if not _is_dataclass_type(tp):
+            raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, not a section "
+                              f"(cannot set '{dotted}')")
+        cls = tp
+        if node.get(part) is None:
+            node[part] = {}
+        if not isinstance(node[part], dict):
+            raise ConfigError(f"{'.'.join(parts[:i + 1])}: expected a mapping, got {node[part]!r}")
+        node = node[part]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``key.sub=value``; the value is parsed as YAML (numbers, booleans, null, lists)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: cannot parse value {raw!r}: {exc}") from None
+    return key, value
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"config file: key {key!r} is given twice in one mapping "
+                                  f"(line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML ``path`` (optional), apply ``overrides`` and return a validated :class:`Config`."""
+    tree: dict = {}
+    if path is not None:
+        from moe_rl.shipped import config_path, shipped_configs
+        path = config_path(os.fspath(path))
+        if not os.path.exists(path):
+            raise ConfigError(f"config file not found: {path} (shipped configs, usable by name: "
+                              f"{', '.join(sorted(shipped_configs()))})")
+        if os.path.isdir(path):
+            raise ConfigError(f"config file {path}: is a directory; give a YAML file")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                tree = yaml.load(fh, Loader=_UniqueKeyLoader) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path}: not UTF-8 text") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    cfg = _build(Config, tree, "")
+    resolve_paths(cfg)
+    validate(cfg)
+    return cfg
+
+
+# file and folder keys; relative ones resolve against the current directory when the config is
+# loaded (so every process of the run, on every node, sees the same absolute path)
+PATH_KEYS = ("model.path", "data.path", "logging.dir", "trainer.checkpoint_dir")
+
+
+def resolve_paths(cfg: Config) -> None:
+    """Make the :data:`PATH_KEYS` of ``cfg`` absolute (``~`` expanded; relative to the current
+    directory)."""
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value:
+            setattr(getattr(cfg, section), name, os.path.abspath(os.path.expanduser(value)))
+
+
+def config_from_dict(tree: dict) -> Config:
+    """Build and validate a :class:`Config` from a plain nested dict."""
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved configuration as YAML (printed at start, saved in the run directory)."""
+    return yaml.safe_dump(as_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def iter_keys(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str, str, Any, str]]:
+    """Yield (dotted key, type name, default, doc) for every leaf key: README's table."""
+    default_obj = cls()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _is_dataclass_type(tp):
+            yield from iter_keys(tp, prefix + f.name + ".")
+        else:
+            yield (prefix + f.name, _type_name(tp), getattr(default_obj, f.name),
+                   f.metadata.get("doc", ""))

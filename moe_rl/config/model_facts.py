@@ -1,0 +1,57 @@
+"""Facts about the configured model the rules need (its config.json when present, else the
+``model.init`` shape): context length, MoE shape, HF fields; and a sample's response cap."""
+from __future__ import annotations
+
+import json
+import os
+
+from moe_rl.config.schema import Config, ModelConfig, ModelInitConfig, as_dict
+from moe_rl.moe_shape import MoEShape
+
+
+def response_cap(cfg: Config) -> int:
+    """Most response tokens of a sample: rollout.max_new_tokens for single-turn completions; with
+    an environment, rollout.max_response_tokens (default max_new_tokens x max_turns)."""
+    r = cfg.rollout
+    if cfg.data.environment is None:
+        return r.max_new_tokens
+    return r.max_response_tokens or r.max_new_tokens * r.max_turns
+
+
+def facts_context(model: ModelConfig) -> int | None:
+    """The model's context length (max_position_embeddings) from its config.json (None when
+    there is none yet)."""
+    cfg_file = os.path.join(model.path, "config.json")
+    if not os.path.isfile(cfg_file):
+        return None
+    with open(cfg_file, encoding="utf-8") as fh:
+        value = json.load(fh).get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def model_hf_fields(model: ModelConfig) -> dict:
+    """The configured model's HF ``config.json`` fields: the file when present, else the
+    ``init`` shape."""
+    cfg_file = os.path.join(model.path, "config.json")
+    if os.path.isfile(cfg_file):
+        with open(cfg_file, encoding="utf-8") as fh:
+            return json.load(fh)
+    return init_hf_fields(model.init)
+
+
+def model_moe_facts(model: ModelConfig) -> MoEShape:
+    """Facts of the configured model: its config.json when present, else the ``init`` shape."""
+    return MoEShape.from_hf(model_hf_fields(model))
+
+
+def init_hf_fields(init: ModelInitConfig) -> dict:
+    """The ``model.init`` shape under the names of the architecture's HF ``config.json``."""
+    fields = as_dict(init)
+    deepseek = fields.pop("deepseek")
+    fields["model_type"] = fields.pop("architecture")
+    if init.architecture == "deepseek_v3":
+        deepseek.pop("expert_bias_std")
+        for key in ("num_key_value_heads", "head_dim", "decoder_sparse_step"):
+            fields.pop(key)
+        fields.update(deepseek, n_routed_experts=fields.pop("num_experts"))
+    return fields

@@ -1,0 +1,341 @@
+"""The configuration's schema: one dataclass per section, every key with its type, default,
+one-line meaning and range. Every default lives here and nowhere else."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from moe_rl.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem, with the dotted key it concerns."""
+
+
+def _rng(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+         hi_open: bool = False) -> dict:
+    return {"range": (lo, hi, lo_open, hi_open)}
+
+
+def _f(default: Any, doc: str, **meta: Any) -> Any:
+    """A dataclass field with a default, a one-line doc (for README) and optional range."""
+    meta = dict(meta)
+    meta["doc"] = doc
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _sub(cls: type, doc: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+@dataclass
+class DeepseekInitConfig:
+    """DeepSeek-V3-only shape of the tiny model (``model.init.architecture: deepseek_v3``)."""
+    q_lora_rank: int | None = _f(32, "query LoRA rank of MLA (null = full query projection)",
+                                 **_rng(1))
+    kv_lora_rank: int = _f(32, "compressed key/value (latent) size of MLA", **_rng(1))
+    qk_nope_head_dim: int = _f(16, "per-head query/key size without rotary", **_rng(1))
+    qk_rope_head_dim: int = _f(8, "per-head rotary query/key size (even)", **_rng(2))
+    v_head_dim: int = _f(16, "per-head value size", **_rng(1))
+    n_group: int = _f(4, "expert groups of the group-limited router", **_rng(1))
+    topk_group: int = _f(2, "groups a token may use (num_experts_per_tok / topk_group must be 2 "
+                         "when < n_group)", **_rng(1))
+    n_shared_experts: int = _f(1, "shared (always-on, never routed) experts per MoE layer",
+                               **_rng(0))
+    first_k_dense_replace: int = _f(1, "leading dense layers", **_rng(0))
+    routed_scaling_factor: float = _f(2.5, "scale of the routed experts' gate weights",
+                                      **_rng(0, lo_open=True))
+    expert_bias_std: float = _f(0.01, "std of the random initial expert bias "
+                                "(e_score_correction_bias)", **_rng(0))
+
+
+@dataclass
+class ModelInitConfig:
+    """Shape of the tiny model written by ``moe-rl init-model`` (Qwen3-MoE or DeepSeek-V3)."""
+    architecture: Literal["qwen3_moe", "deepseek_v3"] = _f(
+        "qwen3_moe", "qwen3_moe, or deepseek_v3 (MLA, sigmoid router with expert bias, "
+        "group-limited top-k, shared experts; shaped further by model.init.deepseek)")
+    hidden_size: int = _f(64, "hidden size", **_rng(1))
+    num_hidden_layers: int = _f(2, "decoder layers", **_rng(1))
+    num_attention_heads: int = _f(4, "attention heads", **_rng(1))
+    num_key_value_heads: int = _f(2, "key/value heads (GQA)", **_rng(1))
+    head_dim: int = _f(16, "attention head dimension", **_rng(1))
+    intermediate_size: int = _f(128, "dense MLP size (dense layers only)", **_rng(1))
+    moe_intermediate_size: int = _f(64, "expert MLP size", **_rng(1))
+    num_experts: int = _f(8, "routed experts per MoE layer", **_rng(1, 65535))
+    num_experts_per_tok: int = _f(2, "router top-k", **_rng(1))
+    decoder_sparse_step: int = _f(1, "every n-th layer is MoE", **_rng(1))
+    norm_topk_prob: bool = _f(True, "renormalise the top-k gate probabilities")
+    max_position_embeddings: int = _f(256, "maximum sequence length", **_rng(1))
+    rope_theta: float = _f(10000.0, "rotary base", **_rng(0, lo_open=True))
+    rms_norm_eps: float = _f(1e-6, "RMSNorm epsilon", **_rng(0, lo_open=True))
+    tie_word_embeddings: bool = _f(False, "tie input and output embeddings")
+    seed: int = _f(0, "weight initialisation seed")
+    deepseek: DeepseekInitConfig = _sub(DeepseekInitConfig, "DeepSeek-V3-only shape "
+                                        "(num_key_value_heads, head_dim, decoder_sparse_step "
+                                        "do not apply to it)")
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("outputs/tiny_model", "Hugging Face model directory (config.json + safetensors)")
+    dtype: Literal["float32", "bfloat16"] = _f("float32",
+                                               "trainer parameter dtype (bfloat16: GPUs only)")
+    fp32_output_layer: bool = _f(False, "keep the output layer (LM head) in float32")
+    init: ModelInitConfig = _sub(ModelInitConfig, "tiny model shape for `moe-rl init-model`")
+
+
+@dataclass
+class SGLangConfig:
+    tp_size: int = _f(1, "SGLang --tp-size", **_rng(1))
+    dp_size: int = _f(1, "SGLang --dp-size", **_rng(1))
+    ep_size: int = _f(1, "SGLang --ep-size", **_rng(1))
+    mem_fraction_static: float = _f(0.7, "SGLang --mem-fraction-static", **_rng(0, 1, lo_open=True))
+    deterministic_inference: bool = _f(False, "--enable-deterministic-inference for SGLang and "
+                                       "the reference engine: batch-invariant results, "
+                                       "reproducible runs (makes n-pass averaging useless)")
+    extra_args: list[str] = _f([], "extra command-line arguments passed to sglang.launch_server")
+    python: str | None = _f(None, "the Python interpreter that runs `-m sglang.launch_server` "
+                            "(SGLang in its own environment; null = the trainer's)")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["reference", "sglang"] = _f("reference", "inference engine: CPU reference or SGLang")
+    num_servers: int = _f(1, "engine servers behind the dispatcher", **_rng(1))
+    host: str = _f("127.0.0.1", "address the engine servers bind")
+    base_port: int = _f(30000, "first server port tried: servers take the free ports from here "
+                        "up, busy ones skipped", **_rng(1, 65535))
+    api_key: str | None = _f(None, "API key the servers require (Authorization: Bearer)")
+    engine_dtype: Literal["float32", "bfloat16"] = _f("float32", "reference engine dtype")
+    quantization: Literal["none", "fp8"] = _f("none", "rollout numerics: fp8 = the engines serve "
+                                              "a block-wise FP8 checkpoint of the weights "
+                                              "(128x128 E4M3 blocks), every sync quantised")
+    prompts_per_step: int = _f(8, "prompts sampled per RL step", **_rng(1))
+    n_samples_per_prompt: int = _f(8, "responses per prompt (the GRPO group size)", **_rng(1))
+    max_staleness: int = _f(0, "asynchronous pipeline: the rollout generates the next batches "
+                            "while the trainer trains, from weights at most this many versions "
+                            "old (0 = the synchronous loop)", **_rng(0))
+    dynamic_sampling: bool = _f(False, "drop prompt groups whose rewards are all equal and "
+                                "generate more until the step has prompts_per_step informative "
+                                "groups (DAPO)")
+    max_oversample: int | None = _f(None, "dynamic sampling: most extra prompt groups generated "
+                                    "per step (null = prompts_per_step)", **_rng(0))
+    max_new_tokens: int = _f(16, "response length cap (with data.environment: per model turn)",
+                             **_rng(1))
+    max_turns: int = _f(4, "data.environment: most model turns per trajectory", **_rng(1))
+    max_response_tokens: int | None = _f(None, "data.environment: cap on a trajectory's response "
+                                         "(model + observation tokens; null = max_new_tokens x "
+                                         "max_turns)", **_rng(1))
+    temperature: float = _f(1.0, "sampling temperature (0 = greedy)", **_rng(0))
+    top_p: float = _f(1.0, "nucleus sampling mass", **_rng(0, 1, lo_open=True))
+    top_k: int = _f(-1, "top-k sampling (-1 = off)", **_rng(-1))
+    min_p: float = _f(0.0, "min-p relative to the most likely token", **_rng(0, 1))
+    sampling_mask_max_tokens: int = _f(4096, "engine cap on the kept-set size (SGLang "
+                                       "--sampling-mask-max-tokens)", **_rng(2))
+    return_routing: bool = _f(True, "ask for every token's routing (replay r3 always does; "
+                              "otherwise it only feeds routing/agreement)")
+    score_window_tokens: int = _f(32, "response tokens per engine scoring request when pi_old "
+                                  "passes are renormalised from listed ids (kept sets, or the "
+                                  "vocabulary at temperature != 1)", **_rng(1))
+    score_full_vocab_max: int = _f(4096, "largest vocabulary for which engine_avg scoring at "
+                                   "temperature != 1 without the sampling mask lists every id",
+                                   **_rng(1))
+    request_timeout_s: float = _f(300.0, "HTTP timeout per request", **_rng(0, lo_open=True))
+    max_retries: int = _f(3, "retries per request on connection errors / 5xx", **_rng(0))
+    concurrency: int = _f(64, "in-flight requests per server", **_rng(1))
+    health_timeout_s: float = _f(300.0, "wait for a starting server's /health", **_rng(0, lo_open=True))
+    sglang: SGLangConfig = _sub(SGLangConfig, "SGLang server settings")
+
+
+@dataclass
+class CorrectionParams:
+    tis_c: float = _f(2.0, "token-TIS and seq-TIS truncation C", **_rng(0, lo_open=True))
+    mis_c: float = _f(2.0, "seq-MIS threshold C", **_rng(0, lo_open=True))
+    rs_low: float = _f(0.5, "seq-RS lower bound", **_rng(0))
+    rs_high: float = _f(2.0, "seq-RS upper bound", **_rng(0, lo_open=True))
+    geo_low: float = _f(0.999, "geo-RS lower bound", **_rng(0))
+    geo_high: float = _f(1.001, "geo-RS upper bound", **_rng(0, lo_open=True))
+    icepop_low: float = _f(0.5, "IcePop lower bound alpha", **_rng(0))
+    icepop_high: float = _f(5.0, "IcePop upper bound beta", **_rng(0, lo_open=True))
+    opsm_delta: float | None = _f(None, "DeepSeek-V3.2 off-policy mask threshold delta", **_rng(0))
+    opsm_reference: Literal["engine", "pi_old"] = _f("engine", "behaviour policy of the DeepSeek mask")
+    metropolis_weight: Literal["seq", "geo", "token"] = _f("seq", "weight the Metropolis sampler uses")
+    metropolis_count_repeats: bool = _f(True, "Metropolis as a chain: a sample weighs the steps "
+                                        "it was the state (false: accept-or-mask, biased)")
+
+
+CORRECTIONS = ("token_tis", "seq_tis", "seq_mis", "seq_rs", "geo_rs", "icepop", "opsm",
+               "metropolis", "snis")
+
+
+@dataclass
+class KLConfig:
+    coef: float = _f(0.0, "KL coefficient (0 = no reference model)", **_rng(0))
+    estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator")
+    off_policy_corrected: bool = _f(False, "weight k3 by pi_theta/pi_old (DeepSeek-V3.2)")
+    in_reward: bool = _f(False, "fold the KL into the reward instead of the loss")
+    replay_routing: bool = _f(True, "the reference model replays the rollout routing too")
+
+
+@dataclass
+class EntropyControlConfig:
+    method: Literal["none", "clip_cov", "kl_cov"] = _f("none", "entropy-collapse control")
+    clip_cov_ratio: float = _f(2e-4, "Clip-Cov: fraction of tokens in the band detached",
+                               **_rng(0, 1))
+    clip_cov_low: float = _f(1.0, "Clip-Cov: lower covariance bound omega_low")
+    clip_cov_high: float = _f(5.0, "Clip-Cov: upper covariance bound omega_high")
+    kl_cov_ratio: float = _f(2e-3, "KL-Cov: top fraction by covariance penalised", **_rng(0, 1))
+    kl_cov_coef: float = _f(1.0, "KL-Cov: coefficient beta", **_rng(0))
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: Literal["grpo", "drgrpo", "rloo"] = _f("grpo", "advantage estimator")
+    loss: Literal["ppo", "gspo"] = _f("ppo", "policy loss: token PPO-clip (GRPO) or GSPO")
+    clip_low: float = _f(0.2, "epsilon_low of the ratio clip (GSPO paper: 3e-4)")
+    clip_high: float = _f(0.28, "epsilon_high of the ratio clip (GSPO paper: 4e-4)")
+    dual_clip_c: float | None = _f(3.0, "dual-clip cap c for negative advantages (null = off)",
+                                   **_rng(1, lo_open=True))
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                         "seq-mean-token-sum-norm"] = _f("token-mean", "loss aggregation")
+    loss_denominator: Literal["original", "kept"] = _f(
+        "original", "normaliser of the aggregated loss: every response token (as verl, NeMo-RL, "
+        "OpenRLHF: a masked token is a zero-weight sample) or only the tokens the corrections "
+        "kept")
+    max_len_norm: int | None = _f(None, "constant of seq-mean-token-sum-norm (null = "
+                                  "rollout.max_new_tokens, or the response cap with "
+                                  "data.environment)", **_rng(1))
+    pi_old: Literal["trainer", "rollout", "engine_avg"] = _f("trainer", "source of pi_old")
+    pi_old_passes: int = _f(1, "n scoring passes averaged for engine_avg")
+    replay: Literal["off", "r2", "r3"] = _f("r3", "routing replay mode")
+    keep_sampling_mask: bool = _f(False, "score tokens on the engine's top-k/top-p kept set")
+    corrections: list[str] = _f([], "training-inference corrections, applied in order: "
+                                + ", ".join(CORRECTIONS))
+    correction: CorrectionParams = _sub(CorrectionParams, "correction thresholds")
+    kl: KLConfig = _sub(KLConfig, "KL to the reference policy")
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient", **_rng(0))
+    entropy_control: EntropyControlConfig = _sub(EntropyControlConfig, "Clip-Cov / KL-Cov")
+    collapse_guard_k3: float | None = _f(None, "skip the update when mismatch/k3 exceeds this "
+                                         "(null = off)", **_rng(0, lo_open=True))
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = _f(20, "RL steps", **_rng(1))
+    seed: int = _f(1234, "global seed", **_rng(0, 2 ** 32 - 1))
+    lr: float = _f(1e-5, "peak learning rate", **_rng(0, lo_open=True))
+    min_lr: float = _f(0.0, "final learning rate of the schedule", **_rng(0))
+    lr_warmup_steps: int = _f(0, "linear warm-up steps", **_rng(0))
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f("constant", "decay after warm-up")
+    weight_decay: float = _f(0.0, "AdamW weight decay", **_rng(0))
+    adam_beta1: float = _f(0.9, "Adam beta1", **_rng(0, 1, hi_open=True))
+    adam_beta2: float = _f(0.999, "Adam beta2", **_rng(0, 1, hi_open=True))
+    grad_clip: float = _f(1.0, "gradient-norm clip (0 = off)", **_rng(0))
+    epochs: int = _f(1, "passes over each rollout batch", **_rng(1))
+    mini_batches: int = _f(1, "optimizer steps per epoch (the batch is split in this many)",
+                           **_rng(1))
+    micro_batch_size: int = _f(8, "sequences per micro-batch (gradient accumulation)", **_rng(1))
+    tensor_parallel: int = _f(1, "tensor-parallel size", **_rng(1))
+    pipeline_parallel: int = _f(1, "pipeline-parallel size", **_rng(1))
+    expert_parallel: int = _f(1, "expert-parallel size", **_rng(1))
+    context_parallel: int = _f(1, "context-parallel size", **_rng(1))
+    sequence_parallel: bool = _f(False, "sequence parallelism (needs tensor_parallel > 1)")
+    recompute_activations: bool = _f(False, "full activation recomputation (replay in backward)")
+    distributed_optimizer: bool = _f(True, "megatron distributed optimizer where available")
+    ema_decay: float | None = _f(None, "Polyak average of the weights, updated after every "
+                                 "optimizer step and exported as final_hf (rollouts keep the raw "
+                                 "weights; null = off)",
+                                 **_rng(0, 1, lo_open=True, hi_open=True))
+    expert_bias_update_rate: float = _f(0.0, "DeepSeek-V3 routers: megatron's aux-loss-free "
+                                        "expert-bias update per optimizer step, from the "
+                                        "batch's tokens per expert (0 = frozen, the default)",
+                                        **_rng(0))
+    sft_warmup_steps: int = _f(0, "supervised warm-start steps before RL", **_rng(0))
+    sft_lr: float = _f(1e-3, "learning rate of the supervised warm-start", **_rng(0, lo_open=True))
+    save_interval: int = _f(50, "checkpoint every n steps (0 = by time and at the end only)",
+                            **_rng(0))
+    save_interval_minutes: float = _f(30.0, "also checkpoint when this many minutes passed since "
+                                      "the last checkpoint (whichever of steps or minutes comes "
+                                      "first; 0 = by steps only)", **_rng(0))
+    stop_grace_s: float = _f(120.0, "on SIGINT / SIGTERM / SIGUSR1, seconds the current step and "
+                             "its checkpoint may still take; past them the step is abandoned",
+                             **_rng(0, lo_open=True))
+    checkpoint_dir: str | None = _f(None, "checkpoint folder (null = <logging.dir>/checkpoints)")
+    keep_checkpoints: int = _f(2, "saved steps kept (iter_NNNNNNN/ folders; older ones are "
+                               "removed once a newer one is complete)", **_rng(1))
+    export_hf: bool = _f(True, "export the final policy as a Hugging Face model")
+    export_hf_interval: int = _f(0, "also export the policy as a Hugging Face model every n "
+                                 "steps, to <logging.dir>/hf/iter_NNNNNNN (0 = never)", **_rng(0))
+
+
+@dataclass
+class ClusterConfig:
+    num_nodes: int = _f(1, "nodes", **_rng(1))
+    gpus_per_node: int = _f(0, "GPUs per node (0 = CPU run)", **_rng(0))
+    trainer_workers: int = _f(1, "trainer ranks (one Ray actor each)", **_rng(1))
+    colocate: bool = _f(False, "engines and trainer share devices; engine memory released "
+                        "during training")
+    weight_sync: Literal["disk", "distributed", "tensor"] = _f(
+        "disk", "trainer -> engine weights: HF checkpoint on disk; broadcast over a process "
+        "group (NCCL on GPUs, gloo on CPU); or CUDA tensors handed to colocated SGLang")
+    weight_sync_bucket_mb: float = _f(
+        512.0, "the policy streams to the engines in buckets of this many MiB (every sync "
+        "mode; also the shard size of exported checkpoints); a rank's extra memory during a "
+        "sync stays within one bucket plus the largest tensor", **_rng(0, lo_open=True))
+    ray_address: str | None = _f(None, "Ray cluster address (null = start a local Ray)")
+    cpus_per_worker: float = _f(1.0, "CPUs reserved per Ray actor", **_rng(0, lo_open=True))
+
+
+@dataclass
+class DataConfig:
+    source: Literal["toy", "jsonl", "parquet"] = _f("toy", "prompt source")
+    path: str | None = _f(None, "dataset file for jsonl / parquet")
+    prompt_key: str = _f("prompt", "column holding the prompt text")
+    answer_key: str = _f("answer", "column holding the reference answer")
+    chat_template: bool = _f(True, "wrap prompts with the tokenizer's chat template")
+    reward: str = _f("toy", "reward: toy | math | module:function")
+    environment: str | None = _f(None, "multi-turn environment: calculator | module:Class (null "
+                                 "= single-turn completions scored by data.reward; with an "
+                                 "environment, the environment gives the reward)")
+    max_failed_reward_batches: int = _f(1, "stop the run when the reward function failed on "
+                                        "every sample of this many batches in a row", **_rng(1))
+    reward_timeout_s: float = _f(60.0, "seconds one reward call may take; past it the sample is "
+                                 "dropped and counted (reward/timeouts)", **_rng(0, lo_open=True))
+    environment_timeout_s: float = _f(60.0, "seconds one environment call (constructor, reset, "
+                                      "step) may take; past it the trajectory is dropped and "
+                                      "counted (rollout/env_timeouts)", **_rng(0, lo_open=True))
+    toy_max_operand: int = _f(9, "toy task: largest operand of the additions", **_rng(1))
+    toy_size: int = _f(512, "toy task: number of prompts", **_rng(1))
+    shuffle_seed: int = _f(0, "seed of the deterministic shuffle", **_rng(0, 2 ** 32 - 1))
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = _f("runs/default", "run directory: TensorBoard events, metrics.jsonl, checkpoints")
+    tensorboard: bool = _f(True, "write TensorBoard event files")
+    jsonl: bool = _f(True, "write metrics.jsonl")
+    progress: bool = _f(True, "per-step progress on the console: a bar on a terminal, else one "
+                        "line per logging.log_interval steps on stdout")
+    log_interval: int = _f(1, "steps between progress lines when the console is not a terminal "
+                           "(nohup, Slurm, a pipe); the last step is always shown", **_rng(1))
+
+
+@dataclass
+class Config:
+    model: ModelConfig = _sub(ModelConfig, "policy model")
+    rollout: RolloutConfig = _sub(RolloutConfig, "rollout engine and sampling")
+    algorithm: AlgorithmConfig = _sub(AlgorithmConfig, "losses, pi_old, replay, corrections")
+    trainer: TrainerConfig = _sub(TrainerConfig, "optimisation and parallelism")
+    cluster: ClusterConfig = _sub(ClusterConfig, "devices and Ray")
+    data: DataConfig = _sub(DataConfig, "prompts and rewards")
+    logging: LoggingConfig = _sub(LoggingConfig, "outputs")
+
+
+def as_dict(obj: Any) -> dict:
+    """A config (or one of its sections) as plain nested dicts."""
+    return dataclasses.asdict(obj)
+
