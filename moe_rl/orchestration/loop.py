@@ -138,9 +138,18 @@ class RolloutPipeline:
     steps are generated while the trainer trains, each from the weights of its launch, at most
     k versions older than the step that trains on it.
 
+    Versions, named once: training step s trains on the batch of step s and its update makes
+    weight version s + 1 (version 0: the starting weights, after the warm start if any); the
+    prompt sampler's position after drawing step s's prompts is s + 1 batches (a checkpoint
+    saves it as of the consumed steps). The batch of step t is generated from version v with
+    t - max_staleness <= v <= t, v being the version :meth:`launch` is given.
+
     Weight updates never land in the middle of a request: the rollout worker is one Ray actor
     that runs one call at a time, so a weight sync queued behind a batch's generation waits
-    until that batch is finished (a barrier between batches; no pause/continue needed)."""
+    until that batch is finished (a barrier between batches; no pause/continue needed). The
+    worker checks before each batch that every server reports the version the batch was
+    launched with (``RolloutWorker.check_serving``), so no sample is silently generated from
+    other weights if that order ever broke."""
 
     def __init__(self, cfg: Config, rollout, sampler, n_shards: int, start_step: int):
         self.cfg, self.rollout, self.sampler, self.n_shards = cfg, rollout, sampler, n_shards
@@ -161,7 +170,8 @@ class RolloutPipeline:
                          for i in self.sampler.next_batch()][:cap]
             t = self.next_step
             refs = self.rollout.collect.options(num_returns=self.n_shards + 1).remote(
-                indices, t, self.cfg.trainer.seed * 100_003 + t * 10_007, self.n_shards, extra)
+                indices, t, version, self.cfg.trainer.seed * 100_003 + t * 10_007,
+                self.n_shards, extra)
             self.pending.append((t, state, refs))
             self.next_step += 1
 

@@ -199,6 +199,16 @@ class EngineHost:
         self.server.stop()
 
 
+def check_served_version(served: list[str], started: set[str], version: int, step: int) -> None:
+    """Every server must report weight ``version`` (before the first sync, a version a server
+    started with counts as 0); else RuntimeError: a weight update that did not land where the
+    loop expects it stops the run instead of training on samples of other weights."""
+    fine = [v == str(version) or (version == 0 and v in started) for v in served]
+    if not all(fine):
+        raise RuntimeError(f"rollout: step {step}'s batch is to be generated from weight "
+                           f"version {version}, but the engine servers report {served}")
+
+
 @ray.remote(concurrency_groups={"status": 1})
 class RolloutWorker:
     """Starts the engine servers (CPU reference engine or SGLang) and serves the loop's rollout
@@ -246,6 +256,7 @@ class RolloutWorker:
             shape, need_routing=requests_routing(cfg), need_mask=requests_sampling_mask(cfg))
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
         self.inputs = load_run_inputs(cfg)   # tokenizer, prompts, reward function
+        self.started_versions = set(self.engine.weight_versions())   # version 0, unsynced
 
     def _served(self, path: str) -> str:
         return served_checkpoint(self.cfg, path)
@@ -356,16 +367,23 @@ class RolloutWorker:
             stats=stats)
         return samples
 
-    def collect(self, indices: list[int], step: int, seed: int, shards: int,
+    def check_serving(self, version: int, step: int) -> None:
+        """The pipeline's invariant, checked before a batch is generated (see
+        :func:`check_served_version`)."""
+        check_served_version(self.engine.weight_versions(), self.started_versions, version, step)
+
+    def collect(self, indices: list[int], step: int, version: int, seed: int, shards: int,
                 extra: list[int] = ()) -> tuple:
         """One step's data, made here so it crosses to the trainers by reference: generate
         ``n_samples_per_prompt`` samples of the prompts ``indices`` (with dynamic sampling, more
         from ``extra`` as needed), score their rewards, add the engine's n scoring passes
         (``pi_old: engine_avg``), cut whole prompt groups into ``shards`` data-parallel shards.
         Returns (summary, shard bytes ...); call it with ``num_returns = shards + 1`` and hand
-        the shard references to the trainer ranks."""
+        the shard references to the trainer ranks. The engines must serve weight ``version``
+        (:meth:`check_serving`)."""
         import time
         from moe_rl.orchestration.sharding import shard_by_group
+        self.check_serving(version, step)
         cfg, inp = self.cfg, self.inputs
         timing = {}
         t0 = time.perf_counter()
