@@ -61,9 +61,9 @@ def test_pipeline_keeps_the_data_order_across_a_checkpoint():
 
     @ray.remote
     class FakeRollout:
-        def collect(self, indices, step, seed, shards, extra):
+        def collect(self, indices, step, version, seed, shards, extra):
             return {"indices": list(indices), "extra": list(extra), "step": step,
-                    "seed": seed}, b""
+                    "version": version, "seed": seed}, b""
 
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -88,10 +88,14 @@ def test_pipeline_keeps_the_data_order_across_a_checkpoint():
 
         straight, saved = run(0, None)
         assert [len(straight[s]["extra"]) for s in range(6)] == [2] * 6
+        # each batch carries the weight version it was launched with, at most k = 2 behind
+        assert [straight[s]["version"] for s in range(6)] == [0, 0, 0, 1, 2, 3]
         assert straight[0]["step"] == 0 and straight[1]["seed"] != straight[0]["seed"]
         resumed, _ = run(3, saved[3])
-        for step in (3, 4, 5):
-            assert resumed[step] == straight[step]
+        for step in (3, 4, 5):   # the same prompts and seeds; generated from version >= 3 now
+            assert {k: v for k, v in resumed[step].items() if k != "version"} == \
+                {k: v for k, v in straight[step].items() if k != "version"}
+        assert [resumed[s]["version"] for s in (3, 4, 5)] == [3, 3, 3]
         # the state saved after step 3 is the sampler after 3 steps' draws, not more
         fresh = PromptSampler(10, 3, seed=0)
         for _ in range(3):

@@ -9,6 +9,7 @@ import torch
 from moe_rl.config import config_from_dict
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.policy import PolicyTrainer
+from moe_rl.trainer.replay_plan import Route
 from tests.helpers import engine_samples, write_tiny_qwen
 
 
@@ -211,13 +212,13 @@ def test_r2_replays_per_sample_what_the_pi_old_pass_recorded(tiny):
 
     def spy(model, replay, mb, mode, **kw):
         out = original_forward(model, replay, mb, mode, **kw)
-        if model is trainer.model and mode == "record":
+        if model is trainer.model and mode is Route.RECORD:
             rows = replay.recorded()
             B, S = mb.input_ids.shape
             for b, i in enumerate(mb.sample_indices):
                 n = samples[i].routed_positions
                 recorded[i] = torch.stack([t.reshape(S, B, -1)[:n, b] for t in rows], 1)
-        if model is trainer.model and mode == "replay":
+        if model is trainer.model and mode is Route.REPLAY:
             replayed.append(mb)
         return out
 

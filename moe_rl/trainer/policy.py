@@ -28,6 +28,7 @@ from moe_rl.trainer.hf_weights import (exporting_rank, iter_hf_buckets,
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import ParallelSizes
 from moe_rl.trainer.replay import ReplayController
+from moe_rl.trainer.replay_plan import ReplayPlan, Route
 from moe_rl.trainer.sharded_state import load_sharded, optimizer_step_count, save_sharded
 from moe_rl.trainer.step import StepRows, gather_rows, reduce_sums, step_inputs
 from moe_rl.trainer.versions import WeightVersions
@@ -138,6 +139,7 @@ class PolicyTrainer:
         self.moe_shape = facts
         self.replay = ReplayController(model, facts.moe_layers, facts.topk, facts.num_experts,
                                        recompute=t.recompute_activations)
+        self.routes = ReplayPlan.from_algorithm(cfg.algorithm)   # each pass's routing
         use_dist_opt = t.distributed_optimizer and not cuda_absent()
         self.model = DistributedDataParallel(
             model.config, DistributedDataParallelConfig(
@@ -208,27 +210,25 @@ class PolicyTrainer:
 
     def _dummy_forward(self, model, replay: ReplayController, grad: bool = False) -> None:
         """Enter the forward's (and, with ``grad``, the backward's) collectives with no work."""
-        lp, _ = self._forward(model, replay, self._dummy(), "off", grad=grad)
+        lp, _ = self._forward(model, replay, self._dummy(), Route.OFF, grad=grad)
         if grad:
             (lp.sum() * 0.0).backward()
 
-    def _forward(self, model, replay: ReplayController, mb: MicroBatch, mode: str,
+    def _forward(self, model, replay: ReplayController, mb: MicroBatch, mode: Route,
                  grad: bool = False, collect_own: bool = False, kept_sets: bool = True):
-        """Forward one micro-batch under replay ``mode`` (replay: the routing the micro-batch
-        carries, the rollout's for R3 or the one recorded per sample in the pi_old pass for R2;
-        record: the router's own choice recorded; off: plain). ``kept_sets=False`` scores on the
+        """Forward one micro-batch routed as ``mode`` (see :class:`Route`). ``kept_sets=False`` scores on the
         full vocabulary even with ``keep_sampling_mask`` (supervised samples have no kept sets)."""
         a = self.cfg.algorithm
         shape = mb.shape
         run = mb.padded_to(*self._ep_common_shape(shape), self.spec.facts.num_experts)
         B, S = run.shape
-        if mode == "replay":
+        if mode is Route.REPLAY:
             if mb.routing is None:
                 raise ValueError("algorithm.replay=r3: the rollout carries no routing (start "
                                  "SGLang with --enable-return-routed-experts)")
             replay.replay(replay.local_indices(run.replay_indices(), S, B),
                           collect_own=collect_own)
-        elif mode == "record":
+        elif mode is Route.RECORD:
             replay.record()
         else:
             replay.off()
@@ -276,14 +276,13 @@ class PolicyTrainer:
         agree_rows: list[dict] = []
         r2_routing: dict[int, torch.Tensor] = {}
         self.model.eval()
-        first_pass = "replay" if a.replay == "r3" else "record"
         for mb in self._aligned(self._micro_batches(samples, list(range(n)))):
             if mb is None:
                 self._dummy_forward(self.model, self.replay)
                 if self.ref_model is not None:
                     self._dummy_forward(self.ref_model, self.ref_replay)
                 continue
-            lp, e = self._forward(self.model, self.replay, mb, first_pass,
+            lp, e = self._forward(self.model, self.replay, mb, self.routes.pi_old,
                                   collect_own=mb.routing is not None)
             rows = mb.sample_indices
             width = int(mb.response_lens.max())
@@ -292,15 +291,16 @@ class PolicyTrainer:
             if mb.routing is not None:
                 B, S = mb.input_ids.shape
                 valid = self.replay.local_rows(mb.routing_valid_router_order(), S, B)
-                trainer = None if first_pass == "replay" else self.replay.recorded()
+                trainer = None if self.routes.pi_old is Route.REPLAY else \
+                    self.replay.recorded()
                 engine = self.replay.local_indices(mb.replay_indices(), S, B)
                 agree_rows.append({"w": float(valid.sum()),
                                    **self.replay.agreement(engine, valid, trainer=trainer)})
             if a.replay == "r2":
                 r2_routing.update(self._per_sample_routing(samples, mb))
             if self.ref_model is not None:
-                mode = "replay" if (a.kl.replay_routing and mb.routing is not None) else "off"
-                lr_, _ = self._forward(self.ref_model, self.ref_replay, mb, mode)
+                lr_, _ = self._forward(self.ref_model, self.ref_replay, mb, ReplayPlan.for_batch(
+                    self.routes.reference, mb.routing is not None))
                 lp_ref[rows, :width] = mb.to_response_padded(lr_.float())
         metrics.update(self._agreement_metrics(agree_rows))
         lp_same = scored = stale = None
@@ -352,7 +352,6 @@ class PolicyTrainer:
         stale = torch.tensor([v < self.step for v in versions], dtype=torch.bool)
         scored = torch.tensor([v == self.step or (v < self.step and self.versions.has(v))
                                for v in versions], dtype=torch.bool)
-        mode = "replay" if self.cfg.algorithm.replay == "r3" else "off"
         for v in range(self.step - self.cfg.rollout.max_staleness, self.step):
             rows = [i for i, u in enumerate(versions) if u == v] if self.versions.has(v) else []
             if not _dp_max(len(rows)):
@@ -364,8 +363,8 @@ class PolicyTrainer:
                     if mb is None:
                         self._dummy_forward(self.model, self.replay)
                         continue
-                    lp, _ = self._forward(self.model, self.replay, mb,
-                                          mode if mb.routing is not None else "off")
+                    lp, _ = self._forward(self.model, self.replay, mb, ReplayPlan.for_batch(
+                        self.routes.own_version, mb.routing is not None))
                     width = int(mb.response_lens.max())
                     lp_same[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
         return lp_same, scored, stale
@@ -473,11 +472,6 @@ class PolicyTrainer:
             out["ratio/first_minibatch_max_dev"] = sums["_first_dev"]
         return out
 
-    def _update_mode(self) -> str:
-        """Replay mode of the update's forwards: R3 and R2 replay the routing the micro-batch
-        carries (rollout's / recorded per sample), off routes freely."""
-        return "off" if self.cfg.algorithm.replay == "off" else "replay"
-
     def _covariance_selection(self, batch: StepBatch, mini: list[int]) -> torch.Tensor | None:
         """Clip-Cov / KL-Cov tokens chosen over the whole mini-batch (not per micro-batch, where
         round(r N) of a small micro-batch is 0), from a no-grad forward with the weights the
@@ -489,7 +483,7 @@ class PolicyTrainer:
             if mb is None:
                 self._dummy_forward(self.model, self.replay)
                 continue
-            lp, _ = self._forward(self.model, self.replay, mb, self._update_mode())
+            lp, _ = self._forward(self.model, self.replay, mb, self.routes.update)
             width = int(mb.response_lens.max())
             lp_now[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
         chosen = self.loss.select(lp_now[mini], batch.advantages[mini].float(),
@@ -503,7 +497,7 @@ class PolicyTrainer:
                     selection: torch.Tensor | None = None) -> None:
         """Forward with the update's replay mode, the policy loss, backward; metric sums."""
         rows, width = mb.sample_indices, int(mb.response_lens.max())
-        lp_pos, ent_pos = self._forward(self.model, self.replay, mb, self._update_mode(),
+        lp_pos, ent_pos = self._forward(self.model, self.replay, mb, self.routes.update,
                                         grad=True)
         mask = batch.mask[rows, :width]
         inputs = LossInputs(
@@ -532,8 +526,8 @@ class PolicyTrainer:
             if mb is None:
                 self._dummy_forward(self.model, self.replay, grad=True)
                 continue
-            lp, _ = self._forward(self.model, self.replay, mb, "off", grad=True,
-                                  kept_sets=False)
+            lp, _ = self._forward(self.model, self.replay, mb, self.routes.supervised,
+                                  grad=True, kept_sets=False)
             mask = mb.score_mask.to(lp.device)
             loss = aggregate(-lp, mask, "token-mean", norm)
             loss.backward()
