@@ -5,7 +5,6 @@ sampling."""
 import json
 
 import pytest
-import torch
 
 from moe_rl.config import ConfigError, config_from_dict, load_config
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel

@@ -201,7 +201,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     per-step metrics."""
     run_dir_checks.prepare(cfg, resume=bool(resume or resume_from), overwrite=overwrite)
     inputs = inputs or load_run_inputs(cfg)
-    tokenizer, prompts = inputs.tokenizer, inputs.prompts
+    prompts = inputs.prompts
     run_dir = cfg.logging.dir
     ckpt_dir = run_dir_checks.checkpoint_dir(cfg)
     resume_path = resume_from or (checkpoint.latest(ckpt_dir) if resume else None)
