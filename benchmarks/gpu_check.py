@@ -53,7 +53,7 @@ def check_megatron_cuda(path: str, use_te: bool) -> dict:
     from moe_rl.packing import pack_one
     from moe_rl.trainer import model_builder
     from moe_rl.trainer.forward import forward_logprobs
-    from moe_rl.trainer.hf_weights import load_hf_into_megatron
+    from moe_rl.weights.hf import load_hf_into_megatron
     from moe_rl.trainer.replay import ReplayController
     from moe_rl.types import Sample, compact_routing
     if use_te and importlib.util.find_spec("transformer_engine") is None:
@@ -175,7 +175,7 @@ def check_nccl_sync() -> dict:
     if torch.cuda.device_count() < 2:
         return {"status": "skipped", "reason": "NCCL needs a second GPU for the engine's rank"}
     from moe_rl.trainer.parallel import free_port
-    from moe_rl.weight_sync import broadcast_tensors, open_group
+    from moe_rl.engines.sglang.weights import broadcast_tensors, open_group
     port = free_port()
     child = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
                               "--nccl-receiver", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
@@ -193,7 +193,7 @@ def check_nccl_sync() -> dict:
 
 
 def nccl_receiver(port: int) -> None:
-    from moe_rl.weight_sync import open_group, receive_tensors
+    from moe_rl.engines.sglang.weights import open_group, receive_tensors
     torch.cuda.set_device(0)
     group = open_group("nccl", "127.0.0.1", port, 1, 2, "moe_rl_weights", timeout_s=120)
     got = receive_tensors(group, ["w"], ["float32"], [[1 << 20]], device="cuda")

@@ -78,20 +78,20 @@ def tiny_model(out: str, steps: int = 30) -> str:
 def _server(model_dir: str, engine: str):
     """A reference engine server; fp8 serves the FP8 checkpoint moe_rl writes for
     ``rollout.quantization: fp8`` (as a run does)."""
-    from moe_rl.rollout.fp8 import write_fp8_checkpoint
-    from moe_rl.rollout.reference_process import ServerProcess
+    from moe_rl.weights.fp8 import write_fp8_checkpoint
+    from moe_rl.engines.reference.launcher import ReferenceServer
     from moe_rl.trainer.parallel import free_port
     dtype, quant = ENGINES[engine]
     if quant == "fp8":
         model_dir = write_fp8_checkpoint(model_dir, model_dir + "_fp8")
-    return ServerProcess(model_dir, free_port(), dtype=dtype).start(600)
+    return ReferenceServer(model_dir, free_port(), dtype=dtype).start(600)
 
 
 def _rescore(url: str, samples, layout) -> float:
     """Replace each sample's rollout log-probs and routing by this engine's (one batched
     scoring request of every sequence); returns the seconds it took."""
     import httpx
-    from moe_rl.rollout.decode import decode_routing, score_from_response
+    from moe_rl.engines.sglang.decode import decode_routing, score_from_response
     body = {"input_ids": [s.prompt_ids.tolist() + s.response_ids.tolist() for s in samples],
             "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
             "logprob_start_len": [s.prompt_len - 1 for s in samples],
@@ -110,8 +110,10 @@ def study_model(name: str, model_dir: str, n_prompts: int, n_samples: int) -> di
     from transformers import AutoTokenizer
     from moe_rl.data.prompts import toy_problems
     from moe_rl.moe_shape import MoEShape
-    from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
-    from moe_rl.rollout.pool import ServerPool
+    from moe_rl.engines.base import SamplingConfig
+    from moe_rl.engines.sglang.client import SGLangEngine
+    from moe_rl.rollout.trajectories import generate_samples
+    from moe_rl.engines.sglang.pool import ServerPool
     from moe_rl.trainer.policy import PolicyTrainer
     hf = json.loads(pathlib.Path(model_dir, "config.json").read_text())
     layout = MoEShape.from_hf(hf)
@@ -123,9 +125,9 @@ def study_model(name: str, model_dir: str, n_prompts: int, n_samples: int) -> di
     out: dict = {"model": name, "shape": shape, "trainer": "float32", "engines": {}}
     proc = _server(model_dir, "bfloat16")
     try:
-        eng = HTTPRolloutEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
-                                need_mask=False)
-        base = eng.generate(prompts, n_samples, SamplingConfig(max_new_tokens=8), seed=0)
+        eng = SGLangEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
+                           need_mask=False)
+        base = generate_samples(eng, prompts, n_samples, SamplingConfig(max_new_tokens=8), seed=0)
     finally:
         proc.stop()
     scored, masked = {}, None
@@ -136,14 +138,15 @@ def study_model(name: str, model_dir: str, n_prompts: int, n_samples: int) -> di
             out["engines"][engine] = {"engine_scoring_s": _rescore(proc.url, scored[engine],
                                                                    layout), "replay": {}}
             if engine == "fp8":
-                eng = HTTPRolloutEngine(lambda: ServerPool([proc.url]), layout,
-                                        need_routing=True, need_mask=False)
+                eng = SGLangEngine(lambda: ServerPool([proc.url]), layout,
+                                   need_routing=True, need_mask=False)
                 t0 = time.perf_counter()
                 eng.score(scored[engine], PASSES)
                 out["engines"][engine]["engine_avg_s_per_pass"] = \
                     (time.perf_counter() - t0) / PASSES
-                masked = HTTPRolloutEngine(lambda: ServerPool([proc.url]), layout,
-                                           need_routing=True, need_mask=True).generate(
+                masked = generate_samples(
+                    SGLangEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
+                                 need_mask=True),
                     prompts, n_samples, SamplingConfig(top_k=20, top_p=0.9, max_new_tokens=8),
                     seed=1)
         finally:

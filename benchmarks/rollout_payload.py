@@ -38,7 +38,7 @@ def mask_bytes(kept: int) -> dict:
 
 def decode_throughput(positions: int = 4096, repeats: int = 5) -> dict:
     """MB/s of base64 int32 -> compact routing for a Qwen3-30B-A3B-shaped response."""
-    from moe_rl.rollout.decode import decode_routing
+    from moe_rl.engines.sglang.decode import decode_routing
     from moe_rl.moe_shape import MoEShape
     layout = MoEShape(48, tuple(range(48)), 8, 128)
     rng = np.random.default_rng(0)
@@ -59,23 +59,25 @@ def engine_tokens_per_second(n_prompts: int = 32, new_tokens: int = 32) -> dict:
     from moe_rl.config import ModelInitConfig
     from moe_rl.moe_shape import MoEShape
     from moe_rl.models.tiny import write_tiny_model
-    from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
-    from moe_rl.rollout.pool import ServerPool
-    from moe_rl.rollout.reference_process import ServerProcess
+    from moe_rl.engines.base import SamplingConfig
+    from moe_rl.engines.sglang.client import SGLangEngine
+    from moe_rl.rollout.trajectories import generate_samples
+    from moe_rl.engines.sglang.pool import ServerPool
+    from moe_rl.engines.reference.launcher import ReferenceServer
     from moe_rl.trainer.parallel import free_port
     with tempfile.TemporaryDirectory() as d:
         write_tiny_model(ModelInitConfig(), d)
         facts = MoEShape.from_hf(json.load(open(f"{d}/config.json")))
         layout = facts
-        proc = ServerProcess(d, free_port()).start()
+        proc = ReferenceServer(d, free_port()).start()
         try:
-            eng = HTTPRolloutEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
-                                    need_mask=True)
+            eng = SGLangEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
+                               need_mask=True)
             sampling = SamplingConfig(top_k=20, max_new_tokens=new_tokens)
-            eng.generate([[6, 7, 68]] * 4, 1, sampling, seed=0)   # warm-up
+            generate_samples(eng, [[6, 7, 68]] * 4, 1, sampling, seed=0)   # warm-up
             t = time.perf_counter()
-            samples = eng.generate([[6, 7, 68, 12 + i % 9] for i in range(n_prompts)], 1,
-                                   sampling, seed=1)
+            samples = generate_samples(eng, [[6, 7, 68, 12 + i % 9] for i in range(n_prompts)],
+                                       1, sampling, seed=1)
             dt = time.perf_counter() - t
         finally:
             proc.stop()
@@ -93,21 +95,23 @@ def routing_consistency(dtype: str, n_prompts: int = 32, new_tokens: int = 24) -
     from moe_rl.config import ModelInitConfig
     from moe_rl.moe_shape import MoEShape
     from moe_rl.models.tiny import write_tiny_model
-    from moe_rl.rollout.decode import decode_routing
-    from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
-    from moe_rl.rollout.pool import ServerPool
-    from moe_rl.rollout.reference_process import ServerProcess
+    from moe_rl.engines.sglang.decode import decode_routing
+    from moe_rl.engines.base import SamplingConfig
+    from moe_rl.engines.sglang.client import SGLangEngine
+    from moe_rl.rollout.trajectories import generate_samples
+    from moe_rl.engines.sglang.pool import ServerPool
+    from moe_rl.engines.reference.launcher import ReferenceServer
     from moe_rl.trainer.parallel import free_port
     with tempfile.TemporaryDirectory() as d:
         write_tiny_model(ModelInitConfig(), d)
         facts = MoEShape.from_hf(json.load(open(f"{d}/config.json")))
         layout = facts
-        proc = ServerProcess(d, free_port(), dtype=dtype).start()
+        proc = ReferenceServer(d, free_port(), dtype=dtype).start()
         try:
-            eng = HTTPRolloutEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
-                                    need_mask=False)
-            samples = eng.generate([[6, 7, 68, 12 + i % 9] for i in range(n_prompts)], 1,
-                                   SamplingConfig(max_new_tokens=new_tokens), seed=2)
+            eng = SGLangEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
+                               need_mask=False)
+            samples = generate_samples(eng, [[6, 7, 68, 12 + i % 9] for i in range(n_prompts)],
+                                       1, SamplingConfig(max_new_tokens=new_tokens), seed=2)
             gen, scored = [], []
             for s in samples:
                 ids = s.prompt_ids.tolist() + s.response_ids.tolist()

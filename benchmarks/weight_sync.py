@@ -47,7 +47,7 @@ def measure(fn) -> tuple[float, float]:
 
 def run_one(layers: int, method: str) -> dict:
     import torch
-    from moe_rl.trainer.hf_weights import (iter_hf_buckets, megatron_to_hf,
+    from moe_rl.weights.hf import (iter_hf_buckets, megatron_to_hf,
                                            save_hf_checkpoint)
     from moe_rl.trainer.model_builder import build_model
     from moe_rl.trainer.parallel import init_distributed, init_model_parallel

@@ -1,16 +1,17 @@
-"""``moe-rl`` command line: one sub-command per module in :mod:`moe_rl.commands`."""
+"""``moe-rl`` command line: one sub-command per module (in :mod:`moe_rl.commands`, and the
+reference engine's server command beside its engine)."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
-# sub-command -> (module under moe_rl.commands, one-line help)
+# sub-command -> (module under moe_rl.commands, or a full module path; one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "run RL training from a YAML config with key=value overrides"),
     "demo": ("demo", "build the tiny model and run the CPU demo (what `make demo` runs)"),
     "init-model": ("init_model", "write the tiny Qwen3-MoE model and tokenizer in HF format"),
-    "serve-reference": ("serve_reference", "serve a HF MoE model with SGLang's HTTP protocol on CPU"),
+    "serve-reference": ("moe_rl.engines.reference.command", "serve a HF MoE model with SGLang's HTTP protocol on CPU"),
     "convert": ("convert", "convert checkpoints between Hugging Face and Megatron layouts"),
     "report": ("report", "plot and summarise runs from their TensorBoard events"),
     "plan": ("plan", "print every process a run would start: node, GPUs, engine command lines"),
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-rl", description="RL for Mixture-of-Experts LLMs: megatron-core trainer, SGLang or CPU reference engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():   # each imports its work lazily
-        mod = importlib.import_module(f"moe_rl.commands.{module}")
+        mod = importlib.import_module(module if "." in module else f"moe_rl.commands.{module}")
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)

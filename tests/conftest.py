@@ -12,7 +12,7 @@ def train_cli(workdir, steps, *extra, resume=False, config="tiny_cpu.yaml"):
     """`moe-rl train` of the tiny CPU config (or ``config`` of configs/) in ``workdir`` (model in workdir/model, run in
     workdir/run): SFT warm start, checkpoints every 2 steps; returns the finished process.
     ``rollout.base_port`` is held busy by another socket all along: the engine must skip it."""
-    from moe_rl.rollout.reference_process import bind_port
+    from moe_rl.engines.process import bind_port
     from moe_rl.trainer.parallel import free_port
     with bind_port("127.0.0.1", free_port()) as busy:
         cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",

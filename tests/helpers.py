@@ -78,12 +78,26 @@ def kernel_on_logits(logits, targets, offsets, ids, temperature=1.0):
 def assert_serves_like(eng, ref_url: str, layout, prompt: list[list[int]]):
     """``eng`` generates exactly what the server at ``ref_url`` generates for ``prompt`` (same
     seed): token ids and log-probs bit for bit. Returns (eng's sample, the reference's)."""
-    from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
-    from moe_rl.rollout.pool import ServerPool
+    from moe_rl.engines.base import SamplingConfig
+    from moe_rl.engines.sglang.client import SGLangEngine
+    from moe_rl.engines.sglang.pool import ServerPool
+    from moe_rl.rollout.trajectories import generate_samples
     sampling = SamplingConfig(max_new_tokens=4)
-    got = eng.generate(prompt, 1, sampling, seed=3)[0]
-    want = HTTPRolloutEngine(lambda: ServerPool([ref_url]), layout, need_routing=True,
-                             need_mask=False).generate(prompt, 1, sampling, seed=3)[0]
+    got = generate_samples(eng, prompt, 1, sampling, seed=3)[0]
+    want = generate_samples(SGLangEngine(lambda: ServerPool([ref_url]), layout,
+                                         need_routing=True, need_mask=False),
+                            prompt, 1, sampling, seed=3)[0]
     assert got.response_ids.tolist() == want.response_ids.tolist()
     assert torch.equal(got.rollout_logprobs, want.rollout_logprobs)
     return got, want
+
+
+def sample_from_response(resp: dict, prompt: list[int], layout, *, need_routing: bool,
+                         need_mask: bool, group_id: int, sample_id: int):
+    """One ``/generate`` response through the rollout's single-turn path: decoded into a turn
+    (the SGLang client's decoder), then made a sample (the one-turn trajectory)."""
+    from moe_rl.engines.sglang.decode import decode_turn
+    from moe_rl.rollout.trajectories import sample_of_turn
+    turn = decode_turn(resp, len(prompt), layout, need_routing=need_routing,
+                       need_mask=need_mask)
+    return sample_of_turn(prompt, turn, group_id=group_id, sample_id=sample_id)

@@ -34,4 +34,4 @@ def test_no_heavy_import_before_work(argv):
 
 def test_heavy_imports_are_seen():
     """The probe itself can fail: loading the server that `serve-reference` runs is seen."""
-    assert {"torch", "fastapi"} <= _modules_after("import moe_rl.rollout.reference_server")
+    assert {"torch", "fastapi"} <= _modules_after("import moe_rl.engines.reference.server")

@@ -335,7 +335,7 @@ SGLANG_FP8 = ["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.quant
 def test_fp8_shapes_sglang_refuses_are_refused_at_config_time(tmp_path):
     """SGLang's block-wise FP8 loader needs every merged-linear partition and each expert's
     intermediate partition to be a multiple of 128 (hand-worked on Qwen3-30B-A3B's shape)."""
-    from moe_rl.rollout.fp8_shapes import fp8_shape_errors
+    from moe_rl.engines.sglang.fp8_shapes import fp8_shape_errors
     assert fp8_shape_errors(QWEN3_30B, 1, 1) == []
     assert fp8_shape_errors(QWEN3_30B, 4, 4) == []          # experts whole (768)
     assert fp8_shape_errors(QWEN3_30B, 2, 1) == []          # 768 / 2 = 384 = 3 x 128

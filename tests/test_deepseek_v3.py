@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from moe_rl.config import ConfigError, load_config
 from moe_rl.packing import pack_one
 from moe_rl.trainer.forward import forward_logprobs
-from moe_rl.trainer.hf_weights import load_hf_into_megatron, megatron_to_hf
+from moe_rl.weights.hf import load_hf_into_megatron, megatron_to_hf
 from moe_rl.trainer.model_builder import build_model, model_spec, transformer_config
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.replay import ReplayController
@@ -197,8 +197,8 @@ def test_expert_bias_is_frozen_by_default_and_follows_megatron_update_with_a_rat
 def test_engine_serves_the_tiny_model_with_dense_layers_as_zeros_and_r3_matches_it(tmp_path):
     from moe_rl.config import ModelInitConfig
     from moe_rl.models.tiny import write_tiny_model
-    from moe_rl.rollout.decode import sample_from_response
-    from moe_rl.rollout.reference_engine import ReferenceEngine, Request, SamplingParams
+    from tests.helpers import sample_from_response
+    from moe_rl.engines.reference.engine import ReferenceEngine, Request, SamplingParams
     init = load_config(os.path.join(os.path.dirname(__file__), "..", "configs",
                                     "deepseek_tiny_cpu.yaml")).model.init
     assert isinstance(init, ModelInitConfig) and init.architecture == "deepseek_v3"

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from moe_rl.rollout import split_kv
+from moe_rl.engines.reference import split_kv
 from moe_rl.trainer.parallel import free_port
 from tests.helpers import assert_serves_like, write_tiny_qwen
 
@@ -56,7 +56,7 @@ def test_split_kv_equals_softmax_attention_in_float32():
 def test_engine_results_depend_on_the_batch_unless_deterministic(tmp_path):
     """bfloat16 engine: a sequence scored alone and beside others differs in the last bits;
     with deterministic inference, bit for bit the same."""
-    from moe_rl.rollout.reference_engine import ReferenceEngine, Request, SamplingParams
+    from moe_rl.engines.reference.engine import ReferenceEngine, Request, SamplingParams
     write_tiny_qwen(tmp_path / "m")
 
     def score(eng, seqs):
@@ -138,7 +138,7 @@ def _quantize_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_block_quantiser_against_float64_reference():
-    from moe_rl.rollout.fp8 import dequantize_blockwise, quantize_blockwise
+    from moe_rl.weights.fp8 import dequantize_blockwise, quantize_blockwise
     torch.manual_seed(0)
     w = torch.randn(200, 300) * torch.logspace(-3, 1, 300)    # blocks of very different ranges
     q, scale = quantize_blockwise(w)
@@ -160,7 +160,8 @@ def test_block_quantiser_against_float64_reference():
 
 
 def test_saturation_and_activation_groups():
-    from moe_rl.rollout.fp8 import quantize_activations, quantize_blockwise
+    from moe_rl.engines.reference.fp8_inference import quantize_activations
+    from moe_rl.weights.fp8 import quantize_blockwise
     q, _ = quantize_blockwise(torch.tensor([[1000.0, -1000.0, 1.0]]), scale=torch.ones(1, 1))
     assert q.float().tolist() == [[448.0, -448.0, 1.0]]           # saturates at +-448
     x = torch.zeros(2, 260)
@@ -177,8 +178,8 @@ def test_saturation_and_activation_groups():
 
 
 def test_fp8_engine_quantises_what_sglang_quantises_and_requantises_on_update(tmp_path):
-    from moe_rl.rollout.fp8 import dequantize_blockwise, quantize_blockwise
-    from moe_rl.rollout.reference_engine import ReferenceEngine, Request, SamplingParams
+    from moe_rl.weights.fp8 import dequantize_blockwise, quantize_blockwise
+    from moe_rl.engines.reference.engine import ReferenceEngine, Request, SamplingParams
     write_tiny_qwen(tmp_path / "a", seed=0)
     write_tiny_qwen(tmp_path / "b", seed=1)
     eng = ReferenceEngine(str(tmp_path / "a"), quantization="fp8", prefix_cache_tokens=0)
@@ -274,10 +275,10 @@ def test_fp8_checkpoint_format_and_the_engine_serves_its_values(tmp_path):
     SGLang quantises, the rest untouched, quantization_config in config.json (the format SGLang
     serves block-wise FP8 from); the reference engine serves exactly those values."""
     from safetensors import safe_open
-    from moe_rl.rollout.fp8 import (QUANTIZATION_CONFIG, dequantize_blockwise,
+    from moe_rl.weights.fp8 import (QUANTIZATION_CONFIG, dequantize_blockwise,
                                     is_fp8_checkpoint, quantize_blockwise, read_fp8_checkpoint,
                                     write_fp8_checkpoint)
-    from moe_rl.rollout.reference_engine import ReferenceEngine, checkpoint_spec
+    from moe_rl.engines.reference.engine import ReferenceEngine, checkpoint_spec
     write_tiny_qwen(tmp_path / "bf", seed=2)
     out = write_fp8_checkpoint(str(tmp_path / "bf"), str(tmp_path / "fp8"))
     assert is_fp8_checkpoint(out) and not is_fp8_checkpoint(str(tmp_path / "bf"))
@@ -315,38 +316,39 @@ def test_fp8_weights_over_the_distributed_path(tmp_path):
     import threading
     from safetensors.torch import load_file
     from moe_rl.moe_shape import MoEShape
-    from moe_rl.rollout.engine import HTTPRolloutEngine
-    from moe_rl.rollout.fp8 import quantise_named, write_fp8_checkpoint
-    from moe_rl.rollout.pool import ServerPool
-    from moe_rl.rollout.reference_process import ServerProcess
-    from moe_rl.weight_sync import broadcast_tensors, close_group, open_group, update_request
+    from moe_rl.engines.sglang.client import SGLangEngine
+    from moe_rl.weights.fp8 import quantise_named, write_fp8_checkpoint
+    from moe_rl.engines.sglang.pool import ServerPool
+    from moe_rl.engines.reference.launcher import ReferenceServer
+    from moe_rl.engines.sglang.weights import broadcast_tensors, close_group, open_group
     write_tiny_qwen(tmp_path / "a", seed=1)
     write_tiny_qwen(tmp_path / "b", seed=2)
     a8 = write_fp8_checkpoint(str(tmp_path / "a"), str(tmp_path / "a8"))
     b8 = write_fp8_checkpoint(str(tmp_path / "b"), str(tmp_path / "b8"))
     layout = MoEShape.from_hf(json.loads((tmp_path / "a" / "config.json").read_text()))
-    proc = ServerProcess(a8, free_port(), dtype="bfloat16").start()
-    ref = ServerProcess(b8, free_port(), dtype="bfloat16").start()
+    proc = ReferenceServer(a8, free_port(), dtype="bfloat16").start()
+    ref = ReferenceServer(b8, free_port(), dtype="bfloat16").start()
     try:
-        eng = HTTPRolloutEngine(lambda: ServerPool([proc.url], max_retries=0), layout,
-                                need_routing=True, need_mask=False)
+        eng = SGLangEngine(lambda: ServerPool([proc.url], max_retries=0), layout,
+                           need_routing=True, need_mask=False)
         port, joined = free_port(), {}
         t = threading.Thread(target=lambda: joined.update(
             group=open_group("gloo", "127.0.0.1", port, 0, 2, "fp8_update")))
         t.start()
-        eng.init_weights_update_group("127.0.0.1", port, 1, "fp8_update", "gloo")
+        eng.weights.join_group("127.0.0.1", port, "fp8_update", "gloo")
         t.join(60)
         named = quantise_named(sorted(load_file(str(tmp_path / "b" / "model.safetensors"))
                                       .items()))
         assert any(t.dtype == torch.float8_e4m3fn for _, t in named)
-        eng.begin_weight_update()
+        eng.weights.begin()
         sender = threading.Thread(target=broadcast_tensors, args=(joined["group"], named))
         sender.start()
-        eng.update_weights_from_distributed(update_request(named, 3, "fp8_update"))
+        eng.weights.announce_bucket(named, 3, "fp8_update", True)
         sender.join(60)
-        eng.end_weight_update()
+        eng.weights.end()
         assert_serves_like(eng, ref.url, layout, [[6, 7, 20, 12, 30]])
-        eng.destroy_weights_update_group("fp8_update")
+        eng.run_with_pool(lambda pool: pool.broadcast("/destroy_weights_update_group",
+                                                      {"group_name": "fp8_update"}))
     finally:
         if "group" in joined:   # the group's name is process-wide: leave it
             close_group(joined["group"])
@@ -359,9 +361,9 @@ def test_fp8_checkpoint_keeps_every_router_gate_unquantised(tmp_path):
     raw E4M3 values into it), so the FP8 writer must leave it as it is, as for Qwen3-MoE's
     ``mlp.gate``; the writer and the reference engine quantise the same set."""
     import transformers
-    from moe_rl.rollout.fp8 import is_quantised_linear, quantised_weight_name, \
-        write_fp8_checkpoint
-    from moe_rl.rollout.reference_engine import checkpoint_spec
+    from moe_rl.engines.reference.fp8_inference import is_quantised_linear
+    from moe_rl.weights.fp8 import quantised_weight_name, write_fp8_checkpoint
+    from moe_rl.engines.reference.engine import checkpoint_spec
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,

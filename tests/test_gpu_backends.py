@@ -44,7 +44,7 @@ def _worker(rank, port, out_dir, expert):
     from megatron.core import parallel_state as ps
     from moe_rl.trainer.parallel import ParallelSizes, init_distributed, init_model_parallel
     from moe_rl.trainer.step import all_gather_text, reduce_sums
-    from moe_rl.weight_sync import gather_strings
+    from moe_rl.weights.serialize import gather_strings
     init_distributed(rank=rank, world_size=2)
     init_model_parallel(ParallelSizes(expert=expert))
     groups = {"default": None, "data_parallel": ps.get_data_parallel_group(),

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from moe_rl.config import ModelInitConfig
 from moe_rl.models.tiny import write_tiny_model
-from moe_rl.rollout.reference_process import ServerProcess
+from moe_rl.engines.reference.launcher import ReferenceServer
 from moe_rl.trainer.parallel import free_port
-from moe_rl.weight_sync import broadcast_tensors, close_group, open_group, update_request
+from moe_rl.engines.sglang.weights import broadcast_tensors, close_group, open_group, update_request
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(models):
-    proc = ServerProcess(models[0], free_port(), extra_args=(
+    proc = ReferenceServer(models[0], free_port(), extra_args=(
         "--weight-group-timeout", str(GROUP_TIMEOUT_S), "--max-n", "64",
         "--max-batch-requests", "4096", "--max-request-tokens", str(8 << 20),
         "--max-request-bytes", str(8 << 20), "--max-running-requests", "4",
@@ -326,8 +326,8 @@ def test_a_disk_update_waits_for_running_requests(served, models):
 def test_online_fp8_and_the_fp8_checkpoint_serve_the_same(tmp_path):
     """One block layout on both FP8 paths: the experts' gate and up projections (fused in the
     model, 64 rows each here, not a multiple of 128) are cut into blocks per HF weight."""
-    from moe_rl.rollout.fp8 import write_fp8_checkpoint
-    from moe_rl.rollout.reference_engine import ReferenceEngine, Request, SamplingParams
+    from moe_rl.weights.fp8 import write_fp8_checkpoint
+    from moe_rl.engines.reference.engine import ReferenceEngine, Request, SamplingParams
     model = str(tmp_path / "m")
     write_tiny_model(ModelInitConfig(seed=4), model)
     fp8 = write_fp8_checkpoint(model, str(tmp_path / "fp8"))

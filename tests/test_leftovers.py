@@ -34,14 +34,14 @@ def test_sweep_removes_only_scratch_of_dead_owners(tmp_path):
 
 @pytest.mark.e2e
 def test_a_killed_engines_scratch_is_swept_at_the_next_start(tmp_path, monkeypatch):
-    from moe_rl.rollout.reference_engine import ReferenceEngine
-    from moe_rl.rollout.reference_process import ServerProcess
+    from moe_rl.engines.reference.engine import ReferenceEngine
+    from moe_rl.engines.reference.launcher import ReferenceServer
     model = str(tmp_path / "model")
     write_tiny_model(ModelInitConfig(), model)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))
-    proc = ServerProcess(model, free_port()).start()
+    proc = ReferenceServer(model, free_port()).start()
     pid = proc.proc.pid
     left = [p for p in scratch.iterdir() if p.name.startswith(f"{ENGINE_SCRATCH_PREFIX}{pid}_")]
     proc.proc.send_signal(signal.SIGKILL)

@@ -24,14 +24,15 @@ from moe_rl.data.prompts import PromptRecord
 from moe_rl.envs import EnvError, EnvStep, check_step, demonstration_segments, load_environment
 from moe_rl.envs.calculator import CalculatorEnv, _evaluate
 from moe_rl.moe_shape import MoEShape
-from moe_rl.rollout.decode import ResponseError
-from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
-from moe_rl.rollout.multi_turn import (TrajectoryLimits, TrajectoryStats, rollout_trajectories,
+from moe_rl.engines.sglang.decode import ResponseError
+from moe_rl.engines.base import SamplingConfig
+from moe_rl.engines.sglang.client import SGLangEngine, SGLangSession
+from moe_rl.rollout.trajectories import (TrajectoryLimits, TrajectoryStats, rollout_trajectories,
                                        run_trajectory)
-from moe_rl.rollout.pool import ServerPool
-from moe_rl.rollout.prefix_cache import PrefixCache
-from moe_rl.rollout.reference_engine import ReferenceEngine, Request, SamplingParams
-from moe_rl.rollout.reference_process import ServerProcess
+from moe_rl.engines.sglang.pool import ServerPool
+from moe_rl.engines.reference.prefix_cache import PrefixCache
+from moe_rl.engines.reference.engine import ReferenceEngine, Request, SamplingParams
+from moe_rl.engines.reference.launcher import ReferenceServer
 from moe_rl.trainer.parallel import free_port
 from tests.helpers import TINY_QWEN, write_tiny_qwen
 
@@ -207,7 +208,7 @@ class _Recording(ServerPool):
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    proc = ServerProcess(str(tiny_model), free_port(), return_routed_experts=True)
+    proc = ReferenceServer(str(tiny_model), free_port(), return_routed_experts=True)
     proc.start(120)
     yield proc
     proc.stop()
@@ -216,8 +217,8 @@ def server(tiny_model):
 def _engine(server, need_mask=False):
     shape = MoEShape.from_hf(json.loads((pathlib.Path(server.model) / "config.json")
                                         .read_text()))
-    return HTTPRolloutEngine(lambda: _Recording([server.url]), shape, need_routing=True,
-                             need_mask=need_mask)
+    return SGLangEngine(lambda: _Recording([server.url]), shape, need_routing=True,
+                        need_mask=need_mask)
 
 
 @pytest.mark.parametrize("flush", [False, True], ids=["cache_hit", "flushed_between_turns"])
@@ -303,7 +304,7 @@ def _rows(n, value):
 
 def test_recomputed_positions_are_refetched_and_overlaps_checked(tiny_model):
     shape = MoEShape.from_hf(json.loads((tiny_model / "config.json").read_text()))
-    eng = HTTPRolloutEngine(None, shape, need_routing=True, need_mask=False)
+    eng = SGLangEngine(None, shape, need_routing=True, need_mask=False)
     rec = PromptRecord("", [1, 2, 3], None)
     # turn 1: 3 prompt + 2 out -> 4 rows (value 1); turn 2 on 3+2+3 = 8 ids, cached 0 < 4:
     # its 8+2-1-4 = 5 new rows (value 2); the follow-up returns all 9 rows from 0
@@ -311,13 +312,13 @@ def test_recomputed_positions_are_refetched_and_overlaps_checked(tiny_model):
     good = _resp([], np.concatenate([_rows(4, 3), _rows(5, 2)]), cached=9)
     env = _TwoTurnEnv()
     _TwoTurnEnv.flush_url = None
-    s = asyncio.run(run_trajectory(eng, _FakePool([turn1, turn2, good]), "s", env, rec,
+    s = asyncio.run(run_trajectory(eng, SGLangSession(eng, _FakePool([turn1, turn2, good])), 0, env, rec,
                                    SamplingConfig(max_new_tokens=2), TrajectoryLimits(3, 20),
                                    None, 48, TrajectoryStats()))
     assert s.routing[:4].eq(3).all() and s.routing[4:].eq(2).all()   # the recomputation's
     bad = _resp([], np.concatenate([_rows(4, 3), _rows(5, 4)]), cached=0)
     with pytest.raises(ResponseError, match="received twice disagree"):
-        asyncio.run(run_trajectory(eng, _FakePool([turn1, turn2, bad]), "s", _TwoTurnEnv(), rec,
+        asyncio.run(run_trajectory(eng, SGLangSession(eng, _FakePool([turn1, turn2, bad])), 0, _TwoTurnEnv(), rec,
                                    SamplingConfig(max_new_tokens=2), TrajectoryLimits(3, 20),
                                    None, 48, TrajectoryStats()))
 
@@ -337,17 +338,17 @@ class _Endless:
 
 def test_limits_truncate_on_a_model_turn(tiny_model):
     shape = MoEShape.from_hf(json.loads((tiny_model / "config.json").read_text()))
-    eng = HTTPRolloutEngine(None, shape, need_routing=False, need_mask=False)
+    eng = SGLangEngine(None, shape, need_routing=False, need_mask=False)
     rec = PromptRecord("", [1, 2, 3], None)
     turns = [_resp([4, 5], _rows(4, 1)) for _ in range(3)]
     stats = TrajectoryStats()
-    s = asyncio.run(run_trajectory(eng, _FakePool(turns), "s", _Endless(), rec,
+    s = asyncio.run(run_trajectory(eng, SGLangSession(eng, _FakePool(turns)), 0, _Endless(), rec,
                                    SamplingConfig(max_new_tokens=2), TrajectoryLimits(3, 50),
                                    None, 48, stats))
     assert s.response_ids.tolist() == [4, 5, 9, 9, 4, 5, 9, 9, 4, 5]   # ends on a model turn
     assert s.metadata["truncated"] and s.reward == 0.0 and s.metadata["turns"] == 3
     stats2 = TrajectoryStats()
-    s = asyncio.run(run_trajectory(eng, _FakePool(turns), "s", _Endless(), rec,
+    s = asyncio.run(run_trajectory(eng, SGLangSession(eng, _FakePool(turns)), 0, _Endless(), rec,
                                    SamplingConfig(max_new_tokens=2), TrajectoryLimits(9, 7),
                                    None, 48, stats2))
     assert s.response_ids.tolist() == [4, 5, 9, 9, 4, 5]   # 6 + 2 more would reach the cap 7

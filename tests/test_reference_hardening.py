@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_rl.config import ModelInitConfig
 from moe_rl.models.tiny import write_tiny_model
-from moe_rl.rollout.reference_process import ServerProcess
+from moe_rl.engines.reference.launcher import ReferenceServer
 from moe_rl.trainer.parallel import free_port
 
 pytestmark = pytest.mark.e2e
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 def served(tmp_path_factory):
     model = str(tmp_path_factory.mktemp("hard") / "model")
     write_tiny_model(ModelInitConfig(seed=7, max_position_embeddings=8192), model)
-    proc = ServerProcess(model, free_port(), max_total_tokens=6000).start()
+    proc = ReferenceServer(model, free_port(), max_total_tokens=6000).start()
     yield proc, model
     proc.stop()
 
@@ -50,7 +50,7 @@ def test_one_bad_request_in_a_batch_fails_only_itself(served):
 
 
 def test_non_finite_and_out_of_range_fields_are_named():
-    from moe_rl.rollout.reference_engine import RequestError, parse_sampling_params
+    from moe_rl.engines.reference.engine import RequestError, parse_sampling_params
     for raw, field in (({"temperature": float("nan")}, "temperature"),
                        ({"top_p": float("inf")}, "top_p"),
                        ({"sampling_seed": 2 ** 70}, "sampling_seed"),
@@ -153,7 +153,7 @@ def test_continuous_batching_admission_and_client_gone(served):
 def test_rows_joining_mid_flight_get_what_they_get_alone(tmp_path):
     """Continuous batching changes no result: requests that join a running batch at different
     iterations produce the tokens, log-probs and routing they produce alone."""
-    from moe_rl.rollout.reference_engine import ReferenceEngine, Request, SamplingParams
+    from moe_rl.engines.reference.engine import ReferenceEngine, Request, SamplingParams
     model = str(tmp_path / "m")
     write_tiny_model(ModelInitConfig(seed=3), model)
     engine = ReferenceEngine(model)
@@ -186,7 +186,7 @@ def test_rows_joining_mid_flight_get_what_they_get_alone(tmp_path):
 def test_deterministic_inference_is_batch_invariant_bit_for_bit(tmp_path):
     """--enable-deterministic-inference: a request's tokens, log-probs and routing are exactly
     those it gets alone, whatever joins it; without it, co-batching moves log-probs by rounding."""
-    from moe_rl.rollout.reference_engine import ReferenceEngine, Request, SamplingParams
+    from moe_rl.engines.reference.engine import ReferenceEngine, Request, SamplingParams
     model = str(tmp_path / "m")
     write_tiny_model(ModelInitConfig(seed=5), model)
 
@@ -221,13 +221,13 @@ def test_batch_shapes_and_request_ids_must_agree(served):
 def test_taken_ports_are_skipped_and_never_served_by_a_stranger(served):
     """A busy port is skipped when ports are picked; a server told to use a port another process
     holds refuses to start (naming the port) instead of trusting a stranger's /health."""
-    from moe_rl.rollout.reference_process import bind_port, pick_ports
+    from moe_rl.engines.process import bind_port, pick_ports
     proc, model = served
     taken = proc.port   # the running server holds it (it answers /health 200)
     picked = pick_ports("127.0.0.1", taken, 2)
     assert taken not in picked and picked == sorted(picked) and picked[0] > taken
     with pytest.raises(RuntimeError, match=f"server port {taken} on 127.0.0.1 is taken"):
-        ServerProcess(model, taken).start(timeout=30)
+        ReferenceServer(model, taken).start(timeout=30)
     with bind_port("127.0.0.1", picked[0]):   # held for a server about to start
         assert picked[0] not in pick_ports("127.0.0.1", picked[0], 1)
     with pytest.raises(RuntimeError, match="only 0 of 1 ports from 65535"):

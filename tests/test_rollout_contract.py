@@ -13,12 +13,15 @@ from moe_rl.config import ModelInitConfig
 from moe_rl.config import config_from_dict
 from moe_rl.models.tiny import write_tiny_model
 from moe_rl.moe_shape import MoEShape
-from moe_rl.rollout.decode import ResponseError, decode_routing, sample_from_response
-from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
-from moe_rl.rollout.pool import EngineHTTPError, ServerPool
-from moe_rl.rollout.reference_engine import kept_set
-from moe_rl.rollout.reference_process import ServerProcess
-from moe_rl.rollout.sglang_launcher import sglang_command
+from moe_rl.engines.base import ResponseError, SamplingConfig
+from moe_rl.engines.sglang.client import SGLangEngine
+from moe_rl.engines.sglang.decode import decode_routing
+from moe_rl.rollout.trajectories import generate_samples
+from tests.helpers import sample_from_response
+from moe_rl.engines.sglang.pool import EngineHTTPError, ServerPool
+from moe_rl.engines.reference.engine import kept_set
+from moe_rl.engines.reference.launcher import ReferenceServer
+from moe_rl.engines.sglang.launcher import sglang_command
 from moe_rl.trainer.parallel import free_port
 
 pytestmark = pytest.mark.e2e
@@ -40,13 +43,13 @@ def layout(tiny_dir):
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "ref.log"
-    proc = ServerProcess(tiny_dir, free_port(), api_key="k3y", log_path=str(log)).start()
+    proc = ReferenceServer(tiny_dir, free_port(), api_key="k3y", log_path=str(log)).start()
     yield proc
     proc.stop()
 
 
 def engine_for(urls, layout, need_mask=True, api_key="k3y"):
-    return HTTPRolloutEngine(lambda: ServerPool(urls, api_key=api_key, max_retries=2,
+    return SGLangEngine(lambda: ServerPool(urls, api_key=api_key, max_retries=2,
                                                 backoff=0.05),
                              layout, need_routing=True, need_mask=need_mask)
 
@@ -61,7 +64,7 @@ def test_generate_decodes_to_valid_samples_with_kept_sets(server, layout, hf_mod
     eng = engine_for([server.url], layout)
     prompts = [[6, 7, 68, 12, 72], [9, 68, 9, 72]]
     sampling = SamplingConfig(temperature=0.8, top_p=0.9, top_k=12, min_p=0.01, max_new_tokens=6)
-    samples = eng.generate(prompts, 3, sampling, seed=11)
+    samples = generate_samples(eng, prompts, 3, sampling, seed=11)
     assert len(samples) == 6 and [s.group_id for s in samples] == [0, 0, 0, 1, 1, 1]
     for s in samples:
         s.validate(96, None)
@@ -86,7 +89,7 @@ def test_generate_decodes_to_valid_samples_with_kept_sets(server, layout, hf_mod
                 float(full[s.response_ids[j]] - kept_mass), abs=1e-4)
             assert float(s.kept_logmass[j]) == pytest.approx(float(kept_mass), abs=1e-4)
     # seeded: the same seeds give the same samples
-    again = eng.generate(prompts, 3, sampling, seed=11)
+    again = generate_samples(eng, prompts, 3, sampling, seed=11)
     assert [s.response_ids.tolist() for s in again] == [s.response_ids.tolist() for s in samples]
 
 
@@ -100,7 +103,7 @@ def test_independent_kept_set_rule():
 
 def test_scored_routing_matches_generation_routing(server, layout):
     eng = engine_for([server.url], layout, need_mask=False)
-    s = eng.generate([[6, 7, 68, 12, 72]], 1, SamplingConfig(max_new_tokens=5), seed=3)[0]
+    s = generate_samples(eng, [[6, 7, 68, 12, 72]], 1, SamplingConfig(max_new_tokens=5), seed=3)[0]
     ids = s.prompt_ids.tolist() + s.response_ids.tolist()
     r = httpx.post(server.url + "/generate", headers={"Authorization": "Bearer k3y"},
                    json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
@@ -113,10 +116,10 @@ def test_scored_routing_matches_generation_routing(server, layout):
 def test_n_pass_scoring_matches_independent_logprobs(server, layout, hf_model, chunk,
                                                      monkeypatch):
     """(calls_of_one: a scoring batch larger than SCORE_BATCH_MAX goes as several calls.)"""
-    from moe_rl.rollout.pool import ServerPool
+    from moe_rl.engines.sglang.pool import ServerPool
     sizes = []
     if chunk is not None:
-        monkeypatch.setattr("moe_rl.rollout.engine.SCORE_BATCH_MAX", chunk)
+        monkeypatch.setattr("moe_rl.engines.sglang.client.SCORE_BATCH_MAX", chunk)
         request = ServerPool.request
 
         async def counted(self, path, body, **kw):
@@ -125,7 +128,7 @@ def test_n_pass_scoring_matches_independent_logprobs(server, layout, hf_model, c
             return await request(self, path, body, **kw)
         monkeypatch.setattr(ServerPool, "request", counted)
     eng = engine_for([server.url], layout, need_mask=False)
-    samples = eng.generate([[6, 7, 68, 12, 72], [9, 9]], 2, SamplingConfig(max_new_tokens=4),
+    samples = generate_samples(eng, [[6, 7, 68, 12, 72], [9, 9]], 2, SamplingConfig(max_new_tokens=4),
                            seed=5)
     eng.score(samples, 3)
     for s in samples:
@@ -204,15 +207,15 @@ def test_weight_update_changes_outputs_and_version(server, layout, tiny_dir, tmp
     other = str(tmp_path / "other")
     write_tiny_model(ModelInitConfig(seed=99), other)
     eng = engine_for([server.url], layout, need_mask=False)
-    before = eng.generate([[6, 7, 68]], 1, SamplingConfig(max_new_tokens=4), seed=1)[0]
-    res = eng.update_weights_from_disk(other, 7)
-    assert res[0]["success"] and eng.weight_versions() == ["7"]
-    after = eng.generate([[6, 7, 68]], 1, SamplingConfig(max_new_tokens=4), seed=1)[0]
+    before = generate_samples(eng, [[6, 7, 68]], 1, SamplingConfig(max_new_tokens=4), seed=1)[0]
+    eng.weights.load_from_disk(other, 7)
+    assert eng.weight_versions() == ["7"]
+    after = generate_samples(eng, [[6, 7, 68]], 1, SamplingConfig(max_new_tokens=4), seed=1)[0]
     assert after.weight_version == 7
     assert not torch.allclose(before.rollout_logprobs[:1], after.rollout_logprobs[:1])
-    eng.update_weights_from_disk(tiny_dir, 8)   # restore for the other tests
+    eng.weights.load_from_disk(tiny_dir, 8)   # restore for the other tests
     with pytest.raises(EngineHTTPError, match="HTTP 400"):
-        eng.update_weights_from_disk(str(tmp_path / "missing"), 9)
+        eng.weights.load_from_disk(str(tmp_path / "missing"), 9)
 
 
 def test_sglang_command_lines():
@@ -249,9 +252,9 @@ def test_sglang_command_lines():
     argv = sglang_command(fp8, 30000, model_path="/run/fp8_start")[0]
     assert argv[argv.index("--model-path") + 1] == "/run/fp8_start"
     assert "--quantization" not in argv
-    ref = ServerProcess("/m", 30000, quantization="fp8").command()[0]
+    ref = ReferenceServer("/m", 30000, quantization="fp8").command()[0]
     assert ref[ref.index("--quantization") + 1] == "fp8"
-    assert "--quantization" not in ServerProcess("/m", 30000).command()[0]
+    assert "--quantization" not in ReferenceServer("/m", 30000).command()[0]
 
 
 def test_scoring_passes_give_the_rollout_distribution_at_any_temperature(server, layout,
@@ -262,14 +265,14 @@ def test_scoring_passes_give_the_rollout_distribution_at_any_temperature(server,
     prompts = [[6, 7, 68, 12, 72], [9, 9]]
     masked = engine_for([server.url], layout, need_mask=True)
     sampling = SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, min_p=0.02, max_new_tokens=5)
-    samples = masked.generate(prompts, 2, sampling, seed=21)
+    samples = generate_samples(masked, prompts, 2, sampling, seed=21)
     masked.score(samples, 2, temperature=0.7, window=2)
     for s in samples:
         assert torch.allclose(s.pass_logprobs, s.rollout_logprobs.expand(2, -1), atol=2e-6)
     full_layout = MoEShape(layout.num_layers, layout.moe_layers, layout.topk,
                               layout.num_experts, hf_model.config.vocab_size)
     plain = engine_for([server.url], full_layout, need_mask=False)
-    samples = plain.generate(prompts, 2, SamplingConfig(temperature=0.7, max_new_tokens=5),
+    samples = generate_samples(plain, prompts, 2, SamplingConfig(temperature=0.7, max_new_tokens=5),
                              seed=22)
     plain.score(samples, 1, temperature=0.7, window=3)
     for s in samples:
@@ -319,14 +322,14 @@ def test_support_mode_and_listed_ids_follow_sglang(server):
 @pytest.mark.parametrize("mask", [False, True])
 @pytest.mark.parametrize("pi_old", ["trainer", "rollout", "engine_avg"])
 def test_sglang_is_started_with_every_flag_its_requests_need(replay, mask, pi_old):
-    from moe_rl.rollout.server_needs import requests_routing, requests_sampling_mask
+    from moe_rl.engines.needs import requests_routing, requests_sampling_mask
     cfg = config_from_dict({"model": {"path": "/m"}, "cluster": {"gpus_per_node": 8},
                             "rollout": {"engine": "sglang", "top_k": 20},
                             "algorithm": {"replay": replay, "keep_sampling_mask": mask,
                                           "pi_old": pi_old, "pi_old_passes": 2}})
     argv, _ = sglang_command(cfg, 30000)
     layout = MoEShape(2, (0, 1), 2, 8)
-    eng = HTTPRolloutEngine(lambda: None, layout, need_routing=requests_routing(cfg),
+    eng = SGLangEngine(lambda: None, layout, need_routing=requests_routing(cfg),
                             need_mask=requests_sampling_mask(cfg))
     body = eng.generate_body([1, 2, 3], SamplingConfig(top_k=20), seed=1)
     assert body["return_routed_experts"] == ("--enable-return-routed-experts" in argv)
@@ -340,17 +343,17 @@ def test_sglang_is_started_with_every_flag_its_requests_need(replay, mask, pi_ol
 
 
 def test_reference_engine_omits_routing_unless_started_with_the_flag(tiny_dir, layout):
-    proc = ServerProcess(tiny_dir, free_port(), return_routed_experts=False).start()
+    proc = ReferenceServer(tiny_dir, free_port(), return_routed_experts=False).start()
     try:
         r = httpx.post(proc.url + "/generate", timeout=60, json={
             "input_ids": [6, 7, 68], "sampling_params": {"max_new_tokens": 2},
             "return_logprob": True, "return_routed_experts": True}).json()
         assert "routed_experts" not in r["meta_info"]
-        eng = HTTPRolloutEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
+        eng = SGLangEngine(lambda: ServerPool([proc.url]), layout, need_routing=True,
                                 need_mask=False)
         assert eng.weight_versions() == ["default"]   # SGLang's before any update
         with pytest.raises(ResponseError, match="--enable-return-routed-experts"):
-            eng.generate([[6, 7, 68]], 1, SamplingConfig(max_new_tokens=2), seed=1)
+            generate_samples(eng, [[6, 7, 68]], 1, SamplingConfig(max_new_tokens=2), seed=1)
     finally:
         proc.stop()
 
@@ -396,7 +399,9 @@ def test_reference_engine_speaks_sglangs_dialect(server, layout):
     # the client reads every one of these as SGLang sends them
     eng = engine_for([server.url], layout)
     eng.check_health()
-    assert eng.flush_cache()[0]["text"].startswith("Cache flushed")
+    eng.flush_cache()
+    flushed = eng.run_with_pool(lambda pool: pool.broadcast("/flush_cache", {}))
+    assert flushed[0]["text"].startswith("Cache flushed")
     with pytest.raises(EngineHTTPError, match=r"HTTP 400: input_ids: expected"):
         asyncio.run(_post(server.url, {"input_ids": []}))
 

@@ -9,9 +9,11 @@ import pytest
 from moe_rl.config import ModelInitConfig
 from moe_rl.models.tiny import write_tiny_model
 from moe_rl.moe_shape import MoEShape
-from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
-from moe_rl.rollout.pool import ServerPool
-from moe_rl.rollout.reference_process import ServerProcess
+from moe_rl.engines.base import SamplingConfig
+from moe_rl.engines.sglang.client import SGLangEngine
+from moe_rl.rollout.trajectories import generate_samples
+from moe_rl.engines.sglang.pool import ServerPool
+from moe_rl.engines.reference.launcher import ReferenceServer
 from moe_rl.trainer.parallel import free_port
 
 
@@ -21,10 +23,10 @@ def test_killed_server_loses_and_duplicates_nothing_and_restarts(tmp_path):
     write_tiny_model(ModelInitConfig(seed=1), model)
     facts = MoEShape.from_hf(json.load(open(f"{model}/config.json")))
     layout = facts
-    procs = [ServerProcess(model, free_port(), log_path=str(tmp_path / f"s{i}.log")).start()
+    procs = [ReferenceServer(model, free_port(), log_path=str(tmp_path / f"s{i}.log")).start()
              for i in range(2)]
     try:
-        engine = HTTPRolloutEngine(
+        engine = SGLangEngine(
             lambda: ServerPool([p.url for p in procs], restarters=[p.restart for p in procs],
                                max_retries=4, backoff=0.05, concurrency=4),
             layout, need_routing=True, need_mask=False)
@@ -38,8 +40,8 @@ def test_killed_server_loses_and_duplicates_nothing_and_restarts(tmp_path):
                 killed.set()
 
         prompts = [[6, 7, 68, 12 + (i % 10), 72] for i in range(24)]
-        samples = engine.generate(prompts, 2, SamplingConfig(max_new_tokens=24), seed=0,
-                                  progress=progress)
+        samples = generate_samples(engine, prompts, 2, SamplingConfig(max_new_tokens=24),
+                                   seed=0, progress=progress)
         assert killed.is_set()
         # every (prompt, sample) exactly once, in order, each a valid record
         assert [s.sample_id for s in samples] == list(range(48))

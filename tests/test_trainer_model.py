@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from moe_rl.packing import pack_one
 from moe_rl.trainer.forward import forward_logprobs
-from moe_rl.trainer.hf_weights import (load_hf_into_megatron, megatron_to_hf, qkv_merge, qkv_split,
+from moe_rl.weights.hf import (load_hf_into_megatron, megatron_to_hf, qkv_merge, qkv_split,
                                        save_hf_checkpoint, tp_merge, tp_split)
 from moe_rl.trainer.model_builder import build_model, load_hf_config
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel

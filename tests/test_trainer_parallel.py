@@ -13,7 +13,7 @@ def _worker(rank, port, model_dir, out_dir, mode):
     from moe_rl.config import config_from_dict
     from moe_rl.packing import pack_one
     from moe_rl.trainer.forward import forward_logprobs
-    from moe_rl.trainer.hf_weights import (iter_hf_buckets, load_hf_into_megatron,
+    from moe_rl.weights.hf import (iter_hf_buckets, load_hf_into_megatron,
                                            megatron_to_hf)
     from moe_rl.trainer.model_builder import build_model
     from moe_rl.trainer.parallel import ParallelSizes, destroy, init_distributed, \
@@ -90,7 +90,7 @@ def test_expert_parallel_2_matches_single_process(tmp_path):
     model_dir, samples = _spawn(tmp_path, "ep")
     from moe_rl.packing import pack_one
     from moe_rl.trainer.forward import forward_logprobs
-    from moe_rl.trainer.hf_weights import load_hf_into_megatron
+    from moe_rl.weights.hf import load_hf_into_megatron
     from moe_rl.trainer.model_builder import build_model
     from moe_rl.trainer.parallel import init_distributed, init_model_parallel
     from moe_rl.trainer.replay import ReplayController

@@ -11,12 +11,15 @@ from safetensors.torch import load_file
 from moe_rl.config import ModelInitConfig
 from moe_rl.models.tiny import write_tiny_model
 from moe_rl.moe_shape import MoEShape
-from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
-from moe_rl.rollout.pool import EngineHTTPError, ServerPool
-from moe_rl.rollout.reference_process import ServerProcess
+from moe_rl.engines.base import SamplingConfig
+from moe_rl.engines.sglang.client import SGLangEngine, broadcast_tolerant
+from moe_rl.rollout.trajectories import generate_samples
+from moe_rl.engines.sglang.pool import EngineHTTPError, ServerPool
+from moe_rl.engines.reference.launcher import ReferenceServer
 from moe_rl.trainer.parallel import free_port
-from moe_rl.weight_sync import (broadcast_tensors, close_group, open_group, parse_dtype,
+from moe_rl.engines.sglang.weights import (broadcast_tensors, close_group, open_group,
                                update_request)
+from moe_rl.weights.serialize import parse_dtype
 from tests.helpers import assert_serves_like
 
 
@@ -30,27 +33,28 @@ def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
     write_tiny_model(ModelInitConfig(seed=2), b)
     facts = MoEShape.from_hf(json.load(open(f"{a}/config.json")))
     layout = facts
-    procs = [ServerProcess(a, free_port()).start() for _ in range(2)]
-    ref = ServerProcess(b, free_port()).start()   # serves b's weights from disk: the target
+    procs = [ReferenceServer(a, free_port()).start() for _ in range(2)]
+    ref = ReferenceServer(b, free_port()).start()   # serves b's weights from disk: the target
     try:
-        eng = HTTPRolloutEngine(lambda: ServerPool([p.url for p in procs], max_retries=0),
-                                layout, need_routing=True, need_mask=False)
+        eng = SGLangEngine(lambda: ServerPool([p.url for p in procs], max_retries=0),
+                           layout, need_routing=True, need_mask=False)
+        w = eng.weights
         port = free_port()
         joined = {}
         t = threading.Thread(target=lambda: joined.update(
             group=open_group("gloo", "127.0.0.1", port, 0, 3, "w")))
         t.start()
-        res = eng.init_weights_update_group("127.0.0.1", port, 1, "w", "gloo")
+        w.join_group("127.0.0.1", port, "w", "gloo")
         t.join(60)
-        assert all(r["success"] for r in res) and "group" in joined
+        assert "group" in joined
         named = sorted(load_file(f"{b}/model.safetensors").items())
         body = update_request(named, 5, "w")
         # SGLang loads a distributed update only inside a weight-update session
         with pytest.raises(EngineHTTPError, match="begin_weight_update first"):
-            eng.update_weights_from_distributed(body)
-        eng.begin_weight_update()
+            w.announce_bucket(named, 5, "w", True)
+        w.begin()
         with pytest.raises(EngineHTTPError, match="already open"):
-            eng.begin_weight_update()
+            w.begin()
         # in two buckets: the first is staged, the last (flush_cache) commits the update
         half = len(named) // 2
 
@@ -58,16 +62,15 @@ def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
             sender = threading.Thread(target=broadcast_tensors, args=(joined["group"], bucket))
             sender.start()
             try:
-                return eng.update_weights_from_distributed(
-                    update_request(bucket, 5, "w", flush_cache=last))
+                return w.announce_bucket(bucket, 5, "w", last)
             finally:
                 sender.join(60)
         send(named[:half], False)
         assert eng.weight_versions() == ["default", "default"]   # staged, not served yet
         send(named[half:], True)
-        eng.end_weight_update()
+        w.end()
         with pytest.raises(EngineHTTPError, match="no weight-update session"):
-            eng.end_weight_update()
+            w.end()
         assert eng.weight_versions() == ["5", "5"]
         prompt = [[6, 7, 68, 12, 72]]
         got, want = assert_serves_like(eng, ref.url, layout, prompt)
@@ -77,34 +80,38 @@ def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
         r = httpx.post(procs[0].url + "/generate", json={"input_ids": [6, 7]}, timeout=30)
         assert r.status_code == 400 and "released" in r.json()["error"]["message"]
         eng.resume_memory()
-        again = eng.generate(prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
+        again = generate_samples(eng, prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
         assert torch.equal(again.rollout_logprobs, want.rollout_logprobs)
         # bad update bodies are refused with the field named
-        eng.begin_weight_update()
+        w.begin()
         with pytest.raises(EngineHTTPError, match="group_name"):
-            eng.update_weights_from_distributed({**body, "group_name": "nope"})
-        eng.end_weight_update()
+            eng.run_with_pool(lambda pool: pool.broadcast("/update_weights_from_distributed",
+                                                          {**body, "group_name": "nope"}))
+        w.end()
         # a last bucket that leaves a tensor out is refused: the served weights stay
-        eng.begin_weight_update()
+        w.begin()
         send(named[:half], False)
         with pytest.raises(EngineHTTPError, match="missing"):
             send(named[half:-1], True)
-        eng.end_weight_update()
+        w.end()
         assert eng.weight_versions() == ["5", "5"]
-        kept = eng.generate(prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
+        kept = generate_samples(eng, prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
         assert torch.equal(kept.rollout_logprobs, want.rollout_logprobs)
         # a session closed before the last bucket drops what it staged
-        eng.begin_weight_update()
+        w.begin()
         send(named[:half], False)
         with pytest.raises(EngineHTTPError, match="never came"):
-            eng.end_weight_update()
+            w.end()
         # leaving the group: the servers forget it (a rebuilt group takes a new name)
-        assert all(r["success"] for r in eng.destroy_weights_update_group("w"))
-        assert not any(r["success"] for r in eng.destroy_weights_update_group("w"))
-        eng.begin_weight_update()
+        def leave():
+            return eng.run_with_pool(lambda pool: broadcast_tolerant(
+                pool, "/destroy_weights_update_group", {"group_name": "w"}))
+        assert all(r["success"] for r in leave())
+        assert not any(r["success"] for r in leave())
+        w.begin()
         with pytest.raises(EngineHTTPError, match="no weight-update group 'w'"):
-            eng.update_weights_from_distributed(body)
-        eng.end_weight_update()
+            w.announce_bucket(named, 5, "w", True)
+        w.end()
     finally:
         for p in procs + [ref]:
             p.stop()
@@ -128,7 +135,7 @@ def fake_cuda_ipc(monkeypatch):
     """No GPU here: tensors count as CUDA ones and torch's CUDA reduction is replaced by one
     returning the argument layout torch gives a CUDA tensor (device index 0)."""
     import torch.multiprocessing.reductions as reductions
-    import moe_rl.weight_sync as ws
+    import moe_rl.weights.serialize as ws
 
     def reduce(t):
         return reductions.rebuild_cuda_tensor, (
@@ -165,7 +172,8 @@ def test_tensor_update_body_is_sglangs_serialisation(monkeypatch):
     moe_rl global would be refused by SGLang's SafeUnpickler). make test-contract reads these
     bytes with SGLang's own deserializer."""
     import base64
-    from moe_rl.weight_sync import serialize_named_tensors, tensor_update_request
+    from moe_rl.engines.sglang.weights import tensor_update_request
+    from moe_rl.weights.serialize import serialize_named_tensors
     fake_cuda_ipc(monkeypatch)
     named = [("model.norm.weight", torch.arange(4.0)), ("w", torch.ones(2, 3, dtype=torch.bfloat16))]
     per_rank = [serialize_named_tensors(named), serialize_named_tensors([("x", torch.ones(2))])]
@@ -178,7 +186,7 @@ def test_tensor_update_body_is_sglangs_serialisation(monkeypatch):
                                     ("torch.storage", "UntypedStorage"), ("torch", "float32"),
                                     ("torch", "bfloat16")}
     assert b"GPU-uuid-0" in data and b"moe_rl" not in data
-    import moe_rl.weight_sync as ws
+    import moe_rl.weights.serialize as ws
     monkeypatch.setattr(ws, "is_ipc_tensor", lambda t: t.is_cuda)
     with pytest.raises(ValueError, match="CUDA tensors"):
         serialize_named_tensors([("cpu", torch.ones(2))])
@@ -188,7 +196,7 @@ def _gather_worker(rank, port, out):
     import os
 
     import torch.distributed as dist
-    from moe_rl.weight_sync import gather_strings
+    from moe_rl.weights.serialize import gather_strings
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=3)
     got = gather_strings("payload-" + "x" * rank * 5)
@@ -220,15 +228,17 @@ def test_tensor_sync_config_requirements():
     with pytest.raises(ConfigError, match="trainer_workers == rollout.num_servers"):
         load_config(None, base + ["rollout.sglang.tp_size=2"])
     load_config(None, base + ["rollout.sglang.tp_size=2", "cluster.trainer_workers=2"])
-    # SGLang asserts dp_size 1 for distributed and tensor updates
+    # SGLang asserts dp_size 1 for distributed and tensor updates (the SGLang checks, run
+    # after the general ones: distributed sync on its own, not colocated, GPUs)
     for mode in ("tensor", "distributed"):
         with pytest.raises(ConfigError, match="rollout.sglang.dp_size"):
-            load_config(None, base[1:] + [f"cluster.weight_sync={mode}",
+            load_config(None, base[2:] + [f"cluster.weight_sync={mode}",
+                                          f"cluster.colocate={mode == 'tensor'}",
                                           "rollout.sglang.dp_size=2"])
 
 
 def test_buckets_hold_at_most_one_bucket_and_mark_the_last():
-    from moe_rl.trainer.hf_weights import hf_buckets
+    from moe_rl.weights.hf import hf_buckets
     tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5, 5])]  # floats
     got = list(hf_buckets(iter(tensors), bucket_bytes=80))
     assert [[n for n, _ in b] for b, _ in got] == [["t0", "t1"], ["t2"], ["t3", "t4", "t5"]]
@@ -242,7 +252,7 @@ def test_buckets_hold_at_most_one_bucket_and_mark_the_last():
 def test_sharded_checkpoint_loads_back(tmp_path):
     """Cut into small shards: files named as HF does, an index mapping every tensor, and
     every tensor read back bit for bit (the engines load it as any HF checkpoint)."""
-    from moe_rl.trainer.hf_weights import HFCheckpoint, save_hf_checkpoint
+    from moe_rl.weights.hf import HFCheckpoint, save_hf_checkpoint
     from moe_rl.trainer.model_builder import model_spec
     src = tmp_path / "src"
     write_tiny_model(ModelInitConfig(seed=4), str(src))
@@ -262,7 +272,7 @@ def test_sharded_checkpoint_loads_back(tmp_path):
                                                   for t in tensors.values())
     back = HFCheckpoint(str(out))
     assert all(torch.equal(back.get(k), v) for k, v in tensors.items())
-    proc = ServerProcess(str(out), free_port()).start()   # the reference engine serves it
+    proc = ReferenceServer(str(out), free_port()).start()   # the reference engine serves it
     try:
         r = httpx.post(proc.url + "/generate", timeout=60, json={
             "input_ids": [6, 7], "sampling_params": {"max_new_tokens": 2}})

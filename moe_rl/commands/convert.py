@@ -85,7 +85,7 @@ def _read_megatron(path: str) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
     from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
-    from moe_rl.trainer.hf_weights import (load_hf_into_megatron, megatron_to_hf,
+    from moe_rl.weights.hf import (load_hf_into_megatron, megatron_to_hf,
                                            save_hf_checkpoint)
     from moe_rl.trainer.model_builder import build_model, load_hf_config
     from moe_rl.trainer.parallel import init_distributed, init_model_parallel

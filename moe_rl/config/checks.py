@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 
-from moe_rl.config.model_facts import (facts_context, model_hf_fields, model_moe_facts,
+from moe_rl.config.model_facts import (facts_context, model_moe_facts,
                                        response_cap)
 from moe_rl.config.schema import CORRECTIONS, Config, ConfigError, ModelInitConfig
 from moe_rl.moe_shape import MoEShape
@@ -180,11 +180,8 @@ def check_optimiser_and_layout(cfg: Config, facts: MoEShape) -> None:
 
 def check_cpu(cfg: Config) -> None:
     """What a CPU run (cluster.gpus_per_node 0) cannot do."""
-    r, t = cfg.rollout, cfg.trainer
+    t = cfg.trainer
     if cfg.cluster.gpus_per_node == 0:
-        if r.engine == "sglang":
-            raise ConfigError("rollout.engine: SGLang needs GPUs (cluster.gpus_per_node > 0); use "
-                              "rollout.engine=reference on CPU")
         if cfg.model.dtype == "bfloat16":
             raise ConfigError("model.dtype: bfloat16 training needs GPUs (cluster.gpus_per_node > "
                               "0): megatron-core's mixed-precision optimizer wraps CUDA tensors "
@@ -199,17 +196,11 @@ def check_cpu(cfg: Config) -> None:
 def check_weight_sync(cfg: Config) -> None:
     """cluster.weight_sync against colocation, the engine and the trainer ranks."""
     r, t = cfg.rollout, cfg.trainer
-    if cfg.cluster.weight_sync == "tensor" and not (cfg.cluster.colocate and r.engine == "sglang"
+    if cfg.cluster.weight_sync == "tensor" and not (cfg.cluster.colocate
                                                     and cfg.cluster.gpus_per_node > 0):
         raise ConfigError("cluster.weight_sync: 'tensor' hands CUDA tensors to SGLang on the same "
                           "GPUs: it needs cluster.colocate=true, rollout.engine=sglang and GPUs; "
                           "use 'distributed' or 'disk' otherwise")
-    if r.engine == "sglang" and cfg.cluster.weight_sync in ("distributed", "tensor") \
-            and r.sglang.dp_size > 1:
-        raise ConfigError(f"rollout.sglang.dp_size: SGLang updates weights from a process group "
-                          f"or from tensors only with dp_size 1 (it asserts so); got "
-                          f"{r.sglang.dp_size} with cluster.weight_sync={cfg.cluster.weight_sync}"
-                          f"; use more servers (rollout.num_servers) or weight_sync=disk")
     if cfg.cluster.weight_sync == "tensor" and \
             t.tensor_parallel * t.context_parallel * t.expert_parallel == 1 and \
             cfg.cluster.trainer_workers != r.num_servers * r.sglang.tp_size:
@@ -235,23 +226,6 @@ def check_model_parallel(cfg: Config, facts: MoEShape) -> None:
         raise ConfigError("trainer.context_parallel: > 1 is refused until the inputs are split "
                           "per CP rank in megatron's layout (the replay slices are ready, the "
                           "input split is not); use 1")
-
-
-def check_sglang(cfg: Config) -> None:
-    """What SGLang refuses: min_p under deterministic inference, FP8 shapes at the TP/EP sizes."""
-    r, m = cfg.rollout, cfg.model
-    if r.engine == "sglang" and r.sglang.deterministic_inference and r.min_p > 0:
-        raise ConfigError("rollout.min_p: SGLang's deterministic inference does not support min_p "
-                          "sampling; set rollout.min_p=0 or turn deterministic_inference off")
-    if r.quantization == "fp8" and r.engine == "sglang":
-        from moe_rl.rollout.fp8_shapes import fp8_shape_errors
-        errors = fp8_shape_errors(model_hf_fields(m), r.sglang.tp_size, r.sglang.ep_size)
-        if errors:
-            raise ConfigError(f"rollout.quantization: SGLang refuses block-wise FP8 for this model "
-                              f"at rollout.sglang.tp_size={r.sglang.tp_size}, ep_size="
-                              f"{r.sglang.ep_size}: {'; '.join(errors)}. Change the TP/EP sizes "
-                              f"(a larger ep_size keeps experts whole) or set "
-                              f"rollout.quantization=none")
 
 
 def check_async(cfg: Config) -> None:
@@ -293,7 +267,8 @@ def check_data(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` for incompatible combinations of otherwise valid values: every
-    check below, in this order (the first refusal is the one reported)."""
+    check below, in this order (the first refusal is the one reported); then the checks of the
+    engine named by ``rollout.engine`` (:func:`check_engine`)."""
     check_model_init(cfg)
     facts = model_moe_facts(cfg.model)
     check_model_fit(cfg, facts)
@@ -305,7 +280,18 @@ def validate(cfg: Config) -> None:
     check_cpu(cfg)
     check_weight_sync(cfg)
     check_model_parallel(cfg, facts)
-    check_sglang(cfg)
     check_async(cfg)
     check_ranks(cfg)
     check_data(cfg)
+    check_engine(cfg)
+
+
+ENGINE_PACKAGE = "moe_rl.engines.{}"
+
+
+def check_engine(cfg: Config) -> None:
+    """The refusals of the engine ``rollout.engine`` names, which live beside that engine
+    (``moe_rl.engines.<name>.check_config``); its package is found by name, as a reward
+    function is, so the configuration does not depend on the engines."""
+    import importlib
+    importlib.import_module(ENGINE_PACKAGE.format(cfg.rollout.engine)).check_config(cfg)

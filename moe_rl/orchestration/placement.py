@@ -24,9 +24,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from moe_rl.config import Config, ConfigError
-from moe_rl.rollout.reference_process import REFERENCE_ENV, reference_argv
-from moe_rl.rollout.server_needs import requests_routing
-from moe_rl.rollout.sglang_launcher import sglang_argv, sglang_env
+from moe_rl.engines.factory import gpus_per_server, server_command, weight_ranks_per_server
 
 LOOPBACK_HOSTS = ("localhost",)
 
@@ -80,16 +78,6 @@ class Plan:
         return out
 
 
-def engine_gpus(cfg: Config) -> int:
-    """GPUs one SGLang server uses (0 for the CPU reference engine)."""
-    r = cfg.rollout
-    if r.engine != "sglang":
-        return 0
-    g = r.sglang
-    dp = 1 if "--enable-dp-attention" in g.extra_args else g.dp_size
-    return g.tp_size * dp
-
-
 def ray_resources(cfg: Config, proc: PlannedProcess) -> dict[str, float]:
     """What ``proc``'s Ray actor reserves inside its node's bundle."""
     if proc.role == "trainer":
@@ -117,15 +105,7 @@ def engine_host(cfg: Config, nodes: int, node_address: str) -> str:
 def engine_command(cfg: Config, proc: PlannedProcess, model_path: str
                    ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment moe_rl sets) of engine ``proc`` at its host and port."""
-    r = cfg.rollout
-    if r.engine == "sglang":
-        return sglang_argv(cfg, model_path, proc.host, proc.port), sglang_env(proc.gpus)
-    return reference_argv(model_path, proc.host, proc.port, dtype=r.engine_dtype,
-                          seed=cfg.trainer.seed + proc.index, api_key=r.api_key,
-                          return_routed_experts=requests_routing(cfg),
-                          sampling_mask_max_tokens=r.sampling_mask_max_tokens,
-                          deterministic_inference=r.sglang.deterministic_inference), \
-        dict(REFERENCE_ENV)
+    return server_command(cfg, proc.host, proc.port, proc.gpus, proc.index, model_path)
 
 
 def _spread(count: int, nodes: int) -> list[int]:
@@ -148,7 +128,7 @@ def make_plan(cfg: Config, nodes: int | None = None, gpus_per_node: int | None =
     addresses = node_addresses or [f"<node {n} address>" for n in range(nodes)]
     model_path = model_path or cfg.model.path
     procs: list[PlannedProcess] = []
-    E = engine_gpus(cfg)
+    E = gpus_per_server(cfg)
     if G > 0:
         if c.trainer_workers > nodes * G:
             raise ConfigError(f"cluster.trainer_workers: {c.trainer_workers} ranks need as many "
@@ -203,7 +183,7 @@ def weight_group_plan(cfg: Config, plan: Plan) -> dict | None:
     0, server s's TP rank j is rank ``1 + s * ranks_per_server + j``."""
     if cfg.cluster.weight_sync != "distributed":
         return None
-    per = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
+    per = weight_ranks_per_server(cfg)
     t0 = plan.of("trainer")[0]
     ranks = [{"rank": 0, "process": t0.name, "node": t0.node, "gpu": (t0.gpus or [None])[0]}]
     for e in plan.of("engine"):

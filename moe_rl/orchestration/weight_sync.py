@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 import ray
 
 from moe_rl.config import Config
+from moe_rl.engines.factory import weight_ranks_per_server
 
 
 class DiskSync:
@@ -68,11 +69,14 @@ class DiskSync:
 
 
 class _InMemorySync(DiskSync, ABC):
-    """Shared by the in-memory modes: a restarted server gets the trainer's weights exported
-    for it; a failed sync is redone from disk."""
+    """Shared by the in-memory modes: the trainer ranks send to the engines' weight receiver
+    themselves; a restarted server gets the trainer's weights exported for it; a failed sync is
+    redone from disk."""
 
     def __init__(self, cfg: Config, trainers, rollout, weights_dir: str):
         super().__init__(cfg, trainers, rollout, weights_dir)
+        urls = ray.get(rollout.urls.remote())
+        ray.get([a.connect_engines.remote(urls) for a in trainers.actors])
         ray.get(rollout.set_weight_source.remote(trainers.actors, weights_dir))
 
     def sync(self, version: int, wait: bool = True) -> None:
@@ -87,7 +91,7 @@ class _InMemorySync(DiskSync, ABC):
             print(f"weight sync ({self.cfg.cluster.weight_sync}) of version {version} failed "
                   f"({exc}); restarting the servers that died and syncing from disk", flush=True)
             ray.get(self.rollout.health.remote())
-            ray.get(self.rollout.abort_weight_update.remote())
+            ray.get(self.trainers.actors[0].abort_weight_update.remote())
             self._sync_disk(version)
             self._after_recovery()
 
@@ -115,18 +119,16 @@ class DistributedSync(_InMemorySync):
     def _open_group(self) -> None:
         """(Re)build the weight-update group: trainer rank 0 and every server's ranks."""
         r = self.cfg.rollout
-        ranks = r.sglang.tp_size if r.engine == "sglang" else 1
-        world = 1 + r.num_servers * ranks
+        world = 1 + r.num_servers * weight_ranks_per_server(self.cfg)
         backend = "nccl" if self.cfg.cluster.gpus_per_node > 0 else "gloo"
         rank0 = self.trainers.actors[0]
         address = ray.get(rank0.node_ip.remote())
         port = ray.get(rank0.free_port.remote())   # free on the node that binds it
         previous, self.group_name = self.group_name, f"moe_rl_weights_{self.groups_built}"
         self.groups_built += 1
-        ray.get([rank0.open_weight_group.remote(backend, address, port, world, self.group_name,
-                                                r.request_timeout_s),
-                 self.rollout.init_weight_group.remote(address, port, self.group_name, backend,
-                                                       previous)])
+        ray.get(rank0.open_weight_group.remote(backend, address, port, world, self.group_name,
+                                               r.request_timeout_s, previous))
+        ray.get(self.rollout.take_group_stale.remote())   # the group is fresh
 
     def _prepare(self) -> None:
         if ray.get(self.rollout.take_group_stale.remote()):
@@ -136,10 +138,8 @@ class DistributedSync(_InMemorySync):
         self._open_group()
 
     def _send(self, version: int) -> None:
-        ray.get(self.rollout.begin_weight_update.remote())
-        ray.get([a.stream_weights_distributed.remote(self.rollout, version)
-                 for a in self.trainers.actors])
-        ray.get(self.rollout.end_weight_update.remote())
+        ray.get([a.stream_weights_distributed.remote(version) for a in self.trainers.actors])
+        ray.get(self.rollout.set_version.remote(version))
 
 
 class TensorSync(_InMemorySync):
@@ -147,11 +147,8 @@ class TensorSync(_InMemorySync):
     on that GPU (``/update_weights_from_tensor``)."""
 
     def _send(self, version: int) -> None:
-        r = self.cfg.rollout
-        urls = ray.get(self.rollout.urls.remote())
-        ray.get([a.push_weights_tensor.remote(urls, r.api_key, r.sglang.tp_size, version,
-                                              r.request_timeout_s)
-                 for a in self.trainers.actors])
+        tp = weight_ranks_per_server(self.cfg)
+        ray.get([a.push_weights_tensor.remote(tp, version) for a in self.trainers.actors])
         ray.get(self.rollout.set_version.remote(version))
 
 

@@ -51,66 +51,78 @@ class TrainerWorker:
         self.trainer.export_hf(out_dir, use_ema=use_ema)
         return out_dir
 
+    def connect_engines(self, urls: list[str]) -> None:
+        """The engine servers this rank sends weights to (its sender's receiver)."""
+        from moe_rl.engines.factory import weight_receiver
+        self.engine_urls = list(urls)
+        self.receiver = weight_receiver(self.trainer.cfg, self.engine_urls)
+
     def open_weight_group(self, backend: str, address: str, port: int, world: int,
-                          group_name: str, timeout_s: float) -> None:
-        """Rank 0 creates the weight-update group with the engines (blocks until they join),
-        replacing the one it had."""
-        from moe_rl.weight_sync import close_group, open_group
+                          group_name: str, timeout_s: float, previous: str | None = None
+                          ) -> None:
+        """Rank 0 builds the weight-update group with the engines: it has them join (leaving
+        ``previous``) while it creates its end, replacing the group it had."""
+        from concurrent.futures import ThreadPoolExecutor
+        from moe_rl.engines.sglang.weights import close_group, open_group
         if getattr(self, "weight_group", None) is not None:
             close_group(self.weight_group)
+            self.weight_group = None
         self.group_name = group_name
-        self.weight_group = open_group(backend, address, port, 0, world, group_name,
-                                       timeout_s=timeout_s)
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(self.receiver.join_group, address, port, group_name, backend,
+                                 previous)
+            try:
+                self.weight_group = open_group(backend, address, port, 0, world, group_name,
+                                               timeout_s=timeout_s)
+            finally:
+                joined.result()
 
-    def stream_weights_distributed(self, rollout, version: int) -> int:
+    def stream_weights_distributed(self, version: int) -> int:
         """Distributed sync (collective over the trainer ranks): the policy streams in buckets
-        of ``cluster.weight_sync_bucket_mb``; for each, rank 0 has the rollout worker announce
-        it to every server (``/update_weights_from_distributed``, ``flush_cache`` on the last)
-        and broadcasts its tensors. A failure is raised after the stream ended, so the other
-        ranks are never left in a collective. Returns the tensors sent."""
-        import ray as _ray
-        from moe_rl.weight_sync import broadcast_tensors, update_request
-        from moe_rl.rollout.fp8 import quantise_named
+        of ``cluster.weight_sync_bucket_mb``; rank 0 opens the engines' weight-update session,
+        announces each bucket to every server (``flush_cache`` on the last) while it broadcasts
+        its tensors, and closes the session. A failure is raised after the stream ended, so the
+        other ranks are never left in a collective. Returns the tensors sent."""
+        from concurrent.futures import ThreadPoolExecutor
+        from moe_rl.engines.sglang.weights import broadcast_tensors
+        from moe_rl.weights.fp8 import quantise_named
         fp8 = self.trainer.cfg.rollout.quantization == "fp8"
         sent, failure = 0, None
-        for bucket, last in self.trainer.hf_buckets():
-            if self.rank != 0 or failure is not None or not bucket:
-                continue
-            if fp8:   # the engines serve block-wise FP8: send E4M3 weights and their scales
-                bucket = quantise_named(bucket)
-            answer = rollout.update_weights_distributed.remote(
-                update_request(bucket, version, self.group_name, flush_cache=last))
-            try:
-                broadcast_tensors(self.weight_group, bucket)
-                _ray.get(answer)
-                sent += len(bucket)
-            except Exception as exc:   # finish the stream (collectives), then report
-                failure = exc
+        if self.rank == 0:
+            self.receiver.begin()
+        with ThreadPoolExecutor(1) as pool:
+            for bucket, last in self.trainer.hf_buckets():
+                if self.rank != 0 or failure is not None or not bucket:
+                    continue
+                if fp8:   # the engines serve block-wise FP8: send E4M3 weights and their scales
+                    bucket = quantise_named(bucket)
+                answer = pool.submit(self.receiver.announce_bucket, bucket, version,
+                                     self.group_name, last)
+                try:
+                    broadcast_tensors(self.weight_group, bucket)
+                    answer.result()
+                    sent += len(bucket)
+                except Exception as exc:   # finish the stream (collectives), then report
+                    failure = exc
         if failure is not None:
             raise failure
+        if self.rank == 0:
+            self.receiver.end()
         return sent
 
-    def push_weights_tensor(self, urls: list[str], api_key: str | None, tp_size: int,
-                            version: int, timeout: float) -> int:
+    def push_weights_tensor(self, tp_size: int, version: int) -> int:
         """Colocated SGLang: hand the weights to every server as CUDA tensors (collective), in
         buckets of ``cluster.weight_sync_bucket_mb``. Each trainer rank serialises the bucket's
         tensors on its own GPU, which is the GPU of SGLang's TP rank ``rank % tp_size`` of server
-        ``rank // tp_size``; rank 0 gathers the payloads and posts each server its TP ranks'
+        ``rank // tp_size``; rank 0 gathers the payloads and hands each server its TP ranks'
         ones inside a weight-update session, keeping its tensors alive until the servers
         answered. Returns the tensors sent."""
-        import httpx
-        from moe_rl.weight_sync import (gather_strings, serialize_named_tensors,
-                                        tensor_update_request)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-        def post_all(path, bodies):
-            for url, body in zip(urls, bodies):
-                httpx.post(url + path, json=body, headers=headers,
-                           timeout=timeout).raise_for_status()
+        from moe_rl.weights.fp8 import quantise_named
+        from moe_rl.weights.serialize import gather_strings, serialize_named_tensors
+        servers = len(self.engine_urls)
         sent, failure = 0, None
         if self.rank == 0:   # SGLang loads tensor updates only inside a session
-            post_all("/begin_weight_update", [{}] * len(urls))
-        from moe_rl.rollout.fp8 import quantise_named
+            self.receiver.begin()
         fp8 = self.trainer.cfg.rollout.quantization == "fp8"
         for bucket, last in self.trainer.hf_buckets(everywhere=True):
             payloads = gather_strings(serialize_named_tensors(
@@ -118,20 +130,25 @@ class TrainerWorker:
             if self.rank != 0 or failure is not None:
                 continue
             try:
-                if len(payloads) < len(urls) * tp_size:
+                if len(payloads) < servers * tp_size:
                     raise ValueError(f"cluster.trainer_workers: {len(payloads)} trainer ranks "
-                                     f"cannot feed {len(urls)} servers of TP {tp_size}")
-                post_all("/update_weights_from_tensor", [
-                    tensor_update_request(payloads[s * tp_size:(s + 1) * tp_size], version,
-                                          flush_cache=last) for s in range(len(urls))])
+                                     f"cannot feed {servers} servers of TP {tp_size}")
+                self.receiver.receive_tensors(
+                    [payloads[s * tp_size:(s + 1) * tp_size] for s in range(servers)], version,
+                    last)
                 sent += len(bucket)
             except Exception as exc:   # finish the stream (collectives), then report
                 failure = exc
         if self.rank == 0:
             if failure is not None:
                 raise failure
-            post_all("/end_weight_update", [{}] * len(urls))
+            self.receiver.end()
         return sent
+
+    def abort_weight_update(self) -> None:
+        """After a failed sync: close whatever sessions are open (a restarted server has
+        none)."""
+        self.receiver.end(missing_ok=True)
 
     def save(self, path: str) -> None:
         self.trainer.save_checkpoint(path)
@@ -147,7 +164,7 @@ def served_checkpoint(cfg, path: str, fp8_dir: str | None = None) -> str:
     ``path/fp8``, so it is dropped with its export)."""
     if cfg.rollout.quantization != "fp8":
         return path
-    from moe_rl.rollout.fp8 import write_fp8_checkpoint
+    from moe_rl.weights.fp8 import write_fp8_checkpoint
     return write_fp8_checkpoint(path, fp8_dir or os.path.join(path, "fp8"))
 
 
@@ -159,8 +176,9 @@ class EngineHost:
 
     def __init__(self, cfg_tree: dict, planned: dict, nodes: int, model_path: str,
                  log_path: str):
+        from moe_rl.engines.factory import server_process
+        from moe_rl.engines.process import bind_first_free
         from moe_rl.orchestration.placement import PlannedProcess, engine_command, engine_host
-        from moe_rl.rollout.reference_process import CommandServer, bind_first_free
         cfg = config_from_dict(cfg_tree)
         self.cfg = cfg
         proc = PlannedProcess(**planned)
@@ -170,9 +188,7 @@ class EngineHost:
         proc.port = self.sock.getsockname()[1]
         proc.argv, proc.env = engine_command(cfg, proc, model_path)
         self.planned = proc
-        self.server = CommandServer(proc.argv, proc.env, proc.host, proc.port,
-                                    inherits_socket=cfg.rollout.engine != "sglang",
-                                    api_key=cfg.rollout.api_key, log_path=log_path)
+        self.server = server_process(cfg, proc.argv, proc.env, proc.host, proc.port, log_path)
 
     def placed(self) -> dict:
         """The process as placed (its address and the port it holds)."""
@@ -217,9 +233,8 @@ class RolloutWorker:
     except the status reads (``restarts``), which answer at once from their own thread."""
 
     def __init__(self, cfg_tree: dict, hosts: list):
-        from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
-        from moe_rl.rollout.pool import ServerPool
-        from moe_rl.rollout.server_needs import requests_routing, requests_sampling_mask
+        from moe_rl.engines.base import SamplingConfig
+        from moe_rl.engines.factory import connect, weight_receiver
         cfg = config_from_dict(cfg_tree)
         self.cfg = cfg
         r = cfg.rollout
@@ -232,28 +247,18 @@ class RolloutWorker:
         self.version = 0
         self.trainer_actors: list = []     # non-disk sync: where a restarted server's weights
         self.export_dir: str | None = None  # come from
-        self.syncing = False
         self.group_stale = False
-        urls = self.server_urls
 
         def restarter(host, url):
             def restart():
                 ray.get(host.restart.remote())
                 path = self._weights_for_restart()
                 if path is not None:   # a restarted server serves the current weights again
-                    import httpx
-                    headers = {"Authorization": f"Bearer {r.api_key}"} if r.api_key else {}
-                    httpx.post(url + "/update_weights_from_disk", headers=headers,
-                               json={"model_path": path, "weight_version": str(self.version)},
-                               timeout=r.request_timeout_s).raise_for_status()
+                    weight_receiver(cfg, [url]).load_from_disk(path, self.version)
             return restart
 
-        self.engine = HTTPRolloutEngine(
-            lambda: ServerPool(urls, api_key=r.api_key,
-                               timeout=r.request_timeout_s, max_retries=r.max_retries,
-                               concurrency=r.concurrency,
-                               restarters=[restarter(h, u) for h, u in zip(hosts, urls)]),
-            shape, need_routing=requests_routing(cfg), need_mask=requests_sampling_mask(cfg))
+        self.engine = connect(cfg, self.server_urls, shape,
+                              [restarter(h, u) for h, u in zip(hosts, self.server_urls)])
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
         self.inputs = load_run_inputs(cfg)   # tokenizer, prompts, reward function
         self.started_versions = set(self.engine.weight_versions())   # version 0, unsynced
@@ -273,7 +278,7 @@ class RolloutWorker:
         if self.cfg.cluster.weight_sync == "disk":
             return self.weights_path
         self.group_stale = True
-        if self.syncing or not self.trainer_actors:
+        if not self.trainer_actors:
             return None
         import ray as _ray
         path = os.path.join(self.export_dir, "restart")
@@ -302,7 +307,7 @@ class RolloutWorker:
         seconds spent on rewards, the first environment error or None)."""
         import time
         from moe_rl.rewards.functions import score_rewards
-        from moe_rl.rollout.multi_turn import TrajectoryStats
+        from moe_rl.rollout.trajectories import TrajectoryStats, generate_samples
         cfg, inp = self.cfg, self.inputs
         per, r = cfg.rollout.n_samples_per_prompt, cfg.rollout
         cap = r.prompts_per_step if r.max_oversample is None else r.max_oversample
@@ -314,9 +319,9 @@ class RolloutWorker:
             first = generated
             gids = list(range(first, first + len(queue)))
             if inp.environment is None:
-                samples = self.engine.generate([inp.prompts[i].ids for i in queue], per,
-                                               self.sampling, seed=seed + first * per,
-                                               group_ids=gids)
+                samples = generate_samples(self.engine, [inp.prompts[i].ids for i in queue],
+                                           per, self.sampling, seed=seed + first * per,
+                                           group_ids=gids)
             else:
                 samples = self._trajectories(queue, per, seed + first * per, gids, stats)
             for s in samples:
@@ -357,7 +362,7 @@ class RolloutWorker:
         """``per`` multi-turn trajectories of each prompt of ``queue`` with the environment
         (their counts added to ``stats``)."""
         from moe_rl.config import response_cap
-        from moe_rl.rollout.multi_turn import TrajectoryLimits, rollout_trajectories
+        from moe_rl.rollout.trajectories import TrajectoryLimits, rollout_trajectories
         inp, r = self.inputs, self.cfg.rollout
         limits = TrajectoryLimits(r.max_turns, response_cap(self.cfg),
                                   self.cfg.data.environment_timeout_s)
@@ -412,36 +417,11 @@ class RolloutWorker:
                            for part in shard_by_group(samples, shards)])
 
     def update_weights(self, path: str, version: int) -> list[str]:
+        """Every server loads the HF checkpoint at ``path`` (its FP8 form with FP8 rollouts) as
+        ``version``; returns the versions they report."""
         path = self._served(path)
-        self.engine.update_weights_from_disk(path, version)
+        self.engine.weights.load_from_disk(path, version)
         self.weights_path, self.version = path, version
-        return self.engine.weight_versions()
-
-    def init_weight_group(self, address: str, port: int, group_name: str, backend: str,
-                          previous: str | None = None) -> list[dict]:
-        """Every server joins group ``group_name`` (leaving ``previous`` first, if any)."""
-        ranks = self.cfg.rollout.sglang.tp_size if self.cfg.rollout.engine == "sglang" else 1
-        if previous is not None:
-            self.engine.destroy_weights_update_group(previous)
-        self.group_stale = False
-        return self.engine.init_weights_update_group(address, port, ranks, group_name, backend)
-
-    def begin_weight_update(self) -> None:
-        self.syncing = True
-        self.engine.begin_weight_update()
-
-    def end_weight_update(self) -> None:
-        self.engine.end_weight_update()
-        self.syncing = False
-
-    def abort_weight_update(self) -> None:
-        """After a failed sync: close whatever sessions are open (a restarted server has none)."""
-        self.engine.end_weight_update(missing_ok=True)
-        self.syncing = False
-
-    def update_weights_distributed(self, body: dict) -> list[str]:
-        self.engine.update_weights_from_distributed(body)
-        self.version = int(body["weight_version"])
         return self.engine.weight_versions()
 
     def release_memory(self) -> None:

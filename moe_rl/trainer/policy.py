@@ -23,7 +23,7 @@ from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu, cuda_absent
 from moe_rl.trainer.forward import forward_logprobs, unwrap
 from moe_rl.trainer.loss import LossInputs, PolicyLoss
-from moe_rl.trainer.hf_weights import (exporting_rank, iter_hf_buckets,
+from moe_rl.weights.hf import (exporting_rank, iter_hf_buckets,
                                        load_hf_into_megatron, save_hf_checkpoint)
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import ParallelSizes

@@ -19,9 +19,11 @@ import torch
 from moe_rl.config import config_from_dict, load_config
 from moe_rl.moe_shape import MoEShape
 from moe_rl.orchestration.placement import make_plan
-from moe_rl.rollout.engine import HTTPRolloutEngine, SamplingConfig
-from moe_rl.rollout.pool import ServerPool
-from moe_rl.rollout.reference_process import ServerProcess
+from moe_rl.engines.base import SamplingConfig
+from moe_rl.engines.sglang.client import SGLangEngine
+from moe_rl.rollout.trajectories import generate_samples
+from moe_rl.engines.sglang.pool import ServerPool
+from moe_rl.engines.reference.launcher import ReferenceServer
 from moe_rl.trainer.parallel import free_port
 from tests.helpers import write_tiny_qwen
 
@@ -132,7 +134,8 @@ class _RecordingPool(ServerPool):
     log: list = []
     LOCAL = ("/init_weights_update_group", "/update_weights_from_distributed",
              "/begin_weight_update", "/end_weight_update", "/destroy_weights_update_group",
-             "/release_memory_occupation", "/resume_memory_occupation")
+             "/release_memory_occupation", "/resume_memory_occupation",
+             "/update_weights_from_tensor")
 
     async def request(self, path, body=None, *, server=None, method="POST"):
         self.log.append({"path": path, "method": method, "body": body})
@@ -164,24 +167,23 @@ def recorded_requests(tmp_path_factory):
     vocabulary and kept sets, T = 1 and T != 1), a multi-turn trajectory with a flushed prefix
     cache (so a routing refetch follows), and each weight-update and memory request."""
     from moe_rl.data.prompts import PromptRecord
-    from moe_rl.rollout.multi_turn import TrajectoryLimits, rollout_trajectories
-    from moe_rl.weight_sync import tensor_update_request, update_request
+    from moe_rl.rollout.trajectories import TrajectoryLimits, rollout_trajectories
     model = tmp_path_factory.mktemp("contract") / "model"
     write_tiny_qwen(model)
-    proc = ServerProcess(str(model), free_port(), return_routed_experts=True).start(120)
+    proc = ReferenceServer(str(model), free_port(), return_routed_experts=True).start(120)
     shape = MoEShape.from_hf(json.loads((model / "config.json").read_text()))
     _RecordingPool.log = []
     try:
         for mask in (False, True):
-            eng = HTTPRolloutEngine(lambda: _RecordingPool([proc.url]), shape,
-                                    need_routing=True, need_mask=mask)
+            eng = SGLangEngine(lambda: _RecordingPool([proc.url]), shape,
+                               need_routing=True, need_mask=mask)
             for temp in (1.0, 0.7):
-                samples = eng.generate([[1, 2, 3, 4]], 2,
-                                       SamplingConfig(temperature=temp, top_k=8, top_p=0.9,
-                                                      max_new_tokens=4), seed=1)
+                samples = generate_samples(eng, [[1, 2, 3, 4]], 2,
+                                           SamplingConfig(temperature=temp, top_k=8, top_p=0.9,
+                                                          max_new_tokens=4), seed=1)
                 eng.score(samples, 2, temperature=temp, window=2)
-        eng = HTTPRolloutEngine(lambda: _RecordingPool([proc.url]), shape, need_routing=True,
-                                need_mask=True)
+        eng = SGLangEngine(lambda: _RecordingPool([proc.url]), shape, need_routing=True,
+                           need_mask=True, ranks_per_server=2)
 
         class Flushing(_TwoTurnEnv):
             def step(self, action_ids, finish_reason):
@@ -191,32 +193,30 @@ def recorded_requests(tmp_path_factory):
         rollout_trajectories(eng, Flushing, [PromptRecord("", [5, 6, 7, 8], None)], 1,
                              SamplingConfig(top_k=8, max_new_tokens=4), TrajectoryLimits(4, 30),
                              shape.vocab_size, group_ids=[0], seed=3)
-        eng.update_weights_from_disk(str(model), 3)
-        eng.init_weights_update_group("127.0.0.1", 29500, 2, "moe_rl_weights_0", "nccl")
-        eng.begin_weight_update()
-        eng.update_weights_from_distributed(update_request(
+        w = eng.weights
+        w.load_from_disk(str(model), 3)
+        w.join_group("127.0.0.1", 29500, "moe_rl_weights_1", "nccl", previous="moe_rl_weights_0")
+        w.begin()
+        w.announce_bucket(
             [("model.norm.weight", torch.ones(4)),
              ("model.layers.0.mlp.experts.1.up_proj.weight", torch.ones(2, 4).bfloat16())],
-            4, "moe_rl_weights_0", flush_cache=True))
-        eng.end_weight_update()
-        eng.destroy_weights_update_group("moe_rl_weights_0")
+            4, "moe_rl_weights_1", last=True)
+        # the tensor sync's payloads are the trainer ranks' (CUDA IPC handles, faked here)
+        from moe_rl.weights.serialize import serialize_named_tensors
+        from tests.test_weight_sync import fake_cuda_ipc
+        with pytest.MonkeyPatch.context() as mp:
+            fake_cuda_ipc(mp)
+            payloads = [serialize_named_tensors([("model.norm.weight", torch.ones(4) * r)])
+                        for r in range(2)]
+        w.receive_tensors([payloads], 5, last=True)
+        w.end()
         eng.release_memory()
         eng.resume_memory()
         eng.check_health()
         eng.weight_versions()
     finally:
         proc.stop()
-    log = list(_RecordingPool.log)
-    # the tensor sync's body is posted by the trainer ranks (httpx), built here
-    from moe_rl.weight_sync import serialize_named_tensors
-    from tests.test_weight_sync import fake_cuda_ipc
-    with pytest.MonkeyPatch.context() as mp:
-        fake_cuda_ipc(mp)
-        payloads = [serialize_named_tensors([("model.norm.weight", torch.ones(4) * r)])
-                    for r in range(2)]
-    log.append({"path": "/update_weights_from_tensor", "method": "POST",
-                "body": tensor_update_request(payloads, 5)})
-    return log
+    return list(_RecordingPool.log)
 
 
 def _as_sent(value):
@@ -269,7 +269,7 @@ def test_every_request_body_is_read_by_sglang_as_meant(recorded_requests, tmp_pa
 # --------------------------------------------------------------------------- tensor payloads
 
 def test_tensor_sync_payload_is_read_by_sglangs_safe_unpickler(monkeypatch, tmp_path):
-    from moe_rl.weight_sync import serialize_named_tensors
+    from moe_rl.weights.serialize import serialize_named_tensors
     from tests.test_weight_sync import fake_cuda_ipc
     fake_cuda_ipc(monkeypatch)
     named = [("model.norm.weight", torch.arange(4.0)),
@@ -289,7 +289,7 @@ def test_tensor_sync_payload_is_read_by_sglangs_safe_unpickler(monkeypatch, tmp_
 # ------------------------------------------------------------------------ weight-update group
 
 def test_trainer_group_is_joined_by_sglangs_init_custom_process_group(tmp_path):
-    from moe_rl.weight_sync import broadcast_tensors, close_group, open_group, update_request
+    from moe_rl.engines.sglang.weights import broadcast_tensors, close_group, open_group, update_request
     port = free_port()
     named = [("model.norm.weight", torch.arange(6.0).reshape(3, 2)),
              ("model.layers.0.mlp.experts.1.up_proj.weight",
@@ -316,7 +316,7 @@ def test_trainer_group_is_joined_by_sglangs_init_custom_process_group(tmp_path):
 # ---------------------------------------------------------------------------------- FP8 config
 
 def test_fp8_quantization_config_is_sglangs_block_fp8(tmp_path):
-    from moe_rl.rollout.fp8 import BLOCK, QUANTIZATION_CONFIG
+    from moe_rl.weights.fp8 import BLOCK, QUANTIZATION_CONFIG
     (res,) = judge("fp8_config", [{"quantization_config": QUANTIZATION_CONFIG}], tmp_path)
     assert "error" not in res, res
     assert res["weight_block_size"] == [BLOCK, BLOCK]
@@ -328,7 +328,7 @@ def test_fp8_quantization_config_is_sglangs_block_fp8(tmp_path):
 def test_kept_set_matches_sglangs_torch_sampler_with_ties(tmp_path):
     """Hand cases with ties at the top-k and the top-p cuts: the reference engine's pytorch
     backend keeps exactly what SGLang's torch sampler keeps."""
-    from moe_rl.rollout.reference_engine import kept_set
+    from moe_rl.engines.reference.engine import kept_set
     cases = [
         {"probs": [0.4, 0.2, 0.2, 0.1, 0.1], "top_k": 2, "top_p": 1.0, "min_p": 0.0},
         {"probs": [0.4, 0.2, 0.2, 0.1, 0.1], "top_k": 3, "top_p": 1.0, "min_p": 0.0},
@@ -396,7 +396,7 @@ def test_fp8_writer_quantises_what_sglangs_model_builds_with_fp8(arch, tmp_path)
     module SGLang builds unquantised (router gates, embeddings, LM head) is left as it is."""
     import transformers
     from safetensors import safe_open
-    from moe_rl.rollout.fp8 import QUANTIZATION_CONFIG, write_fp8_checkpoint
+    from moe_rl.weights.fp8 import QUANTIZATION_CONFIG, write_fp8_checkpoint
     conf_cls, model_cls, fields = ARCHS[arch]
     torch.manual_seed(0)
     cfg = getattr(transformers, conf_cls)(**fields)

@@ -12,23 +12,17 @@ from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from moe_rl.engines.base import ResponseError, Turn
 from moe_rl.moe_shape import MoEShape
-
-from moe_rl.types import Sample, compact_routing
+from moe_rl.types import compact_routing
 
 R3_FIX = ("start SGLang with --enable-return-routed-experts and send return_routed_experts: "
           "true (routing replay r3 needs the routing of every token)")
 MASK_FIX = ("start SGLang with --sampling-mask-max-tokens N and send return_sampling_mask: true "
             "with a finite top_k (the keep-sampling-mask needs the kept sets)")
-
-
-class ResponseError(ValueError):
-    """An engine response that cannot become a rollout record; the message says how to fix it."""
 
 
 def decode_routing(payload: str, positions: int, layout: MoEShape) -> torch.Tensor:
@@ -88,26 +82,11 @@ def decode_sampling_logprobs(values, n_tokens: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-@dataclass
-class Turn:
-    """One ``/generate`` response decoded: the generated ids and, per generated token, its
-    rollout log-prob (on the kept set with the sampling mask), kept set and kept mass; the
-    routing rows of the positions from ``routed_experts_start_len`` on."""
-    output_ids: list[int]
-    logprobs: torch.Tensor
-    routing: torch.Tensor | None
-    kept_offsets: torch.Tensor | None
-    kept_ids: torch.Tensor | None
-    kept_logmass: torch.Tensor | None
-    weight_version: int
-    finish_reason: dict
-    cached_tokens: int
-
-
 def decode_turn(resp: dict, input_len: int, layout: MoEShape, *, need_routing: bool,
                 need_mask: bool, routing_start: int = 0) -> Turn:
     """A generation response to ``input_len`` input ids (routing asked from position
-    ``routing_start``) -> :class:`Turn`; ResponseError names the field that does not fit."""
+    ``routing_start``) -> :class:`~moe_rl.engines.base.Turn`; ResponseError names the field that
+    does not fit."""
     meta = resp.get("meta_info") or {}
     out = resp.get("output_ids")
     if not isinstance(out, list) or not out:
@@ -137,19 +116,6 @@ def decode_turn(resp: dict, input_len: int, layout: MoEShape, *, need_routing: b
     finish = meta.get("finish_reason") or {}
     return Turn(out, lp, routing, offsets, ids, logmass, version,
                 finish if isinstance(finish, dict) else {"type": str(finish)}, cached)
-
-
-def sample_from_response(resp: dict, prompt_ids: list[int], layout: MoEShape, *,
-                         need_routing: bool, need_mask: bool, group_id: int, sample_id: int,
-                         metadata: dict | None = None) -> Sample:
-    """One generation response -> a validated :class:`Sample` (reward filled in later)."""
-    t = decode_turn(resp, len(prompt_ids), layout, need_routing=need_routing,
-                    need_mask=need_mask)
-    return Sample(prompt_ids=prompt_ids, response_ids=t.output_ids, rollout_logprobs=t.logprobs,
-                  routing=t.routing, sampling_mask_offsets=t.kept_offsets,
-                  sampling_mask_ids=t.kept_ids, kept_logmass=t.kept_logmass,
-                  group_id=group_id, weight_version=t.weight_version, sample_id=sample_id,
-                  metadata={**(metadata or {}), "finish_reason": t.finish_reason.get("type", "")})
 
 
 def decode_listed_logprobs(resp: dict, n_tokens: int, ids: list[int]) -> torch.Tensor:

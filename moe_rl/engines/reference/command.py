@@ -1,9 +1,10 @@
-"""``moe-rl serve-reference``: serve a HF MoE model on CPU with SGLang's HTTP protocol."""
+"""``moe-rl serve-reference``: serve a HF MoE model on CPU with SGLang's HTTP protocol (its flags
+are SGLang's where SGLang has one)."""
 from __future__ import annotations
 
 import argparse
 
-from moe_rl.rollout.admission_limits import Limits
+from moe_rl.engines.reference.admission_limits import Limits
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_rl.rollout.reference_server import serve
+    from moe_rl.engines.reference.server import serve
     serve(args.model, host=args.host, port=args.port, dtype=args.dtype, api_key=args.api_key,
           seed=args.seed, max_running_requests=args.max_running_requests,
           max_total_tokens=args.max_total_tokens,

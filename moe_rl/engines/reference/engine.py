@@ -34,12 +34,12 @@ from moe_rl.errors import first_line
 from moe_rl.leftovers import engine_scratch, sweep_engine_scratch
 from moe_rl.moe_shape import MoEShape
 from moe_rl.plugins import PluginTimeout, call_bounded
-from moe_rl.rollout import split_kv
-from moe_rl.rollout.fp8 import (apply_fp8, is_fp8_checkpoint, read_fp8_checkpoint,
-                                write_dequantised_checkpoint)
-from moe_rl.rollout.prefix_cache import CacheHit, PrefixCache
+from moe_rl.engines.reference import split_kv
+from moe_rl.engines.reference.fp8_inference import apply_fp8
+from moe_rl.engines.reference.prefix_cache import CacheHit, PrefixCache
 from moe_rl.types import MODEL_DTYPES
-from moe_rl.weight_sync import parse_dtype
+from moe_rl.weights.fp8 import is_fp8_checkpoint, read_fp8_checkpoint, write_dequantised_checkpoint
+from moe_rl.weights.serialize import parse_dtype
 
 
 
@@ -443,7 +443,7 @@ class ReferenceEngine:
         """Join the trainer's weight-update group (blocks until every member joined, at most
         ``group_timeout_s``: past it the attempt is abandoned on its thread and RequestError
         says so). Rank 0 hosts the group's store and belongs to the trainer."""
-        from moe_rl.weight_sync import open_group
+        from moe_rl.engines.sglang.weights import open_group
         if rank_offset < 1 or rank_offset >= world_size:
             raise RequestError(f"rank_offset: expected 1 <= rank_offset < world_size "
                                f"({world_size}); rank 0 is the trainer, which hosts the group")
@@ -462,7 +462,7 @@ class ReferenceEngine:
 
     def destroy_update_group(self, group_name: str) -> None:
         """Leave weight-update group ``group_name``."""
-        from moe_rl.weight_sync import close_group
+        from moe_rl.engines.sglang.weights import close_group
         if group_name not in self.groups:
             raise RequestError(f"group_name: no weight-update group {group_name!r}")
         close_group(self.groups.pop(group_name))
@@ -530,7 +530,7 @@ class ReferenceEngine:
         served checkpoint's, exactly, all finite, and replaces the served weights atomically;
         on any refusal the staged buckets are dropped and the served weights stay. Returns
         whether this request committed."""
-        from moe_rl.weight_sync import receive_tensors
+        from moe_rl.engines.sglang.weights import receive_tensors
         with self._update_lock:
             if not self.in_update_session:
                 raise RequestError("update_weights_from_distributed: outside a weight-update "

@@ -11,8 +11,10 @@ from typing import Callable
 
 import httpx
 
+from moe_rl.engines.base import EngineError
 
-class EngineHTTPError(RuntimeError):
+
+class EngineHTTPError(EngineError):
     """A request every server refused or that kept failing after its retries."""
 
 
@@ -45,7 +47,7 @@ def error_message(resp: httpx.Response) -> str:
 @dataclass
 class Server:
     url: str
-    restart: Callable[[], None] | None = None   # blocking restart (e.g. ServerProcess.restart)
+    restart: Callable[[], None] | None = None   # blocking restart (e.g. ReferenceServer.restart)
     in_flight: int = 0
     alive: bool = True
     failures: int = 0

@@ -1,11 +1,13 @@
-"""Start, wait for, and stop a reference-engine server process on 127.0.0.1."""
+"""The engine server process supervisor: bind a port and hold it, start a server process on it,
+wait for its /health, restart it after a crash, stop it (terminate, then kill). Every engine's
+launcher builds on :class:`ServerProcess`."""
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
-import sys
 import time
+from abc import ABC, abstractmethod
 
 import httpx
 
@@ -52,70 +54,28 @@ def pick_ports(host: str, first: int, count: int) -> list[int]:
     return ports
 
 
-REFERENCE_ENV = {"PYTHONUNBUFFERED": "1"}
-
-
-def reference_argv(model: str, host: str, port: int, *, dtype: str = "float32", seed: int = 0,
-                   api_key: str | None = None, return_routed_experts: bool = True,
-                   sampling_mask_max_tokens: int = 4096, deterministic_inference: bool = False,
-                   quantization: str = "none", max_total_tokens: int | None = None) -> list[str]:
-    """``moe-rl serve-reference ...`` for one server (``--fd`` is added when it starts on a
-    socket its parent bound)."""
-    cmd = [sys.executable, "-m", "moe_rl.cli", "serve-reference", "--model", model,
-           "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed)]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    if return_routed_experts:
-        cmd.append("--enable-return-routed-experts")
-    cmd += ["--sampling-mask-max-tokens", str(sampling_mask_max_tokens)]
-    if deterministic_inference:
-        cmd.append("--enable-deterministic-inference")
-    if quantization != "none":
-        cmd += ["--quantization", quantization]
-    if max_total_tokens is not None:
-        cmd += ["--max-total-tokens", str(max_total_tokens)]
-    return cmd
-
-
-class ServerProcess:
-    """One ``moe-rl serve-reference`` subprocess; restartable after a crash. The parent binds the
-    port and hands the socket to the child (``--fd``), so no other process can take it between
-    choosing the port and serving on it, and /health never answers for a stranger."""
+class ServerProcess(ABC):
+    """One engine server subprocess on ``host:port``, restartable after a crash. With
+    ``inherits_socket`` the parent binds the port and hands the socket to the child (``--fd``),
+    so no other process can take it between choosing the port and serving on it, and /health
+    never answers for a stranger; otherwise the server binds it itself (the port is released just
+    before launch)."""
 
     inherits_socket = True
 
-    def __init__(self, model: str, port: int, host: str = "127.0.0.1", dtype: str = "float32",
-                 api_key: str | None = None, seed: int = 0, log_path: str | None = None,
-                 return_routed_experts: bool = True, sampling_mask_max_tokens: int = 4096,
-                 max_total_tokens: int | None = None, deterministic_inference: bool = False,
-                 quantization: str = "none", extra_args: tuple[str, ...] = ()):
-        self.model, self.port, self.host, self.dtype = model, port, host, dtype
-        self.api_key, self.seed, self.log_path = api_key, seed, log_path
-        self.return_routed_experts = return_routed_experts
-        self.sampling_mask_max_tokens = sampling_mask_max_tokens
-        self.max_total_tokens = max_total_tokens
-        self.deterministic_inference = deterministic_inference
-        self.quantization = quantization
-        self.extra_args = list(extra_args)   # further serve-reference flags (limits, timeouts)
+    def __init__(self, port: int, host: str = "127.0.0.1", api_key: str | None = None,
+                 log_path: str | None = None):
+        self.port, self.host, self.api_key, self.log_path = port, host, api_key, log_path
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
+
+    @abstractmethod
+    def command(self, fd: int | None = None) -> tuple[list[str], dict]:
+        """(argv, environment) of the server process (serving on inherited socket ``fd``)."""
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    def command(self, fd: int | None = None) -> tuple[list[str], dict]:
-        """(argv, environment) of the server process (serving on inherited socket ``fd``)."""
-        cmd = reference_argv(self.model, self.host, self.port, dtype=self.dtype, seed=self.seed,
-                             api_key=self.api_key,
-                             return_routed_experts=self.return_routed_experts,
-                             sampling_mask_max_tokens=self.sampling_mask_max_tokens,
-                             deterministic_inference=self.deterministic_inference,
-                             quantization=self.quantization,
-                             max_total_tokens=self.max_total_tokens) + self.extra_args
-        if fd is not None:
-            cmd += ["--fd", str(fd)]
-        return cmd, dict(os.environ, **REFERENCE_ENV)
 
     def start(self, timeout: float = 120.0, sock: socket.socket | None = None
               ) -> "ServerProcess":
@@ -150,7 +110,7 @@ class ServerProcess:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"reference server on port {self.port} exited with code "
+                raise RuntimeError(f"engine server on port {self.port} exited with code "
                                    f"{self.proc.returncode} (log: {self.log_path})")
             try:
                 if httpx.get(self.url + "/health", headers=headers, timeout=2.0).status_code == 200:
@@ -158,7 +118,7 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"reference server on port {self.port} not healthy after {timeout} s")
+        raise RuntimeError(f"engine server on port {self.port} not healthy after {timeout} s")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -184,16 +144,13 @@ class ServerProcess:
 
 
 class CommandServer(ServerProcess):
-    """A server started from a given command line and environment (the placement plan's):
-    ``inherits_socket`` for the reference engine (``--fd`` appended), not for SGLang, which binds
-    its port itself."""
+    """A server started from a given command line and environment (the placement plan's);
+    ``inherits_socket``: the engine serves on a socket it inherits (``--fd`` appended)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], host: str, port: int, *,
                  inherits_socket: bool, api_key: str | None = None,
                  log_path: str | None = None):
-        super().__init__(argv[argv.index("--model-path" if "--model-path" in argv
-                                         else "--model") + 1],
-                         port, host=host, api_key=api_key, log_path=log_path)
+        super().__init__(port, host=host, api_key=api_key, log_path=log_path)
         self.argv, self.env, self.inherits_socket = list(argv), dict(env), inherits_socket
 
     def command(self, fd: int | None = None) -> tuple[list[str], dict]:

@@ -1,12 +1,12 @@
 """The SGLang server's command line and environment, as moe_rl launches it (the placement plan
-puts them on a node and its GPUs; :class:`moe_rl.rollout.reference_process.CommandServer` runs
+puts them on a node and its GPUs; :class:`moe_rl.engines.process.CommandServer` runs
 them)."""
 from __future__ import annotations
 
 import sys
 
 from moe_rl.config import Config
-from moe_rl.rollout.server_needs import requests_routing, requests_sampling_mask
+from moe_rl.engines.needs import requests_routing, requests_sampling_mask
 
 
 def sglang_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]:

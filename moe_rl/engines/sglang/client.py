@@ -1,96 +1,167 @@
-"""The rollout-engine interface used by the loop, and its implementation over SGLang's HTTP
-protocol (SGLang servers on GPUs, or the CPU reference engine, which speaks the same protocol).
-
-generate: prompts -> n samples each (tokens, log-probs, routing, kept sets, weight version);
-score: finished samples -> n per-pass log-probs (pi_old as the mean of n engine passes);
-update_weights_from_disk or from a distributed group (NCCL on GPUs, gloo on CPU);
-release/resume memory (colocated); flush_cache; health; weight_version.
-"""
+"""The :class:`~moe_rl.engines.base.Engine` over SGLang's HTTP protocol, for SGLang servers on
+GPUs and for the CPU reference engine, which speaks the same protocol: turns are ``/generate``
+requests (routing, kept sets and post-truncation log-probs asked as the rollout needs them),
+scoring passes are batched prefill requests, and the weight receiver speaks SGLang's
+weight-update endpoints."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from moe_rl.rollout.decode import (ResponseError, decode_listed_logprobs, sample_from_response,
-                                   score_from_response)
+from moe_rl.engines.base import (Engine, EngineSession, ResponseError, SamplingConfig, Turn,
+                                 WeightReceiver)
+from moe_rl.engines.sglang.decode import (decode_listed_logprobs, decode_routing, decode_turn,
+                                          score_from_response)
+from moe_rl.engines.sglang.pool import EngineHTTPError, ServerPool
+from moe_rl.engines.sglang.weights import (init_group_request, tensor_update_request,
+                                           update_request)
 from moe_rl.moe_shape import MoEShape
-from moe_rl.rollout.pool import EngineHTTPError, ServerPool
 from moe_rl.types import Sample
 
 SCORE_BATCH_MAX = 1024   # inputs per batched scoring call (below the engine's request limits)
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    """The SGLang sampling_params the loop sends."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()   # besides end of text (a tool call's closing token)
-
-    def to_json(self, seed: int | None = None) -> dict:
-        out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-               "min_p": self.min_p, "max_new_tokens": self.max_new_tokens}
-        if self.stop_token_ids:
-            out["stop_token_ids"] = list(self.stop_token_ids)
-        if seed is not None:
-            out["sampling_seed"] = seed
-        return out
+def run_with_pool(pool_factory: Callable[[], ServerPool], coro_fn):
+    """Run ``coro_fn(pool)`` to completion on a fresh pool (its own HTTP client)."""
+    async def main():
+        async with pool_factory() as pool:
+            return await coro_fn(pool)
+    return asyncio.run(main())
 
 
-class HTTPRolloutEngine:
-    """Engine over a pool of SGLang-protocol servers."""
+async def broadcast_tolerant(pool: ServerPool, path: str, body: dict) -> list[dict]:
+    """Send to every server; a refusal becomes that server's ``success: false`` answer."""
+    async def one(server):
+        try:
+            return await pool.request(path, body, server=server)
+        except EngineHTTPError as exc:
+            return {"success": False, "message": str(exc)}
+    return list(await asyncio.gather(*(one(s) for s in pool.servers)))
 
-    def __init__(self, pool_factory, layout: MoEShape, *, need_routing: bool,
-                 need_mask: bool):
+
+class SGLangSession(EngineSession):
+    """An open :class:`ServerPool`: turns as ``/generate`` requests."""
+
+    def __init__(self, engine: "SGLangEngine", pool: ServerPool):
+        self.engine, self.pool = engine, pool
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.pool.servers)
+
+    def _server(self, index: int | None):
+        return None if index is None else self.pool.servers[index % len(self.pool.servers)]
+
+    async def generate_turn(self, input_ids: list[int], sampling: SamplingConfig, *,
+                            seed: int | None = None, routing_from: int | None = None,
+                            server: int | None = None) -> Turn:
+        e = self.engine
+        body = e.generate_body(input_ids, sampling, seed)
+        if e.need_routing and routing_from is not None:
+            body["routed_experts_start_len"] = routing_from
+        resp = await self.pool.request("/generate", body, server=self._server(server))
+        return decode_turn(resp, len(input_ids), e.layout, need_routing=e.need_routing,
+                           need_mask=e.need_mask, routing_start=routing_from or 0)
+
+    async def routing(self, input_ids: list[int], start: int, *, server: int) -> torch.Tensor:
+        body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0},
+                "return_routed_experts": True, "routed_experts_start_len": start}
+        resp = await self.pool.request("/generate", body, server=self._server(server))
+        meta = resp.get("meta_info") or {}
+        if not meta.get("routed_experts"):
+            raise ResponseError("routed_experts: missing from the routing follow-up response")
+        return decode_routing(meta["routed_experts"], len(input_ids) - 1 - start,
+                              self.engine.layout)
+
+
+class SGLangWeightReceiver(WeightReceiver):
+    """SGLang's weight-update endpoints on every server of a pool."""
+
+    def __init__(self, pool_factory: Callable[[], ServerPool], ranks_per_server: int = 1):
+        self.pool_factory, self.ranks_per_server = pool_factory, ranks_per_server
+
+    def _broadcast(self, path: str, body: dict | None) -> list[dict]:
+        return run_with_pool(self.pool_factory, lambda pool: pool.broadcast(path, body))
+
+    def load_from_disk(self, path: str, version: int) -> None:
+        self._broadcast("/update_weights_from_disk",
+                        {"model_path": path, "weight_version": str(version)})
+
+    def join_group(self, address: str, port: int, group_name: str, backend: str,
+                   previous: str | None = None) -> None:
+        per = self.ranks_per_server
+
+        async def run(pool: ServerPool):
+            if previous is not None:   # a server that never joined it is not an error
+                await broadcast_tolerant(pool, "/destroy_weights_update_group",
+                                         {"group_name": previous})
+            world = 1 + len(pool.servers) * per
+            return list(await asyncio.gather(*(pool.request(
+                "/init_weights_update_group",
+                init_group_request(address, port, 1 + i * per, world, group_name, backend),
+                server=s) for i, s in enumerate(pool.servers))))
+        run_with_pool(self.pool_factory, run)
+
+    def begin(self) -> None:
+        self._broadcast("/begin_weight_update", {})
+
+    def end(self, missing_ok: bool = False) -> None:
+        if missing_ok:
+            run_with_pool(self.pool_factory,
+                          lambda pool: broadcast_tolerant(pool, "/end_weight_update", {}))
+        else:
+            self._broadcast("/end_weight_update", {})
+
+    def announce_bucket(self, named: list[tuple[str, torch.Tensor]], version: int,
+                        group_name: str, last: bool) -> None:
+        self._broadcast("/update_weights_from_distributed",
+                        update_request(named, version, group_name, flush_cache=last))
+
+    def receive_tensors(self, payloads: list[list[str]], version: int, last: bool) -> None:
+        async def run(pool: ServerPool):
+            if len(payloads) != len(pool.servers):
+                raise ValueError(f"receive_tensors: {len(payloads)} payload lists for "
+                                 f"{len(pool.servers)} servers")
+            for server, mine in zip(pool.servers, payloads):   # one server at a time
+                await pool.request("/update_weights_from_tensor",
+                                   tensor_update_request(mine, version, flush_cache=last),
+                                   server=server)
+        run_with_pool(self.pool_factory, run)
+
+
+class SGLangEngine(Engine):
+    """The engine over a pool of SGLang-protocol servers."""
+
+    def __init__(self, pool_factory: Callable[[], ServerPool], layout: MoEShape, *,
+                 need_routing: bool, need_mask: bool, ranks_per_server: int = 1):
         self.pool_factory = pool_factory   # () -> ServerPool (fresh httpx client per call)
         self.layout = layout
         self.need_routing = need_routing
         self.need_mask = need_mask
+        self._weights = SGLangWeightReceiver(pool_factory, ranks_per_server)
+
+    def run(self, fn):
+        return run_with_pool(self.pool_factory, lambda pool: fn(SGLangSession(self, pool)))
 
     def run_with_pool(self, coro_fn):
-        """Run ``coro_fn(pool)`` to completion on a fresh pool (its own HTTP client)."""
-        async def main():
-            async with self.pool_factory() as pool:
-                return await coro_fn(pool)
-        return asyncio.run(main())
+        """Run ``coro_fn(pool)`` to completion on a fresh pool."""
+        return run_with_pool(self.pool_factory, coro_fn)
 
-    # ------------------------------------------------------------------ generation
+    @property
+    def weights(self) -> SGLangWeightReceiver:
+        return self._weights
+
     def generate_body(self, prompt: list[int], sampling: SamplingConfig,
                       seed: int | None = None) -> dict:
-        """The ``/generate`` request of one sample."""
+        """The ``/generate`` request of one turn."""
         body = {"input_ids": prompt, "sampling_params": sampling.to_json(seed),
                 "return_logprob": True, "return_routed_experts": self.need_routing,
                 "return_sampling_mask": self.need_mask}
         if self.need_mask:   # one post-truncation log-prob per sampled token
             body["sampling_logprobs_mode"] = "selected"
         return body
-
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, *,
-                 group_ids: list[int] | None = None, seed: int | None = None,
-                 metadata: list[dict] | None = None, progress=None) -> list[Sample]:
-        """n samples per prompt, in prompt-major order; sample_id = position in that order."""
-        group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
-        jobs = [(i, j) for i in range(len(prompts)) for j in range(n)]
-
-        async def one(pool: ServerPool, k: int, i: int, j: int) -> Sample:
-            body = self.generate_body(prompts[i], sampling, None if seed is None else seed + k)
-            resp = await pool.request("/generate", body)
-            if progress is not None:
-                progress(1)
-            return sample_from_response(resp, prompts[i], self.layout,
-                                        need_routing=self.need_routing, need_mask=self.need_mask,
-                                        group_id=group_ids[i], sample_id=k,
-                                        metadata=(metadata[i] if metadata else None))
-
-        async def all_jobs(pool: ServerPool):
-            return await asyncio.gather(*(one(pool, k, i, j) for k, (i, j) in enumerate(jobs)))
-
-        return list(self.run_with_pool(all_jobs))
 
     # ------------------------------------------------------------------ scoring
     def score(self, samples: list[Sample], n_passes: int, temperature: float = 1.0,
@@ -207,82 +278,22 @@ class HTTPRolloutEngine:
             s.pass_logprobs = torch.stack([res[(i, j)] for j in range(n_passes)])
             s.validate()
 
-    # ------------------------------------------------------------------ weights and control
-    def update_weights_from_disk(self, path: str, version: int) -> list[dict]:
-        """Every server loads the HF checkpoint at ``path`` and reports ``version``."""
-        body = {"model_path": path, "weight_version": str(version)}
-        return self.run_with_pool(lambda pool: pool.broadcast("/update_weights_from_disk", body))
+    # ------------------------------------------------------------------ control
+    def _broadcast(self, path: str, body: dict | None, method: str = "POST") -> list[dict]:
+        return self.run_with_pool(lambda pool: pool.broadcast(path, body, method=method))
 
-    def init_weights_update_group(self, master_address: str, master_port: int,
-                                  ranks_per_server: int, group_name: str,
-                                  backend: str) -> list[dict]:
-        """Have every server join the trainer's weight-update group: server i takes ranks
-        ``1 + i * ranks_per_server ...`` (rank 0 is the trainer, which must join concurrently)."""
-        from moe_rl.weight_sync import init_group_request
+    def release_memory(self) -> None:
+        self._broadcast("/release_memory_occupation", {})
 
-        async def run(pool: ServerPool):
-            n = len(pool.servers)
-            world = 1 + n * ranks_per_server
-            return list(await asyncio.gather(*(pool.request(
-                "/init_weights_update_group",
-                init_group_request(master_address, master_port, 1 + i * ranks_per_server, world,
-                                   group_name, backend), server=s)
-                for i, s in enumerate(pool.servers))))
-        return self.run_with_pool(run)
+    def resume_memory(self) -> None:
+        self._broadcast("/resume_memory_occupation", {})
 
-    def update_weights_from_distributed(self, body: dict) -> list[dict]:
-        """Every server receives the tensors the trainer broadcasts (the body lists them); call
-        it between :meth:`begin_weight_update` and :meth:`end_weight_update`."""
-        return self.run_with_pool(lambda pool: pool.broadcast("/update_weights_from_distributed", body))
-
-    def begin_weight_update(self) -> list[dict]:
-        """Open every server's weight-update session (SGLang refuses distributed and tensor
-        updates outside one)."""
-        return self.run_with_pool(lambda pool: pool.broadcast("/begin_weight_update", {}))
-
-    def end_weight_update(self, missing_ok: bool = False) -> list[dict]:
-        """Close every server's weight-update session (``missing_ok``: a server without one,
-        e.g. just restarted, is not an error)."""
-        if missing_ok:
-            return self._broadcast_tolerant("/end_weight_update", {})
-        return self.run_with_pool(lambda pool: pool.broadcast("/end_weight_update", {}))
-
-    def destroy_weights_update_group(self, group_name: str) -> list[dict]:
-        """Every server leaves weight-update group ``group_name`` (SGLang's
-        ``/destroy_weights_update_group``); a server that never joined it is not an error."""
-        return self._broadcast_tolerant("/destroy_weights_update_group",
-                                        {"group_name": group_name})
-
-    def _broadcast_tolerant(self, path: str, body: dict) -> list[dict]:
-        """Send to every server; a refusal becomes that server's ``success: false`` answer."""
-        async def run(pool: ServerPool):
-            async def one(server):
-                try:
-                    return await pool.request(path, body, server=server)
-                except EngineHTTPError as exc:
-                    return {"success": False, "message": str(exc)}
-            return list(await asyncio.gather(*(one(s) for s in pool.servers)))
-        return self.run_with_pool(run)
-
-    def release_memory(self) -> list[dict]:
-        """Colocated training: the servers free their weights (and KV cache) until resumed."""
-        return self.run_with_pool(lambda pool: pool.broadcast("/release_memory_occupation", {}))
-
-    def resume_memory(self) -> list[dict]:
-        """Colocated training: the servers take their memory back."""
-        return self.run_with_pool(lambda pool: pool.broadcast("/resume_memory_occupation", {}))
-
-    def flush_cache(self) -> list[dict]:
-        """Drop every server's prefix cache (after a weight update)."""
-        return self.run_with_pool(lambda pool: pool.broadcast("/flush_cache", {}))
+    def flush_cache(self) -> None:
+        self._broadcast("/flush_cache", {})
 
     def check_health(self) -> None:
-        """Every server answers /health; a dead server is restarted and asked again
-        (EngineHTTPError when one cannot be brought back)."""
-        self.run_with_pool(lambda pool: pool.broadcast("/health", None, method="GET"))
+        self._broadcast("/health", None, method="GET")
 
     def weight_versions(self) -> list[str]:
-        """The weight version each server reports."""
-        infos = self.run_with_pool(lambda pool: pool.broadcast("/get_model_info", None, method="GET"))
+        infos = self._broadcast("/get_model_info", None, method="GET")
         return [str(i.get("weight_version")) for i in infos]
-

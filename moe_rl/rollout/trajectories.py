@@ -1,6 +1,9 @@
-"""Multi-turn rollouts against an environment, token ids end to end, over SGLang's protocol.
+"""Trajectories from prompt to :class:`Sample`, written against the engine contract
+(:class:`moe_rl.engines.base.Engine`): a single-turn sample is a one-turn trajectory
+(:func:`generate_samples`); multi-turn trajectories run against an environment, token ids end to
+end (:func:`rollout_trajectories`).
 
-Each turn sends the whole trajectory so far as ``input_ids`` to the same server (its prefix cache
+Each turn of a multi-turn trajectory sends the whole trajectory so far as ``input_ids`` to the same server (its prefix cache
 serves the earlier turns), with routing and sampling masks requested; the model's ids are kept
 exactly as generated and the environment's observation ids are appended as given (nothing is
 decoded and re-encoded). Observation tokens get loss mask 0, rollout log-prob 0 and a one-token
@@ -34,7 +37,7 @@ import torch
 
 from moe_rl.envs import EnvError, check_step
 from moe_rl.plugins import PluginTimeout, call_bounded_async
-from moe_rl.rollout.decode import ResponseError, decode_routing, decode_turn
+from moe_rl.engines.base import Engine, EngineSession, ResponseError, SamplingConfig, Turn
 from moe_rl.types import Sample
 
 log = logging.getLogger(__name__)
@@ -138,19 +141,49 @@ class _Trajectory:
                       weight_version=min(self.versions), **kw)
 
 
-async def _refetch_routing(engine, pool, server, ids: list[int], turn, traj: _Trajectory,
-                           new_rows: torch.Tensor) -> torch.Tensor:
+def sample_of_turn(prompt_ids: list[int], turn: Turn, *, group_id: int, sample_id: int,
+                   metadata: dict | None = None) -> Sample:
+    """A single-turn sample: the one-turn trajectory of ``turn`` after ``prompt_ids``."""
+    traj = _Trajectory(prompt_ids)
+    traj.routing = turn.routing
+    traj.add_model(turn)
+    return traj.sample(turn.kept_offsets is not None, group_id=group_id, sample_id=sample_id,
+                       metadata={**(metadata or {}),
+                                 "finish_reason": turn.finish_reason.get("type", "")})
+
+
+def generate_samples(engine: Engine, prompts: list[list[int]], n: int,
+                     sampling: SamplingConfig, *, group_ids: list[int] | None = None,
+                     seed: int | None = None, metadata: list[dict] | None = None,
+                     progress=None) -> list[Sample]:
+    """``n`` single-turn samples per prompt, in prompt-major order; sample_id = position in
+    that order, sample k seeded ``seed + k``; ``progress(1)`` after each."""
+    group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
+    jobs = [i for i in range(len(prompts)) for _ in range(n)]
+
+    async def one(session: EngineSession, k: int, i: int) -> Sample:
+        turn = await session.generate_turn(prompts[i], sampling,
+                                           seed=None if seed is None else seed + k)
+        if progress is not None:
+            progress(1)
+        s = sample_of_turn(prompts[i], turn, group_id=group_ids[i], sample_id=k,
+                           metadata=metadata[i] if metadata else None)
+        s.validate()
+        return s
+
+    async def all_jobs(session: EngineSession):
+        return await asyncio.gather(*(one(session, k, i) for k, i in enumerate(jobs)))
+
+    return list(engine.run(all_jobs))
+
+
+async def _refetch_routing(session: EngineSession, server: int, ids: list[int], turn: Turn,
+                           traj: _Trajectory, new_rows: torch.Tensor) -> torch.Tensor:
     """The routing of positions ``turn.cached_tokens ..`` of ``ids`` as the engine holds it after
     a turn that recomputed already received positions; checked against ``new_rows`` (the turn's
     rows of the positions from ``traj.received``), which it returns a second time."""
     start = turn.cached_tokens
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
-            "return_routed_experts": True, "routed_experts_start_len": start}
-    resp = await pool.request("/generate", body, server=server)
-    meta = resp.get("meta_info") or {}
-    if not meta.get("routed_experts"):
-        raise ResponseError("routed_experts: missing from the routing follow-up response")
-    rows = decode_routing(meta["routed_experts"], len(ids) - 1 - start, engine.layout)
+    rows = await session.routing(ids, start, server=server)
     twice = rows[traj.received - start:]
     if not torch.equal(twice, new_rows):
         raise ResponseError(f"routed_experts: positions {traj.received}..{len(ids) - 2} received "
@@ -159,11 +192,11 @@ async def _refetch_routing(engine, pool, server, ids: list[int], turn, traj: _Tr
     return rows
 
 
-async def run_trajectory(engine, pool, server, env, record, sampling, limits: TrajectoryLimits,
-                         seed: int | None, vocab_size: int, stats: TrajectoryStats,
-                         **sample_kw) -> Sample:
-    """One trajectory of ``env`` from prompt ``record`` on ``server``; EnvError when the
-    environment fails or answers badly."""
+async def run_trajectory(engine: Engine, session: EngineSession, server: int, env, record,
+                         sampling: SamplingConfig, limits: TrajectoryLimits, seed: int | None,
+                         vocab_size: int, stats: TrajectoryStats, **sample_kw) -> Sample:
+    """One trajectory of ``env`` from prompt ``record``, every turn on ``server``; EnvError
+    when the environment fails or answers badly."""
     need_routing, need_mask = engine.need_routing, engine.need_mask
     traj = _Trajectory(record.ids)
     stop = tuple(getattr(env, "stop_token_ids", ()) or ())
@@ -175,18 +208,15 @@ async def run_trajectory(engine, pool, server, env, record, sampling, limits: Tr
         params = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens,
                                                                   budget),
                                      stop_token_ids=stop)
-        body = engine.generate_body(ids, params, None if seed is None else seed + turns)
-        if need_routing:
-            body["routed_experts_start_len"] = traj.received
-        resp = await pool.request("/generate", body, server=server)
-        turn = decode_turn(resp, len(ids), engine.layout, need_routing=need_routing,
-                           need_mask=need_mask, routing_start=traj.received)
+        turn = await session.generate_turn(ids, params,
+                                           seed=None if seed is None else seed + turns,
+                                           routing_from=traj.received, server=server)
         turns += 1
         if need_routing:
             rows = turn.routing
             if turn.cached_tokens < traj.received:   # earlier positions were recomputed
-                rows = await _refetch_routing(engine, pool, server, ids + turn.output_ids,
-                                              turn, traj, rows)
+                rows = await _refetch_routing(session, server, ids + turn.output_ids, turn,
+                                              traj, rows)
                 traj.routing = traj.routing[:turn.cached_tokens]
                 refetches += 1
             traj.routing = rows if traj.routing is None else torch.cat([traj.routing, rows])
@@ -213,7 +243,8 @@ async def run_trajectory(engine, pool, server, env, record, sampling, limits: Tr
     return s
 
 
-def rollout_trajectories(engine, env_factory, records: list, n: int, sampling,
+def rollout_trajectories(engine: Engine, env_factory, records: list, n: int,
+                         sampling: SamplingConfig,
                          limits: TrajectoryLimits, vocab_size: int, *,
                          group_ids: list[int], seed: int | None = None,
                          stats: TrajectoryStats | None = None
@@ -234,20 +265,20 @@ def rollout_trajectories(engine, env_factory, records: list, n: int, sampling,
             stats.first_error = str(exc)
             log.warning("environment failed, trajectory dropped: %s", exc)
 
-    async def one(pool, k: int, i: int):
-        server = pool.servers[k % len(pool.servers)]   # every turn on the same server
+    async def one(session: EngineSession, k: int, i: int):
+        server = k % session.num_servers   # every turn on the same server
         try:
             env = await _env_call("environment", env_factory, timeout_s=limits.env_timeout_s)
             return await run_trajectory(
-                engine, pool, server, env, records[i], sampling, limits,
+                engine, session, server, env, records[i], sampling, limits,
                 None if seed is None else seed + k * limits.max_turns, vocab_size, stats,
                 group_id=group_ids[i], sample_id=k)
         except EnvError as exc:
             dropped(exc)
             return None
 
-    async def all_jobs(pool):
-        return await asyncio.gather(*(one(pool, k, i) for k, (i, _) in enumerate(jobs)))
+    async def all_jobs(session: EngineSession):
+        return await asyncio.gather(*(one(session, k, i) for k, (i, _) in enumerate(jobs)))
 
-    samples = [s for s in engine.run_with_pool(all_jobs) if s is not None]
+    samples = [s for s in engine.run(all_jobs) if s is not None]
     return samples, stats

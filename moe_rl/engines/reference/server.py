@@ -15,8 +15,8 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from moe_rl.errors import UserError
-from moe_rl.rollout.admission_limits import Limits
-from moe_rl.rollout.reference_engine import (ReferenceEngine, Request, RequestError,
+from moe_rl.engines.reference.admission_limits import Limits
+from moe_rl.engines.reference.engine import (ReferenceEngine, Request, RequestError,
                                              parse_sampling_params)
 
 def _error(message: str) -> dict:

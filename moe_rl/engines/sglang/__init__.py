@@ -1,0 +1,32 @@
+"""SGLang servers on GPUs: their launch command (:mod:`.launcher`), the HTTP client
+(:mod:`.client`, :mod:`.pool`, :mod:`.decode`), the weight-update dialect (:mod:`.weights`) and
+what SGLang refuses (:mod:`.checks`)."""
+from __future__ import annotations
+
+from moe_rl.config import Config
+from moe_rl.engines.sglang.checks import check_config
+from moe_rl.engines.sglang.launcher import sglang_argv, sglang_env
+
+INHERITS_SOCKET = False   # SGLang binds its port itself
+
+
+def gpus_per_server(cfg: Config) -> int:
+    """GPUs one server uses: tp_size x dp_size (tp_size with DP attention)."""
+    g = cfg.rollout.sglang
+    dp = 1 if "--enable-dp-attention" in g.extra_args else g.dp_size
+    return g.tp_size * dp
+
+
+def weight_ranks_per_server(cfg: Config) -> int:
+    """Weight-update group ranks of one server: one per TP rank."""
+    return cfg.rollout.sglang.tp_size
+
+
+def server_command(cfg: Config, host: str, port: int, gpus: list[int], index: int,
+                   model_path: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment moe_rl sets) of server ``index``."""
+    return sglang_argv(cfg, model_path, host, port), sglang_env(gpus)
+
+
+__all__ = ["INHERITS_SOCKET", "check_config", "gpus_per_server", "server_command",
+           "weight_ranks_per_server"]

@@ -1,0 +1,55 @@
+"""What SGLang refuses, checked when the configuration is loaded (right after the general
+checks): a run without GPUs, weight updates from a group or tensors at dp_size > 1, min_p under
+deterministic inference, block-wise FP8 at TP/EP sizes that cut a block."""
+from __future__ import annotations
+
+from moe_rl.config import Config, ConfigError
+from moe_rl.config.model_facts import model_hf_fields
+
+
+def check_gpus(cfg: Config) -> None:
+    """SGLang runs on GPUs only."""
+    if cfg.cluster.gpus_per_node == 0:
+        raise ConfigError("rollout.engine: SGLang needs GPUs (cluster.gpus_per_node > 0); use "
+                          "rollout.engine=reference on CPU")
+
+
+def check_weight_updates(cfg: Config) -> None:
+    """SGLang asserts dp_size 1 for updates from a process group or from tensors."""
+    r = cfg.rollout
+    if cfg.cluster.weight_sync in ("distributed", "tensor") and r.sglang.dp_size > 1:
+        raise ConfigError(f"rollout.sglang.dp_size: SGLang updates weights from a process group "
+                          f"or from tensors only with dp_size 1 (it asserts so); got "
+                          f"{r.sglang.dp_size} with cluster.weight_sync={cfg.cluster.weight_sync}"
+                          f"; use more servers (rollout.num_servers) or weight_sync=disk")
+
+
+def check_sampling(cfg: Config) -> None:
+    """min_p is not supported by SGLang's deterministic inference."""
+    r = cfg.rollout
+    if r.sglang.deterministic_inference and r.min_p > 0:
+        raise ConfigError("rollout.min_p: SGLang's deterministic inference does not support min_p "
+                          "sampling; set rollout.min_p=0 or turn deterministic_inference off")
+
+
+def check_fp8(cfg: Config) -> None:
+    """Block-wise FP8 needs every TP/EP shard of a quantised weight to hold whole blocks."""
+    r = cfg.rollout
+    if r.quantization != "fp8":
+        return
+    from moe_rl.engines.sglang.fp8_shapes import fp8_shape_errors
+    errors = fp8_shape_errors(model_hf_fields(cfg.model), r.sglang.tp_size, r.sglang.ep_size)
+    if errors:
+        raise ConfigError(f"rollout.quantization: SGLang refuses block-wise FP8 for this model "
+                          f"at rollout.sglang.tp_size={r.sglang.tp_size}, ep_size="
+                          f"{r.sglang.ep_size}: {'; '.join(errors)}. Change the TP/EP sizes "
+                          f"(a larger ep_size keeps experts whole) or set "
+                          f"rollout.quantization=none")
+
+
+def check_config(cfg: Config) -> None:
+    """Every SGLang refusal, in this order."""
+    check_gpus(cfg)
+    check_weight_updates(cfg)
+    check_sampling(cfg)
+    check_fp8(cfg)

@@ -1,0 +1,187 @@
+"""The engine contract (moe_rl.engines.base), run against every engine this machine can start:
+the CPU reference engine always, SGLang where it is installed and a GPU is present. Each
+implementation is started through the factory the run uses (its command line, its server
+process, ``connect``), and judged on what the rollout and the weight sync rely on."""
+import importlib.util
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+
+from moe_rl.config import config_from_dict
+from moe_rl.engines.base import Engine, EngineSession, SamplingConfig
+from moe_rl.engines.factory import connect, server_command, server_process
+from moe_rl.engines.sglang.weights import broadcast_tensors, close_group, open_group
+from moe_rl.moe_shape import MoEShape
+from moe_rl.rollout.trajectories import generate_samples
+from moe_rl.trainer.parallel import free_port
+from tests.helpers import write_tiny_qwen
+
+
+def _available() -> list:
+    kinds = ["reference"]
+    if importlib.util.find_spec("sglang") and shutil.which("nvidia-smi"):
+        kinds.append("sglang")
+    return kinds
+
+
+SAMPLING = SamplingConfig(temperature=1.0, top_k=8, max_new_tokens=4)
+
+
+class Started:
+    """An engine of two servers, started as a run starts them."""
+
+    def __init__(self, kind: str, model: str, logs):
+        gpus = 1 if kind == "sglang" else 0
+        self.cfg = config_from_dict({
+            "model": {"path": model}, "cluster": {"gpus_per_node": gpus},
+            "rollout": {"engine": kind, "num_servers": 2, "top_k": 8, "return_routing": True},
+            "algorithm": {"replay": "r3", "keep_sampling_mask": True}})
+        self.procs = []
+        for i in range(2):
+            argv, env = server_command(self.cfg, "127.0.0.1", free_port(), [0] if gpus else [],
+                                       i, model)
+            port = int(argv[argv.index("--port") + 1])
+            proc = server_process(self.cfg, argv, env, "127.0.0.1", port,
+                                  str(logs / f"server{i}.log"))
+            self.procs.append(proc.start(300))
+        shape = MoEShape.from_hf(json.loads(open(f"{model}/config.json").read()))
+        self.engine: Engine = connect(self.cfg, [p.url for p in self.procs], shape,
+                                      [p.restart for p in self.procs])
+
+    def stop(self):
+        for p in self.procs:
+            p.stop()
+
+
+@pytest.fixture(scope="module", params=_available())
+def started(request, tmp_path_factory):
+    base = tmp_path_factory.mktemp(f"contract_{request.param}")
+    write_tiny_qwen(base / "a", seed=1)
+    write_tiny_qwen(base / "b", seed=2)
+    eng = Started(request.param, str(base / "a"), base)
+    eng.models = base
+    yield eng
+    eng.stop()
+
+
+def test_a_turn_carries_what_the_rollout_needs(started):
+    eng = started.engine
+    assert eng.need_routing and eng.need_mask
+    prompt = [5, 6, 7, 8]
+
+    async def turn(session: EngineSession):
+        assert session.num_servers == 2
+        return await session.generate_turn(prompt, SAMPLING, seed=4)
+    t = eng.run(turn)
+    R = len(t.output_ids)
+    assert 1 <= R <= SAMPLING.max_new_tokens and t.logprobs.shape == (R,)
+    assert (t.logprobs <= 0).all() and torch.isfinite(t.logprobs).all()
+    # routing of every position the model ran: the prompt and every generated token but the last
+    layout = eng.layout
+    assert t.routing.shape == (len(prompt) + R - 1, len(layout.moe_layers), layout.topk)
+    # kept sets: the sampled token is in its set, at most top_k ids, log-mass <= 0
+    assert t.kept_offsets.shape == (R + 1,) and int(t.kept_offsets[-1]) == t.kept_ids.numel()
+    for j, y in enumerate(t.output_ids):
+        kept = t.kept_ids[int(t.kept_offsets[j]):int(t.kept_offsets[j + 1])].tolist()
+        assert y in kept and len(kept) <= SAMPLING.top_k
+    assert (t.kept_logmass <= 0).all()
+    assert isinstance(t.weight_version, int) and isinstance(t.finish_reason, dict)
+    # the same seed draws the same turn
+    again = eng.run(turn)
+    assert again.output_ids == t.output_ids and torch.equal(again.logprobs, t.logprobs)
+
+
+def test_pinned_turns_share_their_servers_prefix_and_routing_can_be_fetched_again(started):
+    eng = started.engine
+    prompt = [9, 10, 11, 12, 13, 14]
+    eng.flush_cache()
+
+    async def two_turns(session: EngineSession):
+        first = await session.generate_turn(prompt, SAMPLING, seed=1, routing_from=0, server=1)
+        ids = prompt + first.output_ids
+        received = first.routing.shape[0]
+        second = await session.generate_turn(ids, SAMPLING, seed=2, routing_from=received,
+                                             server=1)
+        whole = ids + second.output_ids
+        fetched = await session.routing(whole, 0, server=1)
+        return first, second, fetched
+    first, second, fetched = eng.run(two_turns)
+    assert second.cached_tokens >= len(prompt)     # the same server kept the first turn's prefix
+    n_ids = len(prompt) + len(first.output_ids) + len(second.output_ids)
+    assert second.routing.shape[0] == n_ids - 1 - first.routing.shape[0]   # only new rows
+    assert torch.equal(fetched, torch.cat([first.routing, second.routing]))
+    eng.flush_cache()
+
+    async def cold(session: EngineSession):
+        return await session.generate_turn(prompt, SAMPLING, seed=1, server=1)
+    assert eng.run(cold).cached_tokens == 0        # the flush dropped the prefix
+
+
+def test_scoring_passes_give_the_rollout_distribution(started):
+    eng = started.engine
+    samples = generate_samples(eng, [[5, 6, 7], [8, 9]], 2, SAMPLING, seed=3)
+    eng.score(samples, 3, temperature=1.0, window=2)
+    for s in samples:
+        assert s.pass_logprobs.shape == (3, s.response_len)
+        # a float32 engine scores on the kept set what it sampled from (split-KV last bits)
+        assert torch.allclose(s.pass_logprobs, s.rollout_logprobs.expand(3, -1), atol=1e-4)
+
+
+def test_weights_from_disk_and_from_a_group_land_everywhere(started):
+    eng, w = started.engine, started.engine.weights
+    b = str(started.models / "b")
+    prompt = [[6, 7, 20, 12, 30]]
+    before = generate_samples(eng, prompt, 1, SAMPLING, seed=5)[0]
+    w.load_from_disk(b, 3)
+    assert eng.weight_versions() == ["3", "3"]
+    on_b = generate_samples(eng, prompt, 1, SAMPLING, seed=5)[0]
+    assert not torch.equal(on_b.rollout_logprobs, before.rollout_logprobs)
+    # back to a's weights through the group: the trainer broadcasts, the receiver announces
+    from safetensors.torch import load_file
+    named = sorted(load_file(str(started.models / "a" / "model.safetensors")).items())
+    port, joined = free_port(), {}
+    world = 1 + 2 * w.ranks_per_server
+    backend = "nccl" if started.cfg.cluster.gpus_per_node else "gloo"
+    t = threading.Thread(target=lambda: joined.update(
+        group=open_group(backend, "127.0.0.1", port, 0, world, "contract_w")))
+    t.start()
+    w.join_group("127.0.0.1", port, "contract_w", backend)
+    t.join(120)
+    try:
+        w.begin()
+        sender = threading.Thread(target=broadcast_tensors, args=(joined["group"], named))
+        sender.start()
+        w.announce_bucket(named, 4, "contract_w", last=True)
+        sender.join(120)
+        w.end()
+        assert eng.weight_versions() == ["4", "4"]
+        back = generate_samples(eng, prompt, 1, SAMPLING, seed=5)[0]
+        assert back.response_ids.tolist() == before.response_ids.tolist()
+        assert torch.allclose(back.rollout_logprobs, before.rollout_logprobs, atol=1e-5)
+        w.end(missing_ok=True)   # no session open: tolerated when asked
+    finally:
+        if "group" in joined:
+            close_group(joined["group"])
+
+
+def test_memory_release_and_resume_keep_the_weights(started):
+    eng = started.engine
+    prompt = [[6, 7, 20]]
+    want = generate_samples(eng, prompt, 1, SAMPLING, seed=2)[0]
+    eng.release_memory()
+    eng.resume_memory()
+    got = generate_samples(eng, prompt, 1, SAMPLING, seed=2)[0]
+    assert got.response_ids.tolist() == want.response_ids.tolist()
+
+
+def test_health_brings_a_dead_server_back(started):
+    proc = started.procs[0]
+    restarts = proc.restarts
+    proc.proc.kill()
+    proc.proc.wait()
+    started.engine.check_health()
+    assert proc.restarts == restarts + 1 and proc.alive()
+    assert len(started.engine.weight_versions()) == 2

@@ -1,0 +1,92 @@
+"""The package's shape: layers that import only downward (so no cycle), SGLang's HTTP dialect
+only under moe_rl/engines/, and no branch on the engine's name outside it."""
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "moe_rl"
+
+# lowest first; a unit may import only units of lower layers
+LAYERS = [
+    {"errors", "moe_shape", "shipped", "plugins", "leftovers", "launch_tools"},
+    {"types", "config", "report", "metrics_log"},
+    {"packing", "data", "rewards", "weights", "algo", "run_dir"},
+    {"envs", "models", "engines", "run_summary"},
+    {"trainer", "rollout", "run_inputs"},
+    {"orchestration"},
+    {"commands"},
+    {"cli"},
+]
+LAYER_OF = {u: i for i, units in enumerate(LAYERS) for u in units}
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[1]
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        yield path, ".".join(rel.parts).removesuffix(".__init__")
+
+
+def _imports(tree: ast.AST):
+    """moe_rl modules imported anywhere in ``tree`` (functions included), except under
+    ``if TYPE_CHECKING:``."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for b in node.body for n in ast.walk(b)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+
+
+def test_every_unit_has_a_layer():
+    units = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert units == set(LAYER_OF), f"place these in LAYERS: {units ^ set(LAYER_OF)}"
+
+
+def test_imports_only_go_down():
+    upward = []
+    for path, module in _modules():
+        if module == "moe_rl":
+            continue
+        mine = LAYER_OF[_unit(module)]
+        for target in _imports(ast.parse(path.read_text())):
+            if not target.startswith("moe_rl.") or _unit(target) == _unit(module):
+                continue
+            if LAYER_OF[_unit(target)] >= mine:
+                upward.append(f"{module} imports {target}")
+    assert upward == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    tree = ast.parse("def f():\n    from moe_rl.orchestration.loop import run\n"
+                     "if TYPE_CHECKING:\n    from moe_rl.cli import main\n")
+    assert list(_imports(tree)) == ["moe_rl.orchestration.loop"]
+
+
+SGLANG_DIALECT = re.compile(r"\bhttpx\b|\bfastapi\b|\buvicorn\b|\"/(generate|health|flush_cache|"
+                            r"update_weights_\w+|init_weights_update_group|\w+_weight_update|"
+                            r"get_model_info|\w+_memory_occupation)\"")
+ENGINE_BRANCH = re.compile(r"engine\s*[!=]=\s*[\"']|[\"']sglang[\"']")
+
+
+def test_sglangs_dialect_and_engine_branches_live_in_engines():
+    found = []
+    for path, module in _modules():
+        if module.startswith("moe_rl.engines"):
+            continue
+        text = path.read_text()
+        for pattern in (SGLANG_DIALECT, ENGINE_BRANCH):
+            for m in pattern.finditer(text):
+                line = text[:m.start()].count("\n") + 1
+                found.append(f"{path.relative_to(ROOT.parent)}:{line}: {m.group(0)}")
+    # the one place the engine's name is a value: the key's allowed values
+    assert found == ["moe_rl/config/schema.py:107: \"sglang\""]
