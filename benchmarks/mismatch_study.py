@@ -178,8 +178,8 @@ def study_model(name: str, model_dir: str, n_prompts: int, n_samples: int) -> di
 def pass_variance(samples, lp_trainer: torch.Tensor, mask: torch.Tensor) -> dict:
     """Variance across disjoint n-pass estimates of lp_old, and their distance to the trainer."""
     from moe_rl.algo import average_pass_logprobs
-    from moe_rl.trainer.policy import _pad_rows
-    passes = torch.stack([_pad_rows([s.pass_logprobs[j] for s in samples])
+    from moe_rl.trainer.passes import pad_rows
+    passes = torch.stack([pad_rows([s.pass_logprobs[j] for s in samples])
                           for j in range(PASSES)])
     rows = {}
     for n in (1, 2, 4, 8):

@@ -167,7 +167,7 @@ def test_replayed_sigmoid_router_uses_its_own_unbiased_scores_and_keeps_its_grad
 @pytest.mark.parametrize("rate", [0.0, 0.01])
 def test_expert_bias_is_frozen_by_default_and_follows_megatron_update_with_a_rate(tmp_path, rate):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from moe_rl.trainer.policy import finalize_grads
+    from moe_rl.trainer.update import finalize_grads
     write_deepseek(tmp_path / "hf", bias_std=0.05)
     model, spec = build_model(str(tmp_path / "hf"), expert_bias_update_rate=rate)
     load_hf_into_megatron(model, spec, str(tmp_path / "hf"))

@@ -208,7 +208,7 @@ def test_r2_replays_per_sample_what_the_pi_old_pass_recorded(tiny):
     trainer = PolicyTrainer(cfg, path)
     samples = engine_samples(hf_model, n_groups=2, group_size=3, seed=8)
     recorded, replayed = {}, []
-    original_forward = trainer._forward
+    original_forward = trainer.forwarder.forward
 
     def spy(model, replay, mb, mode, **kw):
         out = original_forward(model, replay, mb, mode, **kw)
@@ -222,7 +222,7 @@ def test_r2_replays_per_sample_what_the_pi_old_pass_recorded(tiny):
             replayed.append(mb)
         return out
 
-    trainer._forward = spy
+    trainer.forwarder.forward = spy
     trainer.train_step(samples)
     assert set(recorded) == set(range(6))
     assert len(replayed) >= 4   # 2 epochs x 2 mini-batches

@@ -1,0 +1,101 @@
+"""One forward of a micro-batch, as every pass of the step runs it: samples packed into
+micro-batches (aligned in count over the data-parallel ranks, a dummy where a rank has none),
+padded to the expert-parallel group's common shape, routed as the pass's :class:`Route` says, and
+scored at the rollout's temperature (on the kept sets with the keep-sampling-mask)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.config import Config
+from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
+from moe_rl.trainer.dp import dp_max
+from moe_rl.trainer.forward import forward_logprobs
+from moe_rl.trainer.replay import ReplayController
+from moe_rl.trainer.replay_plan import Route
+from moe_rl.types import Sample
+
+
+class Forwarder:
+    """Micro-batching and the routed forward of one trainer rank."""
+
+    def __init__(self, cfg: Config, num_experts: int, dispatcher: str):
+        self.cfg = cfg
+        self.num_experts = num_experts
+        self.dispatcher = dispatcher   # megatron's moe_token_dispatcher_type
+        self._dummy_mb: MicroBatch | None = None
+
+    def micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
+        """``samples[indices]`` packed into micro-batches of ``trainer.micro_batch_size``."""
+        lengths = [samples[i].prompt_len + samples[i].response_len for i in indices]
+        plan = plan_micro_batches(lengths, micro_batch_size=self.cfg.trainer.micro_batch_size)
+        # sequence parallelism splits the sequence over the TP ranks: pad to a multiple of TP
+        t = self.cfg.trainer
+        multiple = t.tensor_parallel if t.sequence_parallel else 1
+        return [pack_one(samples, [indices[j] for j in group], pad_token_id=0,
+                         num_experts=self.num_experts, pad_to_multiple=multiple)
+                for group in plan]
+
+    def aligned(self, mbs: list[MicroBatch]) -> list[MicroBatch | None]:
+        """``mbs`` padded with None (a dummy micro-batch) to the largest count of any
+        data-parallel rank: expert-parallel dispatch runs collectives in every forward and
+        backward, so every rank must run as many, with or without work."""
+        return mbs + [None] * (dp_max(len(mbs)) - len(mbs))
+
+    def _dummy(self) -> MicroBatch:
+        """A one-token micro-batch whose loss is multiplied by 0 (for ranks with less work)."""
+        if self._dummy_mb is None:
+            keep = self.cfg.algorithm.keep_sampling_mask
+            s = Sample(prompt_ids=[0], response_ids=[0], rollout_logprobs=[0.0],
+                       loss_mask=[False], sampling_mask_offsets=[0, 1] if keep else None,
+                       sampling_mask_ids=[0] if keep else None)
+            self._dummy_mb = self.micro_batches([s], [0])[0]
+        return self._dummy_mb
+
+    def dummy_forward(self, model, replay: ReplayController, grad: bool = False) -> None:
+        """Enter the forward's (and, with ``grad``, the backward's) collectives with no work."""
+        lp, _ = self.forward(model, replay, self._dummy(), Route.OFF, grad=grad)
+        if grad:
+            (lp.sum() * 0.0).backward()
+
+    def forward(self, model, replay: ReplayController, mb: MicroBatch, mode: Route,
+                 grad: bool = False, collect_own: bool = False, kept_sets: bool = True):
+        """Log-probs and entropies of one micro-batch from ``model``, routed as ``mode`` (see
+        :class:`Route`) through ``replay``. ``kept_sets=False`` scores on the full vocabulary even
+        with ``keep_sampling_mask`` (supervised samples have no kept sets)."""
+        a = self.cfg.algorithm
+        shape = mb.shape
+        run = mb.padded_to(*self._ep_common_shape(shape), self.num_experts)
+        B, S = run.shape
+        if mode is Route.REPLAY:
+            if mb.routing is None:
+                raise ValueError("algorithm.replay=r3: the rollout carries no routing (start "
+                                 "SGLang with --enable-return-routed-experts)")
+            replay.replay(replay.local_indices(run.replay_indices(), S, B),
+                          collect_own=collect_own)
+        elif mode is Route.RECORD:
+            replay.record()
+        else:
+            replay.off()
+        with torch.set_grad_enabled(grad):
+            lp, ent = forward_logprobs(model, run, temperature=self.cfg.rollout.temperature or 1.0,
+                                       use_kept_sets=a.keep_sampling_mask and kept_sets,
+                                       fp32_output_layer=self.cfg.model.fp32_output_layer)
+        replay.finish_forward()
+        if run is not mb:
+            replay.crop(run.shape, shape)
+            lp, ent = lp[:shape[0], :shape[1]], ent[:shape[0], :shape[1]]
+        return lp, ent
+
+    def _ep_common_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The [rows, positions] every rank of the expert-parallel group forwards: with
+        megatron's allgather token dispatcher (CPU) the group gathers hidden states, so all its
+        micro-batches must have one shape (the largest, others padded); else ``shape``."""
+        from megatron.core import parallel_state as ps
+        if (self.dispatcher != "allgather"
+                or ps.get_expert_tensor_and_model_parallel_world_size() == 1):
+            return shape
+        t = torch.tensor(shape, dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX,
+                        group=ps.get_expert_tensor_and_model_parallel_group())
+        return int(t[0]), int(t[1])

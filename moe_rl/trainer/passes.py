@@ -1,0 +1,216 @@
+"""The no-grad passes of an RL step, each routed as the :class:`ReplayPlan` decided: pi_old
+(with the routing agreement and, under R2, the routing the update will replay), the frozen
+reference's, and, in the asynchronous pipeline, each stale sample's score at its own weight
+version; then the batch-wide inputs of the loss (advantages, corrections) over the data-parallel
+group. A new pass (a critic's values, a teacher's log-probs) is added here."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.algo import kept_set_sizes
+from moe_rl.config import Config
+from moe_rl.packing import MicroBatch
+from moe_rl.trainer.dp import dp_group, dp_max, dp_sum
+from moe_rl.trainer.forwarder import Forwarder
+from moe_rl.trainer.loss import PolicyLoss
+from moe_rl.trainer.replay import ReplayController
+from moe_rl.trainer.replay_plan import ReplayPlan, Route
+from moe_rl.trainer.step import StepRows, gather_rows, step_inputs
+from moe_rl.trainer.versions import WeightVersions
+from moe_rl.types import Sample, compact_routing
+
+
+def pad_rows(rows: list[torch.Tensor], fill: float = 0.0, dtype=torch.float32) -> torch.Tensor:
+    """Stack 1-D tensors of different lengths into [N, max_len]."""
+    width = max((int(r.numel()) for r in rows), default=0)
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, :r.numel()] = r.to(dtype)
+    return out
+
+
+@dataclass
+class StepBatch:
+    """Response-aligned [N, R_max] tensors of this rank's samples (sample order)."""
+    samples: list[Sample]
+    mask: torch.Tensor
+    lp_roll: torch.Tensor
+    lp_trainer: torch.Tensor
+    entropy: torch.Tensor
+    lp_old: torch.Tensor
+    lp_ref: torch.Tensor | None
+    weights: torch.Tensor
+    keep: torch.Tensor
+    advantages: torch.Tensor
+    replay_samples: list[Sample]   # the samples with the routing the update replays
+
+
+class StepPasses:
+    """The step's no-grad passes over the policy (and the reference, when KL is on)."""
+
+    def __init__(self, cfg: Config, fw: Forwarder, model, replay: ReplayController,
+                 ref_model, ref_replay: ReplayController | None, routes: ReplayPlan,
+                 loss: PolicyLoss, versions: WeightVersions | None, vocab_size: int, moe_shape):
+        self.cfg, self.fw, self.routes, self.loss = cfg, fw, routes, loss
+        self.model, self.replay = model, replay
+        self.ref_model, self.ref_replay = ref_model, ref_replay
+        self.versions = versions
+        self.vocab_size, self.moe_shape = vocab_size, moe_shape
+
+    def run(self, samples: list[Sample], step: int) -> tuple[StepBatch, dict[str, float]]:
+        """The passes of step ``step`` on this rank's ``samples``: pi_old / reference passes,
+        advantages, corrections and the step's metrics."""
+        a = self.cfg.algorithm
+        for s in samples:
+            s.validate(self.vocab_size, self.moe_shape if s.routing is not None else None)
+        if a.replay == "r3" and any(s.routing is None for s in samples):
+            raise ValueError("algorithm.replay=r3 but a sample has no routing: start SGLang with "
+                             "--enable-return-routed-experts (the reference engine always "
+                             "returns it when asked)")
+        n = len(samples)
+        mask = pad_rows([s.loss_mask for s in samples], dtype=torch.bool)
+        lp_roll = pad_rows([s.rollout_logprobs for s in samples])
+        lp_tr = torch.zeros_like(lp_roll)
+        ent = torch.zeros_like(lp_roll)
+        lp_ref = torch.zeros_like(lp_roll) if self.ref_model is not None else None
+        metrics: dict[str, float] = {}
+        agree_rows: list[dict] = []
+        r2_routing: dict[int, torch.Tensor] = {}
+        self.model.eval()
+        for mb in self.fw.aligned(self.fw.micro_batches(samples, list(range(n)))):
+            if mb is None:
+                self.fw.dummy_forward(self.model, self.replay)
+                if self.ref_model is not None:
+                    self.fw.dummy_forward(self.ref_model, self.ref_replay)
+                continue
+            lp, e = self.fw.forward(self.model, self.replay, mb, self.routes.pi_old,
+                                  collect_own=mb.routing is not None)
+            rows = mb.sample_indices
+            width = int(mb.response_lens.max())
+            lp_tr[rows, :width] = mb.to_response_padded(lp.float())
+            ent[rows, :width] = mb.to_response_padded(e.float())
+            if mb.routing is not None:
+                B, S = mb.input_ids.shape
+                valid = self.replay.local_rows(mb.routing_valid_router_order(), S, B)
+                trainer = None if self.routes.pi_old is Route.REPLAY else \
+                    self.replay.recorded()
+                engine = self.replay.local_indices(mb.replay_indices(), S, B)
+                agree_rows.append({"w": float(valid.sum()),
+                                   **self.replay.agreement(engine, valid, trainer=trainer)})
+            if a.replay == "r2":
+                r2_routing.update(self._per_sample_routing(samples, mb))
+            if self.ref_model is not None:
+                lr_, _ = self.fw.forward(self.ref_model, self.ref_replay, mb, ReplayPlan.for_batch(
+                    self.routes.reference, mb.routing is not None))
+                lp_ref[rows, :width] = mb.to_response_padded(lr_.float())
+        metrics.update(self._agreement_metrics(agree_rows))
+        lp_same = scored = stale = None
+        if self.versions is not None:
+            lp_same, scored, stale = self._score_at_own_versions(samples, lp_tr, step)
+        passes = None
+        if samples and all(s.pass_logprobs is not None for s in samples):
+            passes = torch.stack([pad_rows([s.pass_logprobs[j] for s in samples])
+                                  for j in range(samples[0].pass_logprobs.shape[0])])
+        has_mass = bool(samples) and all(s.kept_logmass is not None for s in samples)
+        kept = self._kept(samples)
+        local = StepRows(
+            mask=mask, lp_roll=lp_roll, lp_tr=lp_tr, entropy=ent,
+            rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+            groups=torch.tensor([s.group_id for s in samples], dtype=torch.long),
+            weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
+            lp_ref=lp_ref, passes=passes, lp_same=lp_same, same_scored=scored, stale=stale,
+            kept_logmass=pad_rows([s.kept_logmass for s in samples]) if has_mass else None,
+            kept_sizes=pad_rows(kept, dtype=torch.long) if kept is not None else None)
+        rows_all, mine = gather_rows(local, dp_group())
+        inputs = step_inputs(a, rows_all, deferred=self.loss.live,
+                             generator=self.loss.generator)
+        metrics.update(inputs.metrics)
+        if self.versions is not None and rows_all.weight_versions.numel():
+            lag = (step - rows_all.weight_versions).clamp(min=0).double()
+            metrics["rollout/staleness_mean"] = float(lag.mean())
+            metrics["rollout/staleness_max"] = float(lag.max())
+        replay_samples = samples
+        if a.replay == "r2":   # the update replays, per sample, what the pi_old pass chose
+            replay_samples = [dataclasses.replace(s, routing=r2_routing[i])
+                              for i, s in enumerate(samples)]
+        own = lambda t: None if t is None else t[mine]   # noqa: E731  (this rank's rows)
+        return StepBatch(samples, own(rows_all.mask), own(rows_all.lp_roll),
+                         own(rows_all.lp_tr), own(rows_all.entropy), own(inputs.lp_old),
+                         own(rows_all.lp_ref), own(inputs.weights), own(inputs.keep),
+                         own(inputs.advantages), replay_samples), metrics
+
+    def _score_at_own_versions(self, samples: list[Sample], lp_tr: torch.Tensor, step: int
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The asynchronous pipeline's same-version score: each sample generated from an older
+        weight version is scored again by the trainer with that version's weights (R3 replays
+        its routing), so ``mismatch/*`` compares engine and trainer at one version and
+        ``staleness/*`` shows the policy lag. Returns (log-probs at the sample's version,
+        scored [N], stale [N]); a sample whose version is no longer held (older than
+        ``rollout.max_staleness``) is left out of both. Every rank walks the same versions
+        with aligned micro-batches (expert-parallel collectives)."""
+        lp_same = lp_tr.clone()
+        versions = [s.weight_version for s in samples]
+        stale = torch.tensor([v < step for v in versions], dtype=torch.bool)
+        scored = torch.tensor([v == step or (v < step and self.versions.has(v))
+                               for v in versions], dtype=torch.bool)
+        for v in range(step - self.cfg.rollout.max_staleness, step):
+            rows = [i for i, u in enumerate(versions) if u == v] if self.versions.has(v) else []
+            if not dp_max(len(rows)):
+                continue
+            with contextlib.ExitStack() as stack:
+                if rows:
+                    stack.enter_context(self.versions.weights_of(v))
+                for mb in self.fw.aligned(self.fw.micro_batches(samples, rows)):
+                    if mb is None:
+                        self.fw.dummy_forward(self.model, self.replay)
+                        continue
+                    lp, _ = self.fw.forward(self.model, self.replay, mb, ReplayPlan.for_batch(
+                        self.routes.own_version, mb.routing is not None))
+                    width = int(mb.response_lens.max())
+                    lp_same[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
+        return lp_same, scored, stale
+
+    def _agreement_metrics(self, agree_rows: list[dict]) -> dict[str, float]:
+        """routing/agreement (+ per layer) over the whole batch: position-weighted sums
+        all-reduced over the data-parallel group (every rank enters, with or without rows)."""
+        keys = ["routing/agreement", "routing/token_differs_frac"] + [
+            f"routing/agreement_layer_{n}" for n in self.replay.layer_names]
+        sums = [sum(r["w"] for r in agree_rows)] + [
+            sum(r.get(k, 0.0) * r["w"] for r in agree_rows) for k in keys]
+        total, *values = dp_sum(sums)
+        return {k: v / total for k, v in zip(keys, values)} if total > 0 else {}
+
+    def _per_sample_routing(self, samples: list[Sample], mb: MicroBatch
+                            ) -> dict[int, torch.Tensor]:
+        """R2: the routing this rank's routers recorded in the last forward of ``mb``, cut into
+        one [routed positions, MoE layers, K] record per sample (as the rollout's), so any later
+        micro- or mini-batch plan can replay it."""
+        from megatron.core import parallel_state as ps
+        B, S = mb.input_ids.shape
+        rows = self.replay.recorded()
+        tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() \
+            else 1
+        if tp > 1 and self.cfg.trainer.sequence_parallel:   # each TP rank routed a slice
+            group = ps.get_tensor_model_parallel_group()
+            full = []
+            for t in rows:
+                parts = [torch.empty_like(t) for _ in range(tp)]
+                dist.all_gather(parts, t.contiguous(), group=group)
+                full.append(torch.cat(parts))
+            rows = full
+        per = torch.stack([t.reshape(S, B, -1) for t in rows], dim=2)   # router order s*B+b
+        return {row: compact_routing(per[:samples[row].routed_positions, b].long(),
+                                     self.moe_shape.num_experts)
+                for b, row in enumerate(mb.sample_indices)}
+
+    @staticmethod
+    def _kept(samples: list[Sample]) -> list[torch.Tensor] | None:
+        """Kept-set size of every response token, one row per sample."""
+        if not samples or any(s.sampling_mask_offsets is None for s in samples):
+            return None
+        return [kept_set_sizes(s.sampling_mask_offsets) for s in samples]
