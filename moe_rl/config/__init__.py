@@ -9,13 +9,14 @@ offending key.
 from moe_rl.config.checks import engine_avg_refusal, validate
 from moe_rl.config.loader import (PATH_KEYS, config_from_dict, dump_config, iter_keys,
                                   load_config, parse_override, resolve_paths)
-from moe_rl.config.model_facts import (facts_context, init_hf_fields, model_hf_fields,
-                                       model_moe_facts, response_cap)
+from moe_rl.config.fields import ConfigError, as_dict
+from moe_rl.config.init_model import DeepseekInitConfig, ModelInitConfig, init_hf_fields
+from moe_rl.config.model_facts import (facts_context, model_hf_fields, model_moe_facts,
+                                       response_cap)
 from moe_rl.config.schema import (CORRECTIONS, AlgorithmConfig, ClusterConfig, Config,
-                                  ConfigError, CorrectionParams, DataConfig, DeepseekInitConfig,
-                                  EntropyControlConfig, KLConfig, LoggingConfig, ModelConfig,
-                                  ModelInitConfig, RolloutConfig, SGLangConfig, TrainerConfig,
-                                  as_dict)
+                                  CorrectionParams, DataConfig, EntropyControlConfig, KLConfig,
+                                  LoggingConfig, ModelConfig, RolloutConfig, SGLangConfig,
+                                  TrainerConfig)
 
 __all__ = ["CORRECTIONS", "AlgorithmConfig", "ClusterConfig", "Config", "ConfigError",
            "CorrectionParams", "DataConfig", "DeepseekInitConfig", "EntropyControlConfig",

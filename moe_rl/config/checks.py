@@ -7,7 +7,9 @@ import difflib
 
 from moe_rl.config.model_facts import (facts_context, model_moe_facts,
                                        response_cap)
-from moe_rl.config.schema import CORRECTIONS, Config, ConfigError, ModelInitConfig
+from moe_rl.config.init_model import check_model_init
+from moe_rl.config.fields import ConfigError
+from moe_rl.config.schema import CORRECTIONS, Config
 from moe_rl.moe_shape import MoEShape
 
 
@@ -27,40 +29,6 @@ def engine_avg_refusal(cfg: Config, vocab_size: int | None) -> None:
             f"every position (rollout.score_full_vocab_max={r.score_full_vocab_max}). Use "
             f"algorithm.keep_sampling_mask=true (exact from the kept ids), rollout.temperature=1, "
             f"or algorithm.pi_old=trainer")
-
-
-def check_deepseek_init(init: ModelInitConfig) -> None:
-    d = init.deepseek
-    if d.qk_rope_head_dim % 2:
-        raise ConfigError(f"model.init.deepseek.qk_rope_head_dim: must be even, got "
-                          f"{d.qk_rope_head_dim}")
-    if init.num_experts % d.n_group:
-        raise ConfigError(f"model.init.deepseek.n_group: {d.n_group} must divide "
-                          f"model.init.num_experts ({init.num_experts})")
-    if d.topk_group > d.n_group:
-        raise ConfigError(f"model.init.deepseek.topk_group: {d.topk_group} exceeds n_group "
-                          f"({d.n_group})")
-    if d.topk_group < d.n_group and init.num_experts_per_tok != 2 * d.topk_group:
-        raise ConfigError(f"model.init.deepseek.topk_group: group-limited routing needs "
-                          f"num_experts_per_tok = 2 x topk_group (both transformers and "
-                          f"megatron-core rank a group by its best experts), got "
-                          f"{init.num_experts_per_tok} and {d.topk_group}")
-    if d.first_k_dense_replace >= init.num_hidden_layers:
-        raise ConfigError(f"model.init.deepseek.first_k_dense_replace: {d.first_k_dense_replace} "
-                          f"leaves no MoE layer of {init.num_hidden_layers}")
-
-
-def check_model_init(cfg: Config) -> None:
-    """model.init: the shape ``init-model`` would write."""
-    init = cfg.model.init
-    if init.num_experts_per_tok > init.num_experts:
-        raise ConfigError(f"model.init.num_experts_per_tok: {init.num_experts_per_tok} exceeds "
-                          f"model.init.num_experts = {init.num_experts}")
-    if init.architecture == "qwen3_moe" and init.num_attention_heads % init.num_key_value_heads:
-        raise ConfigError("model.init.num_key_value_heads: must divide model.init."
-                          f"num_attention_heads ({init.num_attention_heads})")
-    if init.architecture == "deepseek_v3":
-        check_deepseek_init(init)
 
 
 def check_model_fit(cfg: Config, facts: MoEShape) -> None:

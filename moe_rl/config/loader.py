@@ -14,7 +14,8 @@ from typing import Any, Literal
 import yaml
 
 from moe_rl.config.checks import validate
-from moe_rl.config.schema import Config, ConfigError, as_dict
+from moe_rl.config.fields import ConfigError, as_dict
+from moe_rl.config.schema import Config
 
 
 def _is_dataclass_type(tp: Any) -> bool:

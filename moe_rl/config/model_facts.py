@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from moe_rl.config.schema import Config, ModelConfig, ModelInitConfig, as_dict
+from moe_rl.config.init_model import init_hf_fields
+from moe_rl.config.schema import Config, ModelConfig
 from moe_rl.moe_shape import MoEShape
 
 
@@ -42,16 +43,3 @@ def model_hf_fields(model: ModelConfig) -> dict:
 def model_moe_facts(model: ModelConfig) -> MoEShape:
     """Facts of the configured model: its config.json when present, else the ``init`` shape."""
     return MoEShape.from_hf(model_hf_fields(model))
-
-
-def init_hf_fields(init: ModelInitConfig) -> dict:
-    """The ``model.init`` shape under the names of the architecture's HF ``config.json``."""
-    fields = as_dict(init)
-    deepseek = fields.pop("deepseek")
-    fields["model_type"] = fields.pop("architecture")
-    if init.architecture == "deepseek_v3":
-        deepseek.pop("expert_bias_std")
-        for key in ("num_key_value_heads", "head_dim", "decoder_sparse_step"):
-            fields.pop(key)
-        fields.update(deepseek, n_routed_experts=fields.pop("num_experts"))
-    return fields

@@ -1,82 +1,13 @@
 """The configuration's schema: one dataclass per section, every key with its type, default,
-one-line meaning and range. Every default lives here and nowhere else."""
+one-line meaning and range. Every default lives here, except those of ``model.init`` (the
+settings of ``moe-rl init-model``), which live beside them in :mod:`moe_rl.config.init_model`."""
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-from moe_rl.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration problem, with the dotted key it concerns."""
-
-
-def _rng(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-         hi_open: bool = False) -> dict:
-    return {"range": (lo, hi, lo_open, hi_open)}
-
-
-def _f(default: Any, doc: str, **meta: Any) -> Any:
-    """A dataclass field with a default, a one-line doc (for README) and optional range."""
-    meta = dict(meta)
-    meta["doc"] = doc
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _sub(cls: type, doc: str) -> Any:
-    return field(default_factory=cls, metadata={"doc": doc})
-
-
-@dataclass
-class DeepseekInitConfig:
-    """DeepSeek-V3-only shape of the tiny model (``model.init.architecture: deepseek_v3``)."""
-    q_lora_rank: int | None = _f(32, "query LoRA rank of MLA (null = full query projection)",
-                                 **_rng(1))
-    kv_lora_rank: int = _f(32, "compressed key/value (latent) size of MLA", **_rng(1))
-    qk_nope_head_dim: int = _f(16, "per-head query/key size without rotary", **_rng(1))
-    qk_rope_head_dim: int = _f(8, "per-head rotary query/key size (even)", **_rng(2))
-    v_head_dim: int = _f(16, "per-head value size", **_rng(1))
-    n_group: int = _f(4, "expert groups of the group-limited router", **_rng(1))
-    topk_group: int = _f(2, "groups a token may use (num_experts_per_tok / topk_group must be 2 "
-                         "when < n_group)", **_rng(1))
-    n_shared_experts: int = _f(1, "shared (always-on, never routed) experts per MoE layer",
-                               **_rng(0))
-    first_k_dense_replace: int = _f(1, "leading dense layers", **_rng(0))
-    routed_scaling_factor: float = _f(2.5, "scale of the routed experts' gate weights",
-                                      **_rng(0, lo_open=True))
-    expert_bias_std: float = _f(0.01, "std of the random initial expert bias "
-                                "(e_score_correction_bias)", **_rng(0))
-
-
-@dataclass
-class ModelInitConfig:
-    """Shape of the tiny model written by ``moe-rl init-model`` (Qwen3-MoE or DeepSeek-V3)."""
-    architecture: Literal["qwen3_moe", "deepseek_v3"] = _f(
-        "qwen3_moe", "qwen3_moe, or deepseek_v3 (MLA, sigmoid router with expert bias, "
-        "group-limited top-k, shared experts; shaped further by model.init.deepseek)")
-    hidden_size: int = _f(64, "hidden size", **_rng(1))
-    num_hidden_layers: int = _f(2, "decoder layers", **_rng(1))
-    num_attention_heads: int = _f(4, "attention heads", **_rng(1))
-    num_key_value_heads: int = _f(2, "key/value heads (GQA)", **_rng(1))
-    head_dim: int = _f(16, "attention head dimension", **_rng(1))
-    intermediate_size: int = _f(128, "dense MLP size (dense layers only)", **_rng(1))
-    moe_intermediate_size: int = _f(64, "expert MLP size", **_rng(1))
-    num_experts: int = _f(8, "routed experts per MoE layer", **_rng(1, 65535))
-    num_experts_per_tok: int = _f(2, "router top-k", **_rng(1))
-    decoder_sparse_step: int = _f(1, "every n-th layer is MoE", **_rng(1))
-    norm_topk_prob: bool = _f(True, "renormalise the top-k gate probabilities")
-    max_position_embeddings: int = _f(256, "maximum sequence length", **_rng(1))
-    rope_theta: float = _f(10000.0, "rotary base", **_rng(0, lo_open=True))
-    rms_norm_eps: float = _f(1e-6, "RMSNorm epsilon", **_rng(0, lo_open=True))
-    tie_word_embeddings: bool = _f(False, "tie input and output embeddings")
-    seed: int = _f(0, "weight initialisation seed")
-    deepseek: DeepseekInitConfig = _sub(DeepseekInitConfig, "DeepSeek-V3-only shape "
-                                        "(num_key_value_heads, head_dim, decoder_sparse_step "
-                                        "do not apply to it)")
+from moe_rl.config.fields import _f, _rng, _sub
+from moe_rl.config.init_model import ModelInitConfig
 
 
 @dataclass
@@ -333,9 +264,3 @@ class Config:
     cluster: ClusterConfig = _sub(ClusterConfig, "devices and Ray")
     data: DataConfig = _sub(DataConfig, "prompts and rewards")
     logging: LoggingConfig = _sub(LoggingConfig, "outputs")
-
-
-def as_dict(obj: Any) -> dict:
-    """A config (or one of its sections) as plain nested dicts."""
-    return dataclasses.asdict(obj)
-

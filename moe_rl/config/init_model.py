@@ -1,0 +1,107 @@
+"""The settings of ``moe-rl init-model`` (``model.init``): the tiny model's shape, its rules, and
+the HF ``config.json`` fields it becomes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from moe_rl.config.fields import ConfigError, _f, _rng, _sub, as_dict
+
+if TYPE_CHECKING:   # the whole configuration, for check_model_init's signature
+    from moe_rl.config.schema import Config
+
+
+@dataclass
+class DeepseekInitConfig:
+    """DeepSeek-V3-only shape of the tiny model (``model.init.architecture: deepseek_v3``)."""
+    q_lora_rank: int | None = _f(32, "query LoRA rank of MLA (null = full query projection)",
+                                 **_rng(1))
+    kv_lora_rank: int = _f(32, "compressed key/value (latent) size of MLA", **_rng(1))
+    qk_nope_head_dim: int = _f(16, "per-head query/key size without rotary", **_rng(1))
+    qk_rope_head_dim: int = _f(8, "per-head rotary query/key size (even)", **_rng(2))
+    v_head_dim: int = _f(16, "per-head value size", **_rng(1))
+    n_group: int = _f(4, "expert groups of the group-limited router", **_rng(1))
+    topk_group: int = _f(2, "groups a token may use (num_experts_per_tok / topk_group must be 2 "
+                         "when < n_group)", **_rng(1))
+    n_shared_experts: int = _f(1, "shared (always-on, never routed) experts per MoE layer",
+                               **_rng(0))
+    first_k_dense_replace: int = _f(1, "leading dense layers", **_rng(0))
+    routed_scaling_factor: float = _f(2.5, "scale of the routed experts' gate weights",
+                                      **_rng(0, lo_open=True))
+    expert_bias_std: float = _f(0.01, "std of the random initial expert bias "
+                                "(e_score_correction_bias)", **_rng(0))
+
+
+@dataclass
+class ModelInitConfig:
+    """Shape of the tiny model written by ``moe-rl init-model`` (Qwen3-MoE or DeepSeek-V3)."""
+    architecture: Literal["qwen3_moe", "deepseek_v3"] = _f(
+        "qwen3_moe", "qwen3_moe, or deepseek_v3 (MLA, sigmoid router with expert bias, "
+        "group-limited top-k, shared experts; shaped further by model.init.deepseek)")
+    hidden_size: int = _f(64, "hidden size", **_rng(1))
+    num_hidden_layers: int = _f(2, "decoder layers", **_rng(1))
+    num_attention_heads: int = _f(4, "attention heads", **_rng(1))
+    num_key_value_heads: int = _f(2, "key/value heads (GQA)", **_rng(1))
+    head_dim: int = _f(16, "attention head dimension", **_rng(1))
+    intermediate_size: int = _f(128, "dense MLP size (dense layers only)", **_rng(1))
+    moe_intermediate_size: int = _f(64, "expert MLP size", **_rng(1))
+    num_experts: int = _f(8, "routed experts per MoE layer", **_rng(1, 65535))
+    num_experts_per_tok: int = _f(2, "router top-k", **_rng(1))
+    decoder_sparse_step: int = _f(1, "every n-th layer is MoE", **_rng(1))
+    norm_topk_prob: bool = _f(True, "renormalise the top-k gate probabilities")
+    max_position_embeddings: int = _f(256, "maximum sequence length", **_rng(1))
+    rope_theta: float = _f(10000.0, "rotary base", **_rng(0, lo_open=True))
+    rms_norm_eps: float = _f(1e-6, "RMSNorm epsilon", **_rng(0, lo_open=True))
+    tie_word_embeddings: bool = _f(False, "tie input and output embeddings")
+    seed: int = _f(0, "weight initialisation seed")
+    deepseek: DeepseekInitConfig = _sub(DeepseekInitConfig, "DeepSeek-V3-only shape "
+                                        "(num_key_value_heads, head_dim, decoder_sparse_step "
+                                        "do not apply to it)")
+
+
+def init_hf_fields(init: ModelInitConfig) -> dict:
+    """The ``model.init`` shape under the names of the architecture's HF ``config.json``."""
+    fields = as_dict(init)
+    deepseek = fields.pop("deepseek")
+    fields["model_type"] = fields.pop("architecture")
+    if init.architecture == "deepseek_v3":
+        deepseek.pop("expert_bias_std")
+        for key in ("num_key_value_heads", "head_dim", "decoder_sparse_step"):
+            fields.pop(key)
+        fields.update(deepseek, n_routed_experts=fields.pop("num_experts"))
+    return fields
+
+
+def check_deepseek_init(init: ModelInitConfig) -> None:
+    """model.init.deepseek: a DeepSeek-V3 shape both transformers and megatron-core build."""
+    d = init.deepseek
+    if d.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.init.deepseek.qk_rope_head_dim: must be even, got "
+                          f"{d.qk_rope_head_dim}")
+    if init.num_experts % d.n_group:
+        raise ConfigError(f"model.init.deepseek.n_group: {d.n_group} must divide "
+                          f"model.init.num_experts ({init.num_experts})")
+    if d.topk_group > d.n_group:
+        raise ConfigError(f"model.init.deepseek.topk_group: {d.topk_group} exceeds n_group "
+                          f"({d.n_group})")
+    if d.topk_group < d.n_group and init.num_experts_per_tok != 2 * d.topk_group:
+        raise ConfigError(f"model.init.deepseek.topk_group: group-limited routing needs "
+                          f"num_experts_per_tok = 2 x topk_group (both transformers and "
+                          f"megatron-core rank a group by its best experts), got "
+                          f"{init.num_experts_per_tok} and {d.topk_group}")
+    if d.first_k_dense_replace >= init.num_hidden_layers:
+        raise ConfigError(f"model.init.deepseek.first_k_dense_replace: {d.first_k_dense_replace} "
+                          f"leaves no MoE layer of {init.num_hidden_layers}")
+
+
+def check_model_init(cfg: Config) -> None:
+    """model.init: the shape ``init-model`` would write (the first of the cross-field checks)."""
+    init = cfg.model.init
+    if init.num_experts_per_tok > init.num_experts:
+        raise ConfigError(f"model.init.num_experts_per_tok: {init.num_experts_per_tok} exceeds "
+                          f"model.init.num_experts = {init.num_experts}")
+    if init.architecture == "qwen3_moe" and init.num_attention_heads % init.num_key_value_heads:
+        raise ConfigError("model.init.num_key_value_heads: must divide model.init."
+                          f"num_attention_heads ({init.num_attention_heads})")
+    if init.architecture == "deepseek_v3":
+        check_deepseek_init(init)
