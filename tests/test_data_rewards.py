@@ -7,8 +7,9 @@ import pytest
 from moe_rl.config import DataConfig
 from moe_rl.data.prompts import PromptSampler, load_prompts, toy_problems
 from moe_rl.models.tiny import build_tokenizer
-from moe_rl.rewards.functions import (RewardFunction, extract_answer, load_reward, math_reward,
-                                      normalise_answer, toy_reward)
+from moe_rl.rewards.functions import RewardFunction, load_reward, toy_reward
+from moe_rl.rewards.math_answers import (extract_answer, math_reward, normalise_answer,
+                                         regex_math_reward)
 
 TOK = build_tokenizer()
 
@@ -33,7 +34,8 @@ def test_toy_reward_cases():
     assert toy_reward("3+4=", "7", None, {}) == 0.0
 
 
-@pytest.mark.parametrize("response,answer,ok", [
+# hand-worked: (response, reference answer, equal?)
+MATH_PAIRS = [
     ("so the answer is \\boxed{42}.", "42", True),
     ("\\boxed{\\frac{3}{4}}", "0.75", True),
     ("\\boxed{\\dfrac{1}{2}}", "1/2", True),
@@ -44,15 +46,61 @@ def test_toy_reward_cases():
     ("\\boxed{7}", "8", False),
     ("no number here", "3", False),
     ("\\boxed{-3}", "-3", True),
+    ("\\boxed{3}", "-3", False),
     ("\\boxed{3/6}", "1/2", True),
     ("The answer is 0.5", "\\frac{1}{2}", True),
     ("\\boxed{x+1}", "x+1", True),
     ("\\boxed{x+2}", "x+1", False),
-    ("first \\boxed{1} then \\boxed{2}", "2", True),
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", True),
     ("the answer is 10.", "10", True),
-])
+    ("\\boxed{\\{1,2,3\\}}", "\\{3,2,1\\}", True),             # sets: order does not matter
+    ("\\boxed{\\{1,2\\}}", "\\{1,2,3\\}", False),
+    ("\\boxed{3, 5}", "5, 3", True),
+    ("first \\boxed{1} then \\boxed{2}", "\\{1,2\\}", True),    # several boxes form a set
+    ("first \\boxed{1} then \\boxed{2}", "2", False),
+    ("\\boxed{(0, 1]}", "(0,1]", True),                       # intervals: open / closed ends
+    ("\\boxed{[0, 1)}", "(0,1]", False),
+    ("\\boxed{5\\text{ cm}}", "5", True),                      # units stripped
+    ("\\boxed{50\\%}", "0.5", True),
+    ("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}", True),
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True),
+    ("\\boxed{1/3}", "0.333", False),                          # 3 digits are not 1/3
+    ("\\boxed{0.3333333}", "1/3", True),                       # rounded at 6 digits
+    ("\\boxed{\\infty}", "\\infty", True),
+    ("\\boxed{-\\infty}", "\\infty", False),
+    ("The final answer is $\\boxed{12}$", "12", True),
+    ("\\boxed{1000}", "1,000", True),
+    ("\\boxed{1.5}", "3/2", True),
+    ("\\boxed{y=2x}", "2x", True),                             # the right-hand side counts
+    ("\\boxed{\\pi}", "3.14", False),
+    ("\\boxed{Paris}", "paris", True),                         # no math: the regex rule decides
+    ("\\boxed{London}", "Paris", False),
+]
+
+
+@pytest.mark.parametrize("response,answer,ok", MATH_PAIRS)
 def test_math_reward_cases(response, answer, ok):
+    assert len(MATH_PAIRS) >= 30
     assert math_reward("", response, answer, {}) == (1.0 if ok else 0.0)
+    assert math_reward("", response, None, {}) == 0.0
+
+
+def test_math_reward_falls_back_to_the_regex_rule_only_without_a_parse():
+    # math-verify finds nothing in a text answer: the regex rule's verdict is the reward
+    assert math_reward("", "\\boxed{Paris}", "paris", {}) == regex_math_reward(
+        "\\boxed{Paris}", "paris") == 1.0
+    # where math-verify parses both, its verdict wins over the regex (last box vs all boxes)
+    assert regex_math_reward("first \\boxed{1} then \\boxed{2}", "2") == 1.0
+    assert math_reward("", "first \\boxed{1} then \\boxed{2}", "2", {}) == 0.0
+
+
+def test_math_reward_runs_off_the_main_thread_within_its_time_limit():
+    """The reward runs on a worker thread, bounded by data.reward_timeout_s (math-verify's own
+    limit uses signals, which only the main thread may set)."""
+    fn = RewardFunction("math", timeout_s=30)
+    assert fn("", "\\boxed{\\frac{3}{4}}", "0.75", {}) == 1.0
+    assert fn("", "\\boxed{7}", "8", {}) == 0.0
+    assert fn.errors == 0 and fn.timeouts == 0
 
 
 def test_answer_helpers():

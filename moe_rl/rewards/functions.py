@@ -1,14 +1,14 @@
-"""Reward functions: the toy task's, rule-based math answer checking, and a user function given
-as ``module:function`` whose failures score 0 and are counted instead of crashing the run."""
+"""Reward functions: the toy task's, math answers (:mod:`moe_rl.rewards.math_answers`), and a user
+function given as ``module:function`` whose failures score 0 and are counted instead of crashing
+the run."""
 from __future__ import annotations
 
 import logging
 import math
-import re
-from fractions import Fraction
 from typing import Callable
 
 from moe_rl.plugins import PluginTimeout, call_bounded, load_named
+from moe_rl.rewards.math_answers import math_reward
 
 log = logging.getLogger(__name__)
 
@@ -29,49 +29,6 @@ def toy_reward(prompt: str, response: str, answer: str | None, metadata: dict) -
     if text.isdigit() and stopped:
         return 0.2
     return 0.1 if text[:1].isdigit() else 0.0
-
-
-_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
-_ANSWER_IS = re.compile(r"answer(?: is|:)\s*\$?([^\s$]+)", re.IGNORECASE)
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a solution: the last \\boxed{...}, else "answer is X", else the last
-    number."""
-    boxed = _BOXED.findall(text)
-    if boxed:
-        return boxed[-1]
-    m = _ANSWER_IS.findall(text)
-    if m:
-        return m[-1]
-    nums = _NUMBER.findall(text)
-    return nums[-1] if nums else None
-
-
-def normalise_answer(ans: str) -> Fraction | str:
-    """A number as an exact Fraction when possible (3/4 == 0.75 == \\frac{3}{4}), else the
-    cleaned string."""
-    s = ans.strip().rstrip(".").strip("$ ").replace(",", "").replace("\\!", "")
-    s = re.sub(r"\\(?:d|t)?frac\{([^{}]+)\}\{([^{}]+)\}", r"(\1)/(\2)", s)
-    s = s.replace("\\left", "").replace("\\right", "").replace(" ", "")
-    m = re.fullmatch(r"\(?(-?[\d.]+)\)?/\(?(-?[\d.]+)\)?", s)
-    try:
-        if m:
-            return Fraction(m.group(1)) / Fraction(m.group(2))
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return s.lower()
-
-
-def math_reward(prompt: str, response: str, answer: str | None, metadata: dict) -> float:
-    """1 when the extracted final answer equals the reference (numerically or textually)."""
-    if answer is None:
-        return 0.0
-    got = extract_answer(response)
-    if got is None:
-        return 0.0
-    return 1.0 if normalise_answer(got) == normalise_answer(answer) else 0.0
 
 
 BUILTIN = {"toy": toy_reward, "math": math_reward}
