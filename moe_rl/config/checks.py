@@ -228,9 +228,24 @@ def check_ranks(cfg: Config) -> None:
 
 
 def check_data(cfg: Config) -> None:
-    """The prompt source."""
-    if cfg.data.source in ("jsonl", "parquet") and not cfg.data.path:
-        raise ConfigError(f"data.path: data.source={cfg.data.source} needs a file path")
+    """The prompt source and the row format."""
+    d = cfg.data
+    if d.source in ("jsonl", "parquet") and not d.path:
+        raise ConfigError(f"data.path: data.source={d.source} needs a file path")
+    if d.source == "toy" and (d.messages_key or d.metadata_keys):
+        key = "data.messages_key" if d.messages_key else "data.metadata_keys"
+        raise ConfigError(f"{key}: the toy task has no rows; set data.source to jsonl or parquet")
+    if d.messages_key and not d.chat_template:
+        raise ConfigError("data.chat_template: messages rows (data.messages_key) are rendered "
+                          "with the tokenizer's chat template; set data.chat_template=true")
+    if d.messages_key and d.system_prompt is not None:
+        raise ConfigError("data.system_prompt: messages rows carry their own system message; "
+                          "put it in the rows, or use prompt_key rows")
+    if not d.chat_template and (d.system_prompt is not None or d.chat_template_kwargs):
+        key = "data.system_prompt" if d.system_prompt is not None else \
+            "data.chat_template_kwargs"
+        raise ConfigError(f"{key}: applies through the chat template; set "
+                          f"data.chat_template=true")
 
 
 def validate(cfg: Config) -> None:

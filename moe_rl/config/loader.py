@@ -30,6 +30,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
@@ -65,6 +67,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
         (arg,) = typing.get_args(tp)
         return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping of names to values, got {value!r}")
+        return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -4,7 +4,7 @@ settings of ``moe-rl init-model``), which live beside them in :mod:`moe_rl.confi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from moe_rl.config.fields import _f, _rng, _sub
 from moe_rl.config.init_model import ModelInitConfig
@@ -228,6 +228,15 @@ class DataConfig:
     prompt_key: str = _f("prompt", "column holding the prompt text")
     answer_key: str = _f("answer", "column holding the reference answer")
     chat_template: bool = _f(True, "wrap prompts with the tokenizer's chat template")
+    messages_key: str | None = _f(None, "column holding a chat list of {role, content} messages "
+                                  "(system prompt included), rendered with the chat template; "
+                                  "null: rows hold prompt_key text")
+    system_prompt: str | None = _f(None, "system message put before every prompt_key text "
+                                   "(with chat_template)")
+    chat_template_kwargs: dict[str, Any] = _f({}, "extra keyword arguments of the tokenizer's "
+                                              "apply_chat_template, e.g. {enable_thinking: false}")
+    metadata_keys: list[str] = _f([], "row columns handed to the reward function in its "
+                                  "metadata")
     reward: str = _f("toy", "reward: toy | math | module:function")
     environment: str | None = _f(None, "multi-turn environment: calculator | module:Class (null "
                                  "= single-turn completions scored by data.reward; with an "

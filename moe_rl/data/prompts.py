@@ -1,20 +1,23 @@
-"""Prompt datasets (built-in toy task, JSONL, Parquet), tokenisation with the chat template, and a
+"""Prompt datasets (built-in toy task, JSONL, Parquet) with rows of prompt text or chat
+messages, tokenisation with the chat template, per-row metadata for the reward, and a
 deterministic, resumable shuffled sampler."""
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moe_rl.config import DataConfig
 
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One prompt: its text, token ids, and the reference answer (if any)."""
+    """One prompt: its text (as rendered), token ids, the reference answer (if any) and the row's
+    ``data.metadata_keys`` columns."""
     text: str
     ids: list[int]
     answer: str | None
+    metadata: dict = field(default_factory=dict)
 
 
 def toy_problems(max_operand: int, size: int, seed: int) -> list[tuple[str, str]]:
@@ -40,31 +43,85 @@ def _read_rows(cfg: DataConfig) -> list[dict]:
     return pq.read_table(cfg.path).to_pylist()
 
 
-def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
-    """Token ids of a prompt, through the tokenizer's chat template when asked."""
+def _ids(out) -> list[int]:
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool, system_prompt: str | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a prompt, through the tokenizer's chat template when asked (after
+    ``system_prompt`` as a system message, if any)."""
     if chat_template:
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None
+                    else []) + [{"role": "user", "content": text}]
+        return encode_messages(tokenizer, messages, template_kwargs)[1]
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def encode_messages(tokenizer, messages: list[dict], template_kwargs: dict | None = None
+                    ) -> tuple[str, list[int]]:
+    """(rendered text, token ids) of a chat through the tokenizer's chat template, ready for the
+    assistant's turn."""
+    kw = dict(template_kwargs or {})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **kw)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
+    return text, _ids(ids)
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(value, where: str) -> list[dict]:
+    """A chat list of {role, content}: ValueError naming ``where`` (file, row, key) otherwise."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: expected a non-empty list of {{role, content}} messages, "
+                         f"got {value!r:.80}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or \
+                not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}[{i}]: expected {{role: one of {', '.join(ROLES)}, "
+                             f"content: text}}, got {m!r:.80}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _record(cfg: DataConfig, tokenizer, row, n: int) -> PromptRecord:
+    """Row ``n`` of ``cfg.path`` as a prompt record (ValueError naming file, row and key)."""
+    where = f"row {n} of {cfg.path}"
+    key = cfg.messages_key or cfg.prompt_key
+    if not isinstance(row, dict) or key not in row:
+        raise ValueError(f"data.{'messages_key' if cfg.messages_key else 'prompt_key'}: "
+                         f"{where} has no {key!r} field")
+    missing = [k for k in cfg.metadata_keys if k not in row]
+    if missing:
+        raise ValueError(f"data.metadata_keys: {where} has no {missing[0]!r} field")
+    answer = row.get(cfg.answer_key)
+    answer = None if answer is None else str(answer)
+    metadata = {k: row[k] for k in cfg.metadata_keys}
+    if cfg.messages_key:
+        messages = check_messages(row[key], f"data.messages_key: {where}: {key}")
+        text, ids = encode_messages(tokenizer, messages, cfg.chat_template_kwargs)
+        return PromptRecord(text, ids, answer, metadata)
+    text = str(row[key])
+    return PromptRecord(text, encode_prompt(tokenizer, text, cfg.chat_template,
+                                            cfg.system_prompt, cfg.chat_template_kwargs),
+                        answer, metadata)
+
+
 def load_prompts(cfg: DataConfig, tokenizer) -> list[PromptRecord]:
-    """All prompts of the configured source, tokenised."""
+    """All prompts of the configured source, tokenised; a bad row is refused naming the file,
+    the row and the key."""
     if cfg.source == "toy":
-        pairs = toy_problems(cfg.toy_max_operand, cfg.toy_size, cfg.shuffle_seed)
+        records = [PromptRecord(text, encode_prompt(tokenizer, text, cfg.chat_template,
+                                                    cfg.system_prompt,
+                                                    cfg.chat_template_kwargs), answer)
+                   for text, answer in toy_problems(cfg.toy_max_operand, cfg.toy_size,
+                                                    cfg.shuffle_seed)]
     else:
-        pairs = []
-        for n, row in enumerate(_read_rows(cfg)):
-            if not isinstance(row, dict) or cfg.prompt_key not in row:
-                raise ValueError(f"data.prompt_key: row {n} of {cfg.path} has no "
-                                 f"{cfg.prompt_key!r} field")
-            answer = row.get(cfg.answer_key)
-            pairs.append((str(row[cfg.prompt_key]), None if answer is None else str(answer)))
-    if not pairs:
+        records = [_record(cfg, tokenizer, row, n) for n, row in enumerate(_read_rows(cfg))]
+    if not records:
         raise ValueError(f"data: no prompts in {cfg.path or 'the toy task'}")
-    return [PromptRecord(text, encode_prompt(tokenizer, text, cfg.chat_template), answer)
-            for text, answer in pairs]
+    return records
 
 
 class PromptSampler:

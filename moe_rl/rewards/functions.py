@@ -109,7 +109,7 @@ def score_rewards(samples: list, tokenizer, prompts, reward_fn: RewardFunction) 
         stopped = bool(ids) and ids[-1] == eos
         text = tokenizer.decode(ids, skip_special_tokens=True)
         reward = reward_fn(rec.text if rec else "", text, rec.answer if rec else None,
-                           {**s.metadata, "stopped": stopped})
+                           {**(rec.metadata if rec else {}), **s.metadata, "stopped": stopped})
         if reward is not None:
             s.reward = reward
             kept.append(s)
