@@ -38,10 +38,12 @@ setup(
         "math-verify[antlr4_13_2]>=0.9,<0.10",   # data.reward: math
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "triton>=3.2,<4", "packaging>=23,<27"],
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "triton>=3.2,<4", "packaging>=23,<27",
+                 "wandb>=0.19,<1"],
         "sglang": ["sglang>=0.5.23,<0.6"],
         "te": ["transformer-engine[pytorch]>=2.0,<3"],
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10"],
+        "wandb": ["wandb>=0.19,<1"],
     },
     entry_points={"console_scripts": ["moe-rl=moe_rl.cli:main"]},
 )

@@ -1,5 +1,5 @@
-"""Metric outputs of a run: TensorBoard scalars, a JSONL copy, phase timers and per-step
-progress (a bar on a terminal, lines elsewhere)."""
+"""Metric outputs of a run: TensorBoard scalars, a JSONL copy, further sinks (W&B), phase timers
+and per-step progress (a bar on a terminal, lines elsewhere)."""
 from __future__ import annotations
 
 import contextlib
@@ -24,13 +24,15 @@ class MetricsLogger:
     """Writes one record per step to TensorBoard (``run_dir/tb``) and ``run_dir/metrics.jsonl``.
 
     Non-finite values are written as null in JSONL and skipped (and counted) in TensorBoard.
-    ``start_step``: on resume, JSONL lines of steps >= start_step are dropped first.
+    ``start_step``: on resume, JSONL lines of steps >= start_step are dropped first. ``sinks``:
+    further outputs, each with ``log(step, metrics)`` and ``close()`` (W&B).
     """
 
     def __init__(self, run_dir: str, tensorboard: bool = True, jsonl: bool = True,
-                 start_step: int = 0):
+                 start_step: int = 0, sinks: list | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
+        self.sinks = list(sinks or [])
         self.skipped_nonfinite = 0
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if jsonl else None
         if self.jsonl_path and os.path.exists(self.jsonl_path):
@@ -60,10 +62,14 @@ class MetricsLogger:
                 fh.write(json.dumps({"step": step, **clean}) + "\n")
         if self.writer is not None:
             self.writer.flush()
+        for sink in self.sinks:
+            sink.log(step, metrics)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 class PhaseTimer:

@@ -299,7 +299,7 @@ def graded(prompt, response, answer, metadata):
 """
 
 
-@pytest.mark.e2e
+@pytest.mark.loop
 def test_messages_rows_and_metadata_through_moe_rl_train(tmp_path):
     """`moe-rl train` on chat-message rows with a per-row column handed to the reward: every
     reward call gets the rendered chat and the row's metadata (no reward errors), and the

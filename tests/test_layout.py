@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "moe_rl"
 LAYERS = [
     {"errors", "moe_shape", "shipped", "plugins", "leftovers", "launch_tools"},
     {"types", "config", "report", "metrics_log"},
-    {"packing", "data", "rewards", "weights", "algo", "run_dir"},
+    {"packing", "data", "rewards", "weights", "algo", "run_dir", "wandb_log"},
     {"envs", "models", "engines", "run_summary"},
     {"trainer", "rollout", "run_inputs"},
     {"orchestration"},

@@ -248,6 +248,15 @@ def check_data(cfg: Config) -> None:
                           f"data.chat_template=true")
 
 
+def check_logging(cfg: Config) -> None:
+    """logging.wandb: the optional package is there when asked for."""
+    import importlib.util
+    if cfg.logging.wandb.enabled and cfg.logging.wandb.mode != "disabled" and \
+            importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb.enabled: W&B logging needs the wandb package: "
+                          "pip install 'moe_rl[wandb]' (or set logging.wandb.enabled=false)")
+
+
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` for incompatible combinations of otherwise valid values: every
     check below, in this order (the first refusal is the one reported); then the checks of the
@@ -266,6 +275,7 @@ def validate(cfg: Config) -> None:
     check_async(cfg)
     check_ranks(cfg)
     check_data(cfg)
+    check_logging(cfg)
     check_engine(cfg)
 
 

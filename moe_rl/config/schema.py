@@ -254,6 +254,19 @@ class DataConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases logging (optional: ``pip install 'moe_rl[wandb]'``)."""
+    enabled: bool = _f(False, "also log every scalar and the resolved config to W&B")
+    project: str = _f("moe_rl", "W&B project")
+    entity: str | None = _f(None, "W&B entity (team or user; null: the account's default)")
+    name: str | None = _f(None, "W&B run name (null: the run directory's name)")
+    mode: Literal["online", "offline", "disabled"] = _f(
+        "online", "online (needs W&B credentials and network), offline (files under "
+        "<logging.dir>/wandb, `wandb sync` them later), disabled")
+    tags: list[str] = _f([], "W&B run tags")
+
+
+@dataclass
 class LoggingConfig:
     dir: str = _f("runs/default", "run directory: TensorBoard events, metrics.jsonl, checkpoints")
     tensorboard: bool = _f(True, "write TensorBoard event files")
@@ -262,6 +275,7 @@ class LoggingConfig:
                         "line per logging.log_interval steps on stdout")
     log_interval: int = _f(1, "steps between progress lines when the console is not a terminal "
                            "(nohup, Slurm, a pipe); the last step is always shown", **_rng(1))
+    wandb: WandbConfig = _sub(WandbConfig, "Weights & Biases")
 
 
 @dataclass

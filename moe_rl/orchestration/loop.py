@@ -220,7 +220,12 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     print(f"run directory: {os.path.abspath(run_dir)}", flush=True)
     if resume_path:
         print(f"resuming at step {start_step} from {resume_path}", flush=True)
-    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.jsonl, start_step)
+    sinks = []
+    if cfg.logging.wandb.enabled:
+        from moe_rl.wandb_log import WandbLog
+        sinks.append(WandbLog(cfg, run_dir))
+    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.jsonl, start_step,
+                           sinks)
     plan = make_plan(cfg)
     start_ray(cfg, plan)
     reservation = reserve(cfg, plan)

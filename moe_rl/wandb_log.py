@@ -1,0 +1,45 @@
+"""Weights & Biases logging of a run (``logging.wandb``): the resolved config once, then every
+step's scalars (the ones TensorBoard gets), into one W&B run per run directory, which a resumed
+run continues (its id is kept in ``<run>/wandb_run_id``). Files go under ``<run>/wandb``."""
+from __future__ import annotations
+
+import math
+import os
+import secrets
+
+from moe_rl.config import Config, as_dict
+
+RUN_ID_FILE = "wandb_run_id"
+
+
+def run_id(run_dir: str) -> str:
+    """The W&B run id of ``run_dir``: the one it was given, else a new one (kept)."""
+    path = os.path.join(run_dir, RUN_ID_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    rid = secrets.token_hex(4)   # W&B's ids: 8 lower-case letters and digits
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(rid + "\n")
+    return rid
+
+
+class WandbLog:
+    """A metrics sink: ``log(step, metrics)`` and ``close()``, as :class:`MetricsLogger` calls
+    them."""
+
+    def __init__(self, cfg: Config, run_dir: str):
+        import wandb
+        w = cfg.logging.wandb
+        self.run = wandb.init(project=w.project, entity=w.entity,
+                              name=w.name or os.path.basename(os.path.abspath(run_dir)),
+                              mode=w.mode, tags=list(w.tags), dir=run_dir,
+                              config=as_dict(cfg), id=run_id(run_dir), resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's finite scalars at ``step``."""
+        self.run.log({k: float(v) for k, v in metrics.items() if math.isfinite(float(v))},
+                     step=step)
+
+    def close(self) -> None:
+        self.run.finish()
