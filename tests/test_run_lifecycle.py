@@ -183,6 +183,9 @@ def test_ctrl_c_twice_abandons_the_step_and_stops_everything(model, tmp_path):
     _wait_for_line(proc, "RL step 3/100")
     port = [p["port"] for p in json.loads((run / "plan.json").read_text())["processes"]
             if p["role"] == "engine"][0]
+    # into step 4's rollout (>= 4 s): a signal landing before the loop began that step, on a
+    # loaded machine, would stop the run between steps with nothing left to abandon
+    time.sleep(1.0)
     sent = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
     # the second once the first is acknowledged (two signals before Python's handler runs are
