@@ -88,8 +88,8 @@ class TrainerWorker:
         from moe_rl.weights.fp8 import quantise_named
         fp8 = self.trainer.cfg.rollout.quantization == "fp8"
         sent, failure = 0, None
-        if self.rank == 0:
-            self.receiver.begin()
+        if self.rank == 0:   # a refusal still lets this rank take part in the stream
+            failure = self._begin_session()
         with ThreadPoolExecutor(1) as pool:
             for bucket, last in self.trainer.hf_buckets():
                 if self.rank != 0 or failure is not None or not bucket:
@@ -122,7 +122,7 @@ class TrainerWorker:
         servers = len(self.engine_urls)
         sent, failure = 0, None
         if self.rank == 0:   # SGLang loads tensor updates only inside a session
-            self.receiver.begin()
+            failure = self._begin_session()
         fp8 = self.trainer.cfg.rollout.quantization == "fp8"
         for bucket, last in self.trainer.hf_buckets(everywhere=True):
             payloads = gather_strings(serialize_named_tensors(
@@ -144,6 +144,15 @@ class TrainerWorker:
                 raise failure
             self.receiver.end()
         return sent
+
+    def _begin_session(self) -> Exception | None:
+        """Open the engines' weight-update session; the error instead of raising it, so rank 0
+        still takes part in the stream's collectives (the other ranks wait in them)."""
+        try:
+            self.receiver.begin()
+        except Exception as exc:
+            return exc
+        return None
 
     def abort_weight_update(self) -> None:
         """After a failed sync: close whatever sessions are open (a restarted server has
