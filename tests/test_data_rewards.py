@@ -170,30 +170,38 @@ def test_a_reward_call_past_its_timeout_loses_the_sample(tmp_path, monkeypatch):
                                         for k in range(10) if (k + 1) % 5]
 
 
-@pytest.mark.e2e
-def test_a_hanging_reward_through_moe_rl_train(tmp_path):
-    """`moe-rl train` with a reward that never returns on every fifth call: those samples are
-    dropped and counted (reward/timeouts), the log names it once, the run finishes."""
+def _train_tiny(tmp_path, steps: int, samples: int, *overrides):
+    """`moe-rl train` of a fresh tiny model in ``tmp_path`` (its modules importable) with
+    ``overrides``; returns the finished process and the metrics rows."""
     import os
     import subprocess
     import sys
     from tests.conftest import ROOT
     from moe_rl.trainer.parallel import free_port
-    (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
     res = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config",
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
-         f"logging.dir={tmp_path / 'run'}", "trainer.steps=2", "trainer.sft_warmup_steps=0",
-         "logging.progress=false", f"rollout.base_port={free_port()}",
-         "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
-         "data.reward=hanging_rewards:every_fifth_hangs", "data.reward_timeout_s=1"],
+         f"logging.dir={tmp_path / 'run'}", f"trainer.steps={steps}",
+         "trainer.sft_warmup_steps=0", "logging.progress=false",
+         f"rollout.base_port={free_port()}", "rollout.prompts_per_step=4",
+         f"rollout.n_samples_per_prompt={samples}", *overrides],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return res, rows
+
+
+@pytest.mark.e2e
+def test_a_hanging_reward_through_moe_rl_train(tmp_path):
+    """`moe-rl train` with a reward that never returns on every fifth call: those samples are
+    dropped and counted (reward/timeouts), the log names it once, the run finishes."""
+    (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
+    res, rows = _train_tiny(tmp_path, 2, 4, "data.reward=hanging_rewards:every_fifth_hangs",
+                            "data.reward_timeout_s=1")
     assert [r["reward/timeouts"] for r in rows] == [3.0, 6.0]   # 16 calls a step
     assert rows[-1]["reward/errors"] == 0.0
     assert res.stdout.count("did not return within 1 s (data.reward_timeout_s)") == 1
@@ -304,33 +312,14 @@ def test_messages_rows_and_metadata_through_moe_rl_train(tmp_path):
     """`moe-rl train` on chat-message rows with a per-row column handed to the reward: every
     reward call gets the rendered chat and the row's metadata (no reward errors), and the
     rewards follow the column (half the rows are easy: reward_mean 0.5 with every prompt)."""
-    import os
-    import subprocess
-    import sys
-    from tests.conftest import ROOT
-    from moe_rl.trainer.parallel import free_port
     (tmp_path / "chat_rewards.py").write_text(CHAT_REWARDS)
     rows = [{"messages": [{"role": "system", "content": "Add."},
                           {"role": "user", "content": f"{a}+{a}="}],
              "answer": 2 * a, "level": "easy" if a % 2 else "hard"} for a in range(4)]
     data = _jsonl(tmp_path / "chat.jsonl", rows)
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
-    res = subprocess.run(
-        [sys.executable, "-m", "moe_rl.cli", "train", "--config",
-         str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
-         f"logging.dir={tmp_path / 'run'}", "trainer.steps=1", "trainer.sft_warmup_steps=0",
-         "logging.progress=false", f"rollout.base_port={free_port()}",
-         "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=2",
-         "data.source=jsonl", f"data.path={data}", "data.messages_key=messages",
-         "data.chat_template=true", "data.metadata_keys=[level]",
-         "data.reward=chat_rewards:graded"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    (row,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
-              .splitlines()]
+    _, (row,) = _train_tiny(tmp_path, 1, 2, "data.source=jsonl", f"data.path={data}",
+                            "data.messages_key=messages", "data.chat_template=true",
+                            "data.metadata_keys=[level]", "data.reward=chat_rewards:graded")
     assert row["reward/errors"] == 0.0
     assert row["reward/mean"] == pytest.approx(0.5)
 
