@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("init_model", "write the tiny Qwen3-MoE model and tokenizer in HF format"),
     "serve-reference": ("moe_rl.engines.reference.command", "serve a HF MoE model with SGLang's HTTP protocol on CPU"),
     "convert": ("convert", "convert checkpoints between Hugging Face and Megatron layouts"),
+    "eval": ("eval", "evaluate a saved policy (checkpoint or HF model) on the eval.sets"),
     "report": ("report", "plot and summarise runs from their TensorBoard events"),
     "plan": ("plan", "print every process a run would start: node, GPUs, engine command lines"),
     "config": ("show_config", "print the resolved configuration, or the table of every key"),

@@ -45,8 +45,9 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Record ``metrics`` at ``step``."""
+    def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
+        """Record ``metrics`` at ``step``; ``kind``: "train" (a step's row) or "eval" (an
+        evaluation's, marked ``"kind": "eval"`` in JSONL)."""
         clean = {}
         for k, v in sorted(metrics.items()):
             v = float(v)
@@ -59,11 +60,12 @@ class MetricsLogger:
                     self.skipped_nonfinite += 1
         if self.jsonl_path:
             with open(self.jsonl_path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"step": step, **clean}) + "\n")
+                mark = {"kind": kind} if kind != "train" else {}
+                fh.write(json.dumps({"step": step, **mark, **clean}) + "\n")
         if self.writer is not None:
             self.writer.flush()
         for sink in self.sinks:
-            sink.log(step, metrics)
+            sink.log(step, metrics, kind)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -28,8 +28,11 @@ RESUMABLE = {
     "rollout.sglang.ep_size", "rollout.sglang.mem_fraction_static", "rollout.sglang.python",
     "data.reward_timeout_s", "data.environment_timeout_s", "data.max_failed_reward_batches",
     "trainer.sft_warmup_steps", "trainer.sft_lr",   # used before step 0 only
+    "data.reward_service.timeout_s", "data.reward_service.max_concurrency",
+    "data.reward_service.batch_size", "data.reward_service.max_retries",
+    "data.reward_service.api_key_env",
 }
-RESUMABLE_PREFIXES = ("cluster.", "logging.", "model.init.")
+RESUMABLE_PREFIXES = ("cluster.", "logging.", "model.init.", "eval.")   # eval never trains
 
 
 def checkpoint_dir(cfg: Config) -> str:

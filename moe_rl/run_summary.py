@@ -12,8 +12,21 @@ def _mean(history: list[dict], key: str, rows: slice = slice(None)) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def run_summary(history: list[dict], cfg, seconds: float, checkpoint: str | None) -> str:
-    """What the run did, in a few lines (``history``: the per-step metrics of this process)."""
+def eval_line(evals: list[dict]) -> str | None:
+    """Each held-out set's pass@1 at the first and the last evaluation of this process."""
+    if not evals:
+        return None
+    first, last = evals[0], evals[-1]
+    parts = [f"{key.split('/')[1]} pass@1 {first[key]:.3f} (after {first['step']} updates) -> "
+             f"{last[key]:.3f} (after {last['step']})"
+             for key in sorted(last) if key.endswith("/pass@1") and key in first]
+    return "  eval: " + "; ".join(parts)
+
+
+def run_summary(history: list[dict], cfg, seconds: float, checkpoint: str | None,
+                evals: list[dict] = ()) -> str:
+    """What the run did, in a few lines (``history``: the per-step metrics of this process;
+    ``evals``: its evaluation rows)."""
     done = len(history)
     if not done:
         return (f"run finished: no RL step left to do (trainer.steps={cfg.trainer.steps}); "
@@ -28,6 +41,8 @@ def run_summary(history: list[dict], cfg, seconds: float, checkpoint: str | None
              f"  mismatch/k3 {_mean(history, 'mismatch/k3'):.2e} (mean), routing/agreement "
              f"{_mean(history, 'routing/agreement'):.4f} (mean)",
              f"  run directory {cfg.logging.dir}; last checkpoint {checkpoint or 'none'}"]
+    if eval_line(list(evals)):
+        lines.insert(2, eval_line(list(evals)))
     if cfg.trainer.export_hf:
         lines.append(f"  final policy (HF) {os.path.join(cfg.logging.dir, 'final_hf')}")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """Weights & Biases logging of a run (``logging.wandb``): the resolved config once, then every
-step's scalars (the ones TensorBoard gets), into one W&B run per run directory, which a resumed
+step's scalars (the ones TensorBoard gets) and each evaluation as a table, into one W&B run per run directory, which a resumed
 run continues (its id is kept in ``<run>/wandb_run_id``). Files go under ``<run>/wandb``."""
 from __future__ import annotations
 
@@ -36,10 +36,26 @@ class WandbLog:
                               mode=w.mode, tags=list(w.tags), dir=run_dir,
                               config=as_dict(cfg), id=run_id(run_dir), resume="allow")
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """The step's finite scalars at ``step``."""
-        self.run.log({k: float(v) for k, v in metrics.items() if math.isfinite(float(v))},
-                     step=step)
+    def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
+        """The step's finite scalars at ``step``; an evaluation's also as the table
+        ``eval/table`` (one row per set: step, set, then each metric)."""
+        row = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+        if kind == "eval":
+            row["eval/table"] = self._eval_table(step, metrics)
+        self.run.log(row, step=step)
+
+    @staticmethod
+    def _eval_table(step: int, metrics: dict[str, float]):
+        import wandb
+        sets: dict[str, dict[str, float]] = {}
+        for key, value in metrics.items():
+            parts = key.split("/")
+            if len(parts) == 3:   # eval/<set>/<metric>
+                sets.setdefault(parts[1], {})[parts[2]] = float(value)
+        columns = sorted({m for per in sets.values() for m in per})
+        return wandb.Table(columns=["step", "set", *columns],
+                           data=[[step, name, *(per.get(m) for m in columns)]
+                                 for name, per in sorted(sets.items())])
 
     def close(self) -> None:
         self.run.finish()

@@ -286,15 +286,15 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
             f"logging.dir={tmp_path / 'run'}"]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1="}\n{not json\n')
     (tmp_path / "sigs.py").write_text("def two_args(prompt, response):\n    return 0.0\n"
-                                      "async def later(prompt, response, answer, metadata):\n"
-                                      "    return 0.0\n")
+                                      "def nothing():\n    return 0.0\n")
     cases = [([f"model.path={tmp_path / 'nowhere'}"], "model.path: no local HF model"),
              (["data.reward=no_such_module:score"], "data.reward: cannot load"),
              (["data.reward=builtins:len_"], "data.reward: cannot load"),
              (["data.reward=sigs:two_args"], "data.reward: 'sigs:two_args' takes (prompt, "
               "response), which cannot be called as reward(prompt: str, response: str, answer: "
               "str | None, metadata: dict) -> float"),
-             (["data.reward=sigs:later"], "data.reward: 'sigs:later' is a coroutine function"),
+             (["data.reward=sigs:nothing"], "data.reward: 'sigs:nothing' takes (), which cannot "
+              "be called as reward(prompt"),
              (["data.source=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"],
               "data.path: "),
              (["data.source=jsonl", f"data.path={tmp_path / 'bad.jsonl'}"],

@@ -98,9 +98,16 @@ def test_math_reward_runs_off_the_main_thread_within_its_time_limit():
     """The reward runs on a worker thread, bounded by data.reward_timeout_s (math-verify's own
     limit uses signals, which only the main thread may set)."""
     fn = RewardFunction("math", timeout_s=30)
-    assert fn("", "\\boxed{\\frac{3}{4}}", "0.75", {}) == 1.0
-    assert fn("", "\\boxed{7}", "8", {}) == 0.0
+    assert score_one(fn, "", "\\boxed{\\frac{3}{4}}", "0.75", {}) == 1.0
+    assert score_one(fn, "", "\\boxed{7}", "8", {}) == 0.0
     assert fn.errors == 0 and fn.timeouts == 0
+
+
+def score_one(fn, prompt, response, answer, metadata):
+    """One sample's reward through the path the rollout takes."""
+    import asyncio
+    return asyncio.run(fn.score([{"prompt": prompt, "response": response, "label": answer,
+                                  "metadata": metadata}]))[0]
 
 
 def test_answer_helpers():
@@ -120,10 +127,12 @@ def test_user_reward_failures_score_zero_and_are_counted(tmp_path, monkeypatch):
             return float("nan") if response == "nan" else "x"
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert RewardFunction("my_rewards:good")("", "abcd", None, {}) == pytest.approx(0.4)
+    assert score_one(RewardFunction("my_rewards:good"), "", "abcd", None, {}) == \
+        pytest.approx(0.4)
     fn = RewardFunction("my_rewards:bad")
-    assert fn("", "boom", None, {}) == 0.0 and fn("", "nan", None, {}) == 0.0
-    assert fn("", "other", None, {}) == 0.0
+    assert score_one(fn, "", "boom", None, {}) == 0.0
+    assert score_one(fn, "", "nan", None, {}) == 0.0
+    assert score_one(fn, "", "other", None, {}) == 0.0
     assert fn.errors == 3 and "user bug" in fn.first_error
     with pytest.raises(ValueError, match="data.reward"):
         load_reward("my_rewards:missing")
@@ -142,8 +151,13 @@ def never(prompt, response, answer, metadata):
 
 def every_fifth_hangs(prompt, response, answer, metadata):
     global calls
-    calls += 1
+    calls += 1   # a group's samples are scored concurrently: which ones hang varies, not how many
     if calls % 5 == 0:
+        threading.Event().wait()
+    return float(len(response) % 2)
+
+def hangs_at_length_4_and_9(prompt, response, answer, metadata):
+    if len(response) % 5 == 4:
         threading.Event().wait()
     return float(len(response) % 2)
 """
@@ -153,18 +167,19 @@ def test_a_reward_call_past_its_timeout_loses_the_sample(tmp_path, monkeypatch):
     import time
     from types import SimpleNamespace
     import torch
-    from moe_rl.rewards.functions import score_rewards
+    import asyncio
+    from moe_rl.rewards.functions import score_samples
     (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = RewardFunction("hanging_rewards:never", timeout_s=0.3)
     t0 = time.monotonic()
-    assert fn("", "x", None, {}) is None
+    assert score_one(fn, "", "x", None, {}) is None
     assert time.monotonic() - t0 < 2 and fn.timeouts == 1 and fn.errors == 0
     assert "did not return within 0.3 s" in fn.first_error
-    fifth = RewardFunction("hanging_rewards:every_fifth_hangs", timeout_s=0.3)
+    fifth = RewardFunction("hanging_rewards:hangs_at_length_4_and_9", timeout_s=0.3)
     samples = [SimpleNamespace(metadata={}, response_ids=torch.tensor([6] * k), reward=None)
                for k in range(10)]
-    kept = score_rewards(samples, TOK, [], fifth)
+    kept = asyncio.run(score_samples(samples, TOK, [], fifth))
     assert len(kept) == 8 and fifth.timeouts == 2
     assert [s.reward for s in kept] == [float(len(TOK.decode([6] * k)) % 2)
                                         for k in range(10) if (k + 1) % 5]
@@ -355,7 +370,7 @@ def test_reward_signature_is_checked_when_loaded(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     for ok in ("extra_default", "anything", "scorer", "toy", "math"):
         name = ok if ok in ("toy", "math") else f"sig_rewards:{ok}"
-        assert callable(load_reward(name))
+        assert callable(load_reward(name)[0])
     for bad in ("three", "keyword_only"):
         with pytest.raises(ValueError, match=r"data.reward: 'sig_rewards:%s' takes \(" % bad):
             load_reward(f"sig_rewards:{bad}")

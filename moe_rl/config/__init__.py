@@ -14,12 +14,14 @@ from moe_rl.config.init_model import DeepseekInitConfig, ModelInitConfig, init_h
 from moe_rl.config.model_facts import (facts_context, model_hf_fields, model_moe_facts,
                                        response_cap)
 from moe_rl.config.schema import (CORRECTIONS, AlgorithmConfig, ClusterConfig, Config,
-                                  CorrectionParams, DataConfig, EntropyControlConfig, KLConfig,
-                                  LoggingConfig, ModelConfig, RolloutConfig, SGLangConfig,
-                                  TrainerConfig)
+                                  CorrectionParams, DataConfig, DataSetConfig,
+                                  EntropyControlConfig, EvalConfig, KLConfig, LoggingConfig,
+                                  ModelConfig, RewardServiceConfig, RolloutConfig, SGLangConfig,
+                                  TrainerConfig, set_name)
 
 __all__ = ["CORRECTIONS", "AlgorithmConfig", "ClusterConfig", "Config", "ConfigError",
-           "CorrectionParams", "DataConfig", "DeepseekInitConfig", "EntropyControlConfig",
+           "CorrectionParams", "DataConfig", "DataSetConfig", "DeepseekInitConfig", "EvalConfig",
+           "RewardServiceConfig", "set_name", "EntropyControlConfig",
            "KLConfig", "LoggingConfig", "ModelConfig", "ModelInitConfig", "RolloutConfig",
            "SGLangConfig", "TrainerConfig", "PATH_KEYS", "as_dict", "config_from_dict", "dump_config",
            "engine_avg_refusal", "facts_context", "init_hf_fields", "iter_keys", "load_config",

@@ -230,9 +230,13 @@ def check_ranks(cfg: Config) -> None:
 def check_data(cfg: Config) -> None:
     """The prompt source and the row format."""
     d = cfg.data
+    if d.sets and (d.path or d.source != "toy"):
+        raise ConfigError("data.sets: replaces data.source and data.path; leave those unset "
+                          "(each set names its own path and source)")
+    _check_sets(d.sets, "data.sets")
     if d.source in ("jsonl", "parquet") and not d.path:
         raise ConfigError(f"data.path: data.source={d.source} needs a file path")
-    if d.source == "toy" and (d.messages_key or d.metadata_keys):
+    if d.source == "toy" and not d.sets and (d.messages_key or d.metadata_keys):
         key = "data.messages_key" if d.messages_key else "data.metadata_keys"
         raise ConfigError(f"{key}: the toy task has no rows; set data.source to jsonl or parquet")
     if d.messages_key and not d.chat_template:
@@ -246,6 +250,44 @@ def check_data(cfg: Config) -> None:
             "data.chat_template_kwargs"
         raise ConfigError(f"{key}: applies through the chat template; set "
                           f"data.chat_template=true")
+
+
+def _check_sets(sets: list, key: str) -> None:
+    """Every entry names a file, and names are unique (they key the metrics)."""
+    from moe_rl.config.schema import set_name
+    names = []
+    for i, entry in enumerate(sets):
+        if not entry.path:
+            raise ConfigError(f"{key}[{i}].path: every set needs a file (JSONL or Parquet)")
+        names.append(set_name(entry))
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"{key}: two sets are named {name!r}; give each a distinct "
+                              f"name")
+
+
+def check_rewards(cfg: Config) -> None:
+    """The reward service's address; the rewards a multi-turn run takes from its environment."""
+    svc = cfg.data.reward_service
+    if svc.url is not None and not svc.url.startswith(("http://", "https://")):
+        raise ConfigError(f"data.reward_service.url: expected an http:// or https:// address, "
+                          f"got {svc.url!r}")
+    if svc.url is not None and cfg.data.environment is not None:
+        raise ConfigError("data.reward_service.url: with data.environment the environment "
+                          "gives the rewards; unset one of them")
+
+
+def check_eval(cfg: Config) -> None:
+    """Held-out sets, the pass@k list, and what evaluation supports."""
+    e = cfg.eval
+    _check_sets(e.sets, "eval.sets")
+    for k in e.pass_k:
+        if not 1 <= k <= e.n:
+            raise ConfigError(f"eval.pass_k: {k} is not in [1, eval.n={e.n}] (pass@k needs k "
+                              f"of the n samples of a prompt)")
+    if e.sets and cfg.data.environment is not None:
+        raise ConfigError("eval.sets: evaluation scores single-turn completions with the "
+                          "reward; multi-turn runs (data.environment) are not evaluated")
 
 
 def check_logging(cfg: Config) -> None:
@@ -275,6 +317,8 @@ def validate(cfg: Config) -> None:
     check_async(cfg)
     check_ranks(cfg)
     check_data(cfg)
+    check_rewards(cfg)
+    check_eval(cfg)
     check_logging(cfg)
     check_engine(cfg)
 

@@ -34,6 +34,8 @@ def _type_name(tp: Any) -> str:
         return "a mapping"
     if tp is type(None):
         return "null"
+    if _is_dataclass_type(tp):
+        return "{" + ", ".join(f.name for f in dataclasses.fields(tp)) + "}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -66,6 +68,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
         (arg,) = typing.get_args(tp)
+        if _is_dataclass_type(arg):   # a list of sections (data.sets, eval.sets)
+            return [_build(arg, v, f"{key}[{i}].") for i, v in enumerate(value)]
         return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
@@ -236,17 +240,24 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 # file and folder keys; relative ones resolve against the current directory when the config is
 # loaded (so every process of the run, on every node, sees the same absolute path)
-PATH_KEYS = ("model.path", "data.path", "logging.dir", "trainer.checkpoint_dir")
+PATH_KEYS = ("model.path", "data.path", "logging.dir", "trainer.checkpoint_dir",
+             "data.sets[].path", "eval.sets[].path")
 
 
 def resolve_paths(cfg: Config) -> None:
     """Make the :data:`PATH_KEYS` of ``cfg`` absolute (``~`` expanded; relative to the current
-    directory)."""
+    directory); ``sets[]`` stands for every entry of the list ``sets``."""
+    def resolve(node: Any, parts: list[str]) -> None:
+        head, rest = parts[0], parts[1:]
+        if head.endswith("[]"):
+            for entry in getattr(node, head[:-2]):
+                resolve(entry, rest)
+        elif rest:
+            resolve(getattr(node, head), rest)
+        elif getattr(node, head):
+            setattr(node, head, os.path.abspath(os.path.expanduser(getattr(node, head))))
     for key in PATH_KEYS:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value:
-            setattr(getattr(cfg, section), name, os.path.abspath(os.path.expanduser(value)))
+        resolve(cfg, key.split("."))
 
 
 def config_from_dict(tree: dict) -> Config:

@@ -222,6 +222,43 @@ class ClusterConfig:
 
 
 @dataclass
+class DataSetConfig:
+    """One dataset file: a training set of ``data.sets`` or a held-out set of ``eval.sets``; a
+    key left null takes the value of the same ``data.*`` key."""
+    path: str = _f("", "JSONL or Parquet file")
+    name: str | None = _f(None, "name in metrics (null: the file name without its extension)")
+    source: Literal["jsonl", "parquet"] | None = _f(None, "file format (null: by the file's "
+                                                    "extension, .parquet or else jsonl)")
+    prompt_key: str | None = _f(None, "column holding the prompt text (null: data.prompt_key)")
+    messages_key: str | None = _f(None, "column holding chat messages (null: data.messages_key)")
+    answer_key: str | None = _f(None, "column holding the answer (null: data.answer_key)")
+    weight: float = _f(1.0, "data.sets: share of the training prompts drawn from this set, "
+                       "relative to the others' (eval.sets: unused)", **_rng(0, lo_open=True))
+
+
+def set_name(entry: DataSetConfig) -> str:
+    """The name a set's metrics carry: ``name``, else the file name without its extension."""
+    import os
+    return entry.name or os.path.splitext(os.path.basename(entry.path))[0]
+
+
+@dataclass
+class RewardServiceConfig:
+    """Rewards computed by an HTTP service (protocol: docs/data.md)."""
+    url: str | None = _f(None, "POST endpoint of the reward service (null = data.reward, a "
+                         "Python function)")
+    timeout_s: float = _f(60.0, "seconds one request may take before it is retried",
+                          **_rng(0, lo_open=True))
+    max_concurrency: int = _f(8, "requests in flight at once", **_rng(1))
+    batch_size: int = _f(16, "samples per request (a finished group is sent in requests of "
+                         "at most this many)", **_rng(1))
+    max_retries: int = _f(3, "retries of a request on connection errors, timeouts and 5xx "
+                          "answers (exponential backoff; never on 4xx)", **_rng(0))
+    api_key_env: str | None = _f(None, "environment variable holding the service's API key, "
+                                 "sent as Authorization: Bearer (null = none)")
+
+
+@dataclass
 class DataConfig:
     source: Literal["toy", "jsonl", "parquet"] = _f("toy", "prompt source")
     path: str | None = _f(None, "dataset file for jsonl / parquet")
@@ -237,7 +274,12 @@ class DataConfig:
                                               "apply_chat_template, e.g. {enable_thinking: false}")
     metadata_keys: list[str] = _f([], "row columns handed to the reward function in its "
                                   "metadata")
-    reward: str = _f("toy", "reward: toy | math | module:function")
+    sets: list[DataSetConfig] = _f([], "several training sets sampled by weight "
+                                   "(replaces data.source/data.path; each entry: path, name, "
+                                   "source, prompt_key, messages_key, answer_key, weight)")
+    reward: str = _f("toy", "reward: toy | math | module:function (per sample, batched or "
+                     "async: docs/data.md)")
+    reward_service: RewardServiceConfig = _sub(RewardServiceConfig, "HTTP reward service")
     environment: str | None = _f(None, "multi-turn environment: calculator | module:Class (null "
                                  "= single-turn completions scored by data.reward; with an "
                                  "environment, the environment gives the reward)")
@@ -251,6 +293,29 @@ class DataConfig:
     toy_max_operand: int = _f(9, "toy task: largest operand of the additions", **_rng(1))
     toy_size: int = _f(512, "toy task: number of prompts", **_rng(1))
     shuffle_seed: int = _f(0, "seed of the deterministic shuffle", **_rng(0, 2 ** 32 - 1))
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation on held-out sets during training (and ``moe-rl eval``)."""
+    sets: list[DataSetConfig] = _f([], "held-out sets (each entry: path, name, source, "
+                                   "prompt_key, messages_key, answer_key)")
+    interval: int = _f(0, "evaluate every n steps (0 = only at the end)", **_rng(0))
+    at_start: bool = _f(False, "also evaluate before the first update")
+    n: int = _f(1, "samples per prompt", **_rng(1))
+    temperature: float | None = _f(None, "sampling temperature (0 = greedy; null = "
+                                   "rollout.temperature)", **_rng(0))
+    top_p: float | None = _f(None, "top-p (null = rollout.top_p)", **_rng(0, 1, lo_open=True))
+    max_new_tokens: int | None = _f(None, "response cap (null = rollout.max_new_tokens)",
+                                    **_rng(1))
+    reward: str | None = _f(None, "reward of the evaluation (null = data.reward, or "
+                            "data.reward_service when it has a url)")
+    success_threshold: float = _f(1.0, "a sample succeeds when its reward is at least this "
+                                  "(pass@k)")
+    pass_k: list[int] = _f([], "k of the unbiased pass@k estimates reported besides pass@1 "
+                           "(each k <= eval.n; empty: k = eval.n when n > 1)")
+    max_prompts: int | None = _f(None, "evaluate the first n prompts of each set (null = all)",
+                                 **_rng(1))
 
 
 @dataclass
@@ -286,4 +351,5 @@ class Config:
     trainer: TrainerConfig = _sub(TrainerConfig, "optimisation and parallelism")
     cluster: ClusterConfig = _sub(ClusterConfig, "devices and Ray")
     data: DataConfig = _sub(DataConfig, "prompts and rewards")
+    eval: EvalConfig = _sub(EvalConfig, "held-out evaluation")
     logging: LoggingConfig = _sub(LoggingConfig, "outputs")

@@ -7,7 +7,7 @@ import json
 import random
 from dataclasses import dataclass, field
 
-from moe_rl.config import DataConfig
+from moe_rl.config import DataConfig, DataSetConfig
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,25 @@ def _record(cfg: DataConfig, tokenizer, row, n: int) -> PromptRecord:
     return PromptRecord(text, encode_prompt(tokenizer, text, cfg.chat_template,
                                             cfg.system_prompt, cfg.chat_template_kwargs),
                         answer, metadata)
+
+
+def set_source(cfg: DataConfig, entry: DataSetConfig) -> DataConfig:
+    """``cfg`` reading the one file of ``entry`` (its keys, those it leaves null from ``cfg``)."""
+    import dataclasses
+    source = entry.source or ("parquet" if entry.path.endswith(".parquet") else "jsonl")
+    keys = {k: getattr(entry, k) for k in ("prompt_key", "messages_key", "answer_key")
+            if getattr(entry, k) is not None}
+    return dataclasses.replace(cfg, source=source, path=entry.path, sets=[], **keys)
+
+
+def load_prompt_sets(cfg: DataConfig, tokenizer) -> tuple[list[PromptRecord], list[int]]:
+    """The prompts of every training set one after the other (``data.sets``, else the one
+    configured source) and the number each set holds."""
+    if not cfg.sets:
+        prompts = load_prompts(cfg, tokenizer)
+        return prompts, [len(prompts)]
+    parts = [load_prompts(set_source(cfg, entry), tokenizer) for entry in cfg.sets]
+    return [r for part in parts for r in part], [len(part) for part in parts]
 
 
 def load_prompts(cfg: DataConfig, tokenizer) -> list[PromptRecord]:

@@ -8,7 +8,7 @@ import string
 from moe_rl.config import ModelInitConfig, init_hf_fields
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
-CHARSET = (string.digits + string.ascii_letters + " +-*/=().,:;!?'\"#%&<>[]_\n")
+CHARSET = (string.digits + string.ascii_letters + " +-*/=().,:;!?'\"#%&<>[]_\n" + "\\{}")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

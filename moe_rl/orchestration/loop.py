@@ -10,8 +10,10 @@ import torch
 
 from moe_rl import run_dir as run_dir_checks
 from moe_rl.config import Config, dump_config
+from moe_rl.data.mixture import make_sampler
 from moe_rl.data.prompts import PromptSampler
 from moe_rl.errors import first_line
+from moe_rl.evaluation import eval_due
 from moe_rl.metrics_log import MetricsLogger, PhaseTimer, StepProgress, step_fields
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.weight_sync import weight_sync_for
@@ -205,7 +207,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     run_dir = cfg.logging.dir
     ckpt_dir = run_dir_checks.checkpoint_dir(cfg)
     resume_path = resume_from or (checkpoint.latest(ckpt_dir) if resume else None)
-    sampler = PromptSampler(len(prompts), cfg.rollout.prompts_per_step, cfg.data.shuffle_seed)
+    sampler = make_sampler(cfg, inputs.set_sizes or [len(prompts)], cfg.rollout.prompts_per_step)
     start_step = 0
     if resume_path:   # checked before anything of the run directory is written
         state = checkpoint.open_checkpoint(resume_path, cfg)
@@ -231,6 +233,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     reservation = reserve(cfg, plan)
     hosts: list = []
     history: list[dict] = []
+    evals: list[dict] = []   # the eval rows (step = updates done before it)
     started = time.perf_counter()
     saved = resume_path   # the last complete checkpoint of this run
     abandoned = lost = trainers = None
@@ -257,6 +260,8 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             failed_batches, reward_timeouts_named = 0, False
             pipeline = RolloutPipeline(cfg, rollout, sampler, len(trainers.actors), start_step)
             last_save = time.monotonic()
+            if eval_due(cfg, start_step):   # a resumed run repeats the one its rows lost
+                evals.append(run_eval(rollout, logger, start_step))
             for step in range(start_step, cfg.trainer.steps):
                 if stop.signum:
                     break
@@ -308,6 +313,8 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                                                        "sampler": pipeline.sampler_state()},
                                             cfg, ckpt_dir, step + 1)
                     last_save = time.monotonic()
+                if eval_due(cfg, step + 1) and not stop.signum:   # after the sync it names
+                    evals.append(run_eval(rollout, logger, step + 1))
                 every = cfg.trainer.export_hf_interval
                 if every and (step + 1) % every == 0:
                     trainers.export(os.path.join(run_dir, "hf", f"iter_{step + 1:07d}"))
@@ -346,8 +353,20 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
         what = f"{done} of {cfg.trainer.steps} steps done, the next one abandoned ({abandoned})" \
             if abandoned else f"after step {done} of {cfg.trainer.steps}"
         raise RunStopped(f"stopped by {stop.name}, {what}: {where}{again}", stop.signum)
-    print(run_summary(history, cfg, time.perf_counter() - started, saved), flush=True)
+    print(run_summary(history, cfg, time.perf_counter() - started, saved, evals), flush=True)
     return history
+
+
+def run_eval(rollout, logger: MetricsLogger, done: int) -> dict:
+    """Evaluate the policy after ``done`` updates (the rollout worker runs it after every call
+    queued before it, the weight sync of version ``done`` included), log it as an eval row at
+    step ``done`` and return it."""
+    metrics = ray.get(rollout.evaluate.remote(done, version=done))
+    logger.log(done, metrics, kind="eval")
+    shown = ", ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items()
+                      if k.endswith(("/reward_mean", "/pass@1")))
+    print(f"eval after {done} updates: {shown}", flush=True)
+    return {"step": done, **metrics}
 
 
 def checkpoint_due(cfg: Config, done: int, since_save_s: float) -> bool:

@@ -270,6 +270,7 @@ class RolloutWorker:
                               [restarter(h, u) for h, u in zip(hosts, self.server_urls)])
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
         self.inputs = load_run_inputs(cfg)   # tokenizer, prompts, reward function
+        self.eval_scorer = None   # eval.reward (made at the first evaluation)
         self.started_versions = set(self.engine.weight_versions())   # version 0, unsynced
 
     def _served(self, path: str) -> str:
@@ -313,9 +314,10 @@ class RolloutWorker:
         ``extra`` runs out first, the batch is filled up with dropped groups (their advantages
         are zero). With ``data.environment`` the groups are multi-turn trajectories (a dropped
         trajectory leaves its group smaller). Returns (samples renumbered group-major, counts,
-        seconds spent on rewards, the first environment error or None)."""
+        seconds of reward scoring not hidden behind generation, the first environment error or
+        None)."""
         import time
-        from moe_rl.rewards.functions import score_rewards
+        from moe_rl.rewards.functions import score_samples
         from moe_rl.rollout.trajectories import TrajectoryStats, generate_samples
         cfg, inp = self.cfg, self.inputs
         per, r = cfg.rollout.n_samples_per_prompt, cfg.rollout
@@ -327,18 +329,23 @@ class RolloutWorker:
         while queue:
             first = generated
             gids = list(range(first, first + len(queue)))
-            if inp.environment is None:
-                samples = generate_samples(self.engine, [inp.prompts[i].ids for i in queue],
-                                           per, self.sampling, seed=seed + first * per,
-                                           group_ids=gids)
-            else:
+            if inp.environment is None:   # each group's rewards while the others generate
+                generated_at = [time.perf_counter()]
+
+                async def scored(group, queue=queue):
+                    for s in group:
+                        s.metadata["prompt_index"] = queue[s.sample_id // per]
+                    return await score_samples(group, inp.tokenizer, inp.prompts, inp.reward)
+
+                samples = generate_samples(
+                    self.engine, [inp.prompts[i].ids for i in queue], per, self.sampling,
+                    seed=seed + first * per, group_ids=gids, on_group=scored,
+                    progress=lambda _: generated_at.__setitem__(0, time.perf_counter()))
+                reward_s += time.perf_counter() - generated_at[0]   # the part not hidden
+            else:   # an environment gives its trajectories' rewards
                 samples = self._trajectories(queue, per, seed + first * per, gids, stats)
-            for s in samples:
-                s.metadata["prompt_index"] = queue[s.sample_id // per]
-            if inp.environment is None:   # an environment gives its trajectories' rewards
-                t0 = time.perf_counter()
-                samples = score_rewards(samples, inp.tokenizer, inp.prompts, inp.reward)
-                reward_s += time.perf_counter() - t0
+                for s in samples:
+                    s.metadata["prompt_index"] = queue[s.sample_id // per]
             generated += len(queue)
             tokens += sum(int(s.loss_mask.sum()) for s in samples)   # model tokens
             by_group: dict[int, list] = {g: [] for g in gids}
@@ -424,6 +431,22 @@ class RolloutWorker:
         summary["timing"] = timing
         return (summary, *[RolloutBatch(part).to_bytes()
                            for part in shard_by_group(samples, shards)])
+
+    def evaluate(self, done: int, version: int) -> dict:
+        """The ``eval/*`` metrics of the held-out sets with the engines at weight ``version``
+        (the policy after ``done`` updates); rewards by ``eval.reward``, else the run's reward,
+        counted apart from the training's reward errors."""
+        import time
+        from moe_rl.evaluation import evaluate
+        from moe_rl.rewards.service import reward_scorer
+        self.check_serving(version, done)
+        if self.eval_scorer is None:
+            self.eval_scorer = reward_scorer(self.cfg.data, self.cfg.eval.reward)
+        t0 = time.perf_counter()
+        metrics = evaluate(self.cfg, self.engine, self.inputs.tokenizer, self.inputs.eval_sets,
+                           self.eval_scorer, seed=self.cfg.trainer.seed * 1_000_033 + 17)
+        metrics["eval/time_s"] = time.perf_counter() - t0
+        return metrics
 
     def update_weights(self, path: str, version: int) -> list[str]:
         """Every server loads the HF checkpoint at ``path`` (its FP8 form with FP8 rollouts) as

@@ -1,13 +1,15 @@
 """Reward functions: the toy task's, math answers (:mod:`moe_rl.rewards.math_answers`), and a user
-function given as ``module:function`` whose failures score 0 and are counted instead of crashing
-the run."""
+function given as ``module:function`` (per sample or batched, plain or async) whose failures
+score 0 and are counted instead of crashing the run."""
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import math
 from typing import Callable
 
-from moe_rl.plugins import PluginTimeout, call_bounded, load_named
+from moe_rl.plugins import PluginTimeout, call_bounded_async, load_named
 from moe_rl.rewards.math_answers import math_reward
 
 log = logging.getLogger(__name__)
@@ -34,82 +36,152 @@ def toy_reward(prompt: str, response: str, answer: str | None, metadata: dict) -
 BUILTIN = {"toy": toy_reward, "math": math_reward}
 
 
-class RewardFunction:
-    """Calls the reward, at most ``timeout_s`` seconds each: exceptions and non-finite or
-    non-numeric values score 0 and are counted (``errors``, metric ``reward/errors``); a call
-    past its time gives None, the sample is dropped and counted (``timeouts``, metric
-    ``reward/timeouts``); the first message of each kind is logged."""
+class RewardCounts:
+    """What went wrong while scoring: ``errors`` (exceptions, non-finite or non-numeric values:
+    scored 0, metric ``reward/errors``), ``timeouts`` (samples dropped, metric
+    ``reward/timeouts``) and the first message; the first message of each kind is logged."""
 
-    def __init__(self, spec: str, timeout_s: float = 60.0):
-        self.spec, self.timeout_s = spec, timeout_s
-        self.fn: Callable = load_reward(spec)
+    def __init__(self, spec: str):
+        self.spec = spec
         self.errors = self.timeouts = 0
         self.first_error: str | None = None
 
-    def __call__(self, prompt: str, response: str, answer: str | None,
-                 metadata: dict) -> float | None:
+    def error(self, message: str, n: int = 1) -> float:
+        """``n`` samples failed with ``message``: each scores 0."""
+        self.errors += n
+        if self.first_error is None:
+            self.first_error = message
+            log.warning("reward %s failed (scored 0): %s", self.spec, message)
+        return 0.0
+
+    def timeout(self, message: str, n: int = 1) -> None:
+        """``n`` samples lost to a timeout: dropped (None)."""
+        self.timeouts += n
+        if self.timeouts == n:
+            log.warning("reward %s %s: sample dropped", self.spec, message)
+        if self.first_error is None:
+            self.first_error = message
+
+    def value(self, value) -> float:
+        """``value`` as a finite float, else an error (0)."""
         try:
-            value = call_bounded(self.fn, prompt, response, answer, metadata,
-                                 timeout_s=self.timeout_s)
-            value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"non-finite reward {value}")
-            return value
+            number = float(value)
+        except (TypeError, ValueError):
+            return self.error(f"ValueError: reward {value!r:.60} is not a number")
+        if not math.isfinite(number):
+            return self.error(f"ValueError: non-finite reward {number}")
+        return number
+
+
+class RewardFunction(RewardCounts):
+    """A Python reward (``data.reward``), per sample or batched, plain or ``async def``; every
+    call bounded by ``timeout_s`` (a batched call covers the samples it is given). Failures are
+    counted (:class:`RewardCounts`), never raised: the user's code must never stop the run."""
+
+    def __init__(self, spec: str, timeout_s: float = 60.0):
+        super().__init__(spec)
+        self.timeout_s = timeout_s
+        self.fn, self.batched = load_reward(spec)
+        self.is_async = _is_async(self.fn)
+
+    async def _call(self, *args):
+        if self.is_async:
+            try:
+                return await asyncio.wait_for(self.fn(*args), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise PluginTimeout(f"did not return within {self.timeout_s:g} s") from None
+        return await call_bounded_async(self.fn, *args, timeout_s=self.timeout_s)
+
+    async def _one(self, item: dict) -> float | None:
+        try:
+            value = await self._call(item["prompt"], item["response"], item["label"],
+                                     item["metadata"])
         except PluginTimeout as exc:
-            self.timeouts += 1
-            if self.timeouts == 1:
-                log.warning("reward %s %s (data.reward_timeout_s): sample dropped", self.spec,
-                            exc)
-            if self.first_error is None:
-                self.first_error = f"timed out: {exc} (data.reward_timeout_s)"
+            self.timeout(f"timed out: {exc} (data.reward_timeout_s)")
             return None
-        except Exception as exc:   # the user's code must never stop the run
-            self.errors += 1
-            if self.first_error is None:
-                self.first_error = f"{type(exc).__name__}: {exc}"
-                log.warning("reward %s failed (scored 0): %s", self.spec, self.first_error)
-            return 0.0
+        except Exception as exc:   # noqa: BLE001 - the user's code must never stop the run
+            return self.error(f"{type(exc).__name__}: {exc}")
+        return self.value(value)
+
+    async def score(self, items: list[dict]) -> list[float | None]:
+        """The rewards of ``items`` ({prompt, response, label, metadata} each), in order; None
+        for a sample whose call timed out."""
+        if not self.batched:
+            return list(await asyncio.gather(*(self._one(item) for item in items)))
+        try:
+            values = await self._call(items)
+        except PluginTimeout as exc:
+            self.timeout(f"timed out: {exc} (data.reward_timeout_s)", len(items))
+            return [None] * len(items)
+        except Exception as exc:   # noqa: BLE001
+            return [self.error(f"{type(exc).__name__}: {exc}", len(items))] * len(items)
+        if not isinstance(values, (list, tuple)) or len(values) != len(items):
+            return [self.error(f"ValueError: a batched reward returned {values!r:.60} for "
+                               f"{len(items)} samples; expected a list of {len(items)} numbers",
+                               len(items))] * len(items)
+        return [self.value(v) for v in values]
 
 
 SIGNATURE = "reward(prompt: str, response: str, answer: str | None, metadata: dict) -> float"
+BATCH_SIGNATURE = "reward(samples: list[dict]) -> list[float]"
 
 
-def load_reward(spec: str) -> Callable:
-    """A built-in reward name, or ``module:function`` taking the four arguments of
-    :data:`SIGNATURE` (ValueError naming data.reward and the expected signature otherwise)."""
-    import inspect
+def _is_async(fn) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None))
+
+
+def load_reward(spec: str) -> tuple[Callable, bool]:
+    """(function, batched): a built-in reward name, or ``module:function`` taking the four
+    arguments of :data:`SIGNATURE`, or one list of samples (:data:`BATCH_SIGNATURE`, each
+    sample a dict {prompt, response, label, metadata}); either may be ``async def``.
+    ValueError naming data.reward and the expected signatures otherwise."""
     fn = load_named(spec, "data.reward", BUILTIN, "module:function")
     if not callable(fn):
-        raise ValueError(f"data.reward: {spec!r} is not callable; expected a function {SIGNATURE}")
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)):
-        raise ValueError(f"data.reward: {spec!r} is a coroutine function (async def); expected a "
-                         f"plain function {SIGNATURE}")
+        raise ValueError(f"data.reward: {spec!r} is not callable; expected a function {SIGNATURE}"
+                         f" or {BATCH_SIGNATURE}")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):   # a callable without a readable signature (C code)
-        return fn
+        return fn, False
     try:
         sig.bind("prompt", "response", "answer", {})
+        return fn, False
     except TypeError as exc:
-        raise ValueError(f"data.reward: {spec!r} takes {sig}, which cannot be called as "
-                         f"{SIGNATURE} ({exc}); moe_rl calls it with these four positional "
-                         f"arguments") from None
-    return fn
+        per_sample_error = exc
+    try:
+        sig.bind([])
+        return fn, True
+    except TypeError:
+        pass
+    raise ValueError(f"data.reward: {spec!r} takes {sig}, which cannot be called as "
+                     f"{SIGNATURE} ({per_sample_error}) nor as {BATCH_SIGNATURE}; moe_rl calls it "
+                     f"with these positional arguments") from None
 
 
-def score_rewards(samples: list, tokenizer, prompts, reward_fn: RewardFunction) -> list:
-    """Decode each response and fill its reward; returns the samples scored (those whose reward
-    call timed out are left out)."""
+def reward_items(samples: list, tokenizer, prompts) -> list[dict]:
+    """What a reward is given about each sample: {prompt, response (decoded), label (the
+    reference answer), metadata (the row's ``data.metadata_keys``, the sample's own, and
+    ``stopped``: the engine stopped on end of text)}."""
     eos = tokenizer.eos_token_id
-    kept = []
+    items = []
     for s in samples:
         rec = prompts[s.metadata["prompt_index"]] if "prompt_index" in s.metadata else None
         ids = s.response_ids.tolist()
-        stopped = bool(ids) and ids[-1] == eos
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        reward = reward_fn(rec.text if rec else "", text, rec.answer if rec else None,
-                           {**(rec.metadata if rec else {}), **s.metadata, "stopped": stopped})
+        items.append({"prompt": rec.text if rec else "",
+                      "response": tokenizer.decode(ids, skip_special_tokens=True),
+                      "label": rec.answer if rec else None,
+                      "metadata": {**(rec.metadata if rec else {}), **s.metadata,
+                                   "stopped": bool(ids) and ids[-1] == eos}})
+    return items
+
+
+async def score_samples(samples: list, tokenizer, prompts, scorer) -> list:
+    """Fill each sample's reward from ``scorer`` (a :class:`RewardFunction` or a reward
+    service); returns the samples scored (those whose reward timed out are left out)."""
+    rewards = await scorer.score(reward_items(samples, tokenizer, prompts))
+    kept = []
+    for s, reward in zip(samples, rewards):
         if reward is not None:
             s.reward = reward
             kept.append(s)

@@ -155,11 +155,12 @@ def sample_of_turn(prompt_ids: list[int], turn: Turn, *, group_id: int, sample_i
 def generate_samples(engine: Engine, prompts: list[list[int]], n: int,
                      sampling: SamplingConfig, *, group_ids: list[int] | None = None,
                      seed: int | None = None, metadata: list[dict] | None = None,
-                     progress=None) -> list[Sample]:
+                     progress=None, on_group=None) -> list[Sample]:
     """``n`` single-turn samples per prompt, in prompt-major order; sample_id = position in
-    that order, sample k seeded ``seed + k``; ``progress(1)`` after each."""
+    that order, sample k seeded ``seed + k``; ``progress(1)`` after each. ``on_group``: an async
+    function given each prompt's samples as soon as they are all generated (while the other
+    groups are still generating), returning the samples to keep (e.g. scoring their rewards)."""
     group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
-    jobs = [i for i in range(len(prompts)) for _ in range(n)]
 
     async def one(session: EngineSession, k: int, i: int) -> Sample:
         turn = await session.generate_turn(prompts[i], sampling,
@@ -171,10 +172,14 @@ def generate_samples(engine: Engine, prompts: list[list[int]], n: int,
         s.validate()
         return s
 
-    async def all_jobs(session: EngineSession):
-        return await asyncio.gather(*(one(session, k, i) for k, i in enumerate(jobs)))
+    async def group(session: EngineSession, i: int) -> list[Sample]:
+        samples = list(await asyncio.gather(*(one(session, i * n + j, i) for j in range(n))))
+        return samples if on_group is None else list(await on_group(samples))
 
-    return list(engine.run(all_jobs))
+    async def all_jobs(session: EngineSession):
+        return await asyncio.gather(*(group(session, i) for i in range(len(prompts))))
+
+    return [s for samples in engine.run(all_jobs) for s in samples]
 
 
 async def _refetch_routing(session: EngineSession, server: int, ids: list[int], turn: Turn,

@@ -1,0 +1,102 @@
+"""Evaluation, several weighted training sets, math-verify rewards and the reward service, each
+through `moe-rl train` (and `moe-rl eval`) on the tiny model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, train_cli
+from tests.test_data_rewards import _train_tiny
+from tests.test_reward_service import RewardServer
+
+pytestmark = pytest.mark.loop
+
+DATA = ROOT / "configs" / "data"
+TRAIN, HELD = DATA / "tiny_math_train.jsonl", DATA / "tiny_math_eval.jsonl"
+EVAL_KEYS = ["data.source=toy", "data.path=null",
+             f"data.sets=[{{path: {TRAIN}, name: math}}, {{path: {HELD}, name: extra, "
+             f"weight: 0.5}}]",
+             f"eval.sets=[{{path: {HELD}, name: held_out}}]", "eval.max_prompts=6",
+             "eval.temperature=0", "eval.n=2", "eval.pass_k=[2]", "eval.interval=1",
+             "eval.at_start=true"]
+
+
+def _rows(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _eval_cli(workdir, out, *source):
+    res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "eval", "--config",
+                          str(ROOT / "configs" / "tiny_math_cpu.yaml"), *source, "--out",
+                          str(out), *EVAL_KEYS], cwd=workdir, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_eval_through_train_resume_and_moe_rl_eval(tmp_path):
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_math_cpu.yaml"), "--out",
+                    str(tmp_path / "model")], check=True, capture_output=True, timeout=120)
+    res = train_cli(tmp_path, 2, *EVAL_KEYS, config="tiny_math_cpu.yaml")
+    rows = _rows(tmp_path / "run")
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2]   # at start, every step (the end included)
+    assert [r["step"] for r in rows if "kind" not in r] == [0, 1]
+    for r in evals:   # greedy: both samples of a prompt agree, so pass@2 = pass@1
+        assert r["eval/held_out/pass@2"] == pytest.approx(r["eval/held_out/pass@1"])
+        assert 0 <= r["eval/held_out/pass@1"] <= 1
+        assert r["eval/held_out/response_len_mean"] > 0
+        assert r["eval/held_out/reward_mean"] == pytest.approx(r["eval/held_out/pass@1"])
+    assert "eval after 2 updates: held_out/reward_mean" in res.stdout
+    assert "  eval: held_out pass@1" in res.stdout   # the run's summary
+    from moe_rl.report import read_scalars
+    tb = read_scalars(str(tmp_path / "run"))
+    assert list(tb["eval/held_out/pass@1"][0]) == [0, 1, 2]
+    # the same evaluation without training, on the exported final policy: the same numbers
+    # (greedy evaluation of the same weights), twice
+    final = _eval_cli(tmp_path, tmp_path / "e1.json", "--hf", str(tmp_path / "run" / "final_hf"))
+    again = _eval_cli(tmp_path, tmp_path / "e2.json", "--checkpoint",
+                      str(tmp_path / "run" / "checkpoints"))
+    for key in ("pass@1", "pass@2", "reward_mean", "response_len_mean", "truncated_frac"):
+        assert final[f"eval/held_out/{key}"] == pytest.approx(evals[-1][f"eval/held_out/{key}"])
+        assert again[f"eval/held_out/{key}"] == final[f"eval/held_out/{key}"]
+    # a resumed run evaluates at the same steps: the step-2 evaluation (its rows are dropped
+    # with the steps after the checkpoint) is repeated, with the same numbers
+    train_cli(tmp_path, 3, *EVAL_KEYS, config="tiny_math_cpu.yaml", resume=True)
+    resumed = [r for r in _rows(tmp_path / "run") if r.get("kind") == "eval"]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert resumed[2]["eval/held_out/pass@1"] == evals[2]["eval/held_out/pass@1"]
+
+
+def test_reward_service_through_train(tmp_path):
+    """Rewards from a service that fails its first request (retried) and answers every third
+    one with garbage (scored 0, counted): the steps' reward means are the service's answers."""
+    answered: list[float] = []
+    garbage: list[int] = []
+
+    def behave(body, call):
+        if call == 1:
+            return 503, b"warming up"
+        if call % 3 == 0:
+            garbage.append(len(body["samples"]))
+            return 200, b"<html>oops</html>"
+        rewards = [len(s["response"]) / 10 + (s["metadata"]["stopped"] is True)
+                   for s in body["samples"]]
+        answered.extend(rewards)
+        return 200, json.dumps({"rewards": rewards}).encode()
+    srv = RewardServer(behave)
+    try:
+        _, rows = _train_tiny(tmp_path, 2, 4, f"data.reward_service.url={srv.url}",
+                              "data.reward_service.batch_size=2",
+                              "data.reward_service.max_concurrency=2")
+    finally:
+        srv.close()
+    assert rows[-1]["reward/errors"] == sum(garbage) > 0
+    total = sum(r["reward/mean"] for r in rows) * 16   # 4 prompts x 4 samples a step
+    assert total == pytest.approx(sum(answered), abs=1e-6)
+    assert all(len(r["samples"]) <= 2 for r in srv.requests)
+    assert all(r["timing/reward_s"] >= 0 for r in rows)
