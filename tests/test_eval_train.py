@@ -100,3 +100,31 @@ def test_reward_service_through_train(tmp_path):
     assert total == pytest.approx(sum(answered), abs=1e-6)
     assert all(len(r["samples"]) <= 2 for r in srv.requests)
     assert all(r["timing/reward_s"] >= 0 for r in rows)
+
+
+def test_evaluation_leaves_training_untouched_in_the_asynchronous_pipeline(tmp_path):
+    """The same run with and without evaluation (rollout.max_staleness=1: each evaluation waits
+    for the weight version it names) trains on the same samples: evaluation draws nothing from
+    the training sampler and changes no engine state the rollouts see."""
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(3) for b in range(2)))
+    runs = {}
+    for name, extra in (("plain", []), ("eval", [f"eval.sets=[{{path: {held}}}]",
+                                                 "eval.interval=1", "eval.at_start=true",
+                                                 "eval.n=3", "eval.temperature=1.0"])):
+        work = tmp_path / name
+        work.mkdir()
+        _, rows = _train_tiny(work, 3, 4, "rollout.max_staleness=1", *extra)
+        runs[name] = rows
+    evals = [r for r in runs["eval"] if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3]
+    assert all(0 <= r["eval/held/pass@1"] <= r["eval/held/pass@3"] <= 1 for r in evals)
+    train = {name: [{k: v for k, v in r.items() if not k.startswith("timing/")}
+                    for r in rows if "kind" not in r] for name, rows in runs.items()}
+    assert len(train["eval"]) == len(train["plain"]) == 3
+    for with_eval, plain in zip(train["eval"], train["plain"]):
+        same = [k for k in plain if k.startswith(("reward/", "rollout/", "response"))]
+        assert len(same) > 5 and {k: with_eval[k] for k in same} == {k: plain[k] for k in same}
+        # the rest up to the engine's batch-dependent float32 rounding (a few 1e-7)
+        assert with_eval == pytest.approx(plain, rel=1e-4, abs=1e-5)
