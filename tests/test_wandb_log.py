@@ -1,5 +1,6 @@
 """W&B logging (logging.wandb) through `moe-rl train` in offline mode: the run's W&B files are
-under the run directory and hold every scalar of metrics.jsonl and the resolved config; a
+under the run directory and hold every scalar of metrics.jsonl (evaluations included, each also
+as a table) and the resolved config; a
 resumed run continues the same W&B run; without the package the key is refused."""
 import json
 import os
@@ -70,17 +71,23 @@ def test_offline_wandb_run_holds_every_scalar_and_the_config(tmp_path):
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
-    _train(tmp_path, 1)
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+1=", "answer": "3"}\n')
+    _train(tmp_path, 1, f"eval.sets=[{{path: {held}}}]", "eval.at_start=true")
     run = tmp_path / "run"
     rid = (run / "wandb_run_id").read_text().strip()
     (run_file,) = (run / "wandb").glob(f"offline-run-*-{rid}/run-{rid}.wandb")
-    rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text()
-                                      .splitlines())}
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("kind")) for r in lines] == [(0, "eval"), (0, None), (1, "eval")]
     history = _history(run_file)
-    assert set(history) == {0}
-    for k, v in rows[0].items():
-        if k != "step" and v is not None:
-            assert history[0][k] == pytest.approx(v, rel=1e-6), k
+    assert set(history) == {0, 1}
+    for r in lines:   # the train row and the evaluations, every scalar
+        for k, v in r.items():
+            if k not in ("step", "kind") and v is not None:
+                assert history[r["step"]][k] == pytest.approx(v, rel=1e-6), k
+    for step in (0, 1):   # each evaluation also as a table
+        assert history[step]["eval/table/_type"] == "table-file"   # nested keys, flattened
+        assert history[step]["eval/table/nrows"] == 1 and history[step]["eval/table/ncols"] == 6
     records = wandb_records(run_file)
     run_rec = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run_rec.project == "tiny" and list(run_rec.tags) == ["cpu", "test"]
