@@ -140,3 +140,12 @@ def test_eval_metrics_get_their_own_panel(tmp_path):
     plain = _fake_run(tmp_path / "plain", [0.1, 0.2])
     make_report([str(plain)])
     assert not (plain / "report" / "eval.png").exists()
+
+
+def test_the_eval_plot_shows_success_and_reward_of_every_set_first():
+    from moe_rl.report import eval_panel
+    tags = ["eval/time_s"] + [f"eval/{s}/{m}" for s in ("a", "b") for m in
+                              ("pass@1", "pass@8", "reward_mean", "response_len_mean",
+                               "truncated_frac")]
+    assert eval_panel(tags) == ["eval/a/pass@1", "eval/a/reward_mean", "eval/b/pass@1",
+                                "eval/b/reward_mean", "eval/a/pass@8", "eval/b/pass@8"]

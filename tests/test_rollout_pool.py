@@ -54,3 +54,30 @@ def test_killed_server_loses_and_duplicates_nothing_and_restarts(tmp_path):
     finally:
         for p in procs:
             p.stop()
+
+
+@pytest.mark.multiproc
+def test_requests_wait_for_the_restart_of_the_only_server(tmp_path):
+    """One server, killed mid-rollout: the requests sent while it restarts wait for it instead
+    of failing with "no live engine server"."""
+    model = str(tmp_path / "m")
+    write_tiny_model(ModelInitConfig(seed=2), model)
+    layout = MoEShape.from_hf(json.load(open(f"{model}/config.json")))
+    proc = ReferenceServer(model, free_port(), log_path=str(tmp_path / "s.log")).start()
+    try:
+        engine = SGLangEngine(lambda: ServerPool([proc.url], restarters=[proc.restart],
+                                                 max_retries=3, backoff=0.05, concurrency=8),
+                              layout, need_routing=False, need_mask=False)
+        done = []
+
+        def progress(n):
+            done.append(n)
+            if len(done) == 4:
+                os.kill(proc.proc.pid, signal.SIGKILL)
+        prompts = [[6, 7, 68, 12 + (i % 10), 72] for i in range(16)]
+        samples = generate_samples(engine, prompts, 2, SamplingConfig(max_new_tokens=16),
+                                   seed=0, progress=progress)
+        assert [s.sample_id for s in samples] == list(range(32))
+        assert proc.restarts == 1 and proc.alive()
+    finally:
+        proc.stop()

@@ -87,7 +87,14 @@ class ServerPool:
         await self._client.aclose()
         self._client = None
 
-    def _pick(self, avoid: set[str]) -> Server:
+    async def _pick(self, avoid: set[str]) -> Server:
+        """The least-loaded live server (outside ``avoid`` when one is); when every server is
+        dead, the first to come back from a restart under way."""
+        if not any(s.alive for s in self.servers):
+            pending = [s.restarting for s in self.servers if s.restarting is not None]
+            if pending:
+                await asyncio.wait([asyncio.shield(t) for t in pending],
+                                   return_when=asyncio.FIRST_COMPLETED)
         live = [s for s in self.servers if s.alive and s.url not in avoid] or \
                [s for s in self.servers if s.alive]
         if not live:
@@ -128,7 +135,7 @@ class ServerPool:
         avoid: set[str] = set()
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
-            target = server if pinned else self._pick(avoid)
+            target = server if pinned else await self._pick(avoid)
             if pinned and not target.alive and not await self._restarted(target):
                 raise EngineHTTPError(f"{target.url}{path}: server is down and could not be "
                                       f"restarted ({last})")
