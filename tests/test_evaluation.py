@@ -148,3 +148,31 @@ def test_data_sets_and_eval_sets_are_read_with_their_own_keys(tmp_path):
     cfg.eval.sets[0].path = str(tmp_path / "missing.jsonl")
     with pytest.raises(ConfigError, match=r"eval.sets\[0\].path: .*missing.jsonl"):
         load_run_inputs(cfg)
+
+
+def test_the_worked_example_reads_its_shipped_data_from_the_repository_root(tmp_path,
+                                                                             monkeypatch):
+    """configs/tiny_math_cpu.yaml, as README runs it: chat rows with \\boxed{} answers that
+    math-verify reads, a held-out set disjoint from the training rows, prompts that fit the
+    model's positions with the response cap."""
+    from moe_rl.models.tiny import write_tiny_model
+    from moe_rl.rewards.math_answers import math_reward
+    from moe_rl.run_inputs import load_run_inputs
+    from tests.conftest import ROOT
+    monkeypatch.chdir(ROOT)
+    cfg = load_config("configs/tiny_math_cpu.yaml")
+    model = write_tiny_model(cfg.model.init, str(tmp_path / "model"))
+    cfg = load_config("configs/tiny_math_cpu.yaml", [f"model.path={model}"])
+    inp = load_run_inputs(cfg)
+    ((name, held),) = inp.eval_sets
+    assert name == "held_out" and len(held) == 48 and len(inp.prompts) > 400
+    assert not {p.text for p in held} & {p.text for p in inp.prompts}
+    longest = max(len(p.ids) for p in inp.prompts + held)
+    assert longest + cfg.rollout.max_new_tokens <= cfg.model.init.max_position_embeddings
+    assert all(p.metadata["operation"] in ("add", "sub") for p in inp.prompts)
+    for p in held[:10]:
+        assert math_reward("", p.answer, p.answer, {}) == 1.0
+        assert math_reward("", "\\boxed{99}", p.answer, {}) == 0.0
+    tok = inp.tokenizer   # the tiny tokenizer spells every character of an answer
+    assert tok.decode(tok(held[0].answer, add_special_tokens=False)["input_ids"]) == \
+        held[0].answer
