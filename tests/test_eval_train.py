@@ -102,24 +102,43 @@ def test_reward_service_through_train(tmp_path):
     assert all(r["timing/reward_s"] >= 0 for r in rows)
 
 
+BATCHED_REWARDS = """
+from moe_rl.rewards.functions import toy_reward
+
+async def toy_batched(samples):
+    return [toy_reward(s["prompt"], s["response"], s["label"], s["metadata"]) for s in samples]
+
+def contains(samples):
+    return [float(s["label"] in s["response"]) for s in samples]
+"""
+
+
 def test_evaluation_leaves_training_untouched_in_the_asynchronous_pipeline(tmp_path):
     """The same run with and without evaluation (rollout.max_staleness=1: each evaluation waits
     for the weight version it names) trains on the same samples: evaluation draws nothing from
-    the training sampler and changes no engine state the rollouts see."""
+    the training sampler and changes no engine state the rollouts see. Training rewards from an
+    async batched function, evaluation rewards from eval.reward (a plain batched one)."""
     held = tmp_path / "held.jsonl"
     held.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
                             for a in range(3) for b in range(2)))
     runs = {}
     for name, extra in (("plain", []), ("eval", [f"eval.sets=[{{path: {held}}}]",
                                                  "eval.interval=1", "eval.at_start=true",
-                                                 "eval.n=3", "eval.temperature=1.0"])):
+                                                 "eval.n=3", "eval.temperature=1.0",
+                                                 "eval.reward=batched_rewards:contains"])):
         work = tmp_path / name
         work.mkdir()
-        _, rows = _train_tiny(work, 3, 4, "rollout.max_staleness=1", *extra)
+        (work / "batched_rewards.py").write_text(BATCHED_REWARDS)
+        _, rows = _train_tiny(work, 3, 4, "rollout.max_staleness=1",
+                              "data.reward=batched_rewards:toy_batched", *extra)
         runs[name] = rows
     evals = [r for r in runs["eval"] if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [0, 1, 2, 3]
     assert all(0 <= r["eval/held/pass@1"] <= r["eval/held/pass@3"] <= 1 for r in evals)
+    # eval.reward (0 or 1) scored the evaluation, not the training's toy reward (0.1 steps)
+    assert all(r["eval/held/reward_mean"] == pytest.approx(r["eval/held/pass@1"])
+               for r in evals)
+    assert all(r["reward/errors"] == 0 for r in runs["eval"] if "kind" not in r)
     train = {name: [{k: v for k, v in r.items() if not k.startswith("timing/")}
                     for r in rows if "kind" not in r] for name, rows in runs.items()}
     assert len(train["eval"]) == len(train["plain"]) == 3
