@@ -130,6 +130,15 @@ def check_corrections(cfg: Config) -> None:
                               f" ({getattr(c, lo)} >= {getattr(c, hi)})")
 
 
+def check_micro_batches(cfg: Config) -> None:
+    """A micro-batch is bounded by rows, by tokens, or both."""
+    t = cfg.trainer
+    if t.micro_batch_size is None and t.max_tokens_per_micro_batch is None:
+        raise ConfigError("trainer.micro_batch_size: null needs trainer."
+                          "max_tokens_per_micro_batch (a micro-batch needs a row cap or a token "
+                          "budget)")
+
+
 def check_optimiser_and_layout(cfg: Config, facts: MoEShape) -> None:
     """The learning-rate floor and the parallel layouts the trainer runs."""
     t = cfg.trainer
@@ -311,6 +320,7 @@ def validate(cfg: Config) -> None:
     check_loss(cfg)
     check_corrections(cfg)
     check_optimiser_and_layout(cfg, facts)
+    check_micro_batches(cfg)
     check_cpu(cfg)
     check_weight_sync(cfg)
     check_model_parallel(cfg, facts)

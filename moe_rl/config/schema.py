@@ -169,7 +169,13 @@ class TrainerConfig:
     epochs: int = _f(1, "passes over each rollout batch", **_rng(1))
     mini_batches: int = _f(1, "optimizer steps per epoch (the batch is split in this many)",
                            **_rng(1))
-    micro_batch_size: int = _f(8, "sequences per micro-batch (gradient accumulation)", **_rng(1))
+    micro_batch_size: int | None = _f(8, "most sequences per micro-batch (gradient "
+                                      "accumulation; null = no row cap, with "
+                                      "max_tokens_per_micro_batch)", **_rng(1))
+    max_tokens_per_micro_batch: int | None = _f(
+        None, "token budget of a micro-batch: rows x its longest row (the padded tokens it "
+        "forwards), filled longest first; a longer sample forwards alone (null = by rows only)",
+        **_rng(1))
     tensor_parallel: int = _f(1, "tensor-parallel size", **_rng(1))
     pipeline_parallel: int = _f(1, "pipeline-parallel size", **_rng(1))
     expert_parallel: int = _f(1, "expert-parallel size", **_rng(1))

@@ -26,11 +26,14 @@ class Forwarder:
         self._dummy_mb: MicroBatch | None = None
 
     def micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
-        """``samples[indices]`` packed into micro-batches of ``trainer.micro_batch_size``."""
-        lengths = [samples[i].prompt_len + samples[i].response_len for i in indices]
-        plan = plan_micro_batches(lengths, micro_batch_size=self.cfg.trainer.micro_batch_size)
-        # sequence parallelism splits the sequence over the TP ranks: pad to a multiple of TP
+        """``samples[indices]`` packed into micro-batches of at most
+        ``trainer.micro_batch_size`` rows and ``trainer.max_tokens_per_micro_batch`` padded
+        tokens (sorted longest first, filled greedily: :func:`plan_micro_batches`)."""
         t = self.cfg.trainer
+        lengths = [samples[i].prompt_len + samples[i].response_len for i in indices]
+        plan = plan_micro_batches(lengths, micro_batch_size=t.micro_batch_size,
+                                  max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
+        # sequence parallelism splits the sequence over the TP ranks: pad to a multiple of TP
         multiple = t.tensor_parallel if t.sequence_parallel else 1
         return [pack_one(samples, [indices[j] for j in group], pad_token_id=0,
                          num_experts=self.num_experts, pad_to_multiple=multiple)
