@@ -65,7 +65,8 @@ def chunk_statistics(logits: torch.Tensor, temperature: float, targets_local: to
     m = z.max(dim=-1).values
     e = torch.exp(z - m[:, None])
     s = e.sum(-1)
-    sz = e.mul_(z).sum(-1)
+    # a -inf logit adds nothing (its probability is 0), but 0 * -inf is NaN: counted as 0
+    sz = e.mul_(z).nan_to_num_(nan=0.0, posinf=torch.inf, neginf=-torch.inf).sum(-1)
     del e
     if kept_row is not None and restricted.any():
         zk = z[kept_row, kept_col]
@@ -74,7 +75,8 @@ def chunk_statistics(logits: torch.Tensor, temperature: float, targets_local: to
         mk_safe = torch.where(torch.isfinite(mk), mk, torch.zeros_like(mk))
         ek = torch.exp(zk - mk_safe[kept_row])
         sk = torch.zeros(C, dtype=z.dtype, device=z.device).index_add(0, kept_row, ek)
-        szk = torch.zeros(C, dtype=z.dtype, device=z.device).index_add(0, kept_row, ek * zk)
+        szk = torch.zeros(C, dtype=z.dtype, device=z.device).index_add(
+            0, kept_row, (ek * zk).nan_to_num_(nan=0.0, posinf=torch.inf, neginf=-torch.inf))
         m = torch.where(restricted, mk, m)
         s = torch.where(restricted, sk, s)
         sz = torch.where(restricted, szk, sz)
@@ -183,6 +185,7 @@ def chunk_logit_grad(logits, temperature, lse, entropy, g_lp, g_ent, t_local, ke
     logp = logp.sub_(lse[:, None])
     p = torch.exp(logp)
     gz = logp.add_(entropy[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
+    gz.nan_to_num_(nan=0.0, posinf=torch.inf, neginf=-torch.inf)   # p = 0 at a -inf logit
     del p
     if kept is not None:
         restricted = restricted_all[a:b]

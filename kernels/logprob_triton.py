@@ -32,7 +32,7 @@ def _row_stats_kernel(logits_ptr, targets_ptr, m_ptr, s_ptr, sz_ptr, tz_ptr, n_c
         scale = tl.exp(m - new_m)
         e = tl.where(valid, tl.exp(z - new_m), 0.0)
         s = s * scale + tl.sum(e, 0)
-        sz = sz * scale + tl.sum(tl.where(valid, e * z, 0.0), 0)
+        sz = sz * scale + tl.sum(tl.where(valid & (e > 0.0), e * z, 0.0), 0)   # -inf: 0
         tz += tl.sum(tl.where(cols == target, z, 0.0), 0)
         m = new_m
     tl.store(m_ptr + row, m)
@@ -58,7 +58,7 @@ def _logit_grad_kernel(logits_ptr, out_ptr, targets_ptr, lse_ptr, ent_ptr, glp_p
         z = tl.load(base + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
         logp = z - lse
         p = tl.exp(logp)
-        g = -p * (g_lp + g_ent * (logp + ent))
+        g = tl.where(p > 0.0, -p * (g_lp + g_ent * (logp + ent)), 0.0)   # -inf logit: 0
         g = tl.where(cols == target, g + g_lp, g) * inv_temp
         tl.store(out + cols, g.to(out_ptr.dtype.element_ty), mask=valid)
 

@@ -19,27 +19,34 @@ def parallel_state():
     yield
 
 
-def test_stale_samples_are_scored_at_their_own_version(tmp_path, parallel_state):
+@pytest.mark.parametrize("replay", ["r3", "off"])
+def test_stale_samples_are_scored_at_their_own_version(tmp_path, parallel_state, replay):
     """max_staleness = 1: samples of version 0 trained at version 1 are scored again with the
-    version-0 weights, so mismatch/* (float32 engine = trainer) stays ~0 while staleness/*
-    shows the update; a sample older than the window is left out of both."""
+    version-0 weights, so mismatch/* and routing/agreement (float32 engine = trainer) stay at
+    no mismatch while staleness/* shows the update; a sample older than the window is left out
+    of both."""
     from moe_rl.trainer.policy import PolicyTrainer
     hf_model = write_tiny_qwen(tmp_path / "qwen")
     cfg = config_from_dict({"model": {"path": str(tmp_path / "qwen")},
                             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5,
                                         "max_staleness": 1},
                             "trainer": {"lr": 3e-2, "micro_batch_size": 2, "seed": 3},
-                            "algorithm": {"replay": "r3"}})
+                            "algorithm": {"replay": replay}})
     trainer = PolicyTrainer(cfg, str(tmp_path / "qwen"))
     first = trainer.train_step(engine_samples(hf_model, n_groups=2, group_size=2, seed=1))
     assert first["rollout/staleness_max"] == 0.0 and "staleness/k3" not in first
     assert abs(first["mismatch/k3"]) < 1e-6
+    assert first["routing/agreement"] == 1.0 and first["routing/token_differs_frac"] == 0.0
     stale = engine_samples(hf_model, n_groups=2, group_size=2, seed=2)   # version 0 again
     second = trainer.train_step(stale)
     assert second["rollout/staleness_mean"] == 1.0
     assert abs(second["mismatch/k3"]) < 1e-6 and second["mismatch/abs_diff_max"] < 1e-4
     assert second["staleness/k3"] > 1e-5           # the version-1 policy moved
     assert second["staleness/unscored_samples"] == 0.0
+    # routing compared at the samples' own version: no mismatch; the lag reported apart
+    assert second["routing/agreement"] == 1.0 and second["routing/token_differs_frac"] == 0.0
+    assert 0.0 <= second["staleness/routing_agreement"] < 1.0
+    assert second["staleness/routing_token_differs_frac"] > 0.0
     # without the same-version score the lag would have shown as engine mismatch
     from moe_rl.algo import mismatch_metrics
     batch, _ = trainer.prepare(stale)

@@ -63,6 +63,28 @@ def test_hand_worked_case():
                                          + 0.75 * float(torch.log(torch.tensor(0.75)))))
 
 
+def test_a_minus_inf_logit_adds_nothing():
+    """A -inf logit has probability 0: the entropy and log-probs are those of the other tokens
+    (not NaN from 0 * -inf), and the logit gradient there is 0 (the chunk's backward)."""
+    from moe_rl_kernels.logprob_torch import chunk_logit_grad
+    h = torch.tensor([[1.0], [0.5]], dtype=torch.float64)
+    w = torch.tensor([[0.0], [float(torch.log(torch.tensor(3.0)))], [-torch.inf]],
+                     dtype=torch.float64)
+    t = torch.tensor([1, 0])
+    lp, ent = logprob_entropy(h, w, t)
+    rlp, rent = reference(h, w, t)
+    assert torch.isfinite(ent).all() and torch.allclose(ent, rent, atol=1e-12)
+    assert torch.allclose(lp, rlp, atol=1e-12)
+    # row 0 by hand: p = [1/4, 3/4, 0]
+    assert float(ent[0]) == pytest.approx(-(0.25 * float(torch.log(torch.tensor(0.25)))
+                                            + 0.75 * float(torch.log(torch.tensor(0.75)))))
+    logits = h @ w.t()
+    lse = torch.logsumexp(logits, -1)
+    gz = chunk_logit_grad(logits.clone(), 1.0, lse, ent, torch.ones(2, dtype=torch.float64),
+                          torch.ones(2, dtype=torch.float64), t, None, None, 0, 2, 0)
+    assert torch.isfinite(gz).all() and (gz[:, 2] == 0).all()
+
+
 def test_kept_sets_match_reference():
     h, w, t = data(T=5, V=9)
     sets = [[int(t[0]), 2, 7], [], [int(t[2])], list(range(9)), [int(t[4]), 0]]
@@ -192,6 +214,22 @@ TRITON_CHECK = textwrap.dedent("""
             out[backend] = (lp, ent, hh.grad, ww.grad)
         for a, b in zip(out["torch"], out["triton"]):
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    # a -inf logit: finite entropy and a zero logit gradient on both backends
+    from moe_rl_kernels.logprob_torch import chunk_statistics, chunk_logit_grad
+    from moe_rl_kernels.logprob_triton import triton_statistics, triton_logit_grad
+    z = torch.tensor([[0.0, 1.0, float("-inf"), 2.0]])
+    t = torch.tensor([1])
+    stats = {"torch": chunk_statistics(z.clone(), 1.0, t, None, None, torch.zeros(1, dtype=torch.bool)),
+             "triton": triton_statistics(z.clone(), 1.0, t, None, None, torch.zeros(1, dtype=torch.bool))}
+    for a, b in zip(stats["torch"], stats["triton"]):
+        assert torch.isfinite(a).all() and torch.allclose(a, b, atol=1e-6), (a, b)
+    m, s, sz, tz = stats["torch"]
+    lse = m + s.log()
+    ent = lse - sz / s
+    ones = torch.ones(1)
+    g_t = chunk_logit_grad(z.clone(), 1.0, lse, ent, ones, ones, t, None, None, 0, 1, 0)
+    g_tr = triton_logit_grad(z.clone(), 1.0, lse, ent, ones, ones, t, None, None, 0, 1, 0)
+    assert torch.isfinite(g_tr).all() and g_tr[0, 2] == 0 and torch.allclose(g_t, g_tr, atol=1e-6)
     print("TRITON_OK")
 """)
 

@@ -9,8 +9,8 @@ from moe_rl.trainer.replay_plan import ReplayPlan, Route
     # (pi_old pass, reference pass, own-version re-scoring, update)
     ("r3", False, (Route.REPLAY, Route.OFF, Route.REPLAY, Route.REPLAY)),
     ("r3", True, (Route.REPLAY, Route.REPLAY, Route.REPLAY, Route.REPLAY)),
-    ("r2", False, (Route.RECORD, Route.OFF, Route.OFF, Route.REPLAY)),
-    ("off", False, (Route.RECORD, Route.OFF, Route.OFF, Route.OFF)),
+    ("r2", False, (Route.RECORD, Route.OFF, Route.RECORD, Route.REPLAY)),
+    ("off", False, (Route.RECORD, Route.OFF, Route.RECORD, Route.OFF)),
 ])
 def test_each_pass_routes_as_the_config_says(replay, kl_replay, want):
     cfg = load_config(None, [f"algorithm.replay={replay}",

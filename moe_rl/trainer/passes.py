@@ -79,7 +79,8 @@ class StepPasses:
         ent = torch.zeros_like(lp_roll)
         lp_ref = torch.zeros_like(lp_roll) if self.ref_model is not None else None
         metrics: dict[str, float] = {}
-        agree_rows: list[dict] = []
+        agree_rows: list[dict] = []   # routing agreement at the samples' own versions
+        lag_rows: list[dict] = []     # stale samples against the current version
         r2_routing: dict[int, torch.Tensor] = {}
         self.model.eval()
         for mb in self.fw.aligned(self.fw.micro_batches(samples, list(range(n)))):
@@ -94,24 +95,26 @@ class StepPasses:
             width = int(mb.response_lens.max())
             lp_tr[rows, :width] = mb.to_response_padded(lp.float())
             ent[rows, :width] = mb.to_response_padded(e.float())
-            if mb.routing is not None:
-                B, S = mb.input_ids.shape
-                valid = self.replay.local_rows(mb.routing_valid_router_order(), S, B)
-                trainer = None if self.routes.pi_old is Route.REPLAY else \
-                    self.replay.recorded()
-                engine = self.replay.local_indices(mb.replay_indices(), S, B)
-                agree_rows.append({"w": float(valid.sum()),
-                                   **self.replay.agreement(engine, valid, trainer=trainer)})
+            if mb.routing is not None:   # fresh samples: same version; stale ones: the lag
+                fresh = torch.tensor([self.versions is None or samples[i].weight_version >= step
+                                      for i in mb.sample_indices])
+                same, lag = self._agreement_rows(mb, self.routes.pi_old, fresh)
+                agree_rows.append(same)
+                lag_rows.append(lag)
             if a.replay == "r2":
                 r2_routing.update(self._per_sample_routing(samples, mb))
             if self.ref_model is not None:
                 lr_, _ = self.fw.forward(self.ref_model, self.ref_replay, mb, ReplayPlan.for_batch(
                     self.routes.reference, mb.routing is not None))
                 lp_ref[rows, :width] = mb.to_response_padded(lr_.float())
-        metrics.update(self._agreement_metrics(agree_rows))
         lp_same = scored = stale = None
         if self.versions is not None:
-            lp_same, scored, stale = self._score_at_own_versions(samples, lp_tr, step)
+            lp_same, scored, stale = self._score_at_own_versions(samples, lp_tr, step,
+                                                                 agree_rows)
+            metrics.update({k.replace("routing/", "staleness/routing_"): v for k, v in
+                            self._agreement_metrics(lag_rows).items()
+                            if k in ("routing/agreement", "routing/token_differs_frac")})
+        metrics.update(self._agreement_metrics(agree_rows))
         passes = None
         if samples and all(s.pass_logprobs is not None for s in samples):
             passes = torch.stack([pad_rows([s.pass_logprobs[j] for s in samples])
@@ -144,12 +147,30 @@ class StepPasses:
                          own(rows_all.lp_ref), own(inputs.weights), own(inputs.keep),
                          own(inputs.advantages), replay_samples), metrics
 
-    def _score_at_own_versions(self, samples: list[Sample], lp_tr: torch.Tensor, step: int
+    def _agreement_rows(self, mb: MicroBatch, route: Route, counted: torch.Tensor
+                        ) -> tuple[dict, dict]:
+        """The routing agreement of the last forward of ``mb`` (routed as ``route``) with the
+        engine's, over the positions of the rows ``counted`` [B] and over the others: two
+        position-weighted rows for :meth:`_agreement_metrics`."""
+        B, S = mb.input_ids.shape
+        valid = self.replay.local_rows(mb.routing_valid_router_order(), S, B)
+        mine = self.replay.local_rows(counted.repeat(S), S, B)   # router order s * B + b
+        trainer = None if route is Route.REPLAY else self.replay.recorded()
+        engine = self.replay.local_indices(mb.replay_indices(), S, B)
+        out = []
+        for rows in (valid & mine, valid & ~mine):
+            out.append({"w": float(rows.sum()),
+                        **self.replay.agreement(engine, rows, trainer=trainer)})
+        return out[0], out[1]
+
+    def _score_at_own_versions(self, samples: list[Sample], lp_tr: torch.Tensor, step: int,
+                               agree_rows: list[dict]
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The asynchronous pipeline's same-version score: each sample generated from an older
         weight version is scored again by the trainer with that version's weights (R3 replays
         its routing), so ``mismatch/*`` compares engine and trainer at one version and
-        ``staleness/*`` shows the policy lag. Returns (log-probs at the sample's version,
+        ``staleness/*`` shows the policy lag; the routing agreement of those forwards is
+        appended to ``agree_rows``. Returns (log-probs at the sample's version,
         scored [N], stale [N]); a sample whose version is no longer held (older than
         ``rollout.max_staleness``) is left out of both. Every rank walks the same versions
         with aligned micro-batches (expert-parallel collectives)."""
@@ -169,8 +190,12 @@ class StepPasses:
                     if mb is None:
                         self.fw.dummy_forward(self.model, self.replay)
                         continue
-                    lp, _ = self.fw.forward(self.model, self.replay, mb, ReplayPlan.for_batch(
-                        self.routes.own_version, mb.routing is not None))
+                    route = ReplayPlan.for_batch(self.routes.own_version, mb.routing is not None)
+                    lp, _ = self.fw.forward(self.model, self.replay, mb, route,
+                                            collect_own=mb.routing is not None)
+                    if mb.routing is not None:
+                        agree_rows.append(self._agreement_rows(
+                            mb, route, torch.ones(len(mb.sample_indices), dtype=torch.bool))[0])
                     width = int(mb.response_lens.max())
                     lp_same[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
         return lp_same, scored, stale

@@ -21,7 +21,8 @@ class ReplayPlan:
     :attr:`Route.OFF` whatever the plan says (:meth:`for_batch`)."""
     pi_old: Route        # the no-grad pass: pi_old, entropy, the routing agreement
     reference: Route     # the KL reference model's pass
-    own_version: Route   # re-scoring stale samples at their own weight version (async)
+    own_version: Route   # re-scoring stale samples at their own weight version (async), with
+                         # the routing agreement at that version
     update: Route        # the passes with gradient
     supervised: Route = Route.OFF   # the warm start's samples carry no routing
 
@@ -29,11 +30,12 @@ class ReplayPlan:
     def from_algorithm(cls, algorithm) -> "ReplayPlan":
         """R3: every pass replays the rollout's routing; R2: the pi_old pass records the
         trainer's own routing, which the update then replays; off: the pi_old pass records
-        (only to measure agreement) and the update routes freely."""
+        (only to measure agreement) and the update routes freely. Re-scoring at an older
+        version replays under R3 and records otherwise (to measure agreement there)."""
         r3 = algorithm.replay == "r3"
         return cls(pi_old=Route.REPLAY if r3 else Route.RECORD,
                    reference=Route.REPLAY if algorithm.kl.replay_routing else Route.OFF,
-                   own_version=Route.REPLAY if r3 else Route.OFF,
+                   own_version=Route.REPLAY if r3 else Route.RECORD,
                    update=Route.OFF if algorithm.replay == "off" else Route.REPLAY)
 
     @staticmethod
