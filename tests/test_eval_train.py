@@ -139,6 +139,9 @@ def test_evaluation_leaves_training_untouched_in_the_asynchronous_pipeline(tmp_p
     assert all(r["eval/held/reward_mean"] == pytest.approx(r["eval/held/pass@1"])
                for r in evals)
     assert all(r["reward/errors"] == 0 for r in runs["eval"] if "kind" not in r)
+    # float32 engine = trainer: routing agrees at each sample's own version (stale or not)
+    assert all(r["routing/agreement"] >= 0.999 for r in runs["plain"])
+    assert any("staleness/routing_agreement" in r for r in runs["plain"])
     train = {name: [{k: v for k, v in r.items() if not k.startswith("timing/")}
                     for r in rows if "kind" not in r] for name, rows in runs.items()}
     assert len(train["eval"]) == len(train["plain"]) == 3
