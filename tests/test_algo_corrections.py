@@ -393,3 +393,31 @@ def test_metropolis_chain_counts_against_a_hand_walk():
         expect[cur] += 1
     assert counts.tolist() == expect
     assert sum(expect) == 4
+
+
+@pytest.mark.parametrize("measure", ["log_ratio", "k2", "k3"])
+def test_trust_region_masking_by_hand(measure):
+    """Three sequences; log rho per token (lp_old - lp_roll): [0.05, -0.3], [0.2 | pad 5.0],
+    [-0.01, 0.02]. The largest token divergence of each, in float64, against delta; the
+    padded position never decides."""
+    import math
+    lr = [[0.05, -0.3], [0.2, 5.0], [-0.01, 0.02]]
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1]], dtype=torch.bool)
+    div = {"log_ratio": lambda x: abs(x), "k2": lambda x: 0.5 * x * x,
+           "k3": lambda x: math.exp(x) - 1 - x}[measure]
+    worst = [max(div(v) for v, m in zip(row, mrow) if m) for row, mrow in zip(lr, mask.tolist())]
+    lp_roll = torch.full((3, 2), -1.0, dtype=torch.float64)
+    lp_old = lp_roll + torch.tensor(lr, dtype=torch.float64)
+    for delta in sorted(worst):   # exactly at a sequence's worst divergence: kept (<= delta)
+        p = CorrectionParams(trm_delta=delta * (1 + 1e-9), trm_measure=measure)
+        res = apply_corrections(["trm"], p, CorrectionInputs(lp_old, lp_roll, mask))
+        want = [w <= delta * (1 + 1e-9) for w in worst]
+        assert res.keep.any(-1).tolist() == want
+        assert res.keep[~mask].sum() == 0
+        assert res.metrics["correction/trm/masked_seq_frac"] == pytest.approx(
+            want.count(False) / 3)
+        assert res.metrics["correction/trm/masked_token_frac"] == pytest.approx(
+            sum(int(mask[i].sum()) for i in range(3) if not want[i]) / 5)
+    assert worst[1] == div(0.2)   # not the padded 5.0
+    with pytest.raises(ValueError, match="trm_delta"):
+        apply_corrections(["trm"], CorrectionParams(), CorrectionInputs(lp_old, lp_roll, mask))

@@ -117,6 +117,10 @@ def test_deepseek_mask_needs_delta():
     assert "algorithm.correction.opsm_delta" in msg
     cfg = load_config(None, ["algorithm.corrections=[opsm]", "algorithm.correction.opsm_delta=1e-3"])
     assert cfg.algorithm.correction.opsm_delta == 1e-3
+    assert "algorithm.correction.trm_delta" in _err(["algorithm.corrections=[trm]"])
+    assert "'log_ratio', 'k2', 'k3'" in _err(["algorithm.corrections=[trm]",
+                                                "algorithm.correction.trm_delta=0.1",
+                                                "algorithm.correction.trm_measure=k4"])
 
 
 def test_unknown_and_duplicate_corrections():

@@ -34,7 +34,7 @@ FACTORS = {
 }
 SAMPLING = {"full": [], "top_k": ["rollout.top_k=5"],
             "top_k_top_p_min_p": ["rollout.top_k=6", "rollout.top_p=0.9", "rollout.min_p=0.05"]}
-CORRECTIONS = ("seq_mis", "icepop", "geo_rs")
+CORRECTIONS = ("seq_mis", "icepop", "geo_rs", "trm")
 
 
 def refused(combo: dict) -> bool:
@@ -72,7 +72,8 @@ def overrides(combo: dict) -> list[str]:
     out = [f"rollout.temperature={combo['temperature']}", *SAMPLING[combo["sampling"]],
            f"algorithm.keep_sampling_mask={str(combo['mask']).lower()}",
            f"algorithm.pi_old={combo['pi_old']}", f"algorithm.replay={combo['replay']}",
-           f"algorithm.loss={combo['loss']}", f"algorithm.corrections=[{','.join(CORRECTIONS)}]"]
+           f"algorithm.loss={combo['loss']}", f"algorithm.corrections=[{','.join(CORRECTIONS)}]",
+           "algorithm.correction.trm_delta=1e-3", "algorithm.correction.trm_measure=k3"]
     if combo["pi_old"] == "engine_avg":
         out.append("algorithm.pi_old_passes=2")
     if combo["loss"] == "ppo":

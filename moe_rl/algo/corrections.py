@@ -111,6 +111,27 @@ def _opsm(x: CorrectionInputs, p: Any):
     return None, _seq(~masked, x.valid)
 
 
+def trm_divergence(log_rho: torch.Tensor, measure: str) -> torch.Tensor:
+    """Per-token divergence of Trust Region Masking from log ρ_t = lp_old - lp_roll:
+    ``log_ratio`` |log ρ|, ``k2`` (log ρ)²/2, ``k3`` ρ - 1 - log ρ (each >= 0, 0 iff ρ = 1)."""
+    if measure == "log_ratio":
+        return log_rho.abs()
+    if measure == "k2":
+        return 0.5 * log_rho * log_rho
+    if measure == "k3":
+        return torch.expm1(log_rho.clamp(-EXP_CLAMP, EXP_CLAMP)) - log_rho
+    raise ValueError(f"algorithm.correction.trm_measure: expected 'log_ratio', 'k2' or 'k3', "
+                     f"got {measure!r}")
+
+
+def _trm(x: CorrectionInputs, p: Any):
+    """Trust Region Masking: a sequence is masked when its largest per-token divergence
+    (:func:`trm_divergence`) exceeds ``trm_delta``."""
+    d = trm_divergence(x.log_rho_tok, _param(p, "trm_measure"))
+    worst = torch.where(x.valid, d, torch.zeros_like(d)).amax(-1)
+    return None, _seq(worst <= _param(p, "trm_delta"), x.valid)
+
+
 def _metropolis(x: CorrectionInputs, p: Any):
     """Metropolis independence sampler: walk each group (or each sequence's tokens) in order,
     accepting candidate c with probability min(1, w_c / w_current).
@@ -184,7 +205,8 @@ def _snis(x: CorrectionInputs, p: Any, weights: torch.Tensor, keep: torch.Tensor
 
 CORRECTION_FUNCTIONS: dict[str, Callable] = {
     "token_tis": _token_tis, "seq_tis": _seq_tis, "seq_mis": _seq_mis, "seq_rs": _seq_rs,
-    "geo_rs": _geo_rs, "icepop": _icepop, "opsm": _opsm, "metropolis": _metropolis,
+    "geo_rs": _geo_rs, "icepop": _icepop, "opsm": _opsm, "trm": _trm,
+    "metropolis": _metropolis,
 }
 CORRECTIONS = tuple(CORRECTION_FUNCTIONS) + ("snis",)
 

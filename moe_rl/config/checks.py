@@ -123,6 +123,9 @@ def check_corrections(cfg: Config) -> None:
     if "opsm" in a.corrections and a.correction.opsm_delta is None:
         raise ConfigError("algorithm.correction.opsm_delta: the DeepSeek off-policy mask ('opsm' "
                           "in algorithm.corrections) needs a threshold delta")
+    if "trm" in a.corrections and a.correction.trm_delta is None:
+        raise ConfigError("algorithm.correction.trm_delta: Trust Region Masking ('trm' in "
+                          "algorithm.corrections) needs a threshold delta")
     c = a.correction
     for lo, hi in (("rs_low", "rs_high"), ("geo_low", "geo_high"), ("icepop_low", "icepop_high")):
         if getattr(c, lo) >= getattr(c, hi):

@@ -94,12 +94,17 @@ class CorrectionParams:
     icepop_high: float = _f(5.0, "IcePop upper bound beta", **_rng(0, lo_open=True))
     opsm_delta: float | None = _f(None, "DeepSeek-V3.2 off-policy mask threshold delta", **_rng(0))
     opsm_reference: Literal["engine", "pi_old"] = _f("engine", "behaviour policy of the DeepSeek mask")
+    trm_delta: float | None = _f(None, "Trust Region Masking: mask a sequence whose largest "
+                                 "token divergence exceeds this", **_rng(0, lo_open=True))
+    trm_measure: Literal["log_ratio", "k2", "k3"] = _f(
+        "log_ratio", "Trust Region Masking's token divergence: abs(log rho), (log rho)^2/2 or "
+        "rho - 1 - log rho, rho = pi_old / pi_rollout")
     metropolis_weight: Literal["seq", "geo", "token"] = _f("seq", "weight the Metropolis sampler uses")
     metropolis_count_repeats: bool = _f(True, "Metropolis as a chain: a sample weighs the steps "
                                         "it was the state (false: accept-or-mask, biased)")
 
 
-CORRECTIONS = ("token_tis", "seq_tis", "seq_mis", "seq_rs", "geo_rs", "icepop", "opsm",
+CORRECTIONS = ("token_tis", "seq_tis", "seq_mis", "seq_rs", "geo_rs", "icepop", "opsm", "trm",
                "metropolis", "snis")
 
 
