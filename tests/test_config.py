@@ -118,6 +118,9 @@ def test_deepseek_mask_needs_delta():
     cfg = load_config(None, ["algorithm.corrections=[opsm]", "algorithm.correction.opsm_delta=1e-3"])
     assert cfg.algorithm.correction.opsm_delta == 1e-3
     assert "algorithm.correction.trm_delta" in _err(["algorithm.corrections=[trm]"])
+    assert "trainer.ema_policy: needs trainer.ema_decay" in _err(["trainer.ema_policy=true"])
+    assert "trainer.ema_start_step: needs" in _err(["trainer.ema_start_step=3"])
+    assert "trainer.micro_batch_size: null needs" in _err(["trainer.micro_batch_size=null"])
     assert "'log_ratio', 'k2', 'k3'" in _err(["algorithm.corrections=[trm]",
                                                 "algorithm.correction.trm_delta=0.1",
                                                 "algorithm.correction.trm_measure=k4"])

@@ -114,6 +114,28 @@ def test_loop_with_distributed_weight_sync_and_colocated_engines(tmp_path):
 
 @pytest.mark.loop
 @pytest.mark.e2e
+def test_ema_policy_and_trust_region_masking_through_moe_rl_train(tmp_path):
+    """trainer.ema_policy from step 1 with Trust Region Masking: the engines serve the smoothed
+    weights the trainer continues from (the float32 engine equals the trainer: k3 ~ 0, TRM
+    removes nothing), one final policy is exported (it is the EMA)."""
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
+                   check=True, capture_output=True, timeout=120)
+    res = _train(tmp_path, 3, "trainer.ema_decay=0.5", "trainer.ema_policy=true",
+                 "trainer.ema_start_step=1", "algorithm.corrections=[trm]",
+                 "algorithm.correction.trm_delta=1e-3", "cluster.weight_sync=distributed")
+    rows = [json.loads(line) for line in
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weight_version/min"] for r in rows] == [0.0, 1.0, 2.0]
+    assert all(r["mismatch/k3"] < 1e-6 for r in rows)
+    assert all(r["correction/trm/masked_seq_frac"] == 0.0 for r in rows)
+    assert (tmp_path / "run" / "final_hf" / "config.json").exists()
+    assert not (tmp_path / "run" / "final_hf_raw").exists()
+    assert "final policy exported to" in res.stdout
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
 def test_a_reward_failing_on_a_whole_batch_stops_the_run_with_the_reason(tmp_path):
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],

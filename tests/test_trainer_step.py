@@ -113,14 +113,21 @@ def test_micro_batch_split_gives_same_update(tiny):
             assert torch.allclose(a, b, atol=1e-7, rtol=1e-4), (a - b).abs().max()
 
 
-def test_resume_is_bit_identical(tiny, tmp_path):
+@pytest.mark.parametrize("ema_policy", [False, True])
+def test_resume_is_bit_identical(tiny, tmp_path, ema_policy):
     path, hf_model = tiny
+
+    def cfg():
+        c = make_cfg(path, corrections=["metropolis"])
+        if ema_policy:   # the EMA policy, smoothing from step 1: checkpointed and resumed
+            c.trainer.ema_decay, c.trainer.ema_policy, c.trainer.ema_start_step = 0.5, True, 1
+        return c
     batches = [engine_samples(hf_model, seed=10 + i) for i in range(3)]
-    run = PolicyTrainer(make_cfg(path, corrections=["metropolis"]), path)
+    run = PolicyTrainer(cfg(), path)
     run.train_step(copy.deepcopy(batches[0]))
     run.save_checkpoint(str(tmp_path / "ckpt"))
     m1 = run.train_step(copy.deepcopy(batches[1]))
-    resumed = PolicyTrainer(make_cfg(path, corrections=["metropolis"]), path)
+    resumed = PolicyTrainer(cfg(), path)
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     m2 = resumed.train_step(copy.deepcopy(batches[1]))
     assert m1 == m2
@@ -269,3 +276,48 @@ def test_ema_follows_the_polyak_formula_and_is_what_gets_exported(tiny, tmp_path
     mcore = [n for n in expected if n.endswith("embedding.word_embeddings.weight")][0]
     assert torch.allclose(ema[emb].double(), expected[mcore], atol=1e-6)
     assert not torch.allclose(ema[emb], raw[emb])
+
+
+def test_ema_policy_replaces_the_weights_from_its_start_step(tiny):
+    """trainer.ema_policy: after each optimizer step the weights become the EMA, e_k = d e_{k-1}
+    + (1 - d) p_k (p_k the weights the optimizer step produced, from e_{k-1}), in float64; before
+    ema_start_step (RL step 1 here) d is 0, the weights stay raw. The optimizer continues from
+    the EMA: a step that changes nothing (learning rate 0) leaves the EMA weights in place."""
+    path, hf_model = tiny
+    cfg = make_cfg(path)
+    cfg.trainer.ema_decay, cfg.trainer.ema_policy, cfg.trainer.ema_start_step = 0.6, True, 1
+    cfg.trainer.mini_batches, cfg.trainer.lr = 2, 1e-2
+    trainer = PolicyTrainer(cfg, path)
+    params = dict(trainer.model.module.named_parameters())
+    expected = {n: p.detach().double().clone() for n, p in params.items()}
+    step, seen = trainer.optimizer.step, []
+
+    def stepped():
+        before = {n: p.detach().double().clone() for n, p in params.items()}
+        out = step()
+        d = 0.6 if trainer.step >= 1 else 0.0
+        for n, p in params.items():
+            assert torch.allclose(before[n], expected[n], atol=1e-6), n   # from e_{k-1}
+            expected[n] = d * expected[n] + (1 - d) * p.detach().double()
+        seen.append(d)
+        return out
+
+    trainer.optimizer.step = stepped
+    trainer.train_step(engine_samples(hf_model, n_groups=2, group_size=2, seed=9))
+    raw_after_first = {n: p.detach().clone() for n, p in params.items()}
+    trainer.train_step(engine_samples(hf_model, n_groups=2, group_size=2, seed=10))
+    assert seen == [0.0, 0.0, 0.6, 0.6]
+    moved = 0
+    for n, want in expected.items():
+        assert torch.allclose(params[n].double(), want, atol=1e-6), n
+        assert torch.allclose(trainer.ema[n].double(), want, atol=1e-6), n
+        moved += not torch.equal(params[n], raw_after_first[n])
+    assert moved > 0
+    trainer.optimizer.step = step
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 0.0
+    kept = {n: p.detach().clone() for n, p in params.items()}
+    from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu
+    with cuda_factories_on_cpu():   # as the update calls it
+        step()
+    assert all(torch.equal(params[n], kept[n]) for n in params)

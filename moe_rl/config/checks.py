@@ -133,6 +133,14 @@ def check_corrections(cfg: Config) -> None:
                               f" ({getattr(c, lo)} >= {getattr(c, hi)})")
 
 
+def check_ema(cfg: Config) -> None:
+    """EMA policy smoothing averages with ``trainer.ema_decay``."""
+    t = cfg.trainer
+    if (t.ema_policy or t.ema_start_step) and t.ema_decay is None:
+        key = "trainer.ema_policy" if t.ema_policy else "trainer.ema_start_step"
+        raise ConfigError(f"{key}: needs trainer.ema_decay (the EMA's decay, e.g. 0.9)")
+
+
 def check_micro_batches(cfg: Config) -> None:
     """A micro-batch is bounded by rows, by tokens, or both."""
     t = cfg.trainer
@@ -324,6 +332,7 @@ def validate(cfg: Config) -> None:
     check_corrections(cfg)
     check_optimiser_and_layout(cfg, facts)
     check_micro_batches(cfg)
+    check_ema(cfg)
     check_cpu(cfg)
     check_weight_sync(cfg)
     check_model_parallel(cfg, facts)

@@ -190,8 +190,13 @@ class TrainerConfig:
     distributed_optimizer: bool = _f(True, "megatron distributed optimizer where available")
     ema_decay: float | None = _f(None, "Polyak average of the weights, updated after every "
                                  "optimizer step and exported as final_hf (rollouts keep the raw "
-                                 "weights; null = off)",
+                                 "weights unless trainer.ema_policy; null = off)",
                                  **_rng(0, 1, lo_open=True, hi_open=True))
+    ema_policy: bool = _f(False, "EMA policy smoothing: after every optimizer step the weights "
+                          "are replaced by their EMA, which the engines serve and the next step "
+                          "starts from (needs trainer.ema_decay)")
+    ema_start_step: int = _f(0, "RL step from which the EMA averages; before it the EMA (and "
+                             "with ema_policy the policy) follows the raw weights", **_rng(0))
     expert_bias_update_rate: float = _f(0.0, "DeepSeek-V3 routers: megatron's aux-loss-free "
                                         "expert-bias update per optimizer step, from the "
                                         "batch's tokens per expert (0 = frozen, the default)",

@@ -421,7 +421,7 @@ def export_final(cfg: Config, trainers: Trainers) -> None:
     if not cfg.trainer.export_hf:
         return
     final = os.path.join(cfg.logging.dir, "final_hf")
-    if cfg.trainer.ema_decay is not None:   # the EMA is the released policy
+    if cfg.trainer.ema_decay is not None and not cfg.trainer.ema_policy:   # EMA released
         trainers.export(final, use_ema=True)
         trainers.export(os.path.join(cfg.logging.dir, "final_hf_raw"))
         print(f"final policy (EMA, decay {cfg.trainer.ema_decay}) exported to {final}; "

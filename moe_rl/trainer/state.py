@@ -48,13 +48,23 @@ class TrainerState:
                         for n, p in model.module.named_parameters()}
 
     def ema_update(self) -> None:
-        """Fold the current weights into the EMA (``trainer.ema_decay``), when kept."""
+        """Fold the current weights into the EMA (``trainer.ema_decay``; before the RL step
+        ``trainer.ema_start_step`` the EMA takes the weights as they are), when kept. With
+        ``trainer.ema_policy`` the weights then become the EMA, and the optimizer's own copies
+        of them (its main parameters) are refreshed, so the next step starts from the EMA."""
         if self.ema is None:
             return
-        d = self.cfg.trainer.ema_decay
+        t = self.cfg.trainer
+        d = t.ema_decay if self.counters.step >= t.ema_start_step else 0.0
+        params = list(self.model.module.named_parameters())
         with torch.no_grad():
-            for name, p in self.model.module.named_parameters():
+            for name, p in params:
                 self.ema[name].mul_(d).add_(p.detach().float(), alpha=1 - d)
+            if t.ema_policy:
+                for name, p in params:
+                    p.copy_(self.ema[name].to(p.dtype))
+        if t.ema_policy:
+            self.optimizer.reload_model_params()
 
     # ------------------------------------------------------------------ weights out
     def hf_buckets(self, everywhere: bool = False):
