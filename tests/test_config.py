@@ -339,6 +339,12 @@ QWEN3_30B = dict(model_type="qwen3_moe", hidden_size=2048, num_attention_heads=3
 SGLANG_FP8 = ["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.quantization=fp8"]
 
 
+def test_mxfp4_is_the_reference_engines_emulation():
+    assert "rollout.quantization: mxfp4 is emulated by the reference engine" in _err(
+        ["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.quantization=mxfp4"])
+    assert load_config(None, ["rollout.quantization=mxfp4"]).rollout.quantization == "mxfp4"
+
+
 def test_fp8_shapes_sglang_refuses_are_refused_at_config_time(tmp_path):
     """SGLang's block-wise FP8 loader needs every merged-linear partition and each expert's
     intermediate partition to be a multiple of 128 (hand-worked on Qwen3-30B-A3B's shape)."""

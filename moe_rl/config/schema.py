@@ -42,9 +42,10 @@ class RolloutConfig:
                         "up, busy ones skipped", **_rng(1, 65535))
     api_key: str | None = _f(None, "API key the servers require (Authorization: Bearer)")
     engine_dtype: Literal["float32", "bfloat16"] = _f("float32", "reference engine dtype")
-    quantization: Literal["none", "fp8"] = _f("none", "rollout numerics: fp8 = the engines serve "
-                                              "a block-wise FP8 checkpoint of the weights "
-                                              "(128x128 E4M3 blocks), every sync quantised")
+    quantization: Literal["none", "fp8", "mxfp4"] = _f(
+        "none", "rollout numerics: fp8 = the engines serve a block-wise FP8 checkpoint of the "
+        "weights (128x128 E4M3 blocks), every sync quantised; mxfp4 = 4-bit weights (E2M1, a "
+        "power-of-two scale per 32), emulated by the reference engine at every load")
     prompts_per_step: int = _f(8, "prompts sampled per RL step", **_rng(1))
     n_samples_per_prompt: int = _f(8, "responses per prompt (the GRPO group size)", **_rng(1))
     max_staleness: int = _f(0, "asynchronous pipeline: the rollout generates the next batches "

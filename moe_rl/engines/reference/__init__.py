@@ -29,7 +29,9 @@ def server_command(cfg: Config, host: str, port: int, gpus: list[int], index: in
                           seed=cfg.trainer.seed + index, api_key=r.api_key,
                           return_routed_experts=requests_routing(cfg),
                           sampling_mask_max_tokens=r.sampling_mask_max_tokens,
-                          deterministic_inference=r.sglang.deterministic_inference), \
+                          deterministic_inference=r.sglang.deterministic_inference,
+                          # FP8 arrives as an FP8 checkpoint; MXFP4 is quantised at every load
+                          quantization="mxfp4" if r.quantization == "mxfp4" else "none"), \
         dict(REFERENCE_ENV)
 
 

@@ -32,10 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="batch-invariant results (SGLang's flag): every request is computed "
                              "alone, so its numbers never depend on what runs beside it")
-    parser.add_argument("--quantization", choices=["fp8"], default=None,
+    parser.add_argument("--quantization", choices=["fp8", "mxfp4"], default=None,
                         help="fp8: serve with FP8 numerics (E4M3 weights in 128x128 blocks, "
                              "activations per token in groups of 128, float32 accumulation; "
-                             "re-quantised at every weight load), as SGLang's FP8 path")
+                             "re-quantised at every weight load), as SGLang's FP8 path; "
+                             "mxfp4: 4-bit weights (E2M1 in blocks of 32 with a power-of-two "
+                             "scale, re-quantised at every weight load), activations unchanged")
     parser.add_argument("--disable-radix-cache", action="store_true",
                         help="no prefix cache (SGLang's flag): every request computes its whole "
                              "input, cached_tokens is always 0")

@@ -36,6 +36,7 @@ from moe_rl.moe_shape import MoEShape
 from moe_rl.plugins import PluginTimeout, call_bounded
 from moe_rl.engines.reference import split_kv
 from moe_rl.engines.reference.fp8_inference import apply_fp8
+from moe_rl.engines.reference.mxfp4_inference import apply_mxfp4
 from moe_rl.engines.reference.prefix_cache import CacheHit, PrefixCache
 from moe_rl.types import MODEL_DTYPES
 from moe_rl.weights.fp8 import is_fp8_checkpoint, read_fp8_checkpoint, write_dequantised_checkpoint
@@ -258,8 +259,9 @@ class ReferenceEngine:
                  sampling_backend: str = "flashinfer", deterministic_inference: bool = False,
                  prefix_cache_tokens: int = 1 << 16, quantization: str = "none",
                  group_timeout_s: float = 120.0):
-        if quantization not in ("none", "fp8"):
-            raise ValueError(f"quantization: expected 'none' or 'fp8', got {quantization!r}")
+        if quantization not in ("none", "fp8", "mxfp4"):
+            raise ValueError(f"quantization: expected 'none', 'fp8' or 'mxfp4', got "
+                             f"{quantization!r}")
         self.quantization = quantization
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
@@ -329,6 +331,8 @@ class ReferenceEngine:
         model.eval()
         if self.quantization == "fp8" or exact is not None:   # quantised at every load
             apply_fp8(model, exact)
+        elif self.quantization == "mxfp4":
+            apply_mxfp4(model)
         hf = model.config.to_dict()
         facts = MoEShape.from_hf(hf)
         if not facts.moe_layers:

@@ -47,9 +47,18 @@ def check_fp8(cfg: Config) -> None:
                           f"rollout.quantization=none")
 
 
+def check_mxfp4(cfg: Config) -> None:
+    """MXFP4 rollouts are the reference engine's emulation (SGLang serves MXFP4 only from
+    checkpoints quantised that way, such as gpt-oss's, not by quantising at load)."""
+    if cfg.rollout.quantization == "mxfp4":
+        raise ConfigError("rollout.quantization: mxfp4 is emulated by the reference engine "
+                          "(rollout.engine=reference); with SGLang use fp8 or none")
+
+
 def check_config(cfg: Config) -> None:
     """Every SGLang refusal, in this order."""
     check_gpus(cfg)
     check_weight_updates(cfg)
     check_sampling(cfg)
     check_fp8(cfg)
+    check_mxfp4(cfg)
