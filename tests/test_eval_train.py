@@ -74,7 +74,8 @@ def test_eval_through_train_resume_and_moe_rl_eval(tmp_path):
 
 def test_reward_service_through_train(tmp_path):
     """Rewards from a service that fails its first request (retried) and answers every third
-    one with garbage (scored 0, counted): the steps' reward means are the service's answers."""
+    one with garbage (scored 0, counted): the steps' reward means are the service's answers.
+    The trainer sizes its micro-batches by a token budget in this run."""
     answered: list[float] = []
     garbage: list[int] = []
 
@@ -92,7 +93,10 @@ def test_reward_service_through_train(tmp_path):
     try:
         _, rows = _train_tiny(tmp_path, 2, 4, f"data.reward_service.url={srv.url}",
                               "data.reward_service.batch_size=2",
-                              "data.reward_service.max_concurrency=2")
+                              "data.reward_service.max_concurrency=2",
+                              # micro-batches by a token budget, no row cap
+                              "trainer.micro_batch_size=null",
+                              "trainer.max_tokens_per_micro_batch=40")
     finally:
         srv.close()
     assert rows[-1]["reward/errors"] == sum(garbage) > 0
