@@ -6,10 +6,11 @@ Checks, each reported pass / fail (with the figure) / skipped (with the reason):
    (float32, replayed routing), max |Δ log-prob|; deepseek_cuda_local: the same for the tiny
    DeepSeek-V3 model (MLA, biased group-limited sigmoid router, shared experts).
 2. megatron_cuda_te / deepseek_cuda_te: the same with Transformer Engine's spec, when TE is
-   installed.
+   installed. Each also scores the sample twice in one packed row (THD with cu_seqlens on TE).
 3. triton_kernel: the Triton log-prob/entropy kernel equals the torch one on CUDA, and their time
    ratio at T=4096, V=151,936, H=1024 (bf16).
-4. parallel_equivalence: TP=2 + SP and EP=2 steps equal TP=1 (needs 2 GPUs; torchrun).
+4. parallel_equivalence: TP=2 + SP, EP=2, CP=2 (padded and packed rows) and packed DP=2 steps
+   equal DP=2 on padded rows (needs 2 GPUs; torchrun).
 5. nccl_weight_sync: a broadcast over the weight-update group (built as SGLang builds it) into a
    second process (needs 2 GPUs: NCCL refuses two ranks on one device).
 On a machine without CUDA it records that nothing ran and exits 0.
@@ -89,11 +90,22 @@ def check_megatron_cuda(path: str, use_te: bool) -> dict:
     with torch.no_grad():
         lp, _ = forward_logprobs(model, mb)
     ctl.finish_forward()
-    ctl.close()
     got = lp[0, 15:47].float().cpu()
     diff = float((got - want).abs().max())
-    return {"status": "pass" if diff < 1e-3 else "fail", "max_abs_diff": diff,
-            "te_spec": model_builder.uses_te_spec(model)}
+    # the same sample twice in one packed row (THD with cu_seqlens on TE, else the mask)
+    te = model_builder.uses_te_spec(model)
+    packed = pack_one([sample, sample], [0, 1], pad_token_id=0,
+                      num_experts=spec.facts.num_experts, packed=True, slot_multiple=8)
+    ctl.replay(packed.replay_indices())
+    with torch.no_grad():
+        lp2, _ = forward_logprobs(model, packed, thd=te)
+    ctl.finish_forward()
+    ctl.close()
+    got2 = packed.to_response_padded(lp2).float().cpu()
+    packed_diff = float((got2 - want[None]).abs().max())
+    ok = diff < 1e-3 and packed_diff < 1e-3
+    return {"status": "pass" if ok else "fail", "max_abs_diff": diff,
+            "packed_max_abs_diff": packed_diff, "te_spec": te}
 
 
 def check_triton_kernel() -> dict:
@@ -123,7 +135,7 @@ def check_triton_kernel() -> dict:
 
 def check_parallel(path: str) -> dict:
     if torch.cuda.device_count() < 2:
-        return {"status": "skipped", "reason": f"{torch.cuda.device_count()} GPU(s); TP=2/EP=2 "
+        return {"status": "skipped", "reason": f"{torch.cuda.device_count()} GPU(s); TP/EP/CP=2 "
                                                f"need 2"}
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                           str(ROOT / "benchmarks" / "gpu_check.py"), "--parallel-worker", path],
@@ -134,8 +146,8 @@ def check_parallel(path: str) -> dict:
 
 
 def parallel_worker(path: str) -> None:
-    """torchrun worker: one RL step's log-probs and gradient norm under TP=2+SP and EP=2 against
-    the single-GPU values computed on rank 0."""
+    """torchrun worker: one RL step's gradient norm under TP=2+SP, EP=2, CP=2 (padded rows and
+    packed THD rows) and packed rows on DP=2, against DP=2 on padded rows."""
     from moe_rl.config import config_from_dict
     from moe_rl.trainer.parallel import ParallelSizes, destroy, init_distributed, \
         init_model_parallel
@@ -150,15 +162,20 @@ def parallel_worker(path: str) -> None:
                       rollout_logprobs=-torch.ones(10), reward=float(i % 2), group_id=i // 2,
                       sample_id=i) for i in range(4)]
     results = {}
-    for name, tp, ep, sp in (("tp1", 1, 1, False), ("tp2_sp", 2, 1, True), ("ep2", 1, 2, False)):
-        init_model_parallel(ParallelSizes(tp, 1, ep, 1))
+    runs = (("tp1", 1, 1, False, 1, False), ("tp2_sp", 2, 1, True, 1, False),
+            ("ep2", 1, 2, False, 1, False), ("cp2", 1, 1, False, 2, False),
+            ("cp2_packed", 1, 1, False, 2, True), ("tp1_packed", 1, 1, False, 1, True))
+    for name, tp, ep, sp, cp, packed in runs:
+        init_model_parallel(ParallelSizes(tp, 1, ep, cp))
         cfg = config_from_dict({"model": {"path": path}, "cluster": {"gpus_per_node": 2},
                                 "rollout": {"n_samples_per_prompt": 2},
                                 "trainer": {"tensor_parallel": tp, "expert_parallel": ep,
-                                            "sequence_parallel": sp, "lr": 1e-3, "seed": 1},
+                                            "context_parallel": cp, "sequence_parallel": sp,
+                                            "lr": 1e-3, "seed": 1, "pack_sequences": packed,
+                                            "max_tokens_per_micro_batch": 64},
                                 "algorithm": {"replay": "off", "pi_old": "rollout"}})
         trainer = PolicyTrainer(cfg, path)
-        shard = samples if tp > 1 else samples[rank * 2:(rank + 1) * 2]
+        shard = samples if tp * cp > 1 else samples[rank * 2:(rank + 1) * 2]
         m = trainer.train_step(shard)
         results[name] = m["grad_norm"]
         del trainer

@@ -35,6 +35,17 @@ class KeptSets:
                                       lengths.to(self.ids.device))
         return row, self.ids[lo:hi]
 
+    def subset(self, rows: torch.Tensor) -> "KeptSets":
+        """The sets of ``rows`` (LongTensor of row indices), in that order."""
+        lengths = (self.offsets[1:] - self.offsets[:-1])[rows]
+        offsets = torch.zeros(rows.numel() + 1, dtype=self.offsets.dtype,
+                              device=self.offsets.device)
+        offsets[1:] = lengths.cumsum(0)
+        starts = self.offsets[:-1][rows]
+        within = torch.arange(int(offsets[-1]), device=self.ids.device) - \
+            torch.repeat_interleave(offsets[:-1], lengths)
+        return KeptSets(offsets, self.ids[torch.repeat_interleave(starts, lengths) + within])
+
     def restricted(self) -> torch.Tensor:
         """[T] bool: rows that have a kept set."""
         return (self.offsets[1:] - self.offsets[:-1]) > 0

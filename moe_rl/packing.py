@@ -1,9 +1,14 @@
-"""Packing samples into padded micro-batches for the megatron-core forward, with the routing
-replay tensors in the order the router sees tokens and the kept-id sets re-indexed.
+"""Packing samples into micro-batches for the megatron-core forward, with the routing replay
+tensors in the order the router sees tokens and the kept-id sets re-indexed.
 
-Layout: sample b occupies positions 0..P+R-1 of row b (right padding). Position s predicts
-token s+1, so response token j of a sample is scored at position P-1+j. Megatron's GPTModel runs
-in [S, B, H] layout, so its router sees token (s, b) at index ``s * B + b``.
+Two layouts. Padded: sample b occupies positions 0..P+R-1 of row b (right padding), under one
+causal mask. Packed (``trainer.pack_sequences``): the samples lie one after another in a single
+row, each in a slot of its length rounded up to ``slot_multiple``, with position ids restarting
+at 0 in every slot and attention confined to the slot (a block-diagonal causal mask here; the
+slots' cumulative lengths are THD's ``cu_seqlens`` on Transformer Engine). Either way a sample
+starting at position o scores response token j at position o+P-1+j (position s predicts token
+s+1). Megatron's GPTModel runs in [S, B, H] layout, so its router sees token (s, b) at index
+``s * B + b``.
 """
 from __future__ import annotations
 
@@ -29,8 +34,12 @@ class MicroBatch:
     kept: KeptSets | None            # kept sets of the response rows, b-major (response_mask
                                      # order): the kernel's rows, built and checked once
     sample_indices: list[int]
-    prompt_lens: torch.Tensor        # [B]
-    response_lens: torch.Tensor      # [B]
+    prompt_lens: torch.Tensor        # [N] per sample (N = B when padded)
+    response_lens: torch.Tensor      # [N]
+    sample_rows: torch.Tensor        # [N] the row each sample lies in
+    sample_starts: torch.Tensor      # [N] its first position in that row
+    segments: torch.Tensor | None = None   # [B, S] slot of every position (packed; None when
+                                           # padded): attention stays inside a slot
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -48,13 +57,37 @@ class MicroBatch:
         """``routing_valid`` flattened in the router's order (s * B + b)."""
         return self.routing_valid.t().reshape(-1)
 
+    @property
+    def packed(self) -> bool:
+        return self.segments is not None
+
     def response_slices(self) -> list[tuple[int, slice]]:
         """(row, positions) scoring each sample's response tokens, in sample order."""
         out = []
-        for b in range(self.input_ids.shape[0]):
-            P, R = int(self.prompt_lens[b]), int(self.response_lens[b])
-            out.append((b, slice(P - 1, P - 1 + R)))
+        for i in range(len(self.sample_indices)):
+            P, R = int(self.prompt_lens[i]), int(self.response_lens[i])
+            o = int(self.sample_starts[i])
+            out.append((int(self.sample_rows[i]), slice(o + P - 1, o + P - 1 + R)))
         return out
+
+    def sample_positions(self, chosen: torch.Tensor) -> torch.Tensor:
+        """[B, S] bool: the routed positions (all but the last token) of the samples
+        ``chosen`` [N] bool."""
+        out = torch.zeros(self.shape, dtype=torch.bool)
+        for i in chosen.nonzero().flatten().tolist():
+            o = int(self.sample_starts[i])
+            n = int(self.prompt_lens[i] + self.response_lens[i]) - 1
+            out[int(self.sample_rows[i]), o:o + n] = True
+        return out
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """Cumulative slot lengths of the packed row (int32, THD's ``cu_seqlens``): every slot,
+        the row's tail padding included, is one sequence."""
+        if not self.packed or self.shape[0] != 1:
+            raise ValueError("cu_seqlens: only a packed single-row micro-batch has slots")
+        seg = self.segments[0]
+        starts = torch.cat([torch.tensor([True]), seg[1:] != seg[:-1]]).nonzero().flatten()
+        return torch.cat([starts, torch.tensor([seg.numel()])]).to(torch.int32)
 
     def unpack(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Per-position values [B, S] (or [..., B, S]) -> one [R] tensor per sample."""
@@ -82,22 +115,35 @@ class MicroBatch:
             routing = fill.permute(1, 0, 2)[:, :, None, :].expand(rows, length, L, K).clone()
             routing[:B, :S] = self.routing
             valid = grow(self.routing_valid)
+        segments = None
+        if self.packed:   # the new positions form one more slot of their own
+            segments = grow(self.segments)
+            segments[:B, S:] = int(self.segments.max()) + 1
+        position_ids = torch.arange(length, dtype=torch.long)[None, :].expand(rows, length).clone()
+        position_ids[:B, :S] = self.position_ids
         return replace(
             self, input_ids=grow(self.input_ids), targets=grow(self.targets),
             score_mask=grow(self.score_mask), response_mask=grow(self.response_mask),
-            routing=routing, routing_valid=valid,
-            position_ids=torch.arange(length, dtype=torch.long)[None, :].expand(rows, length)
-            .clone(),
-            attention_mask=torch.triu(torch.ones(length, length, dtype=torch.bool),
-                                      diagonal=1)[None, None])
+            routing=routing, routing_valid=valid, position_ids=position_ids,
+            segments=segments, attention_mask=attention_mask(length, segments))
 
     def to_response_padded(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Per-position [B, S] values -> response-aligned [B, R_max] (the algorithm layout)."""
         R_max = int(self.response_lens.max())
-        out = torch.full((values.shape[0], R_max), fill, dtype=values.dtype)
-        for b, sl in self.response_slices():
-            out[b, :sl.stop - sl.start] = values[b, sl]
+        out = torch.full((len(self.sample_indices), R_max), fill, dtype=values.dtype,
+                         device=values.device)
+        for i, (b, sl) in enumerate(self.response_slices()):
+            out[i, :sl.stop - sl.start] = values[b, sl]
         return out
+
+
+def attention_mask(length: int, segments: torch.Tensor | None) -> torch.Tensor:
+    """True = masked: causal [1, 1, S, S], or with ``segments`` [B, S] causal inside each slot
+    and masked across slots [B, 1, S, S] (block-diagonal)."""
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+    if segments is None:
+        return causal[None, None]
+    return (causal[None] | (segments[:, :, None] != segments[:, None, :]))[:, None]
 
 
 def padding_routing_rows(n_rows: int, topk: int, num_experts: int, start: int = 0
@@ -133,26 +179,83 @@ def plan_micro_batches(lengths: list[int], *, micro_batch_size: int | None = Non
     return groups
 
 
+def slot_length(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple``."""
+    return -(-length // multiple) * multiple
+
+
+def plan_packed_micro_batches(lengths: list[int], *, max_tokens_per_micro_batch: int,
+                              micro_batch_size: int | None = None, slot_multiple: int = 1
+                              ) -> list[list[int]]:
+    """Group sample indices into packed rows by first-fit decreasing: samples taken longest
+    first (stable), each put in the first row whose slots still fit it within
+    ``max_tokens_per_micro_batch`` tokens (and ``micro_batch_size`` samples), else in a new
+    row. A sample longer than the budget gets a row of its own."""
+    slots = [slot_length(n, slot_multiple) for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for i in order:
+        for r, row in enumerate(rows):
+            fits = used[r] + slots[i] <= max_tokens_per_micro_batch
+            if fits and (micro_batch_size is None or len(row) < micro_batch_size):
+                row.append(i)
+                used[r] += slots[i]
+                break
+        else:
+            rows.append([i])
+            used.append(slots[i])
+    return rows
+
+
 def pack_micro_batches(samples: list[Sample], *, pad_token_id: int,
                        micro_batch_size: int | None = None,
                        max_tokens_per_micro_batch: int | None = None,
-                       num_experts: int | None = None, pad_to_multiple: int = 1
+                       num_experts: int | None = None, pad_to_multiple: int = 1,
+                       pack_sequences: bool = False, slot_multiple: int = 1
                        ) -> list[MicroBatch]:
-    """Pack ``samples`` into padded micro-batches (see :class:`MicroBatch`)."""
+    """Pack ``samples`` into micro-batches (see :class:`MicroBatch`): padded rows planned by
+    :func:`plan_micro_batches`, or with ``pack_sequences`` one packed row each planned by
+    :func:`plan_packed_micro_batches`."""
     lengths = [s.prompt_len + s.response_len for s in samples]
-    plan = plan_micro_batches(lengths, micro_batch_size=micro_batch_size,
-                              max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    if pack_sequences:
+        if max_tokens_per_micro_batch is None:
+            raise ValueError("max_tokens_per_micro_batch: packed rows need a token budget")
+        plan = plan_packed_micro_batches(lengths, micro_batch_size=micro_batch_size,
+                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                         slot_multiple=slot_multiple)
+    else:
+        plan = plan_micro_batches(lengths, micro_batch_size=micro_batch_size,
+                                  max_tokens_per_micro_batch=max_tokens_per_micro_batch)
     return [pack_one(samples, idx, pad_token_id=pad_token_id, num_experts=num_experts,
-                     pad_to_multiple=pad_to_multiple) for idx in plan]
+                     pad_to_multiple=pad_to_multiple, packed=pack_sequences,
+                     slot_multiple=slot_multiple) for idx in plan]
 
 
 def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,
-             num_experts: int | None = None, pad_to_multiple: int = 1) -> MicroBatch:
-    """Pack the samples ``indices`` (in that order) into one micro-batch."""
+             num_experts: int | None = None, pad_to_multiple: int = 1, packed: bool = False,
+             slot_multiple: int = 1) -> MicroBatch:
+    """Pack the samples ``indices`` (in that order) into one micro-batch: one padded row each,
+    or with ``packed`` one row of slots (each ``slot_multiple``-aligned, the row's length a
+    multiple of ``pad_to_multiple``; its tail padding a slot of its own)."""
     chosen = [samples[i] for i in indices]
-    B = len(chosen)
-    S = max(s.prompt_len + s.response_len for s in chosen)
-    S = -(-S // pad_to_multiple) * pad_to_multiple
+    N = len(chosen)
+    lengths = [s.prompt_len + s.response_len for s in chosen]
+    if packed:
+        slots = [slot_length(n, slot_multiple) for n in lengths]
+        starts = torch.tensor([0] + slots[:-1], dtype=torch.long).cumsum(0)
+        rows = torch.zeros(N, dtype=torch.long)
+        B, S = 1, slot_length(sum(slots), pad_to_multiple)
+        segments = torch.full((1, S), N, dtype=torch.long)
+        position_ids = torch.arange(S, dtype=torch.long)[None, :] - sum(slots)
+        for k, (o, n) in enumerate(zip(starts.tolist(), slots)):
+            segments[0, o:o + n] = k
+            position_ids[0, o:o + n] = torch.arange(n)
+    else:
+        starts, rows = torch.zeros(N, dtype=torch.long), torch.arange(N)
+        B, S = N, slot_length(max(lengths), pad_to_multiple)
+        segments = None
+        position_ids = torch.arange(S, dtype=torch.long)[None, :].expand(B, S).clone()
     input_ids = torch.full((B, S), pad_token_id, dtype=torch.long)
     targets = torch.zeros((B, S), dtype=torch.long)
     score = torch.zeros((B, S), dtype=torch.bool)
@@ -174,20 +277,20 @@ def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,
         raise ValueError("sampling mask: either every sample of a micro-batch has one or none")
     kept_lengths: list[torch.Tensor] = []
     kept_parts: list[torch.Tensor] = []
-    for b, s in enumerate(chosen):
+    for s, b, o in zip(chosen, rows.tolist(), starts.tolist()):
         P, R = s.prompt_len, s.response_len
         tokens = torch.cat([s.prompt_ids, s.response_ids]).long()
-        input_ids[b, :P + R] = tokens
-        targets[b, :P + R - 1] = tokens[1:]
-        pos = slice(P - 1, P - 1 + R)
+        input_ids[b, o:o + P + R] = tokens
+        targets[b, o:o + P + R - 1] = tokens[1:]
+        pos = slice(o + P - 1, o + P - 1 + R)
         resp[b, pos] = True
         score[b, pos] = s.loss_mask
         if routing is not None:
             if s.routing.shape[1:] != (L, K):
                 raise ValueError(f"sample {s.sample_id}: routing: expected [*, {L}, {K}], got "
                                  f"{list(s.routing.shape)}")
-            routing[b, :P + R - 1] = s.routing.long()
-            valid[b, :P + R - 1] = True
+            routing[b, o:o + P + R - 1] = s.routing.long()
+            valid[b, o:o + P + R - 1] = True
         if all(has_mask):
             kept_lengths.append(s.sampling_mask_offsets[1:] - s.sampling_mask_offsets[:-1])
             kept_parts.append(s.sampling_mask_ids)
@@ -196,12 +299,11 @@ def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,
         offsets = torch.zeros(sum(s.response_len for s in chosen) + 1, dtype=torch.long)
         offsets[1:] = torch.cumsum(torch.cat(kept_lengths).long(), 0)
         kept = KeptSets(offsets, torch.cat(kept_parts).long())
-    position_ids = torch.arange(S, dtype=torch.long)[None, :].expand(B, S).clone()
-    attention_mask = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)[None, None]
     return MicroBatch(input_ids=input_ids, position_ids=position_ids,
-                      attention_mask=attention_mask, targets=targets, score_mask=score,
-                      response_mask=resp,
+                      attention_mask=attention_mask(S, segments), targets=targets,
+                      score_mask=score, response_mask=resp,
                       routing=routing, routing_valid=valid, kept=kept,
                       sample_indices=list(indices),
                       prompt_lens=torch.tensor([s.prompt_len for s in chosen]),
-                      response_lens=torch.tensor([s.response_len for s in chosen]))
+                      response_lens=torch.tensor([s.response_len for s in chosen]),
+                      sample_rows=rows, sample_starts=starts, segments=segments)

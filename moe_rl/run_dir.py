@@ -23,6 +23,7 @@ RESUMABLE = {
     "trainer.pipeline_parallel", "trainer.expert_parallel", "trainer.context_parallel",
     "trainer.sequence_parallel", "trainer.recompute_activations", "model.path",
     "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",   # same gradient
+    "trainer.pack_sequences",
     "rollout.num_servers", "rollout.host", "rollout.base_port", "rollout.api_key",
     "rollout.request_timeout_s", "rollout.max_retries", "rollout.concurrency",
     "rollout.health_timeout_s", "rollout.sglang.tp_size", "rollout.sglang.dp_size",

@@ -43,7 +43,7 @@ def test_triton_kernel_matches_torch_on_cuda():
 
 
 @needs_two
-def test_tp2_sp_and_ep2_gradients_equal_single_gpu(tiny):
+def test_tp2_sp_ep2_and_context_parallel_2_gradients_equal_data_parallel(tiny):
     res = gpu_check.check_parallel(tiny)
     assert res["status"] == "pass", res
 

@@ -13,7 +13,8 @@ from moe_rl.weights.hf import (load_hf_into_megatron, megatron_to_hf, qkv_merge,
                                        save_hf_checkpoint, tp_merge, tp_split)
 from moe_rl.trainer.model_builder import build_model, load_hf_config
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
-from moe_rl.trainer.replay import (ReplayController, context_parallel_positions,
+from moe_rl.trainer.context_parallel import chunk_positions
+from moe_rl.trainer.replay import (ReplayController,
                                    sequence_parallel_slice)
 from moe_rl.types import Sample
 from tests.helpers import sharpen
@@ -222,8 +223,8 @@ def test_replay_slicing_helpers():
     idx = torch.arange(S * B * K).reshape(S * B, K)
     part = sequence_parallel_slice(idx, S, B, 1, 2)
     assert torch.equal(part, idx[4 * B:8 * B])
-    assert context_parallel_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
-    assert context_parallel_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    assert chunk_positions(0, 8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert chunk_positions(0, 8, 1, 2).tolist() == [2, 3, 4, 5]
 
 
 def test_weight_mapping_helpers_invert():

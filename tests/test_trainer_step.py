@@ -92,21 +92,25 @@ def test_collapse_guard_skips_update(tiny):
 
 
 def test_micro_batch_split_gives_same_update(tiny):
-    """One micro-batch, one per sample, and a token budget of two of the longest rows (rows cap
-    off): the same loss, gradient norm and accumulated gradient within float32 rounding."""
+    """One micro-batch, one per sample, a token budget of two of the longest rows (rows cap
+    off), and packed rows of that budget: the same loss, gradient norm and accumulated gradient
+    within float32 rounding."""
     path, hf_model = tiny
     samples = engine_samples(hf_model, n_groups=2, group_size=2, seed=4)
     longest = max(s.prompt_len + s.response_len for s in samples)
     grads, metrics = [], []
-    for mbs, budget in ((4, None), (1, None), (None, 2 * longest)):
+    splits = ((4, None, False), (1, None, False), (None, 2 * longest, False),
+              (None, 2 * longest, True))
+    for mbs, budget, packed in splits:
         cfg = make_cfg(path)
         cfg.trainer.micro_batch_size, cfg.trainer.max_tokens_per_micro_batch = mbs, budget
+        cfg.trainer.pack_sequences = packed
         cfg.trainer.grad_clip = 0.0
         trainer = PolicyTrainer(cfg, path)
         metrics.append(trainer.train_step(copy.deepcopy(samples)))
         # the accumulated gradient of the mini-batch (Adam's update would amplify rounding)
         grads.append([p.main_grad.detach().clone() for p in trainer.model.module.parameters()])
-    for other in range(1, 3):
+    for other in range(1, len(splits)):
         assert metrics[0]["loss"] == pytest.approx(metrics[other]["loss"], rel=1e-5)
         assert metrics[0]["grad_norm"] == pytest.approx(metrics[other]["grad_norm"], rel=1e-5)
         for a, b in zip(grads[0], grads[other]):

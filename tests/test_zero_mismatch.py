@@ -1,8 +1,9 @@
 """The zero-mismatch invariant, through the path a user takes: `moe-rl train` (Ray actors, the
 reference engine over HTTP on 127.0.0.1) with a float32 engine and a float32 trainer on the same
 weights. Whatever the temperature, the truncation, the keep-sampling-mask, the source of pi_old,
-the replay mode and the loss, every log-prob compared describes one distribution, so every
-mismatch metric is ~0, no correction removes anything and the first mini-batch's ratio is 1.
+the replay mode, the loss and sequence packing, every log-prob compared describes one
+distribution, so every mismatch metric is ~0, no correction removes anything and the first
+mini-batch's ratio is 1.
 
 `make test` runs a covering set in which every pair of option values appears together at least
 once; `make test-slow` runs the full product. A combination the configuration refuses is asserted
@@ -31,6 +32,7 @@ FACTORS = {
     "pi_old": ("trainer", "rollout", "engine_avg"),
     "replay": ("off", "r3"),
     "loss": ("ppo", "gspo"),
+    "pack": (False, True),
 }
 SAMPLING = {"full": [], "top_k": ["rollout.top_k=5"],
             "top_k_top_p_min_p": ["rollout.top_k=6", "rollout.top_p=0.9", "rollout.min_p=0.05"]}
@@ -76,6 +78,8 @@ def overrides(combo: dict) -> list[str]:
            "algorithm.correction.trm_delta=1e-3", "algorithm.correction.trm_measure=k3"]
     if combo["pi_old"] == "engine_avg":
         out.append("algorithm.pi_old_passes=2")
+    if combo["pack"]:   # the step's samples packed in rows of 24 tokens
+        out += ["trainer.pack_sequences=true", "trainer.max_tokens_per_micro_batch=24"]
     if combo["loss"] == "ppo":
         out += ["algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
                 "algorithm.aggregation=token-mean"]

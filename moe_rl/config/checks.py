@@ -148,6 +148,9 @@ def check_micro_batches(cfg: Config) -> None:
         raise ConfigError("trainer.micro_batch_size: null needs trainer."
                           "max_tokens_per_micro_batch (a micro-batch needs a row cap or a token "
                           "budget)")
+    if t.pack_sequences and t.max_tokens_per_micro_batch is None:
+        raise ConfigError("trainer.pack_sequences: needs trainer.max_tokens_per_micro_batch "
+                          "(the length of a packed row)")
 
 
 def check_optimiser_and_layout(cfg: Config, facts: MoEShape) -> None:
@@ -205,15 +208,11 @@ def check_weight_sync(cfg: Config) -> None:
 
 
 def check_model_parallel(cfg: Config, facts: MoEShape) -> None:
-    """Tensor and context parallelism of a MoE model."""
+    """Tensor parallelism of a MoE model."""
     t = cfg.trainer
     if t.tensor_parallel > 1 and facts.moe_layers and not t.sequence_parallel:
         raise ConfigError("trainer.sequence_parallel: megatron-core's MoE layers need sequence "
                           "parallelism when trainer.tensor_parallel > 1; set it true")
-    if t.context_parallel > 1:
-        raise ConfigError("trainer.context_parallel: > 1 is refused until the inputs are split "
-                          "per CP rank in megatron's layout (the replay slices are ready, the "
-                          "input split is not); use 1")
 
 
 def check_async(cfg: Config) -> None:

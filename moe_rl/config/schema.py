@@ -182,6 +182,10 @@ class TrainerConfig:
         None, "token budget of a micro-batch: rows x its longest row (the padded tokens it "
         "forwards), filled longest first; a longer sample forwards alone (null = by rows only)",
         **_rng(1))
+    pack_sequences: bool = _f(False, "pack several samples into one row of at most "
+                              "max_tokens_per_micro_batch tokens (first-fit decreasing), "
+                              "attention confined to each sample (THD with Transformer Engine, a "
+                              "block-diagonal causal mask on CPU)")
     tensor_parallel: int = _f(1, "tensor-parallel size", **_rng(1))
     pipeline_parallel: int = _f(1, "pipeline-parallel size", **_rng(1))
     expert_parallel: int = _f(1, "expert-parallel size", **_rng(1))

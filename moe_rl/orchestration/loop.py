@@ -18,6 +18,7 @@ from moe_rl.metrics_log import MetricsLogger, PhaseTimer, StepProgress, step_fie
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.weight_sync import weight_sync_for
 from moe_rl.orchestration.placement import make_plan
+from moe_rl.orchestration.sharding import per_rank
 from moe_rl.orchestration.ray_placement import reserve, start_ray
 from moe_rl.orchestration.failures import RunFailed, lost_process
 from moe_rl.orchestration.stop import Abandoned, RunStopped, StopRequest, abandoned_in
@@ -88,6 +89,9 @@ class Trainers:
         self.actors = [TrainerWorker.options(**reservation.options(cfg, p)).remote(
             tree, p.index, len(ranks), address, port, p.gpus[0] if p.gpus else None)
             for p in ranks]
+        # tensor- and context-parallel ranks of one data-parallel rank share its samples
+        self.data_ranks = ray.get([a.data_parallel_rank.remote() for a in self.actors])
+        self.n_data = max(self.data_ranks) + 1
 
     def unreachable(self, timeout_s: float = 30.0) -> str | None:
         """The first rank that is gone or does not answer within ``timeout_s`` (after a peer's
@@ -106,14 +110,16 @@ class Trainers:
         return ray.get([a.node_ip.remote() for a in self.actors])
 
     def train_step(self, shards: list) -> dict:
-        """One RL step; ``shards``: one reference per rank to its rollout-batch bytes (Ray
-        hands each rank its bytes from the object store; the driver never holds them)."""
-        return ray.get([a.train_step.remote(ref) for a, ref in zip(self.actors, shards)])[0]
+        """One RL step; ``shards``: one reference per data-parallel rank to its rollout-batch
+        bytes (Ray hands each rank its bytes from the object store; the driver never holds
+        them); the tensor- and context-parallel ranks of a data-parallel rank get the same."""
+        return ray.get([a.train_step.remote(ref) for a, ref in
+                        zip(self.actors, per_rank(shards, self.data_ranks))])[0]
 
     def sft_step(self, samples: list[Sample], lr: float) -> dict:
-        shards = [samples[i::len(self.actors)] for i in range(len(self.actors))]
-        return ray.get([a.sft_step.remote(RolloutBatch(s).to_bytes(), lr)
-                        for a, s in zip(self.actors, shards)])[0]
+        shards = [RolloutBatch(samples[i::self.n_data]).to_bytes() for i in range(self.n_data)]
+        return ray.get([a.sft_step.remote(data, lr) for a, data in
+                        zip(self.actors, per_rank(shards, self.data_ranks))])[0]
 
     def export(self, out_dir: str, use_ema: bool = False) -> None:
         """A HF checkpoint of the policy (``use_ema``: its exponential moving average)."""
@@ -258,7 +264,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             bar = StepProgress(cfg.trainer.steps, "RL step", cfg.logging.progress,
                                cfg.logging.log_interval, first=start_step)
             failed_batches, reward_timeouts_named = 0, False
-            pipeline = RolloutPipeline(cfg, rollout, sampler, len(trainers.actors), start_step)
+            pipeline = RolloutPipeline(cfg, rollout, sampler, trainers.n_data, start_step)
             last_save = time.monotonic()
             if eval_due(cfg, start_step):   # a resumed run repeats the one its rows lost
                 evals.append(run_eval(rollout, logger, start_step))

@@ -16,3 +16,13 @@ def shard_by_group(samples: list[Sample], ranks: int) -> list[list[Sample]]:
         shards[i] += groups[g]
         load[i] += sum(s.prompt_len + s.response_len for s in groups[g])
     return shards
+
+
+def per_rank(shards: list, data_ranks: list[int]) -> list:
+    """The shard of every trainer rank: its data-parallel rank's (``data_ranks``, one per rank,
+    megatron's layout), so the tensor- and context-parallel ranks of one data-parallel rank
+    forward the same samples."""
+    if sorted(set(data_ranks)) != list(range(len(shards))):
+        raise ValueError(f"data-parallel ranks {sorted(set(data_ranks))} do not match "
+                         f"{len(shards)} shards")
+    return [shards[d] for d in data_ranks]

@@ -36,6 +36,11 @@ class TrainerWorker:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel rank (megatron's layout): which shard it trains on."""
+        from megatron.core import parallel_state as ps
+        return ps.get_data_parallel_rank()
+
     def free_port(self) -> int:
         """A port free on this rank's node (the weight-update group's rendezvous)."""
         from moe_rl.trainer.parallel import free_port

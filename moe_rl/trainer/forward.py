@@ -11,6 +11,7 @@ import contextlib
 import torch
 
 from moe_rl.packing import MicroBatch
+from moe_rl.trainer import context_parallel as cp_maps
 from moe_rl_kernels import logprob_entropy
 
 
@@ -41,47 +42,76 @@ def output_weight(model) -> torch.Tensor:
     return gpt.output_layer.weight
 
 
+def packed_seq_params(mb: MicroBatch, device):
+    """megatron's THD parameters of a packed row: every slot one sequence (its padding inside)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    cu = mb.cu_seqlens().to(device)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
 def forward_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0,
                      use_kept_sets: bool = False, fp32_output_layer: bool = False,
-                     chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk_size: int | None = None, thd: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies [B, S] at every response position (0 elsewhere).
 
     Position s holds log pi(token s+1 | tokens <= s). With ``use_kept_sets`` the distribution is
-    restricted to the engine's kept set at each response position.
+    restricted to the engine's kept set at each response position. A packed micro-batch runs
+    as THD with ``thd`` (Transformer Engine), else under its block-diagonal mask. Under
+    context parallelism each rank forwards and scores its own positions
+    (:mod:`moe_rl.trainer.context_parallel`) and the results are gathered back in order.
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     gpt = unwrap(model)
     device = output_weight(model).device
+    B, S = mb.input_ids.shape
+    cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    positions = torch.arange(S)
+    kept = mb.kept if use_kept_sets else None
+    if use_kept_sets and mb.kept is None:
+        raise ValueError("algorithm.keep_sampling_mask: the rollout carries no sampling masks "
+                         "(start SGLang with --sampling-mask-max-tokens and request "
+                         "return_sampling_mask)")
+    mask = None if (thd or cp > 1) else mb.attention_mask.to(device)
+    if cp > 1:
+        every = torch.stack([cp_maps.local_positions(mb, r, cp) for r in range(cp)])
+        positions = every[ps.get_context_parallel_rank()]
+        kept = cp_maps.local_kept(mb, positions) if use_kept_sets else None
+    params = packed_seq_params(mb, device) if thd else None
     with hidden_states_only(model):
-        hidden = model(mb.input_ids.to(device), mb.position_ids.to(device),
-                       mb.attention_mask.to(device))
+        hidden = model(mb.input_ids[:, positions].to(device),
+                       mb.position_ids[:, positions].to(device), mask,
+                       packed_seq_params=params)
     if gpt.config.sequence_parallel:
         # the kernel all-reduces the hidden-state gradient over the TP group itself, so the
         # gather's backward must only slice (tensor_parallel_output_grad=False), not
         # reduce-scatter again (that would make the gradient tp times too large)
         hidden = tensor_parallel.gather_from_sequence_parallel_region(
             hidden, tensor_parallel_output_grad=False)
-    B, S = mb.input_ids.shape
-    flat = hidden.transpose(0, 1).reshape(B * S, -1)
-    rows = mb.response_mask.reshape(-1).nonzero().squeeze(1)
+    S_local = positions.numel()
+    flat = hidden.transpose(0, 1).reshape(B * S_local, -1)
+    rows = mb.response_mask[:, positions].reshape(-1).nonzero().squeeze(1)
     h = flat[rows.to(device)]
     weight = output_weight(model)
     if fp32_output_layer:
         h, weight = h.float(), weight.float()
-    if use_kept_sets and mb.kept is None:
-        raise ValueError("algorithm.keep_sampling_mask: the rollout carries no sampling masks "
-                         "(start SGLang with --sampling-mask-max-tokens and request "
-                         "return_sampling_mask)")
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
     vocab_start = ps.get_tensor_model_parallel_rank() * weight.shape[0] if tp > 1 else 0
-    lp, ent = logprob_entropy(h, weight, mb.targets.reshape(-1)[rows].to(device),
-                              temperature=temperature, kept=mb.kept if use_kept_sets else None,
+    lp, ent = logprob_entropy(h, weight, mb.targets[:, positions].reshape(-1)[rows].to(device),
+                              temperature=temperature, kept=kept,
                               chunk_size=chunk_size, tp_group=tp_group,
                               vocab_start=vocab_start)
-    out_lp = torch.zeros(B * S, dtype=lp.dtype, device=lp.device).index_put(
-        (rows.to(lp.device),), lp)
-    out_ent = torch.zeros(B * S, dtype=ent.dtype, device=ent.device).index_put(
-        (rows.to(ent.device),), ent)
-    return out_lp.reshape(B, S), out_ent.reshape(B, S)
+    out_lp = torch.zeros(B * S_local, dtype=lp.dtype, device=lp.device).index_put(
+        (rows.to(lp.device),), lp).reshape(B, S_local)
+    out_ent = torch.zeros(B * S_local, dtype=ent.dtype, device=ent.device).index_put(
+        (rows.to(ent.device),), ent).reshape(B, S_local)
+    if cp > 1:
+        group = ps.get_context_parallel_group()
+        out_lp = cp_maps.gather_positions(out_lp, every, S, group)
+        out_ent = cp_maps.gather_positions(out_ent, every, S, group)
+    return out_lp, out_ent

@@ -8,9 +8,12 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import Config
-from moe_rl.packing import MicroBatch, pack_one, plan_micro_batches
+from moe_rl.packing import (MicroBatch, pack_one, plan_micro_batches,
+                            plan_packed_micro_batches)
 from moe_rl.trainer.dp import dp_max
+from moe_rl.trainer.context_parallel import local_positions
 from moe_rl.trainer.forward import forward_logprobs
+from moe_rl.trainer.model_builder import te_available
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.trainer.replay_plan import Route
 from moe_rl.types import Sample
@@ -23,20 +26,31 @@ class Forwarder:
         self.cfg = cfg
         self.num_experts = num_experts
         self.dispatcher = dispatcher   # megatron's moe_token_dispatcher_type
+        self.thd = te_available()      # packed rows run as THD on Transformer Engine
         self._dummy_mb: MicroBatch | None = None
 
     def micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
-        """``samples[indices]`` packed into micro-batches of at most
-        ``trainer.micro_batch_size`` rows and ``trainer.max_tokens_per_micro_batch`` padded
-        tokens (sorted longest first, filled greedily: :func:`plan_micro_batches`)."""
+        """``samples[indices]`` in micro-batches: padded rows, at most
+        ``trainer.micro_batch_size`` of them and ``trainer.max_tokens_per_micro_batch`` padded
+        tokens (sorted longest first, filled greedily: :func:`plan_micro_batches`), or with
+        ``trainer.pack_sequences`` one packed row each of at most that many tokens (first-fit
+        decreasing: :func:`plan_packed_micro_batches`)."""
         t = self.cfg.trainer
         lengths = [samples[i].prompt_len + samples[i].response_len for i in indices]
-        plan = plan_micro_batches(lengths, micro_batch_size=t.micro_batch_size,
-                                  max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
-        # sequence parallelism splits the sequence over the TP ranks: pad to a multiple of TP
-        multiple = t.tensor_parallel if t.sequence_parallel else 1
+        # context parallelism cuts every sequence (slot) in 2 x CP chunks; sequence parallelism
+        # then splits each CP rank's positions over the TP ranks
+        slot = 2 * t.context_parallel if t.context_parallel > 1 else 1
+        multiple = slot * (t.tensor_parallel if t.sequence_parallel else 1)
+        if t.pack_sequences:
+            plan = plan_packed_micro_batches(
+                lengths, micro_batch_size=t.micro_batch_size, slot_multiple=slot,
+                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
+        else:
+            plan = plan_micro_batches(lengths, micro_batch_size=t.micro_batch_size,
+                                      max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
         return [pack_one(samples, [indices[j] for j in group], pad_token_id=0,
-                         num_experts=self.num_experts, pad_to_multiple=multiple)
+                         num_experts=self.num_experts, pad_to_multiple=multiple,
+                         packed=t.pack_sequences, slot_multiple=slot)
                 for group in plan]
 
     def aligned(self, mbs: list[MicroBatch]) -> list[MicroBatch | None]:
@@ -74,7 +88,8 @@ class Forwarder:
             if mb.routing is None:
                 raise ValueError("algorithm.replay=r3: the rollout carries no routing (start "
                                  "SGLang with --enable-return-routed-experts)")
-            replay.replay(replay.local_indices(run.replay_indices(), S, B),
+            replay.replay(replay.local_indices(run.replay_indices(), S, B,
+                                               self.cp_positions(run)),
                           collect_own=collect_own)
         elif mode is Route.RECORD:
             replay.record()
@@ -83,12 +98,22 @@ class Forwarder:
         with torch.set_grad_enabled(grad):
             lp, ent = forward_logprobs(model, run, temperature=self.cfg.rollout.temperature or 1.0,
                                        use_kept_sets=a.keep_sampling_mask and kept_sets,
-                                       fp32_output_layer=self.cfg.model.fp32_output_layer)
+                                       fp32_output_layer=self.cfg.model.fp32_output_layer,
+                                       thd=self.thd and run.packed)
         replay.finish_forward()
         if run is not mb:
             replay.crop(run.shape, shape)
             lp, ent = lp[:shape[0], :shape[1]], ent[:shape[0], :shape[1]]
         return lp, ent
+
+    @staticmethod
+    def cp_positions(mb: MicroBatch) -> torch.Tensor | None:
+        """The positions of ``mb`` this context-parallel rank holds (None without CP)."""
+        from megatron.core import parallel_state as ps
+        if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
+            return None
+        return local_positions(mb, ps.get_context_parallel_rank(),
+                               ps.get_context_parallel_world_size())
 
     def _ep_common_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
         """The [rows, positions] every rank of the expert-parallel group forwards: with

@@ -225,11 +225,16 @@ def transformer_config(spec: ModelSpec, *, sizes: ParallelSizes = ParallelSizes(
     return TransformerConfig(**kwargs)
 
 
+def te_available() -> bool:
+    """Whether models are built on Transformer Engine's spec: TE importable and CUDA present."""
+    return not cuda_absent() and importlib.util.find_spec("transformer_engine") is not None
+
+
 def layer_spec(config):
     """Per-layer decoder block spec (dense and MoE layers as ``moe_layer_freq`` says): Transformer
     Engine modules when TE is importable and CUDA present, local modules otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
-    use_te = not cuda_absent() and importlib.util.find_spec("transformer_engine") is not None
+    use_te = te_available()
     block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                              normalization="RMSNorm")
     if config.multi_latent_attention and not use_te:

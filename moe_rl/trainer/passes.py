@@ -15,6 +15,7 @@ import torch.distributed as dist
 from moe_rl.algo import kept_set_sizes
 from moe_rl.config import Config
 from moe_rl.packing import MicroBatch
+from moe_rl.trainer.context_parallel import gather_rows, local_positions
 from moe_rl.trainer.dp import dp_group, dp_max, dp_sum
 from moe_rl.trainer.forwarder import Forwarder
 from moe_rl.trainer.loss import PolicyLoss
@@ -150,13 +151,14 @@ class StepPasses:
     def _agreement_rows(self, mb: MicroBatch, route: Route, counted: torch.Tensor
                         ) -> tuple[dict, dict]:
         """The routing agreement of the last forward of ``mb`` (routed as ``route``) with the
-        engine's, over the positions of the rows ``counted`` [B] and over the others: two
+        engine's, over the positions of the samples ``counted`` [N] and over the others: two
         position-weighted rows for :meth:`_agreement_metrics`."""
         B, S = mb.input_ids.shape
-        valid = self.replay.local_rows(mb.routing_valid_router_order(), S, B)
-        mine = self.replay.local_rows(counted.repeat(S), S, B)   # router order s * B + b
+        cp = self.fw.cp_positions(mb)
+        valid = self.replay.local_rows(mb.routing_valid_router_order(), S, B, cp)
+        mine = self.replay.local_rows(mb.sample_positions(counted).t().reshape(-1), S, B, cp)
         trainer = None if route is Route.REPLAY else self.replay.recorded()
-        engine = self.replay.local_indices(mb.replay_indices(), S, B)
+        engine = self.replay.local_indices(mb.replay_indices(), S, B, cp)
         out = []
         for rows in (valid & mine, valid & ~mine):
             out.append({"w": float(rows.sum()),
@@ -228,10 +230,18 @@ class StepPasses:
                 dist.all_gather(parts, t.contiguous(), group=group)
                 full.append(torch.cat(parts))
             rows = full
+        cp = self.fw.cp_positions(mb)
+        if cp is not None:   # each CP rank routed its chunks
+            every = torch.stack([local_positions(mb, r, ps.get_context_parallel_world_size())
+                                 for r in range(ps.get_context_parallel_world_size())])
+            rows = [gather_rows(t, every, S, B, ps.get_context_parallel_group()) for t in rows]
         per = torch.stack([t.reshape(S, B, -1) for t in rows], dim=2)   # router order s*B+b
-        return {row: compact_routing(per[:samples[row].routed_positions, b].long(),
-                                     self.moe_shape.num_experts)
-                for b, row in enumerate(mb.sample_indices)}
+        out = {}
+        for i, row in enumerate(mb.sample_indices):
+            b, o = int(mb.sample_rows[i]), int(mb.sample_starts[i])
+            out[row] = compact_routing(per[o:o + samples[row].routed_positions, b].long(),
+                                       self.moe_shape.num_experts)
+        return out
 
     @staticmethod
     def _kept(samples: list[Sample]) -> list[torch.Tensor] | None:

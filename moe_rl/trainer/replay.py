@@ -29,22 +29,11 @@ def sequence_parallel_slice(indices: torch.Tensor, seq_len: int, batch: int, tp_
         shard * batch, -1)
 
 
-def context_parallel_positions(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """Sequence positions held by context-parallel rank ``cp_rank`` under megatron's load-balanced
-    split: the sequence is cut in 2*cp chunks and rank r holds chunks r and 2*cp-1-r."""
-    if seq_len % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context_parallel")
-    chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
-    return torch.cat([first, second])
-
-
-def context_parallel_slice(indices: torch.Tensor, seq_len: int, batch: int, cp_rank: int,
-                           cp_size: int) -> torch.Tensor:
-    """Rows [S*B, K] -> the rows of context-parallel rank ``cp_rank`` (router order kept)."""
-    pos = context_parallel_positions(seq_len, cp_rank, cp_size)
-    return indices.reshape(seq_len, batch, -1)[pos].reshape(pos.numel() * batch, -1)
+def context_parallel_slice(indices: torch.Tensor, seq_len: int, batch: int,
+                           positions: torch.Tensor) -> torch.Tensor:
+    """Rows [S*B, K] -> the rows at the sequence ``positions`` a context-parallel rank holds
+    (router order kept: s_local * B + b)."""
+    return indices.reshape(seq_len, batch, -1)[positions].reshape(positions.numel() * batch, -1)
 
 
 @dataclass
@@ -160,32 +149,33 @@ class ReplayController:
             r.calls = 0
             r.own_topk = []
 
-    def local_rows(self, rows: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
-        """Rows [S*B, ...] (router order) -> the rows this rank's routers see: the
-        context-parallel chunks of the sequence, then the sequence-parallel shard."""
+    def local_rows(self, rows: torch.Tensor, seq_len: int, batch: int,
+                   cp_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [S*B, ...] (router order) -> the rows this rank's routers see: the positions
+        ``cp_positions`` its context-parallel rank holds (None without CP), then the
+        sequence-parallel shard."""
         from megatron.core import parallel_state as ps
         flat = rows.dim() == 1
         out = rows[:, None] if flat else rows
+        if cp_positions is not None:
+            out = context_parallel_slice(out, seq_len, batch, cp_positions)
+            seq_len = cp_positions.numel()
         if ps.model_parallel_is_initialized():
-            cp = ps.get_context_parallel_world_size()
-            if cp > 1:
-                out = context_parallel_slice(out, seq_len, batch, ps.get_context_parallel_rank(),
-                                             cp)
-                seq_len //= cp
             tp = ps.get_tensor_model_parallel_world_size()
             if tp > 1 and self.sequence_parallel:
                 out = sequence_parallel_slice(out, seq_len, batch,
                                               ps.get_tensor_model_parallel_rank(), tp)
         return out[:, 0] if flat else out
 
-    def local_indices(self, indices: list[torch.Tensor], seq_len: int, batch: int
-                      ) -> list[torch.Tensor]:
+    def local_indices(self, indices: list[torch.Tensor], seq_len: int, batch: int,
+                      cp_positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         """From the whole model's routing (one [S*B, K] tensor per MoE layer, router order) to
         this rank's routers: this pipeline stage's MoE layers, then :meth:`local_rows`."""
         if len(indices) != self.num_model_moe_layers:
             raise ValueError(f"routing: expected one replay tensor per MoE layer of the model "
                              f"({self.num_model_moe_layers}), got {len(indices)}")
-        return [self.local_rows(indices[r.moe_index], seq_len, batch) for r in self.routers]
+        return [self.local_rows(indices[r.moe_index], seq_len, batch, cp_positions)
+                for r in self.routers]
 
     def replay(self, indices: list[torch.Tensor], collect_own: bool = True) -> None:
         """Replay ``indices`` (one [tokens, K] LongTensor per MoE layer of this stage, in the
