@@ -6,7 +6,7 @@ Checks, each reported pass / fail (with the figure) / skipped (with the reason):
    (float32, replayed routing), max |Δ log-prob|; deepseek_cuda_local: the same for the tiny
    DeepSeek-V3 model (MLA, biased group-limited sigmoid router, shared experts).
 2. megatron_cuda_te / deepseek_cuda_te: the same with Transformer Engine's spec, when TE is
-   installed. Each also scores the sample twice in one packed row (THD with cu_seqlens on TE).
+   installed. Each also scores the sample twice in one packed row (THD with cu_seqlens).
 3. triton_kernel: the Triton log-prob/entropy kernel equals the torch one on CUDA, and their time
    ratio at T=4096, V=151,936, H=1024 (bf16).
 4. parallel_equivalence: TP=2 + SP, EP=2, CP=2 (padded and packed rows) and packed DP=2 steps
@@ -92,13 +92,13 @@ def check_megatron_cuda(path: str, use_te: bool) -> dict:
     ctl.finish_forward()
     got = lp[0, 15:47].float().cpu()
     diff = float((got - want).abs().max())
-    # the same sample twice in one packed row (THD with cu_seqlens on TE, else the mask)
+    # the same sample twice in one packed row (THD with cu_seqlens)
     te = model_builder.uses_te_spec(model)
     packed = pack_one([sample, sample], [0, 1], pad_token_id=0,
                       num_experts=spec.facts.num_experts, packed=True, slot_multiple=8)
     ctl.replay(packed.replay_indices())
     with torch.no_grad():
-        lp2, _ = forward_logprobs(model, packed, thd=te)
+        lp2, _ = forward_logprobs(model, packed)
     ctl.finish_forward()
     ctl.close()
     got2 = packed.to_response_padded(lp2).float().cpu()

@@ -4,9 +4,9 @@ tensors in the order the router sees tokens and the kept-id sets re-indexed.
 Two layouts. Padded: sample b occupies positions 0..P+R-1 of row b (right padding), under one
 causal mask. Packed (``trainer.pack_sequences``): the samples lie one after another in a single
 row, each in a slot of its length rounded up to ``slot_multiple``, with position ids restarting
-at 0 in every slot and attention confined to the slot (a block-diagonal causal mask here; the
-slots' cumulative lengths are THD's ``cu_seqlens`` on Transformer Engine). Either way a sample
-starting at position o scores response token j at position o+P-1+j (position s predicts token
+at 0 in every slot and attention confined to the slot: the slots' cumulative lengths are THD's
+``cu_seqlens`` (Transformer Engine's attention on GPU, :mod:`moe_rl.trainer.local_attention` on
+CPU). Either way a sample starting at position o scores response token j at position o+P-1+j (position s predicts token
 s+1). Megatron's GPTModel runs in [S, B, H] layout, so its router sees token (s, b) at index
 ``s * B + b``.
 """
@@ -25,7 +25,8 @@ class MicroBatch:
     """Padded tensors of one micro-batch (B rows, S positions)."""
     input_ids: torch.Tensor          # [B, S] long
     position_ids: torch.Tensor       # [B, S] long
-    attention_mask: torch.Tensor     # [1, 1, S, S] bool, True = masked (causal)
+    attention_mask: torch.Tensor | None   # [1, 1, S, S] bool, True = masked (causal); None
+                                          # when packed (THD: attention follows the slots)
     targets: torch.Tensor            # [B, S] long, the next token (0 where none)
     score_mask: torch.Tensor         # [B, S] bool, predicts a response token with loss_mask
     response_mask: torch.Tensor      # [B, S] bool, predicts any response token
@@ -102,6 +103,8 @@ class MicroBatch:
             return self
         if rows < B or length < S:
             raise ValueError(f"padded_to: [{rows}, {length}] is smaller than [{B}, {S}]")
+        if self.packed and rows != 1:
+            raise ValueError(f"padded_to: a packed micro-batch is one row, not {rows}")
 
         def grow(t: torch.Tensor) -> torch.Tensor:
             out = torch.zeros((rows, length, *t.shape[2:]), dtype=t.dtype)
@@ -125,7 +128,7 @@ class MicroBatch:
             self, input_ids=grow(self.input_ids), targets=grow(self.targets),
             score_mask=grow(self.score_mask), response_mask=grow(self.response_mask),
             routing=routing, routing_valid=valid, position_ids=position_ids,
-            segments=segments, attention_mask=attention_mask(length, segments))
+            segments=segments, attention_mask=causal_mask(length, segments))
 
     def to_response_padded(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Per-position [B, S] values -> response-aligned [B, R_max] (the algorithm layout)."""
@@ -137,13 +140,12 @@ class MicroBatch:
         return out
 
 
-def attention_mask(length: int, segments: torch.Tensor | None) -> torch.Tensor:
-    """True = masked: causal [1, 1, S, S], or with ``segments`` [B, S] causal inside each slot
-    and masked across slots [B, 1, S, S] (block-diagonal)."""
-    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
-    if segments is None:
-        return causal[None, None]
-    return (causal[None] | (segments[:, :, None] != segments[:, None, :]))[:, None]
+def causal_mask(length: int, segments: torch.Tensor | None = None) -> torch.Tensor | None:
+    """True = masked: causal [1, 1, S, S] for padded rows; None for packed ones (``segments``
+    given: the forward runs them as THD, each slot causal on its own)."""
+    if segments is not None:
+        return None
+    return torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)[None, None]
 
 
 def padding_routing_rows(n_rows: int, topk: int, num_experts: int, start: int = 0
@@ -300,7 +302,7 @@ def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,
         offsets[1:] = torch.cumsum(torch.cat(kept_lengths).long(), 0)
         kept = KeptSets(offsets, torch.cat(kept_parts).long())
     return MicroBatch(input_ids=input_ids, position_ids=position_ids,
-                      attention_mask=attention_mask(S, segments), targets=targets,
+                      attention_mask=causal_mask(S, segments), targets=targets,
                       score_mask=score, response_mask=resp,
                       routing=routing, routing_valid=valid, kept=kept,
                       sample_indices=list(indices),

@@ -236,8 +236,13 @@ def test_refusals_sglang_and_megatron_would_fail_on():
         load_config(None, gpu + ["trainer.tensor_parallel=2"])
     load_config(None, gpu + ["trainer.tensor_parallel=2", "trainer.sequence_parallel=true",
                              "cluster.trainer_workers=2"])
-    with pytest.raises(ConfigError, match="trainer.context_parallel: > 1 is refused"):
+    # context parallelism: ranks in CP groups of 2; packed rows need a row length
+    cfg = load_config(None, gpu + ["trainer.context_parallel=2", "cluster.trainer_workers=2"])
+    assert cfg.trainer.context_parallel == 2
+    with pytest.raises(ConfigError, match="tensor x pipeline x context parallel"):
         load_config(None, gpu + ["trainer.context_parallel=2"])
+    with pytest.raises(ConfigError, match="trainer.pack_sequences: needs trainer.max_tokens_per"):
+        load_config(None, ["trainer.pack_sequences=true"])
 
 
 @pytest.mark.parametrize("override,message", [

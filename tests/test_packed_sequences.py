@@ -1,7 +1,10 @@
 """Packed sequences (``trainer.pack_sequences``): the first-fit-decreasing plan, the packed row's
-layout, and the megatron forward on packed rows against the same samples in padded rows
+layout, and the megatron forward on packed rows (THD: each slot attended on its own) against the
+same samples in padded rows and against the packed row under a block-diagonal causal mask
 (log-probs, entropies, gradients and routing; R3 on and off; Qwen3-MoE and DeepSeek-V3 MLA)."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -70,18 +73,17 @@ def test_packed_row_layout():
     # the kernel's rows are the response positions in order: a's two sets, then b's three
     assert mb.kept.offsets.tolist() == [0, 2, 4, 6, 8, 10]
     assert mb.kept.ids.tolist() == [13, 100, 14, 101, 42, 100, 43, 101, 44, 102]
-    # attention: causal inside each slot, nothing across slots (True = masked)
-    allowed = ~mb.attention_mask[0, 0]
-    assert allowed[9].nonzero().flatten().tolist() == [8, 9]
-    assert allowed[4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
-    assert allowed[20].nonzero().flatten().tolist() == list(range(16, 21))
+    # attention follows the slots (THD): no dense mask
+    assert mb.attention_mask is None
     # response-aligned values come back per sample
     values = torch.arange(24, dtype=torch.float32)[None]
     assert mb.to_response_padded(values).tolist() == [[2, 3, 0], [9, 10, 11]]
     # grown for expert parallelism: the new positions are a slot of their own
-    grown = mb.padded_to(2, 26, 64)
+    grown = mb.padded_to(1, 26, 64)
     assert grown.segments[0, 24:].tolist() == [3, 3]
-    assert (~grown.attention_mask[0, 0, 25]).nonzero().flatten().tolist() == [24, 25]
+    assert grown.cu_seqlens().tolist() == [0, 8, 16, 24, 26] and grown.attention_mask is None
+    with pytest.raises(ValueError, match="a packed micro-batch is one row"):
+        mb.padded_to(2, 26, 64)
     assert grown.response_slices() == mb.response_slices()
 
 
@@ -123,17 +125,24 @@ def _check_packed_equals_padded(model_dir, samples):
                       slot_multiple=4)
     R = max(s.response_len for s in samples)
     weight = torch.randn(len(samples), R, generator=torch.Generator().manual_seed(0))
+    # an independent reference for the packed row: the same row forwarded as one ordinary row
+    # under a block-diagonal causal mask (rotary embedding is relative: the slots' offsets cancel)
+    seg = packed.segments[0]
+    causal = torch.triu(torch.ones(seg.numel(), seg.numel(), dtype=torch.bool), diagonal=1)
+    block = replace(packed, segments=None, attention_mask=(causal | (seg[:, None] != seg[None]))
+                    [None, None], position_ids=torch.arange(seg.numel())[None])
     for replay in (True, False):
         a = _grads_and_outputs(model, ctl, padded, replay, weight)
-        b = _grads_and_outputs(model, ctl, packed, replay, weight)
-        assert torch.allclose(a[0], b[0], atol=2e-5), (replay, (a[0] - b[0]).abs().max())
-        assert torch.allclose(a[1], b[1], atol=2e-5), (replay, (a[1] - b[1]).abs().max())
-        assert set(a[2]) == set(b[2])
-        for name in a[2]:
-            assert torch.allclose(a[2][name], b[2][name], atol=1e-5, rtol=1e-4), \
-                (replay, name, (a[2][name] - b[2][name]).abs().max())
-        for x, y in zip(a[3], b[3]):   # the same experts for every routed position
-            assert torch.equal(x, y), replay
+        for other in (packed, block):
+            b = _grads_and_outputs(model, ctl, other, replay, weight)
+            assert torch.allclose(a[0], b[0], atol=2e-5), (replay, (a[0] - b[0]).abs().max())
+            assert torch.allclose(a[1], b[1], atol=2e-5), (replay, (a[1] - b[1]).abs().max())
+            assert set(a[2]) == set(b[2])
+            for name in a[2]:
+                assert torch.allclose(a[2][name], b[2][name], atol=1e-5, rtol=1e-4), \
+                    (replay, name, (a[2][name] - b[2][name]).abs().max())
+            for x, y in zip(a[3], b[3]):   # the same experts for every routed position
+                assert torch.equal(x, y), replay
     ctl.close()
 
 

@@ -184,12 +184,14 @@ class TrainerConfig:
         **_rng(1))
     pack_sequences: bool = _f(False, "pack several samples into one row of at most "
                               "max_tokens_per_micro_batch tokens (first-fit decreasing), "
-                              "attention confined to each sample (THD with Transformer Engine, a "
-                              "block-diagonal causal mask on CPU)")
+                              "attention causal within each sample only (THD with cu_seqlens: "
+                              "Transformer Engine on GPU, slot by slot on CPU)")
     tensor_parallel: int = _f(1, "tensor-parallel size", **_rng(1))
     pipeline_parallel: int = _f(1, "pipeline-parallel size", **_rng(1))
     expert_parallel: int = _f(1, "expert-parallel size", **_rng(1))
-    context_parallel: int = _f(1, "context-parallel size", **_rng(1))
+    context_parallel: int = _f(1, "context-parallel size: every sequence cut in 2 x CP chunks, "
+                               "rank r holding chunks r and 2CP-1-r (needs Transformer Engine's "
+                               "attention, GPU)", **_rng(1))
     sequence_parallel: bool = _f(False, "sequence parallelism (needs tensor_parallel > 1)")
     recompute_activations: bool = _f(False, "full activation recomputation (replay in backward)")
     distributed_optimizer: bool = _f(True, "megatron distributed optimizer where available")

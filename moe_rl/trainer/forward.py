@@ -54,13 +54,12 @@ def packed_seq_params(mb: MicroBatch, device):
 
 def forward_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0,
                      use_kept_sets: bool = False, fp32_output_layer: bool = False,
-                     chunk_size: int | None = None, thd: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies [B, S] at every response position (0 elsewhere).
 
     Position s holds log pi(token s+1 | tokens <= s). With ``use_kept_sets`` the distribution is
     restricted to the engine's kept set at each response position. A packed micro-batch runs
-    as THD with ``thd`` (Transformer Engine), else under its block-diagonal mask. Under
+    as THD (``PackedSeqParams`` with its slots' ``cu_seqlens``). Under
     context parallelism each rank forwards and scores its own positions
     (:mod:`moe_rl.trainer.context_parallel`) and the results are gathered back in order.
     """
@@ -76,12 +75,12 @@ def forward_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0,
         raise ValueError("algorithm.keep_sampling_mask: the rollout carries no sampling masks "
                          "(start SGLang with --sampling-mask-max-tokens and request "
                          "return_sampling_mask)")
-    mask = None if (thd or cp > 1) else mb.attention_mask.to(device)
+    mask = None if (mb.packed or cp > 1) else mb.attention_mask.to(device)
     if cp > 1:
         every = torch.stack([cp_maps.local_positions(mb, r, cp) for r in range(cp)])
         positions = every[ps.get_context_parallel_rank()]
         kept = cp_maps.local_kept(mb, positions) if use_kept_sets else None
-    params = packed_seq_params(mb, device) if thd else None
+    params = packed_seq_params(mb, device) if mb.packed else None
     with hidden_states_only(model):
         hidden = model(mb.input_ids[:, positions].to(device),
                        mb.position_ids[:, positions].to(device), mask,

@@ -13,7 +13,6 @@ from moe_rl.packing import (MicroBatch, pack_one, plan_micro_batches,
 from moe_rl.trainer.dp import dp_max
 from moe_rl.trainer.context_parallel import local_positions
 from moe_rl.trainer.forward import forward_logprobs
-from moe_rl.trainer.model_builder import te_available
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.trainer.replay_plan import Route
 from moe_rl.types import Sample
@@ -26,7 +25,6 @@ class Forwarder:
         self.cfg = cfg
         self.num_experts = num_experts
         self.dispatcher = dispatcher   # megatron's moe_token_dispatcher_type
-        self.thd = te_available()      # packed rows run as THD on Transformer Engine
         self._dummy_mb: MicroBatch | None = None
 
     def micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
@@ -98,8 +96,7 @@ class Forwarder:
         with torch.set_grad_enabled(grad):
             lp, ent = forward_logprobs(model, run, temperature=self.cfg.rollout.temperature or 1.0,
                                        use_kept_sets=a.keep_sampling_mask and kept_sets,
-                                       fp32_output_layer=self.cfg.model.fp32_output_layer,
-                                       thd=self.thd and run.packed)
+                                       fp32_output_layer=self.cfg.model.fp32_output_layer)
         replay.finish_forward()
         if run is not mb:
             replay.crop(run.shape, shape)

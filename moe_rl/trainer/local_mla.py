@@ -13,9 +13,11 @@ import importlib.util
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from moe_rl.trainer.local_attention import PackedLocalAttention
 
-class LocalMLACoreAttention(DotProductAttention):
-    """megatron's local dot-product attention with MLA's head sizes: queries and keys of
+
+class LocalMLACoreAttention(PackedLocalAttention):
+    """megatron's local dot-product attention (packed rows too) with MLA's head sizes: queries and keys of
     ``k_channels`` (nope + rope dims), values and output of ``v_channels`` per head. The
     softmax scale is the one MLA passes (YaRN's mscale included)."""
 

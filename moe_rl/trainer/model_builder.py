@@ -237,10 +237,25 @@ def layer_spec(config):
     use_te = te_available()
     block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                              normalization="RMSNorm")
-    if config.multi_latent_attention and not use_te:
+    if not use_te:
+        use_local_attention(block, config.multi_latent_attention)
+    return block
+
+
+def use_local_attention(block, mla: bool) -> None:
+    """A local-spec decoder block ``block``: core attention that also takes packed (THD)
+    rows (:mod:`moe_rl.trainer.local_attention`); with ``mla`` MLA's (:mod:`moe_rl.trainer.
+    local_mla`) (in place)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from moe_rl.trainer.local_attention import PackedLocalAttention
+    if mla:
         from moe_rl.trainer.local_mla import use_local_mla
         use_local_mla(block)
-    return block
+        return
+    for layer in block.layer_specs:
+        attention = layer.submodules.self_attention.submodules
+        if attention.core_attention is DotProductAttention:
+            attention.core_attention = PackedLocalAttention
 
 
 def uses_te_spec(model) -> bool:
