@@ -1,0 +1,70 @@
+"""The dose-response study's pre-registered outcomes (benchmarks/dose_response.py): time to
+collapse and the paired bootstrap, on hand-worked cases and a float64 reference."""
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import pytest
+
+from benchmarks.dose_response import (ARMS, DOSES, MAIN_ARMS, RECOVER, paired_bootstrap,
+                                      study_jobs, time_to_collapse, write_data)
+
+
+def test_a_stable_run_never_collapses():
+    reward = [0.3 + 0.01 * t for t in range(40)]
+    assert time_to_collapse(reward, [1.0] * 40) is None
+
+
+def test_a_lasting_drop_collapses_where_it_starts():
+    # 0.8 for 10 steps, then 0.1 for good: the 5-step mean is 0.66 at step 10 (within 0.2 of
+    # the maximum 0.8) and 0.52 at step 11 (more than 0.2 below, and stays so)
+    reward = [0.8] * 10 + [0.1] * 30
+    assert time_to_collapse(reward, [1.0] * 40) == 11
+
+
+def test_a_drop_that_recovers_within_the_window_is_not_a_collapse():
+    reward = [0.8] * 10 + [0.1] * 3 + [0.8] * 27
+    assert time_to_collapse(reward, [1.0] * 40) is None
+
+
+def test_a_drop_too_late_to_confirm_is_not_a_collapse():
+    reward = [0.8] * 35 + [0.0] * (RECOVER - 6)
+    assert time_to_collapse(reward, [1.0] * len(reward)) is None
+
+
+def test_entropy_collapse_counts_only_below_the_reward_bar():
+    wrong = time_to_collapse([0.2] * 20, [1.0] * 5 + [0.001] * 15)
+    assert wrong is not None and 5 <= wrong <= 9
+    assert time_to_collapse([0.95] * 20, [1.0] * 5 + [0.001] * 15) is None
+
+
+def test_paired_bootstrap_against_exact_enumeration():
+    a, b = [3.0, 5.0, 4.0], [1.0, 2.0, 6.0]
+    d = [x - y for x, y in zip(a, b)]   # 2, 3, -2
+    res = paired_bootstrap(a, b, n=20000, seed=1)
+    assert res["diff"] == pytest.approx(1.0)
+    # exact distribution of the resampled mean: all 27 ordered draws, equally likely
+    means = sorted(statistics.fmean(c) for c in itertools.product(d, repeat=3))
+    lo, hi = means[int(0.025 * 27)], means[-1 - int(0.025 * 27)]
+    assert res["lo"] == pytest.approx(lo, abs=0.34) and res["hi"] == pytest.approx(hi, abs=0.34)
+    assert not res["distinguishable"]
+    sure = paired_bootstrap([1.0, 1.1, 0.9, 1.2, 1.0], [0.0] * 5)
+    assert sure["distinguishable"] and sure["lo"] > 0.8
+    with pytest.raises(ValueError, match="paired_bootstrap"):
+        paired_bootstrap([1.0], [1.0, 2.0])
+
+
+def test_the_design_has_the_seeds_and_arms_promised(tmp_path):
+    jobs = study_jobs(1e-3, 5, 3)
+    labels = [j[0] for j in jobs]
+    for dose in DOSES:
+        for arm in ARMS:
+            n = sum(lab.startswith(f"{dose}__{arm}__") for lab in labels)
+            if dose == "control_fp32":
+                assert n == (5 if arm in MAIN_ARMS else 0)
+            else:
+                assert n == (5 if arm in MAIN_ARMS else 3)
+    train, held = write_data(tmp_path)
+    train_rows, held_rows = train.read_text().splitlines(), held.read_text().splitlines()
+    assert not set(train_rows) & set(held_rows) and len(held_rows) == 6
