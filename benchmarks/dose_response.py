@@ -15,9 +15,12 @@ Phases (each written to benchmarks/results/dose_response.{md,json} and dose_resp
   4. the arms at every dose (ARMS; SEEDS_MAIN seeds for ``none`` and ``r3``, SEEDS_OTHER for the
      others; the control runs ``none`` and ``r3`` only: with zero mismatch the other arms have
      nothing to remove), two runs at a time;
-  5. outcomes per run and paired bootstrap intervals over seeds (BOOT resamples).
+  5. at the edge of stability: the sweep's smallest rate at which the control was NOT stable,
+     the control and MXFP4, arms ``none`` and ``r3``, SEEDS_MAIN seeds: does the mismatch make an
+     unstable setting collapse sooner or more often?
+  6. outcomes per run and paired bootstrap intervals over seeds (BOOT resamples).
 
-Usage: python benchmarks/dose_response.py [--steps 40]
+Usage: python benchmarks/dose_response.py [--steps 40] [--report-only]
 """
 from __future__ import annotations
 
@@ -73,6 +76,7 @@ ARMS = {
                        "algorithm.pi_old=engine_avg", "algorithm.pi_old_passes=4"],
 }
 MAIN_ARMS = ("none", "r3")
+EDGE_DOSES = ("control_fp32", "mxfp4")   # phase 5: the harshest dose against the control
 SEEDS_MAIN, SEEDS_OTHER = 5, 3
 LR_GRID = (3e-3, 1e-2)
 SWEEP_SEEDS = 2
@@ -308,6 +312,36 @@ def study_jobs(lr: float, n_main: int, n_other: int) -> list[tuple]:
     return jobs
 
 
+def edge_jobs(lr: float, n: int) -> list[tuple]:
+    return [(f"edge__{dose}__{arm}__s{seed}", DOSES[dose] + ARMS[arm], lr, seed)
+            for dose in EDGE_DOSES for arm in MAIN_ARMS for seed in range(1, n + 1)]
+
+
+def edge_summary(runs: dict[str, dict], n: int) -> dict:
+    """Phase 5's groups and its paired comparisons: MXFP4 vs the control without correction,
+    R3 vs none at MXFP4."""
+    seeds = range(1, n + 1)
+
+    def pick(dose, arm):
+        return [runs[f"edge__{dose}__{arm}__s{s}"] for s in seeds]
+    groups = [{"dose": dose, "arm": arm, "seeds": n,
+               "collapsed": sum(r["collapse_step"] is not None for r in pick(dose, arm)),
+               "time_to_collapse": statistics.fmean(r["time_to_collapse"]
+                                                    for r in pick(dose, arm)),
+               "held_out_reward": statistics.fmean(r["held_out_reward"] for r in pick(dose, arm)),
+               "k3_mean": statistics.fmean(r["k3_mean"] for r in pick(dose, arm))}
+              for dose in EDGE_DOSES for arm in MAIN_ARMS]
+    comparisons = []
+    for (d, a), (rd, ra) in ((("mxfp4", "none"), ("control_fp32", "none")),
+                             (("mxfp4", "r3"), ("mxfp4", "none"))):
+        row = {"what": f"{d}/{a} - {rd}/{ra}", "seeds": n}
+        for key in ("time_to_collapse", "held_out_reward", "k3_mean"):
+            row[key] = paired_bootstrap([r[key] for r in pick(d, a)],
+                                        [r[key] for r in pick(rd, ra)])
+        comparisons.append(row)
+    return {"groups": groups, "comparisons": comparisons}
+
+
 # ---------------------------------------------------------------- analysis and report
 
 def compare(runs: dict[str, dict], n_main: int, n_other: int) -> list[dict]:
@@ -351,7 +385,8 @@ def group_stats(runs: dict[str, dict], n_main: int, n_other: int) -> list[dict]:
     return rows
 
 
-def plots(runs: dict[str, dict], groups: list[dict], steps: int) -> list[str]:
+def plots(runs: dict[str, dict], groups: list[dict], steps: int, edge: dict | None = None
+          ) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -369,8 +404,22 @@ def plots(runs: dict[str, dict], groups: list[dict], steps: int) -> list[str]:
                            label=arm if i == 0 or dose == "bf16" and arm not in MAIN_ARMS
                            else None)
                 ax.plot([x - 0.3, x + 0.3], [statistics.fmean(vals)] * 2, color=f"C{j}")
-    ax.set_xticks([i * (len(arms) + 1) + len(arms) / 2 for i in range(len(DOSES))])
-    ax.set_xticklabels(list(DOSES))
+    ticks = [i * (len(arms) + 1) + len(arms) / 2 for i in range(len(DOSES))]
+    names = list(DOSES)
+    if edge:   # phase 5's runs to the right, at their own learning rate
+        x0 = len(DOSES) * (len(arms) + 1)
+        for i, dose in enumerate(EDGE_DOSES):
+            for j, arm in enumerate(MAIN_ARMS):
+                vals = [r["time_to_collapse"] for lab, r in edge["runs"].items()
+                        if lab.startswith(f"edge__{dose}__{arm}__")]
+                x = x0 + i * 3 + j
+                ax.scatter([x] * len(vals), vals, s=12, color=f"C{arms.index(arm)}")
+                ax.plot([x - 0.3, x + 0.3], [statistics.fmean(vals)] * 2,
+                        color=f"C{arms.index(arm)}")
+            ticks.append(x0 + i * 3 + 0.5)
+            names.append(f"{dose}\nlr {edge['lr']:g}")
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(names, fontsize=7)
     ax.set_ylabel(f"time to collapse (steps; {steps} = none)")
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
@@ -452,18 +501,43 @@ def markdown(report: dict) -> str:
     for c in report["comparisons"]:
         lines.append(f"| {c['what']} | {c['seeds']} | {fmt_ci(c['time_to_collapse'])} | "
                      f"{fmt_ci(c['held_out_reward'])} | {fmt_ci(c['k3_mean'])} |")
+    edge = report.get("edge")
+    if edge:
+        lines += ["", f"## 4. At the edge of stability (lr {edge['lr']})", "",
+                  f"The sweep's smallest rate at which the control was not stable; the control "
+                  f"and MXFP4, `none` and `r3`, {edge['seeds']} seeds each.", "",
+                  "| dose | arm | seeds | collapsed | mean time to collapse | held-out reward | "
+                  "mean k3 |", "|---|---|---|---|---|---|---|"]
+        for g in edge["groups"]:
+            lines.append(f"| {g['dose']} | {g['arm']} | {g['seeds']} | {g['collapsed']} | "
+                         f"{g['time_to_collapse']:.1f} | {g['held_out_reward']:.3f} | "
+                         f"{g['k3_mean']:.2e} |")
+        lines += ["", "| comparison | seeds | time to collapse | held-out reward | mean k3 |",
+                  "|---|---|---|---|---|"]
+        for c in edge["comparisons"]:
+            lines.append(f"| {c['what']} | {c['seeds']} | {fmt_ci(c['time_to_collapse'])} | "
+                         f"{fmt_ci(c['held_out_reward'])} | {fmt_ci(c['k3_mean'])} |")
     lines += ["", "## What was and was not shown", "", *report["findings"], "",
               *[f"![{f}]({f})" for f in report["plots"]], "",
-              f"Runs (TensorBoard events and metrics.jsonl) in `benchmarks/results/"
-              f"{RUNS_DIR.name}/`; overlay any of them with `moe-rl report DIR DIR ...`."]
+              f"The seed-1 run of every dose and arm (TensorBoard events, config) is kept in "
+              f"`benchmarks/results/{RUNS_DIR.name}/`; overlay any of them with `moe-rl report "
+              f"DIR DIR ...`. Every run's curves are in `dose_response.json`."]
     return "\n".join(lines) + "\n"
 
 
 def findings(report: dict) -> list[str]:
     """Plain statements computed from the comparisons (no hand-written conclusions)."""
     out = []
-    sweep_ok = report["lr_reason"]
-    out.append(f"- Control: {sweep_ok}.")
+    control = [r for lab, r in report["runs"].items() if lab.startswith("control_fp32__")]
+    out.append(
+        f"- Control (float32 engine, mismatch/k3 ~1e-14) at lr {report['lr']}: "
+        f"{sum(r['collapse_step'] is not None for r in control)}/{len(control)} runs collapsed; "
+        f"reward {statistics.fmean(statistics.fmean(r['reward'][:5]) for r in control):.3f} "
+        f"(first 5 steps) -> "
+        f"{statistics.fmean(statistics.fmean(r['reward'][-5:]) for r in control):.3f} "
+        f"(last 5); lowest 5-step entropy of any run "
+        f"{min(min(moving_mean(r['entropy'], WINDOW)) for r in control):.3f} "
+        f"(floor {ENTROPY_FLOOR}). Chosen as {report['lr_reason']}.")
     by = {c["what"]: c for c in report["comparisons"]}
     for dose in DOSES:
         if dose == "control_fp32":
@@ -487,9 +561,37 @@ def findings(report: dict) -> list[str]:
     else:
         out.append("- No arm's time to collapse or held-out reward is distinguishable from "
                    "`none` at its dose.")
+    held = [c["what"] for c in report["comparisons"] if c["held_out_reward"]["distinguishable"]]
+    if held:
+        better = [w for w in held if not w.endswith("control_fp32/none")
+                  or by[w]["held_out_reward"]["diff"] < 0]
+        contrary = [w for w in held if w.endswith("control_fp32/none")
+                    and by[w]["held_out_reward"]["diff"] > 0]
+        out.append(
+            f"- Caution on the held-out calls ({', '.join(held)}): the held-out reward is the "
+            f"mean of {len(HELD_OUT)} greedy answers of one model per run, so it moves in coarse "
+            f"steps, and a percentile bootstrap over {SEEDS_OTHER} to {SEEDS_MAIN} seeds is "
+            f"anti-conservative (with {SEEDS_OTHER} seeds it has at most 10 distinct resampled "
+            f"means). "
+            + (f"{', '.join(contrary)} point the opposite way to the hypothesis (more mismatch, "
+               f"higher held-out reward). " if contrary else "")
+            + (f"For {', '.join(better)}, set the held-out figures beside the training reward's "
+               f"last-5 means in the table above. " if better else "")
+            + "None of them is taken as shown without more seeds and a larger held-out set.")
     k3_effects = [c["what"] for c in report["comparisons"] if c["k3_mean"]["distinguishable"]]
     out.append("- mismatch/k3 over training differs distinguishably in: "
                + (", ".join(k3_effects) if k3_effects else "none of the comparisons") + ".")
+    edge = report.get("edge")
+    if edge:
+        g = {(x["dose"], x["arm"]): x for x in edge["groups"]}
+        c = edge["comparisons"]
+        out.append(
+            f"- At the edge (lr {edge['lr']}): the control collapsed in "
+            f"{g['control_fp32', 'none']['collapsed']}/{edge['seeds']} runs, MXFP4 without "
+            f"correction in {g['mxfp4', 'none']['collapsed']}/{edge['seeds']}, MXFP4 with R3 in "
+            f"{g['mxfp4', 'r3']['collapsed']}/{edge['seeds']}; MXFP4 - control, time to "
+            f"collapse {fmt_ci(c[0]['time_to_collapse'])}; R3 - none at MXFP4, "
+            f"{fmt_ci(c[1]['time_to_collapse'])}.")
     out.append(f"- Not shown: anything beyond this tiny model and task, {report['steps']} steps "
                f"and these seeds; with {SEEDS_OTHER} seeds an interval is wide, and an arm "
                f"without a distinguishable difference may still have an effect too small to "
@@ -497,10 +599,31 @@ def findings(report: dict) -> list[str]:
     return out
 
 
+def keep_for_report() -> None:
+    """Of the run directories, keep the seed-1 run of every dose and arm (its TensorBoard
+    events and config, what `moe-rl report` overlays); every run's curves are in the JSON."""
+    for run_dir in RUNS_DIR.iterdir():
+        if run_dir.name.startswith("sweep_") or not run_dir.name.endswith("__s1"):
+            shutil.rmtree(run_dir)
+        else:
+            for name in ("metrics.jsonl", "plan.json"):
+                (run_dir / name).unlink(missing_ok=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--report-only", action="store_true",
+                    help="re-render the report and plots from dose_response.json")
     args = ap.parse_args()
+    if args.report_only:
+        report = json.loads((RESULTS / "dose_response.json").read_text())
+        report["findings"] = findings(report)
+        report["plots"] = plots(report["runs"], report["groups"], report["steps"],
+                                report.get("edge"))
+        (RESULTS / "dose_response.json").write_text(json.dumps(report, indent=1) + "\n")
+        (RESULTS / "dose_response.md").write_text(markdown(report))
+        return 0
     steps, n_main, n_other = args.steps, SEEDS_MAIN, SEEDS_OTHER
     lrs, sweep_seeds = LR_GRID, SWEEP_SEEDS
     start = time.perf_counter()
@@ -533,13 +656,22 @@ def main() -> int:
         table = dose_table(model, train)
         print("phase 4: arms x doses x seeds", flush=True)
         runs = run_all(study_jobs(lr, n_main, n_other), model, data, steps)
+        unstable = [x for x in lrs if x not in stable_lrs]
+        edge = None
+        if unstable:
+            print("phase 5: at the edge of stability", flush=True)
+            edge_lr = min(unstable)
+            edge_runs = run_all(edge_jobs(edge_lr, n_main), model, data, steps)
+            edge = {"lr": edge_lr, "seeds": n_main, **edge_summary(edge_runs, n_main),
+                    "runs": edge_runs}
     report = {"steps": steps, "lr": lr, "lr_reason": reason, "sweep_seeds": sweep_seeds,
               "sweep": {str(k): v for k, v in sweep.items()}, "dose_table": table,
               "groups": group_stats(runs, n_main, n_other),
-              "comparisons": compare(runs, n_main, n_other), "runs": runs,
+              "comparisons": compare(runs, n_main, n_other), "runs": runs, "edge": edge,
               "wall_min": (time.perf_counter() - start) / 60}
     report["findings"] = findings(report)
-    report["plots"] = plots(runs, report["groups"], steps)
+    report["plots"] = plots(runs, report["groups"], steps, edge)
+    keep_for_report()
     (RESULTS / "dose_response.json").write_text(json.dumps(report, indent=1) + "\n")
     (RESULTS / "dose_response.md").write_text(markdown(report))
     print(markdown(report))

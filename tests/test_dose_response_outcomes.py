@@ -7,8 +7,9 @@ import statistics
 
 import pytest
 
-from benchmarks.dose_response import (ARMS, DOSES, MAIN_ARMS, RECOVER, paired_bootstrap,
-                                      study_jobs, time_to_collapse, write_data)
+from benchmarks.dose_response import (ARMS, DOSES, EDGE_DOSES, MAIN_ARMS, RECOVER, edge_jobs,
+                                      paired_bootstrap, study_jobs, time_to_collapse,
+                                      write_data)
 
 
 def test_a_stable_run_never_collapses():
@@ -65,6 +66,9 @@ def test_the_design_has_the_seeds_and_arms_promised(tmp_path):
                 assert n == (5 if arm in MAIN_ARMS else 0)
             else:
                 assert n == (5 if arm in MAIN_ARMS else 3)
+    edge = [j[0] for j in edge_jobs(1e-2, 5)]
+    assert len(edge) == len(set(edge)) == len(EDGE_DOSES) * len(MAIN_ARMS) * 5
+    assert all(j[2] == 1e-2 for j in edge_jobs(1e-2, 5))
     train, held = write_data(tmp_path)
     train_rows, held_rows = train.read_text().splitlines(), held.read_text().splitlines()
     assert not set(train_rows) & set(held_rows) and len(held_rows) == 6
