@@ -11,7 +11,7 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_VERSION := 0.5.23
 
-.PHONY: setup test test-loop test-slow test-all test-contract test-multinode test-cluster docs demo bench clean
+.PHONY: setup test test-loop test-slow test-all test-contract test-multinode test-cluster docs demo bench study clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -76,6 +76,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
+
+# the dose-response study alone (about an hour on 2 cores): benchmarks/results/dose_response.*
+study: $(STAMP)
+	$(PY) benchmarks/dose_response.py
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info

@@ -62,10 +62,7 @@ def test_the_design_has_the_seeds_and_arms_promised(tmp_path):
     for dose in DOSES:
         for arm in ARMS:
             n = sum(lab.startswith(f"{dose}__{arm}__") for lab in labels)
-            if dose == "control_fp32":
-                assert n == (5 if arm in MAIN_ARMS else 0)
-            else:
-                assert n == (5 if arm in MAIN_ARMS else 3)
+            assert n == (5 if arm in MAIN_ARMS else 3)
     edge = [j[0] for j in edge_jobs(1e-2, 5)]
     assert len(edge) == len(set(edge)) == len(EDGE_DOSES) * len(MAIN_ARMS) * 5
     assert all(j[2] == 1e-2 for j in edge_jobs(1e-2, 5))
