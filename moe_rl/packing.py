@@ -6,9 +6,9 @@ causal mask. Packed (``trainer.pack_sequences``): the samples lie one after anot
 row, each in a slot of its length rounded up to ``slot_multiple``, with position ids restarting
 at 0 in every slot and attention confined to the slot: the slots' cumulative lengths are THD's
 ``cu_seqlens`` (Transformer Engine's attention on GPU, :mod:`moe_rl.trainer.local_attention` on
-CPU). Either way a sample starting at position o scores response token j at position o+P-1+j (position s predicts token
-s+1). Megatron's GPTModel runs in [S, B, H] layout, so its router sees token (s, b) at index
-``s * B + b``.
+CPU). Either way a sample starting at position o scores response token j at position o+P-1+j
+(position s predicts token s+1). Megatron's GPTModel runs in [S, B, H] layout, so its router
+sees token (s, b) at index ``s * B + b``.
 """
 from __future__ import annotations
 
@@ -210,28 +210,35 @@ def plan_packed_micro_batches(lengths: list[int], *, max_tokens_per_micro_batch:
     return rows
 
 
+def plan(lengths: list[int], *, micro_batch_size: int | None,
+         max_tokens_per_micro_batch: int | None, pack_sequences: bool = False,
+         slot_multiple: int = 1) -> list[list[int]]:
+    """The micro-batches of samples of ``lengths``: padded rows (:func:`plan_micro_batches`) or,
+    with ``pack_sequences``, packed rows (:func:`plan_packed_micro_batches`)."""
+    if not pack_sequences:
+        return plan_micro_batches(lengths, micro_batch_size=micro_batch_size,
+                                  max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    if max_tokens_per_micro_batch is None:
+        raise ValueError("max_tokens_per_micro_batch: packed rows need a token budget")
+    return plan_packed_micro_batches(lengths, micro_batch_size=micro_batch_size,
+                                     max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                     slot_multiple=slot_multiple)
+
+
 def pack_micro_batches(samples: list[Sample], *, pad_token_id: int,
                        micro_batch_size: int | None = None,
                        max_tokens_per_micro_batch: int | None = None,
                        num_experts: int | None = None, pad_to_multiple: int = 1,
                        pack_sequences: bool = False, slot_multiple: int = 1
                        ) -> list[MicroBatch]:
-    """Pack ``samples`` into micro-batches (see :class:`MicroBatch`): padded rows planned by
-    :func:`plan_micro_batches`, or with ``pack_sequences`` one packed row each planned by
-    :func:`plan_packed_micro_batches`."""
-    lengths = [s.prompt_len + s.response_len for s in samples]
-    if pack_sequences:
-        if max_tokens_per_micro_batch is None:
-            raise ValueError("max_tokens_per_micro_batch: packed rows need a token budget")
-        plan = plan_packed_micro_batches(lengths, micro_batch_size=micro_batch_size,
-                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                                         slot_multiple=slot_multiple)
-    else:
-        plan = plan_micro_batches(lengths, micro_batch_size=micro_batch_size,
-                                  max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    """Pack ``samples`` into the micro-batches :func:`plan` chooses (see :class:`MicroBatch`)."""
+    groups = plan([s.prompt_len + s.response_len for s in samples],
+                  micro_batch_size=micro_batch_size,
+                  max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                  pack_sequences=pack_sequences, slot_multiple=slot_multiple)
     return [pack_one(samples, idx, pad_token_id=pad_token_id, num_experts=num_experts,
                      pad_to_multiple=pad_to_multiple, packed=pack_sequences,
-                     slot_multiple=slot_multiple) for idx in plan]
+                     slot_multiple=slot_multiple) for idx in groups]
 
 
 def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,

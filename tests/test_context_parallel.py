@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from moe_rl.packing import pack_one
-from moe_rl.trainer.context_parallel import local_kept, local_positions
+from moe_rl.trainer.context_parallel import every_rank_positions, local_kept, local_positions
 from moe_rl.trainer.parallel import free_port
 from moe_rl.trainer.replay import context_parallel_slice
 from moe_rl.types import Sample
@@ -64,6 +64,7 @@ def test_positions_partition_every_span_load_balanced(cp):
         want = [p for a, b in zip(cu, cu[1:]) for p in range(a, b) if owner(p - a, b - a, cp) == r]
         assert pos.tolist() == want
     assert sorted(torch.cat(maps).tolist()) == list(range(packed.shape[1]))
+    assert torch.equal(every_rank_positions(packed, cp), torch.stack(maps))
 
 
 @pytest.mark.parametrize("cp", [2, 3])

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moe_rl.packing import pack_one, plan_packed_micro_batches
+from moe_rl.packing import pack_one, plan, plan_micro_batches, plan_packed_micro_batches
 from moe_rl.trainer.forward import forward_logprobs
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
@@ -38,6 +38,14 @@ def test_first_fit_decreasing_hand_cases():
     # a sample longer than the budget gets its own row; the row cap counts samples
     assert plan_packed_micro_batches([20, 1, 1, 1], max_tokens_per_micro_batch=8,
                                      micro_batch_size=2) == [[0], [1, 2], [3]]
+    # plan: the trainer's one entry, padded or packed
+    lengths = [3, 9, 5, 9, 2]
+    assert plan(lengths, micro_batch_size=2, max_tokens_per_micro_batch=None) == \
+        plan_micro_batches(lengths, micro_batch_size=2)
+    assert plan(lengths, micro_batch_size=None, max_tokens_per_micro_batch=12,
+                pack_sequences=True) == [[1, 0], [3, 4], [2]]
+    with pytest.raises(ValueError, match="packed rows need a token budget"):
+        plan(lengths, micro_batch_size=2, max_tokens_per_micro_batch=None, pack_sequences=True)
 
 
 def _sample(P, R, base, mask=False):

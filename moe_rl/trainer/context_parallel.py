@@ -34,6 +34,11 @@ def local_positions(mb: MicroBatch, rank: int, size: int) -> torch.Tensor:
     return torch.cat([chunk_positions(a, b - a, rank, size) for a, b in zip(cu, cu[1:])])
 
 
+def every_rank_positions(mb: MicroBatch, size: int) -> torch.Tensor:
+    """[size, S_local]: row r holds the positions context-parallel rank r holds."""
+    return torch.stack([local_positions(mb, r, size) for r in range(size)])
+
+
 def local_kept(mb: MicroBatch, positions: torch.Tensor) -> KeptSets | None:
     """``mb.kept`` cut to the response positions among ``positions`` (b-major, as the
     kernel's rows on this rank)."""

@@ -77,7 +77,7 @@ def forward_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0,
                          "return_sampling_mask)")
     mask = None if (mb.packed or cp > 1) else mb.attention_mask.to(device)
     if cp > 1:
-        every = torch.stack([cp_maps.local_positions(mb, r, cp) for r in range(cp)])
+        every = cp_maps.every_rank_positions(mb, cp)
         positions = every[ps.get_context_parallel_rank()]
         kept = cp_maps.local_kept(mb, positions) if use_kept_sets else None
     params = packed_seq_params(mb, device) if mb.packed else None

@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import Config
-from moe_rl.packing import (MicroBatch, pack_one, plan_micro_batches,
-                            plan_packed_micro_batches)
+from moe_rl.packing import MicroBatch, pack_one, plan
 from moe_rl.trainer.dp import dp_max
 from moe_rl.trainer.context_parallel import local_positions
 from moe_rl.trainer.forward import forward_logprobs
@@ -30,26 +29,21 @@ class Forwarder:
     def micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
         """``samples[indices]`` in micro-batches: padded rows, at most
         ``trainer.micro_batch_size`` of them and ``trainer.max_tokens_per_micro_batch`` padded
-        tokens (sorted longest first, filled greedily: :func:`plan_micro_batches`), or with
-        ``trainer.pack_sequences`` one packed row each of at most that many tokens (first-fit
-        decreasing: :func:`plan_packed_micro_batches`)."""
+        tokens (sorted longest first, filled greedily), or with ``trainer.pack_sequences`` one
+        packed row each of at most that many tokens (first-fit decreasing): :func:`plan`."""
         t = self.cfg.trainer
         lengths = [samples[i].prompt_len + samples[i].response_len for i in indices]
         # context parallelism cuts every sequence (slot) in 2 x CP chunks; sequence parallelism
         # then splits each CP rank's positions over the TP ranks
         slot = 2 * t.context_parallel if t.context_parallel > 1 else 1
         multiple = slot * (t.tensor_parallel if t.sequence_parallel else 1)
-        if t.pack_sequences:
-            plan = plan_packed_micro_batches(
-                lengths, micro_batch_size=t.micro_batch_size, slot_multiple=slot,
-                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
-        else:
-            plan = plan_micro_batches(lengths, micro_batch_size=t.micro_batch_size,
-                                      max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
+        groups = plan(lengths, micro_batch_size=t.micro_batch_size,
+                      max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                      pack_sequences=t.pack_sequences, slot_multiple=slot)
         return [pack_one(samples, [indices[j] for j in group], pad_token_id=0,
                          num_experts=self.num_experts, pad_to_multiple=multiple,
                          packed=t.pack_sequences, slot_multiple=slot)
-                for group in plan]
+                for group in groups]
 
     def aligned(self, mbs: list[MicroBatch]) -> list[MicroBatch | None]:
         """``mbs`` padded with None (a dummy micro-batch) to the largest count of any

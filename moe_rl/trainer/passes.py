@@ -15,7 +15,7 @@ import torch.distributed as dist
 from moe_rl.algo import kept_set_sizes
 from moe_rl.config import Config
 from moe_rl.packing import MicroBatch
-from moe_rl.trainer.context_parallel import gather_rows, local_positions
+from moe_rl.trainer import context_parallel as cp_maps
 from moe_rl.trainer.dp import dp_group, dp_max, dp_sum
 from moe_rl.trainer.forwarder import Forwarder
 from moe_rl.trainer.loss import PolicyLoss
@@ -232,9 +232,9 @@ class StepPasses:
             rows = full
         cp = self.fw.cp_positions(mb)
         if cp is not None:   # each CP rank routed its chunks
-            every = torch.stack([local_positions(mb, r, ps.get_context_parallel_world_size())
-                                 for r in range(ps.get_context_parallel_world_size())])
-            rows = [gather_rows(t, every, S, B, ps.get_context_parallel_group()) for t in rows]
+            every = cp_maps.every_rank_positions(mb, ps.get_context_parallel_world_size())
+            rows = [cp_maps.gather_rows(t, every, S, B, ps.get_context_parallel_group())
+                    for t in rows]
         per = torch.stack([t.reshape(S, B, -1) for t in rows], dim=2)   # router order s*B+b
         out = {}
         for i, row in enumerate(mb.sample_indices):
