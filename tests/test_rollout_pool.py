@@ -81,3 +81,92 @@ def test_requests_wait_for_the_restart_of_the_only_server(tmp_path):
         assert proc.restarts == 1 and proc.alive()
     finally:
         proc.stop()
+
+
+class _StubServer:
+    """An HTTP server on 127.0.0.1 whose ``/generate`` answers after ``delay`` seconds (as
+    SGLang's non-streaming generate: nothing until done) and whose ``/health`` answers at once,
+    or never while ``hung``."""
+
+    def __init__(self, delay: float):
+        import http.server
+        import time
+        stub = self
+        self.delay, self.hung, self.generated = delay, False, 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, body: bytes):
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                while stub.hung:
+                    time.sleep(0.05)
+                self._reply(b"{}")
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["content-length"]))
+                time.sleep(stub.delay)
+                stub.generated += 1
+                self._reply(b'{"text": "done"}')
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def _one_request(url: str, restarts: list, pinned: bool):
+    import asyncio
+
+    async def main():
+        async with ServerPool([url], timeout=0.3, max_retries=2, backoff=0.01,
+                              restarters=[lambda: restarts.append(1)]) as pool:
+            server = pool.servers[0] if pinned else None
+            return await pool.request("/generate", {"text": "x"}, server=server), pool
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_slow_healthy_server_is_waited_for_not_restarted(pinned):
+    """A generation longer than the pool's timeout on a server whose /health answers: the answer
+    arrives, the request ran once, and no restart killed the server with its in-flight work."""
+    stub, restarts = _StubServer(delay=1.5), []
+    try:
+        out, pool = _one_request(stub.url, restarts, pinned)
+        assert out == {"text": "done"} and stub.generated == 1
+        assert restarts == [] and pool.servers[0].alive and pool.restarts == 0
+    finally:
+        stub.close()
+
+
+def test_a_hung_server_is_restarted_and_the_request_sent_again():
+    """A server that answers neither the request nor /health is taken for dead: restarted, and
+    the pinned request is sent to it again."""
+    stub, restarts = _StubServer(delay=1.0), []
+    stub.hung = True
+
+    def restart():
+        restarts.append(1)
+        stub.delay, stub.hung = 0.0, False
+    try:
+        import asyncio
+
+        async def main():
+            async with ServerPool([stub.url], timeout=0.3, max_retries=2, backoff=0.01,
+                                  restarters=[restart]) as pool:
+                return await pool.request("/generate", {}, server=pool.servers[0]), pool
+        out, pool = asyncio.run(main())
+        assert out == {"text": "done"} and restarts == [1] and pool.restarts == 1
+    finally:
+        stub.close()

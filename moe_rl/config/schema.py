@@ -76,7 +76,10 @@ class RolloutConfig:
     score_full_vocab_max: int = _f(4096, "largest vocabulary for which engine_avg scoring at "
                                    "temperature != 1 without the sampling mask lists every id",
                                    **_rng(1))
-    request_timeout_s: float = _f(300.0, "HTTP timeout per request", **_rng(0, lo_open=True))
+    request_timeout_s: float = _f(300.0, "seconds a server may stay silent on a request before "
+                                  "its /health is checked: a healthy server is waited for (a "
+                                  "long generation is not death), an unanswering one restarted",
+                                  **_rng(0, lo_open=True))
     max_retries: int = _f(3, "retries per request on connection errors / 5xx", **_rng(0))
     concurrency: int = _f(64, "in-flight requests per server", **_rng(1))
     health_timeout_s: float = _f(300.0, "wait for a starting server's /health", **_rng(0, lo_open=True))

@@ -1,7 +1,12 @@
 """Several engine servers behind one dispatcher: async HTTP (httpx) with a connection pool,
 bounded concurrency per server, timeouts, retries with backoff, least-loaded dispatch, and
 restart of a server that dies: its requests go to another server, or (pinned requests: scoring
-passes, weight updates, health) wait for its restart and are sent again."""
+passes, weight updates, health) wait for its restart and are sent again.
+
+A slow answer is not death: SGLang's non-streaming ``/generate`` sends nothing until the whole
+generation is done, so a server silent for ``timeout`` seconds is asked ``GET /health``; while it
+answers, the wait goes on. Only a server that refuses connections or leaves its health check
+unanswered is taken for dead (and restarted)."""
 from __future__ import annotations
 
 import asyncio
@@ -125,6 +130,34 @@ class ServerPool:
             return False
         return server.alive
 
+    async def _healthy(self, server: Server) -> bool:
+        """Whether ``server`` answers ``GET /health`` within the pool's timeout."""
+        try:
+            resp = await self._client.get(server.url + "/health", timeout=self.timeout)
+        except (httpx.TransportError, httpx.TimeoutException):
+            return False
+        return resp.status_code < 400
+
+    async def _answer(self, server: Server, method: str, path: str,
+                      body: dict | None) -> httpx.Response:
+        """The response of one request. No read timeout on the request itself: after each
+        ``timeout`` seconds without an answer the server's health is checked, and the wait goes
+        on while it is healthy; an unhealthy server raises :class:`httpx.ReadTimeout`."""
+        no_read_limit = httpx.Timeout(self.timeout, read=None)
+        send = asyncio.ensure_future(self._client.request(method, server.url + path, json=body,
+                                                          timeout=no_read_limit))
+        try:
+            while True:
+                done, _ = await asyncio.wait({send}, timeout=self.timeout)
+                if done:
+                    return send.result()
+                if not await self._healthy(server):
+                    raise httpx.ReadTimeout(f"{server.url}{path}: no answer in {self.timeout} s "
+                                            f"and GET /health failed")
+        finally:
+            if not send.done():
+                send.cancel()
+
     async def request(self, path: str, body: dict | None = None, *, server: Server | None = None,
                       method: str = "POST") -> dict:
         """Send to ``server`` (pinned) or else to the least-loaded live one. Connection errors
@@ -143,7 +176,7 @@ class ServerPool:
             dead = False
             try:
                 async with target.semaphore:
-                    resp = await self._client.request(method, target.url + path, json=body)
+                    resp = await self._answer(target, method, path, body)
             except (httpx.TransportError, httpx.TimeoutException) as exc:
                 last, dead = exc, True
             else:
