@@ -9,9 +9,8 @@ PYTEST_ARGS ?=
 SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
-SGLANG_VERSION := 0.5.23
 
-.PHONY: setup test test-loop test-slow test-all test-contract test-multinode test-cluster docs demo bench study clean
+.PHONY: setup test test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster docs demo bench study clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -24,11 +23,11 @@ $(STAMP): setup.py
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not contract and not multinode and not loop and not cluster" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not slow and not contract and not multinode and not loop and not cluster and not sglang" $(PYTEST_ARGS) tests
 
 # the training loop end to end through `moe-rl train` / `moe-rl demo` (every option's user path)
 test-loop: $(STAMP)
-	$(PY) -m pytest -q -m "loop and not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "loop and not slow and not sglang" $(PYTEST_ARGS) tests
 
 # a run placed on Ray's multi-node test cluster (several raylets on this machine)
 test-multinode: $(STAMP)
@@ -43,24 +42,25 @@ test-cluster: $(STAMP)
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SLURM_PACKAGES); }
 	$(PY) -m pytest -q -s -m cluster $(PYTEST_ARGS) tests/test_slurm_cluster.py
 
-# SGLang's own environment (its pinned wheel without its GPU dependencies, the CPU torch, the
-# light dependencies its Python needs); the contract tests run SGLang's code there as the judge.
-$(SGLANG_STAMP): tests/contract/requirements.txt
-	test -x $(SGLANG_PY) || $(PY_SYS) -m venv $(SGLANG_VENV)
-	$(SGLANG_PY) -m pip install --quiet --upgrade pip
-	$(SGLANG_PY) -c "import torch" 2>/dev/null || $(SGLANG_PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(SGLANG_PY) -m pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
-	$(SGLANG_PY) -m pip install --quiet -r tests/contract/requirements.txt
+# SGLang's own environment for CPU (`moe-rl sglang-cpu-env`: the CPU torch, the pinned SGLang
+# without its GPU dependencies, its light dependencies, the import-time shims); the contract
+# tests run SGLang's code there as the judge, and `make test-sglang` serves from it.
+$(SGLANG_STAMP): $(STAMP) moe_rl/engines/sglang/cpu_requirements.txt moe_rl/engines/sglang/cpu_shims.py
+	$(VENV)/bin/moe-rl sglang-cpu-env $(SGLANG_VENV)
 	touch $(SGLANG_STAMP)
 
 test-contract: $(STAMP) $(SGLANG_STAMP)
 	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m contract $(PYTEST_ARGS) tests/contract
 
-test-slow: $(STAMP)
-	$(PY) -m pytest -q -m "slow" $(PYTEST_ARGS) tests
+# the real SGLang serving on CPU: its shims, the engine contract, the loop through `moe-rl train`
+test-sglang: $(STAMP) $(SGLANG_STAMP)
+	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m "sglang and not slow" $(PYTEST_ARGS) tests
+
+test-slow: $(STAMP) $(SGLANG_STAMP)
+	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m "slow" $(PYTEST_ARGS) tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "not contract" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not contract and not sglang" $(PYTEST_ARGS) tests
 
 # the manual (docs/, MkDocs Material) as a site in site/; --strict: a broken link or anchor fails
 DOCS_STAMP := $(VENV)/.docs-installed

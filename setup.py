@@ -12,7 +12,8 @@ setup(
     # with the PyPI package of that name); configs/ ships as `moe_rl.configs` (package data, so
     # `moe-rl demo --config tiny_cpu.yaml` works from a wheel installed anywhere).
     package_dir={"moe_rl_kernels": "kernels", "moe_rl.configs": "configs"},
-    package_data={"moe_rl.configs": ["*.yaml", "data/*.jsonl"]},
+    package_data={"moe_rl.configs": ["*.yaml", "data/*.jsonl"],
+                  "moe_rl.engines.sglang": ["cpu_requirements.txt"]},
     # Ranges: the lower bound is the oldest version whose API moe_rl uses (SGLang 0.5.23's own
     # pins, transformers 5.19.0 and tokenizers 0.23.2, must fit for the [sglang] extra); the
     # upper bound stops before a release that may remove what moe_rl calls (megatron-core

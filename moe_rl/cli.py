@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "build the tiny model and run the CPU demo (what `make demo` runs)"),
     "init-model": ("init_model", "write the tiny Qwen3-MoE model and tokenizer in HF format"),
     "serve-reference": ("moe_rl.engines.reference.command", "serve a HF MoE model with SGLang's HTTP protocol on CPU"),
+    "sglang-cpu-env": ("moe_rl.engines.sglang.cpu_environment", "prepare an SGLang environment that serves on CPU (CPU torch, SGLang, its import-time shims)"),
     "convert": ("convert", "convert checkpoints between Hugging Face and Megatron layouts"),
     "eval": ("eval", "evaluate a saved policy (checkpoint or HF model) on the eval.sets"),
     "report": ("report", "plot and summarise runs from their TensorBoard events"),

@@ -2,6 +2,7 @@
 transformers itself (log-probs and routing), as an engine would return them."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moe_rl.types import Sample, compact_routing
@@ -22,6 +23,17 @@ def sharpen(model) -> None:
                 p.uniform_(0.5, 1.5)
             elif "gate.weight" in n:
                 p.mul_(20.0)
+
+
+def sglang_cpu_python() -> str:
+    """The interpreter of the SGLang CPU environment (``make test-sglang`` sets
+    ``MOE_RL_SGLANG_PYTHON``); the test fails without one."""
+    import os
+    python = os.environ.get("MOE_RL_SGLANG_PYTHON")
+    if not python:
+        pytest.fail("MOE_RL_SGLANG_PYTHON is not set: the real-engine tests need the SGLang CPU "
+                    "environment; run them with `make test-sglang`")
+    return python
 
 
 def write_tiny_qwen(path, seed: int = 0, **overrides):

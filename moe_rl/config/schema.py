@@ -31,6 +31,14 @@ class SGLangConfig:
     extra_args: list[str] = _f([], "extra command-line arguments passed to sglang.launch_server")
     python: str | None = _f(None, "the Python interpreter that runs `-m sglang.launch_server` "
                             "(SGLang in its own environment; null = the trainer's)")
+    device: Literal["cuda", "cpu"] = _f("cuda", "where SGLang serves: cuda (GPUs) or cpu (no "
+                                        "GPU: --device cpu, SGLANG_USE_CPU_ENGINE=1, "
+                                        "rollout.engine_dtype, in an environment from "
+                                        "`moe-rl sglang-cpu-env`)")
+    max_total_tokens: int | None = _f(None, "SGLang --max-total-tokens, the KV pool's size in "
+                                      "tokens (null: SGLang sizes it from memory on GPUs; "
+                                      "65536 on CPU, where it would take ~70% of the RAM)",
+                                      **_rng(1))
 
 
 @dataclass
@@ -41,7 +49,8 @@ class RolloutConfig:
     base_port: int = _f(30000, "first server port tried: servers take the free ports from here "
                         "up, busy ones skipped", **_rng(1, 65535))
     api_key: str | None = _f(None, "API key the servers require (Authorization: Bearer)")
-    engine_dtype: Literal["float32", "bfloat16"] = _f("float32", "reference engine dtype")
+    engine_dtype: Literal["float32", "bfloat16"] = _f("float32", "engine dtype: the reference "
+                                                     "engine's, and SGLang's --dtype on CPU")
     quantization: Literal["none", "fp8", "mxfp4"] = _f(
         "none", "rollout numerics: fp8 = the engines serve a block-wise FP8 checkpoint of the "
         "weights (128x128 E4M3 blocks), every sync quantised; mxfp4 = 4-bit weights (E2M1, a "

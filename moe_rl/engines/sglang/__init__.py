@@ -1,4 +1,4 @@
-"""SGLang servers on GPUs: their launch command (:mod:`.launcher`), the HTTP client
+"""SGLang servers (on GPUs, or on CPU from `moe-rl sglang-cpu-env`'s environment): their launch command (:mod:`.launcher`), the HTTP client
 (:mod:`.client`, :mod:`.pool`, :mod:`.decode`), the weight-update dialect (:mod:`.weights`) and
 what SGLang refuses (:mod:`.checks`)."""
 from __future__ import annotations
@@ -11,8 +11,10 @@ INHERITS_SOCKET = False   # SGLang binds its port itself
 
 
 def gpus_per_server(cfg: Config) -> int:
-    """GPUs one server uses: tp_size x dp_size (tp_size with DP attention)."""
+    """GPUs one server uses: tp_size x dp_size (tp_size with DP attention); none on CPU."""
     g = cfg.rollout.sglang
+    if g.device == "cpu":
+        return 0
     dp = 1 if "--enable-dp-attention" in g.extra_args else g.dp_size
     return g.tp_size * dp
 
@@ -25,7 +27,7 @@ def weight_ranks_per_server(cfg: Config) -> int:
 def server_command(cfg: Config, host: str, port: int, gpus: list[int], index: int,
                    model_path: str) -> tuple[list[str], dict[str, str]]:
     """(argv, environment moe_rl sets) of server ``index``."""
-    return sglang_argv(cfg, model_path, host, port), sglang_env(gpus)
+    return sglang_argv(cfg, model_path, host, port), sglang_env(gpus, cfg.rollout.sglang.device)
 
 
 __all__ = ["INHERITS_SOCKET", "check_config", "gpus_per_server", "server_command",

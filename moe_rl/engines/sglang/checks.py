@@ -1,5 +1,5 @@
 """What SGLang refuses, checked when the configuration is loaded (right after the general
-checks): a run without GPUs, weight updates from a group or tensors at dp_size > 1, min_p under
+checks): a GPU server without GPUs, what needs CUDA on CPU, weight updates from a group or tensors at dp_size > 1, min_p under
 deterministic inference, block-wise FP8 at TP/EP sizes that cut a block."""
 from __future__ import annotations
 
@@ -8,10 +8,30 @@ from moe_rl.config.model_facts import model_hf_fields
 
 
 def check_gpus(cfg: Config) -> None:
-    """SGLang runs on GPUs only."""
-    if cfg.cluster.gpus_per_node == 0:
-        raise ConfigError("rollout.engine: SGLang needs GPUs (cluster.gpus_per_node > 0); use "
-                          "rollout.engine=reference on CPU")
+    """SGLang on GPUs needs them; on CPU (``rollout.sglang.device: cpu``) what needs CUDA is
+    refused: FP8 kernels, CUDA IPC tensor updates, deterministic inference (no CPU attention
+    backend supports it), the memory saver of colocated runs."""
+    r, c = cfg.rollout, cfg.cluster
+    if r.sglang.device == "cuda":
+        if c.gpus_per_node == 0:
+            raise ConfigError("rollout.engine: SGLang on GPUs needs cluster.gpus_per_node > 0; "
+                              "on a machine without GPUs set rollout.sglang.device=cpu (an "
+                              "environment from `moe-rl sglang-cpu-env`) or "
+                              "rollout.engine=reference")
+        return
+    refused = {"rollout.quantization": (r.quantization == "fp8", "fp8 (SGLang's FP8 kernels "
+                                        "need GPUs); use none"),
+               "cluster.weight_sync": (c.weight_sync == "tensor", "tensor (CUDA IPC handles); "
+                                       "use disk or distributed (gloo)"),
+               "rollout.sglang.deterministic_inference": (
+                   r.sglang.deterministic_inference, "true (SGLang refuses every CPU attention "
+                   "backend in deterministic mode); set it false"),
+               "cluster.colocate": (c.colocate, "true (SGLang's memory saver needs CUDA); "
+                                    "set it false")}
+    for key, (bad, why) in refused.items():
+        if bad:
+            raise ConfigError(f"{key}: SGLang on CPU (rollout.sglang.device=cpu) cannot run "
+                              f"with {why}")
 
 
 def check_weight_updates(cfg: Config) -> None:

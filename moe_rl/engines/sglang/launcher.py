@@ -8,6 +8,8 @@ import sys
 from moe_rl.config import Config
 from moe_rl.engines.needs import requests_routing, requests_sampling_mask
 
+CPU_MAX_TOTAL_TOKENS = 65536   # the KV pool on CPU unless rollout.sglang.max_total_tokens says
+
 
 def sglang_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]:
     """``python -m sglang.launch_server ...`` for one server on ``host:port`` (its GPUs are the
@@ -17,7 +19,14 @@ def sglang_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]
     argv = [g.python or sys.executable, "-m", "sglang.launch_server",
             "--model-path", model_path, "--host", host, "--port", str(port),
             "--tp-size", str(g.tp_size), "--dp-size", str(g.dp_size), "--ep-size", str(g.ep_size),
-            "--base-gpu-id", "0", "--mem-fraction-static", str(g.mem_fraction_static)]
+            "--mem-fraction-static", str(g.mem_fraction_static)]
+    if g.device == "cpu":
+        argv += ["--device", "cpu", "--dtype", r.engine_dtype,
+                 "--max-total-tokens", str(g.max_total_tokens or CPU_MAX_TOTAL_TOKENS)]
+    else:
+        argv += ["--base-gpu-id", "0"]
+        if g.max_total_tokens:
+            argv += ["--max-total-tokens", str(g.max_total_tokens)]
     if requests_routing(cfg):
         argv.append("--enable-return-routed-experts")
     if requests_sampling_mask(cfg):
@@ -31,13 +40,19 @@ def sglang_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]
     return argv + list(g.extra_args)
 
 
-def sglang_env(gpus: list[int]) -> dict[str, str]:
+def sglang_env(gpus: list[int], device: str = "cuda") -> dict[str, str]:
     """The environment moe_rl sets for an SGLang server: its GPUs (``CUDA_VISIBLE_DEVICES``),
-    and output log-probs at the sampling temperature, ``log_softmax(logits / T)`` (the
-    trainer's distribution, SGLang's default; ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` would make
-    them raw, so it is pinned off even when the caller's environment sets it)."""
-    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
-    if gpus:
+    or on CPU ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's CPU engine; it also activates the import-time
+    shims of ``moe-rl sglang-cpu-env``), and output log-probs at the sampling temperature,
+    ``log_softmax(logits / T)`` (the trainer's distribution, SGLang's default;
+    ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` would make them raw, so it is pinned off even when the
+    caller's environment sets it). ``PYTHONSAFEPATH=1`` keeps the working directory off the
+    server's ``sys.path``: run from moe_rl's checkout, its ``kernels/`` folder would stand in for
+    the PyPI package ``kernels`` that transformers probes for (and SGLang would fail at import)."""
+    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "PYTHONSAFEPATH": "1"}
+    if device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    elif gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     return env
 
@@ -46,4 +61,4 @@ def sglang_command(cfg: Config, port: int, model_path: str | None = None,
                    host: str | None = None, gpus: list[int] = ()) -> tuple[list[str], dict]:
     """(argv, environment moe_rl sets) of one SGLang server."""
     return (sglang_argv(cfg, model_path or cfg.model.path, host or cfg.rollout.host, port),
-            sglang_env(list(gpus)))
+            sglang_env(list(gpus), cfg.rollout.sglang.device))
