@@ -82,6 +82,7 @@ class Trainers:
         ranks = plan.of("trainer")
         first = reservation.options(cfg, ranks[0])
         # the rendezvous lives on rank 0's node: its address, and a port free there
+        self.single_node = plan.nodes == 1   # then every rendezvous stays on 127.0.0.1
         address = "127.0.0.1" if plan.nodes == 1 else reservation.addresses[ranks[0].node]
         port = ray.get(ray.remote(free_port).options(
             scheduling_strategy=first["scheduling_strategy"], num_cpus=0).remote(

@@ -106,6 +106,12 @@ class _InMemorySync(DiskSync, ABC):
         """Hand ``version`` to every server."""
 
 
+def group_address(single_node: bool, node_address) -> str:
+    """The weight-update group's master address: 127.0.0.1 on a one-node run (a one-node run
+    never uses the node's other addresses), else ``node_address()``, trainer rank 0's."""
+    return "127.0.0.1" if single_node else node_address()
+
+
 class DistributedSync(_InMemorySync):
     """Broadcast the HF-named tensors from trainer rank 0 over a process group with every
     server's ranks, inside a weight-update session; the group is rebuilt after any restart."""
@@ -122,10 +128,14 @@ class DistributedSync(_InMemorySync):
         world = 1 + r.num_servers * weight_ranks_per_server(self.cfg)
         backend = "nccl" if self.cfg.cluster.gpus_per_node > 0 else "gloo"
         rank0 = self.trainers.actors[0]
-        address = ray.get(rank0.node_ip.remote())
-        port = ray.get(rank0.free_port.remote())   # free on the node that binds it
+        # one node: the servers are local, the group stays on loopback; else rank 0's address
+        address = group_address(self.trainers.single_node,
+                                lambda: ray.get(rank0.node_ip.remote()))
+        port = ray.get(rank0.free_port.remote(address))   # free on the node that binds it
         previous, self.group_name = self.group_name, f"moe_rl_weights_{self.groups_built}"
         self.groups_built += 1
+        print(f"weight-update group {self.group_name}: {backend} at {address}:{port}, "
+              f"{world} ranks", flush=True)
         ray.get(rank0.open_weight_group.remote(backend, address, port, world, self.group_name,
                                                r.request_timeout_s, previous))
         ray.get(self.rollout.take_group_stale.remote())   # the group is fresh

@@ -41,10 +41,11 @@ class TrainerWorker:
         from megatron.core import parallel_state as ps
         return ps.get_data_parallel_rank()
 
-    def free_port(self) -> int:
-        """A port free on this rank's node (the weight-update group's rendezvous)."""
+    def free_port(self, host: str | None = None) -> int:
+        """A port free on ``host`` of this rank's node (default: the node's address; the
+        weight-update group's rendezvous)."""
         from moe_rl.trainer.parallel import free_port
-        return free_port(ray.util.get_node_ip_address())
+        return free_port(host or ray.util.get_node_ip_address())
 
     def train_step(self, data: bytes) -> dict:
         return self.trainer.train_step(RolloutBatch.from_bytes(data).samples)

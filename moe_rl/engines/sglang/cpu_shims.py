@@ -6,6 +6,8 @@ every interpreter start (so SGLang's spawned scheduler has the fixes too). It ne
 standard library and torch. :func:`install` does nothing unless ``SGLANG_USE_CPU_ENGINE=1`` (the
 variable that puts SGLang on its CPU engine, set by moe_rl only for ``rollout.sglang.device:
 cpu``), so a GPU server started from the same environment never has them.
+``MOE_RL_SGLANG_CPU_SHIMS_OFF=torchvision,sgl_kernel,host_alloc`` (any of them) leaves fixes out:
+the tests use it to show that each is still needed after an SGLang upgrade.
 
 Each fix applies as its module is imported, through a finder first on ``sys.meta_path``:
 
@@ -23,7 +25,7 @@ Each fix applies as its module is imported, through a finder first on ``sys.meta
    SGLang's ``except ImportError`` fallbacks apply); calling one raises :class:`KernelUnavailable`
    after writing ``MOE_RL_SGL_KERNEL_CALLED <name>`` to stderr, so a call fails loudly and shows
    in the server's log. A real ``sgl_kernel``, when one is installed, is always preferred.
-3. ``sglang.srt.mem_cache.pool_host.common``: ``ALLOC_MEMORY_FUNCS`` (line 453) maps every device
+3. ``host_alloc``, in ``sglang.srt.mem_cache.pool_host.common``: ``ALLOC_MEMORY_FUNCS`` (line 453) maps every device
    but npu/musa/xpu, "cpu" included, to ``alloc_with_host_register``, which pins memory through
    ``torch.cuda.cudart().cudaHostRegister`` and fails without CUDA; the routed-experts capturer
    (``sglang/srt/state_capturer/base.py``, ``BaseHostCache``, line 67) allocates through
@@ -38,9 +40,13 @@ import os
 import sys
 import types
 
-ACTIVATING_VARIABLE = "SGLANG_USE_CPU_ENGINE"
-CALL_MARKER = "MOE_RL_SGL_KERNEL_CALLED"
 POOL_HOST_COMMON = "sglang.srt.mem_cache.pool_host.common"
+ACTIVATING_VARIABLE = "SGLANG_USE_CPU_ENGINE"
+DISABLING_VARIABLE = "MOE_RL_SGLANG_CPU_SHIMS_OFF"   # comma-separated SHIMS to leave out
+SHIMS = ("torchvision", "sgl_kernel", "host_alloc")
+SHIM_OF_MODULE = {"torchvision": "torchvision", "sgl_kernel": "sgl_kernel",
+                  POOL_HOST_COMMON: "host_alloc"}
+CALL_MARKER = "MOE_RL_SGL_KERNEL_CALLED"
 
 
 class KernelUnavailable(RuntimeError):
@@ -117,9 +123,14 @@ def plain_allocation(dims, dtype, device, pin_memory=False, allocator=None,
 
 
 class CPUShimFinder(importlib.abc.MetaPathFinder):
-    """First on ``sys.meta_path``: applies each fix as its module is imported."""
+    """First on ``sys.meta_path``: applies each fix (of ``active``) as its module is imported."""
+
+    def __init__(self, active: set[str]):
+        self.active = active
 
     def find_spec(self, name, path, target=None):
+        if SHIM_OF_MODULE.get(name) not in self.active:
+            return None
         if name == "torchvision":
             define_torchvision_schemas()
             return None
@@ -151,6 +162,7 @@ def install() -> bool:
     the fixes are active."""
     if os.environ.get(ACTIVATING_VARIABLE) != "1":
         return False
+    off = {s.strip() for s in os.environ.get(DISABLING_VARIABLE, "").split(",") if s.strip()}
     if not any(isinstance(f, CPUShimFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, CPUShimFinder())
+        sys.meta_path.insert(0, CPUShimFinder(set(SHIMS) - off))
     return True
