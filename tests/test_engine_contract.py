@@ -2,6 +2,7 @@
 the CPU reference engine always, SGLang where it is installed and a GPU is present. Each
 implementation is started through the factory the run uses (its command line, its server
 process, ``connect``), and judged on what the rollout and the weight sync rely on."""
+import asyncio
 import importlib.util
 import json
 import shutil
@@ -13,6 +14,7 @@ import torch
 from moe_rl.config import ModelInitConfig, config_from_dict
 from moe_rl.engines.base import Engine, EngineSession, SamplingConfig
 from moe_rl.engines.factory import connect, server_command, server_process
+from moe_rl.engines.sglang.pool import ServerPool
 from moe_rl.engines.sglang.weights import broadcast_tensors, close_group, open_group
 from moe_rl.models.tiny import write_tiny_model
 from moe_rl.moe_shape import MoEShape
@@ -193,6 +195,48 @@ def test_memory_release_and_resume_keep_the_weights(started):
     eng.resume_memory()
     got = generate_samples(eng, prompt, 1, _comparable(started), seed=2)[0]
     assert got.response_ids.tolist() == want.response_ids.tolist()
+
+
+def test_a_slow_batch_outlasting_the_timeout_is_waited_for(started):
+    """A batch that takes longer than the pool's timeout on a healthy server: the pool asks
+    /health, waits, and gets every answer; no server is restarted (SGLang's non-streaming
+    /generate sends nothing until it is done)."""
+    procs = started.procs
+    restarts = [p.restarts for p in procs]
+    body = {"input_ids": [[5 + i % 7, 6, 7, 8] for i in range(64)],
+            "sampling_params": {"max_new_tokens": 48, "temperature": 1.0, "ignore_eos": True}}
+
+    async def run():
+        async with ServerPool([p.url for p in procs], timeout=0.05, max_retries=0,
+                              restarters=[p.restart for p in procs]) as pool:
+            out = await pool.request("/generate", body, server=pool.servers[0])
+            return out, pool
+    out, pool = asyncio.run(run())
+    assert len(out) == 64 and all(len(o["output_ids"]) == 48 for o in out)
+    assert pool.health_probes >= 1            # it did outlast the timeout
+    assert pool.restarts == 0 and [p.restarts for p in procs] == restarts
+    assert all(p.alive() for p in procs)
+
+
+def test_a_server_killed_mid_rollout_loses_and_duplicates_nothing(started):
+    """Server 0 is killed while a rollout runs: its requests go to server 1, the pool restarts
+    it, and every (prompt, sample) comes back exactly once, in order."""
+    proc, restarts = started.procs[0], started.procs[0].restarts
+    done, killed = [], []
+
+    def progress(n):
+        done.append(n)
+        if len(done) == 4:   # mid-rollout
+            proc.proc.kill()
+            killed.append(len(done))
+    prompts = [[6, 7, 20 + i % 9, 12] for i in range(12)]
+    samples = generate_samples(started.engine, prompts, 2, SAMPLING, seed=0, progress=progress)
+    assert killed
+    assert [s.sample_id for s in samples] == list(range(24))
+    assert [s.prompt_ids.tolist() for s in samples] == [p for p in prompts for _ in range(2)]
+    assert all(s.routing is not None and s.sampling_mask_ids is not None for s in samples)
+    started.engine.check_health()
+    assert proc.restarts == restarts + 1 and proc.alive()
 
 
 def test_health_brings_a_dead_server_back(started):

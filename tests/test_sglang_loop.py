@@ -69,16 +69,47 @@ def model_dir(tmp_path_factory):
     return _model(tmp_path_factory, CONFIG, "sglang_loop")
 
 
-def test_zero_mismatch_covering_set_on_sglang(model_dir, tmp_path):
+def every_value_once(factors: dict) -> list[dict]:
+    """A few combinations of the pairwise covering set in which every value of every factor
+    appears at least once."""
+    todo = {(k, v) for k, values in factors.items() for v in values}
+    chosen = []
+    for combo in sorted(covering_set(factors), key=lambda c: -len(set(c.items()) & todo)):
+        if set(combo.items()) & todo:
+            chosen.append(combo)
+            todo -= set(combo.items())
+    assert not todo, todo
+    return chosen
+
+
+def _zero_mismatch_on_sglang(model_dir, tmp_path, combos):
     """Two steps each (the second on weights synced by disk or over gloo)."""
-    combos = [dict(c, passes=3) if c["pi_old"] == "engine_avg" else c
-              for c in covering_set(FACTORS)]
+    combos = [dict(c, passes=3) if c["pi_old"] == "engine_avg" else c for c in combos]
     results = run_all(model_dir, tmp_path, combos, on_sglang(), steps=2)
     for combo in combos:
         for m in results[name(combo)]:
             check_invariant(combo, m)
             check_real_engine(name(combo), m)
         no_kernel_called(tmp_path / name(combo))
+
+
+def test_zero_mismatch_every_option_value_on_sglang(model_dir, tmp_path):
+    """`make test-sglang`: every value of every factor at least once, and the kept set of
+    top-k and of top-k + top-p + min-p each scored with the mask (4 runs)."""
+    combos = every_value_once(FACTORS)
+    for sampling in ("top_k", "top_k_top_p_min_p"):
+        if not any(c["mask"] and c["sampling"] == sampling for c in combos):
+            combos.append(next(c for c in covering_set(FACTORS)
+                               if c["mask"] and c["sampling"] == sampling))
+    assert len(combos) <= 4
+    _zero_mismatch_on_sglang(model_dir, tmp_path, combos)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)   # 12 runs of `moe-rl train`, two at a time: ~12 minutes here
+def test_zero_mismatch_covering_set_on_sglang(model_dir, tmp_path):
+    """`make test-slow`: every pair of values together at least once."""
+    _zero_mismatch_on_sglang(model_dir, tmp_path, covering_set(FACTORS))
 
 
 def _train(config, model, run_dir, *extra, steps=2):

@@ -75,6 +75,7 @@ class ServerPool:
         self.timeout, self.max_retries = timeout, max_retries
         self.concurrency, self.backoff = concurrency, backoff
         self.restarts = 0
+        self.health_probes = 0   # /health asked of a server silent for `timeout` seconds
         self._client: httpx.AsyncClient | None = None
 
     async def __aenter__(self) -> "ServerPool":
@@ -132,6 +133,7 @@ class ServerPool:
 
     async def _healthy(self, server: Server) -> bool:
         """Whether ``server`` answers ``GET /health`` within the pool's timeout."""
+        self.health_probes += 1
         try:
             resp = await self._client.get(server.url + "/health", timeout=self.timeout)
         except (httpx.TransportError, httpx.TimeoutException):
