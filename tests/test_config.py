@@ -132,7 +132,7 @@ def test_unknown_and_duplicate_corrections():
 
 
 def test_other_incompatible_combinations():
-    assert "rollout.engine" in _err(["rollout.engine=sglang"])  # no GPUs configured
+    assert "rollout.sglang.device=cpu" in _err(["rollout.engine=sglang"])  # no GPUs configured
     assert "trainer.tensor_parallel" in _err(["trainer.tensor_parallel=2"])
     assert "pipeline schedules" in _err(["trainer.pipeline_parallel=2", "cluster.gpus_per_node=8"])
     assert "bfloat16 training needs GPUs" in _err(["model.dtype=bfloat16"])   # CPU run
@@ -140,6 +140,20 @@ def test_other_incompatible_combinations():
     assert "algorithm.correction.rs_low" in _err(["algorithm.correction.rs_low=3"])
     assert "data.path" in _err(["data.source=jsonl"])
     assert "algorithm.kl.in_reward" in _err(["algorithm.kl.in_reward=true"])
+
+
+def test_sglang_on_cpu_refuses_what_needs_cuda():
+    cpu = ["rollout.engine=sglang", "rollout.sglang.device=cpu"]
+    load_config(None, cpu + ["cluster.weight_sync=distributed"])   # gloo: fine
+    for extra, key in ((["rollout.quantization=fp8"], "rollout.quantization"),
+                       (["rollout.sglang.deterministic_inference=true"],
+                        "rollout.sglang.deterministic_inference"),
+                       (["cluster.colocate=true"], "cluster.colocate")):
+        msg = _err(cpu + extra)
+        assert msg.startswith(f"{key}: SGLang on CPU (rollout.sglang.device=cpu) cannot run"), msg
+    assert _err(cpu + ["cluster.weight_sync=tensor"]).startswith("cluster.weight_sync: 'tensor'")
+    assert "rollout.sglang.max_total_tokens" in _err(cpu + ["rollout.sglang.max_total_tokens=0"])
+    assert "rollout.sglang.device" in _err(["rollout.sglang.device=tpu"])
 
 
 def test_section_and_value_confusion():

@@ -85,7 +85,7 @@ def test_weight_updates_are_atomic_and_local(served, tmp_path):
     after = _gen(proc.url, body).json()
     assert after["meta_info"]["output_token_logprobs"] == \
         before["meta_info"]["output_token_logprobs"]
-    assert httpx.get(proc.url + "/get_weight_version", timeout=5).json()["weight_version"] != "9"
+    assert httpx.get(proc.url + "/get_model_info", timeout=5).json()["weight_version"] != "9"
     # a hub id is never downloaded; a non-JSON body is a 400, not a 500
     r = httpx.post(proc.url + "/update_weights_from_disk", timeout=60,
                    json={"model_path": "Qwen/Qwen3-30B-A3B"})

@@ -232,15 +232,32 @@ def test_sglang_command_lines():
                  "--sampling-mask-max-tokens 4096", "--enable-memory-saver", "--api-key s",
                  "--x 1", "--host 127.0.0.1"):
         assert part in line, part
-    # its own GPUs; output log-probs stay log_softmax(logits / T) (the trainer's), never raw
-    assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    # its own GPUs; output log-probs stay log_softmax(logits / T) (the trainer's), never raw;
+    # the working directory off its sys.path
+    assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+                   "PYTHONSAFEPATH": "1"}
+    assert "--device" not in argv and "--max-total-tokens" not in argv
     plain = config_from_dict({"cluster": {"gpus_per_node": 8},
                               "rollout": {"engine": "sglang", "return_routing": False},
                               "algorithm": {"replay": "off"}})
     argv, env = sglang_command(plain, 30000)
     assert "--enable-return-routed-experts" not in argv and "--enable-memory-saver" not in argv
     assert "--sampling-mask-max-tokens" not in argv and "--quantization" not in argv
-    assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+    assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "PYTHONSAFEPATH": "1"}
+    # on CPU: SGLang's CPU engine, the engine dtype, a bounded KV pool, no GPU flags
+    cpu = config_from_dict({"cluster": {"gpus_per_node": 0},
+                            "rollout": {"engine": "sglang", "engine_dtype": "bfloat16",
+                                        "sglang": {"device": "cpu"}}})
+    argv, env = sglang_command(cpu, 30000)
+    line = " ".join(argv)
+    assert "--device cpu --dtype bfloat16 --max-total-tokens 65536" in line
+    assert "--base-gpu-id" not in argv
+    assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "PYTHONSAFEPATH": "1",
+                   "SGLANG_USE_CPU_ENGINE": "1"}
+    cpu = config_from_dict({"cluster": {"gpus_per_node": 0},
+                            "rollout": {"engine": "sglang", "sglang": {"device": "cpu",
+                                                                       "max_total_tokens": 4096}}})
+    assert "--dtype float32 --max-total-tokens 4096" in " ".join(sglang_command(cpu, 30000)[0])
     # FP8: SGLang serves the FP8 checkpoint moe_rl wrote (its config declares the quantisation;
     # no --quantization flag, which SGLang's docs forbid for pre-quantised checkpoints)
     fp8 = config_from_dict({"cluster": {"gpus_per_node": 8, "weight_sync": "distributed"},
@@ -409,3 +426,22 @@ def test_reference_engine_speaks_sglangs_dialect(server, layout):
 async def _post(url, body):
     async with ServerPool([url], api_key="k3y", max_retries=0) as pool:
         return await pool.request("/generate", body)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_they_are_sent(layout):
+    """SGLang's scheduler dies on an out-of-vocabulary input id (its embedding lookup fails),
+    taking every request in flight: the client refuses such ids, naming them, and never sends
+    them (the pool's only server here is a closed port)."""
+    eng = SGLangEngine(lambda: ServerPool([f"http://127.0.0.1:{free_port()}"], max_retries=0),
+                       layout, need_routing=True, need_mask=False)
+    vocab = layout.vocab_size
+
+    async def turn(session):
+        return await session.generate_turn([5, vocab], SamplingConfig(max_new_tokens=2))
+
+    async def refetch(session):
+        return await session.routing([5, -1, 6], 0, server=0)
+    for fn in (turn, refetch):
+        with pytest.raises(ValueError, match=rf"input_ids: token id (-1|{vocab}) outside the "
+                                             rf"model's vocabulary \[0, {vocab}\)"):
+            eng.run(fn)

@@ -731,6 +731,11 @@ class ReferenceEngine:
                 continue
             if row.req.params.max_new_tokens == 0:
                 row.finish = {"type": "length", "length": 0}
+                if row.req.return_logprob and row.req.token_ids_logprob:
+                    # SGLang lists the ids at the position after the input too
+                    raw = torch.log_softmax(logits[b, -1].float(), -1)
+                    row.state["ids_lp"] = [[[float(raw[v]), v, None]
+                                            for v in row.req.token_ids_logprob]]
             else:
                 self._advance(row, logits[b, -1])
         batch.select(self._collect(batch, done))

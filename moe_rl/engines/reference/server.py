@@ -265,8 +265,7 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
     @app.get("/model_info")
     async def model_info():
         return {"model_path": engine.model_path, "tokenizer_path": engine.model_path,
-                "is_generation": True, "weight_version": engine.weight_version,
-                "dtype": engine.dtype_name}
+                "is_generation": True, "weight_version": engine.weight_version}
 
     @app.get("/get_server_info")
     async def server_info():
@@ -275,10 +274,6 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
                 "internal_states": [{"num_running_reqs": len(engine.running),
                                      "num_waiting_reqs": len(waiting) + queue.qsize(),
                                      "tokens_in_flight": engine.tokens_in_flight()}]}
-
-    @app.get("/get_weight_version")
-    async def weight_version():
-        return {"weight_version": engine.weight_version}
 
     async def read_body(request: HTTPRequest) -> bytes:
         """The body, refused (RequestError) past ``limits.max_request_bytes``."""
@@ -369,12 +364,13 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
         model-update lock alone when ``exclusive``)."""
         async def endpoint(request: HTTPRequest):
             async with (model_update.exclusive() if exclusive else contextlib.nullcontext()):
-                return await _blocking(action) or {"success": True, "message": done}
+                failed = await _blocking(action)
+                return failed or (None if done is None else {"success": True, "message": done})
         app.post(path)(endpoint)
 
-    for path, action, done, exclusive in (
-            ("/release_memory_occupation", engine.release_memory, "weights released", False),
-            ("/resume_memory_occupation", engine.resume_memory, "weights reloaded", False),
+    for path, action, done, exclusive in (   # SGLang answers release/resume with null
+            ("/release_memory_occupation", engine.release_memory, None, False),
+            ("/resume_memory_occupation", engine.resume_memory, None, False),
             ("/begin_weight_update", engine.begin_weight_update, "session open", True),
             ("/end_weight_update", engine.end_weight_update, "session closed", True)):
         control_endpoint(path, action, done, exclusive)
@@ -450,8 +446,7 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
         version = body.get("weight_version")
         engine.weight_version = str(version) if version is not None else str(
             int(engine.weight_version) + 1 if engine.weight_version.isdigit() else 1)
-        return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0,
-                "weight_version": engine.weight_version}
+        return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
     @app.post("/flush_cache")
     async def flush_cache():   # SGLang answers in plain text, and refuses while busy

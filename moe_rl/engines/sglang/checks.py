@@ -9,8 +9,8 @@ from moe_rl.config.model_facts import model_hf_fields
 
 def check_gpus(cfg: Config) -> None:
     """SGLang on GPUs needs them; on CPU (``rollout.sglang.device: cpu``) what needs CUDA is
-    refused: FP8 kernels, CUDA IPC tensor updates, deterministic inference (no CPU attention
-    backend supports it), the memory saver of colocated runs."""
+    refused: FP8 kernels, deterministic inference (no CPU attention backend supports it), the
+    memory saver of colocated runs (tensor updates need GPUs: the general checks refuse them)."""
     r, c = cfg.rollout, cfg.cluster
     if r.sglang.device == "cuda":
         if c.gpus_per_node == 0:
@@ -21,8 +21,6 @@ def check_gpus(cfg: Config) -> None:
         return
     refused = {"rollout.quantization": (r.quantization == "fp8", "fp8 (SGLang's FP8 kernels "
                                         "need GPUs); use none"),
-               "cluster.weight_sync": (c.weight_sync == "tensor", "tensor (CUDA IPC handles); "
-                                       "use disk or distributed (gloo)"),
                "rollout.sglang.deterministic_inference": (
                    r.sglang.deterministic_inference, "true (SGLang refuses every CPU attention "
                    "backend in deterministic mode); set it false"),

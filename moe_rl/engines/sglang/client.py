@@ -58,6 +58,7 @@ class SGLangSession(EngineSession):
                             seed: int | None = None, routing_from: int | None = None,
                             server: int | None = None) -> Turn:
         e = self.engine
+        e.check_ids(input_ids)
         body = e.generate_body(input_ids, sampling, seed)
         if e.need_routing and routing_from is not None:
             body["routed_experts_start_len"] = routing_from
@@ -66,6 +67,7 @@ class SGLangSession(EngineSession):
                            need_mask=e.need_mask, routing_start=routing_from or 0)
 
     async def routing(self, input_ids: list[int], start: int, *, server: int) -> torch.Tensor:
+        self.engine.check_ids(input_ids)
         body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0},
                 "return_routed_experts": True, "routed_experts_start_len": start}
         resp = await self.pool.request("/generate", body, server=self._server(server))
@@ -153,6 +155,16 @@ class SGLangEngine(Engine):
     def weights(self) -> SGLangWeightReceiver:
         return self._weights
 
+    def check_ids(self, ids: list[int]) -> None:
+        """Refuse token ids outside the model's vocabulary before they are sent: SGLang's
+        embedding lookup fails on one and its scheduler dies with every request in flight
+        (a retry would kill the restarted server again)."""
+        vocab = self.layout.vocab_size
+        bad = [i for i in ids if not 0 <= i < (vocab or i + 1)]
+        if bad:
+            raise ValueError(f"input_ids: token id {bad[0]} outside the model's vocabulary "
+                             f"[0, {vocab})")
+
     def generate_body(self, prompt: list[int], sampling: SamplingConfig,
                       seed: int | None = None) -> dict:
         """The ``/generate`` request of one turn."""
@@ -221,6 +233,7 @@ class SGLangEngine(Engine):
 
         def parts(s: Sample) -> list[tuple[dict, object]]:
             """One sample's scoring requests (one, or one per window of listed ids)."""
+            self.check_ids(s.prompt_ids.tolist() + s.response_ids.tolist())
             if not renorm:
                 ids = s.prompt_ids.tolist() + s.response_ids.tolist()
                 return [({"input_ids": ids, "logprob_start_len": s.prompt_len - 1},
