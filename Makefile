@@ -10,7 +10,7 @@ SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
-.PHONY: setup test test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster docs demo bench study clean
+.PHONY: setup test test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster docs demo demo-sglang bench study clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -74,8 +74,13 @@ docs: $(DOCS_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/moe-rl demo
 
-bench: $(STAMP)
-	$(PY) -m benchmarks.run_all
+# the demo on the real SGLang serving on CPU, in bfloat16 against the float32 trainer
+demo-sglang: $(STAMP) $(SGLANG_STAMP)
+	$(VENV)/bin/moe-rl demo rollout.engine=sglang rollout.sglang.device=cpu \
+	  rollout.sglang.python=$(abspath $(SGLANG_PY)) rollout.quantization=none
+
+bench: $(STAMP) $(SGLANG_STAMP)
+	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m benchmarks.run_all
 
 # the dose-response study alone (about an hour on 2 cores): benchmarks/results/dose_response.*
 study: $(STAMP)

@@ -106,15 +106,15 @@ def _rescore(url: str, samples, layout) -> float:
     return seconds
 
 
-def study_model(name: str, model_dir: str, n_prompts: int, n_samples: int) -> dict:
+def model_inputs(name: str, work: str, n_prompts: int):
+    """(model folder, MoE layout, tokenised toy prompts, shape summary) of model ``name``: the
+    warmed-up tiny demo shape in ``work``, or a preset cached under outputs/."""
     from transformers import AutoTokenizer
     from moe_rl.data.prompts import toy_problems
+    from moe_rl.models.presets import write_preset
     from moe_rl.moe_shape import MoEShape
-    from moe_rl.engines.base import SamplingConfig
-    from moe_rl.engines.sglang.client import SGLangEngine
-    from moe_rl.rollout.trajectories import generate_samples
-    from moe_rl.engines.sglang.pool import ServerPool
-    from moe_rl.trainer.policy import PolicyTrainer
+    model_dir = tiny_model(f"{work}/tiny") if name == "tiny" else \
+        write_preset(name, str(ROOT / "outputs" / f"{name}_moe"))
     hf = json.loads(pathlib.Path(model_dir, "config.json").read_text())
     layout = MoEShape.from_hf(hf)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -122,6 +122,16 @@ def study_model(name: str, model_dir: str, n_prompts: int, n_samples: int) -> di
                for p, _ in toy_problems(9, n_prompts, 3)]
     shape = {k: hf.get(k) for k in ("num_hidden_layers", "hidden_size", "num_experts_per_tok")}
     shape["num_experts"] = layout.num_experts
+    return model_dir, layout, prompts, shape
+
+
+def study_model(name: str, work: str, n_prompts: int, n_samples: int) -> dict:
+    from moe_rl.engines.base import SamplingConfig
+    from moe_rl.engines.sglang.client import SGLangEngine
+    from moe_rl.rollout.trajectories import generate_samples
+    from moe_rl.engines.sglang.pool import ServerPool
+    from moe_rl.trainer.policy import PolicyTrainer
+    model_dir, layout, prompts, shape = model_inputs(name, work, n_prompts)
     out: dict = {"model": name, "shape": shape, "trainer": "float32", "engines": {}}
     proc = _server(model_dir, "bfloat16")
     try:
@@ -297,7 +307,6 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--models", default="tiny,medium")
     args = ap.parse_args()
-    from moe_rl.models.presets import write_preset
     from moe_rl.trainer.parallel import init_distributed, init_model_parallel
     init_distributed()
     init_model_parallel()
@@ -305,9 +314,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         for name in args.models.split(","):
             t0 = time.perf_counter()
-            model = tiny_model(f"{work}/tiny") if name == "tiny" else \
-                write_preset(name, str(ROOT / "outputs" / f"{name}_moe"))
-            results.append(study_model(name, model, args.prompts, args.samples))
+            results.append(study_model(name, work, args.prompts, args.samples))
             print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "mismatch_study.json").write_text(json.dumps(results, indent=2))

@@ -53,7 +53,9 @@ def replay_summary(history: list[dict], cfg) -> str:
     over the run's steps."""
     r = cfg.rollout
     engine = f"{r.quantization} " if r.quantization != "none" else ""
-    lines = [f"engine: {engine}{r.engine_dtype} reference engine; trainer: {cfg.model.dtype}"]
+    name = "reference engine" if r.engine == "reference" else f"SGLang on {r.sglang.device}"
+    dtype = f"{r.engine_dtype} " if r.engine == "reference" or r.sglang.device == "cpu" else ""
+    lines = [f"engine: {engine}{dtype}{name}; trainer: {cfg.model.dtype}"]
     if cfg.algorithm.replay == "r3":
         lines.append(f"  without replay the trainer's own routers would have agreed with the "
                      f"engine on {100 * _mean(history, 'routing/agreement'):.2f}% of (token, "

@@ -157,3 +157,23 @@ def test_async_staleness_one_and_the_group_on_loopback(model_dir, tmp_path):
     groups = [line for line in res.stdout.splitlines() if line.startswith("weight-update group")]
     assert groups and all(" gloo at 127.0.0.1:" in line for line in groups), groups
     no_kernel_called(run)
+
+
+def test_the_demo_on_sglang_in_bfloat16(tmp_path):
+    """`make demo-sglang`'s command, shortened: SGLang serves bfloat16 against the float32
+    trainer, a real gap (k3 > 0) that the summary attributes to SGLang."""
+    res = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "demo", *on_sglang(), "rollout.quantization=none",
+         f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
+         "trainer.steps=2", "trainer.sft_warmup_steps=5", "trainer.export_hf=false",
+         "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+         f"rollout.base_port={free_port()}", "logging.progress=false"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for m in rows:
+        assert 1e-9 < m["mismatch/k3"] < 1e-2, m["mismatch/k3"]   # bfloat16 vs float32
+        assert 0.9 <= m["routing/agreement"] <= 1.0
+    assert "engine: bfloat16 SGLang on cpu; trainer: float32" in res.stdout
+    no_kernel_called(tmp_path / "run")
