@@ -187,6 +187,26 @@ def test_control_endpoints_answer_as_sglang(pair):
     assert ref.status_code == sgl.status_code == 404
 
 
+def test_sglangs_routed_experts_are_the_routers_top_k_in_float32(pair):
+    """The experts SGLang reports for every position it ran (prompt and generated tokens but
+    the last), every layer, equal the top-k of transformers' float32 router logits on the same
+    tokens (the loop tests show the megatron trainer's own router agreeing: agreement 1.0)."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(pair.model,
+                                                              dtype=torch.float32).eval()
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    body = {"input_ids": prompt, "return_routed_experts": True, "return_logprob": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}}
+    meta = httpx.post(pair.sgl.url + "/generate", json=body, timeout=120).json()
+    ids = prompt + meta["output_ids"]
+    got = decode_routing(meta["meta_info"]["routed_experts"], len(ids) - 1, pair.layout)
+    with torch.no_grad():
+        out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
+    k = pair.layout.topk
+    want = torch.stack([logits.topk(k, dim=-1).indices for logits in out.router_logits], 1)
+    assert torch.equal(got.long().sort(-1).values, want.sort(-1).values)
+
+
 @pytest.mark.parametrize("T, top_k, top_p, min_p", [(1.0, 8, 1.0, 0.0), (0.7, 5, 1.0, 0.0),
                                                     (1.0, 12, 0.8, 0.0), (1.3, 20, 0.9, 0.05),
                                                     (0.8, 6, 0.95, 0.1)])
