@@ -3,7 +3,7 @@
 weight-update group, the FP8 checkpoint's quantization_config and the kept set.
 
 These run under `make test-contract`, which builds SGLang's own environment (the pinned wheel
-and its light dependencies, tests/contract/requirements.txt) and points MOE_RL_SGLANG_PYTHON at
+and its light dependencies, `moe-rl sglang-cpu-env`) and points MOE_RL_SGLANG_PYTHON at
 its interpreter; the judge (tests/contract/sglang_judge.py) runs there, moe_rl here."""
 import base64
 import itertools
