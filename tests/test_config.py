@@ -1,5 +1,6 @@
 """Configuration: YAML + overrides, types, ranges and every cross-field error named in the issue."""
 import json
+import pathlib
 
 import pytest
 import yaml
@@ -154,6 +155,11 @@ def test_sglang_on_cpu_refuses_what_needs_cuda():
     assert _err(cpu + ["cluster.weight_sync=tensor"]).startswith("cluster.weight_sync: 'tensor'")
     assert "rollout.sglang.max_total_tokens" in _err(cpu + ["rollout.sglang.max_total_tokens=0"])
     assert "rollout.sglang.device" in _err(["rollout.sglang.device=tpu"])
+    # SGLang's CPU MLA path asserts deepseek_yarn rotary scaling (the tiny DeepSeek-V3 has none)
+    deepseek = str(pathlib.Path(__file__).resolve().parents[1] / "configs" /
+                   "deepseek_tiny_cpu.yaml")
+    msg = _err(cpu + ["model.path=/nonexistent"], deepseek)
+    assert msg.startswith("model.path: SGLang on CPU") and "deepseek_yarn" in msg
 
 
 def test_section_and_value_confusion():

@@ -7,10 +7,14 @@ from moe_rl.config import Config, ConfigError
 from moe_rl.config.model_facts import model_hf_fields
 
 
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
 def check_gpus(cfg: Config) -> None:
     """SGLang on GPUs needs them; on CPU (``rollout.sglang.device: cpu``) what needs CUDA is
     refused: FP8 kernels, deterministic inference (no CPU attention backend supports it), the
-    memory saver of colocated runs (tensor updates need GPUs: the general checks refuse them)."""
+    memory saver of colocated runs (tensor updates need GPUs: the general checks refuse them),
+    MLA models without deepseek_yarn rotary scaling (SGLang's CPU rotary embedding for MLA)."""
     r, c = cfg.rollout, cfg.cluster
     if r.sglang.device == "cuda":
         if c.gpus_per_node == 0:
@@ -30,6 +34,14 @@ def check_gpus(cfg: Config) -> None:
         if bad:
             raise ConfigError(f"{key}: SGLang on CPU (rollout.sglang.device=cpu) cannot run "
                               f"with {why}")
+    hf = model_hf_fields(cfg.model)
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if hf.get("model_type") in MLA_MODEL_TYPES and rope.get("rope_type") != "deepseek_yarn":
+        raise ConfigError(f"model.path: SGLang on CPU (rollout.sglang.device=cpu) serves MLA "
+                          f"models ({hf.get('model_type')}) only with deepseek_yarn rotary "
+                          f"scaling (its CPU rotary embedding asserts it, "
+                          f"sglang/srt/layers/rotary_embedding/factory.py); this model's is "
+                          f"{rope.get('rope_type', 'none')!r}; use rollout.engine=reference")
 
 
 def check_weight_updates(cfg: Config) -> None:
