@@ -203,17 +203,18 @@ def test_a_slow_batch_outlasting_the_timeout_is_waited_for(started):
     /generate sends nothing until it is done)."""
     procs = started.procs
     restarts = [p.restarts for p in procs]
-    body = {"input_ids": [[5 + i % 7, 6, 7, 8] for i in range(64)],
-            "sampling_params": {"max_new_tokens": 48, "temperature": 1.0, "ignore_eos": True}}
+    body = {"input_ids": [[5 + i % 7, 6, 7, 8] for i in range(128)],
+            "sampling_params": {"max_new_tokens": 56, "temperature": 1.0, "ignore_eos": True}}
 
-    async def run():
-        async with ServerPool([p.url for p in procs], timeout=0.05, max_retries=0,
+    async def run():   # 7168 tokens: well past 0.5 s here; a CPU-bound server's /health is late
+        async with ServerPool([p.url for p in procs], timeout=0.5, max_retries=0,
+                              health_timeout=60,
                               restarters=[p.restart for p in procs]) as pool:
             out = await pool.request("/generate", body, server=pool.servers[0])
             return out, pool
     out, pool = asyncio.run(run())
-    assert len(out) == 64 and all(len(o["output_ids"]) == 48 for o in out)
-    assert pool.health_probes >= 1            # it did outlast the timeout
+    assert len(out) == 128 and all(len(o["output_ids"]) == 56 for o in out)
+    assert pool.health_probes >= 1, "the batch ended within the timeout: make it longer"
     assert pool.restarts == 0 and [p.restarts for p in procs] == restarts
     assert all(p.alive() for p in procs)
 

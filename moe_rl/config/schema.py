@@ -91,7 +91,9 @@ class RolloutConfig:
                                   **_rng(0, lo_open=True))
     max_retries: int = _f(3, "retries per request on connection errors / 5xx", **_rng(0))
     concurrency: int = _f(64, "in-flight requests per server", **_rng(1))
-    health_timeout_s: float = _f(300.0, "wait for a starting server's /health", **_rng(0, lo_open=True))
+    health_timeout_s: float = _f(300.0, "wait for a starting server's /health, and the longest "
+                                 "a silent server's /health may take before it is restarted",
+                                 **_rng(0, lo_open=True))
     sglang: SGLangConfig = _sub(SGLangConfig, "SGLang server settings")
 
 

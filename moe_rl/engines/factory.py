@@ -50,7 +50,7 @@ def _pool_factory(cfg: Config, urls: list[str], restarters=None):
     r = cfg.rollout
     return lambda: ServerPool(urls, api_key=r.api_key, timeout=r.request_timeout_s,
                               max_retries=r.max_retries, concurrency=r.concurrency,
-                              restarters=restarters)
+                              restarters=restarters, health_timeout=r.health_timeout_s)
 
 
 def connect(cfg: Config, urls: list[str], layout: MoEShape,

@@ -4,8 +4,8 @@ restart of a server that dies: its requests go to another server, or (pinned req
 passes, weight updates, health) wait for its restart and are sent again.
 
 A slow answer is not death: SGLang's non-streaming ``/generate`` sends nothing until the whole
-generation is done, so a server silent for ``timeout`` seconds is asked ``GET /health``; while it
-answers, the wait goes on. Only a server that refuses connections or leaves its health check
+generation is done, so a server silent for ``timeout`` seconds is asked ``GET /health`` (answered
+within ``health_timeout``); while it answers, the wait goes on. Only a server that refuses connections or leaves its health check
 unanswered is taken for dead (and restarted)."""
 from __future__ import annotations
 
@@ -76,13 +76,15 @@ class ServerPool:
     def __init__(self, urls: list[str], *, api_key: str | None = None, timeout: float = 300.0,
                  max_retries: int = 3, concurrency: int = 64,
                  restarters: list[Callable[[], None] | None] | None = None,
-                 backoff: float = 0.5):
+                 backoff: float = 0.5, health_timeout: float | None = None):
         if not urls:
             raise ValueError("rollout.num_servers: the pool needs at least one server")
         restarters = restarters or [None] * len(urls)
         self.servers = [Server(u.rstrip("/"), r) for u, r in zip(urls, restarters)]
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout, self.max_retries = timeout, max_retries
+        # the longest a silent server's /health may take (a CPU-bound server answers late)
+        self.health_timeout = timeout if health_timeout is None else health_timeout
         self.concurrency, self.backoff = concurrency, backoff
         self.restarts = 0
         self.health_probes = 0   # /health asked of a server silent for `timeout` seconds
@@ -142,10 +144,10 @@ class ServerPool:
         return server.alive
 
     async def _healthy(self, server: Server) -> bool:
-        """Whether ``server`` answers ``GET /health`` within the pool's timeout."""
+        """Whether ``server`` answers ``GET /health`` within ``health_timeout``."""
         self.health_probes += 1
         try:
-            resp = await self._client.get(server.url + "/health", timeout=self.timeout)
+            resp = await self._client.get(server.url + "/health", timeout=self.health_timeout)
         except (httpx.TransportError, httpx.TimeoutException):
             return False
         return resp.status_code < 400
