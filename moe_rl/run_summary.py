@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 
+from moe_rl.engines.factory import engine_description
+
 
 def _mean(history: list[dict], key: str, rows: slice = slice(None)) -> float:
     vals = [h[key] for h in history[rows] if isinstance(h.get(key), (int, float))
@@ -53,9 +55,7 @@ def replay_summary(history: list[dict], cfg) -> str:
     over the run's steps."""
     r = cfg.rollout
     engine = f"{r.quantization} " if r.quantization != "none" else ""
-    name = "reference engine" if r.engine == "reference" else f"SGLang on {r.sglang.device}"
-    dtype = f"{r.engine_dtype} " if r.engine == "reference" or r.sglang.device == "cpu" else ""
-    lines = [f"engine: {engine}{dtype}{name}; trainer: {cfg.model.dtype}"]
+    lines = [f"engine: {engine}{engine_description(cfg)}; trainer: {cfg.model.dtype}"]
     if cfg.algorithm.replay == "r3":
         lines.append(f"  without replay the trainer's own routers would have agreed with the "
                      f"engine on {100 * _mean(history, 'routing/agreement'):.2f}% of (token, "

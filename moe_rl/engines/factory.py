@@ -2,7 +2,7 @@
 takes, its command line, its server process, and a connected :class:`~moe_rl.engines.base.Engine`
 (or only its weight receiver, for the trainer's sender). Each engine package provides the same
 functions (``gpus_per_server``, ``weight_ranks_per_server``, ``server_command``,
-``check_config``) and says whether its server inherits its socket."""
+``check_config``, ``describe``) and says whether its server inherits its socket."""
 from __future__ import annotations
 
 from typing import Callable
@@ -20,6 +20,11 @@ KINDS = {"reference": reference, "sglang": sglang}
 def engine_kind(cfg: Config):
     """The engine package of ``rollout.engine``."""
     return KINDS[cfg.rollout.engine]
+
+
+def engine_description(cfg: Config) -> str:
+    """The engine in words, with the dtype it serves where moe_rl sets it."""
+    return engine_kind(cfg).describe(cfg)
 
 
 def gpus_per_server(cfg: Config) -> int:

@@ -35,6 +35,11 @@ def server_command(cfg: Config, host: str, port: int, gpus: list[int], index: in
         dict(REFERENCE_ENV)
 
 
+def describe(cfg: Config) -> str:
+    """The engine in words."""
+    return f"{cfg.rollout.engine_dtype} reference engine"
+
+
 def check_config(cfg: Config) -> None:
     """What the reference engine cannot do: take CUDA tensors (weight_sync tensor)."""
     if cfg.cluster.weight_sync == "tensor":
@@ -43,5 +48,5 @@ def check_config(cfg: Config) -> None:
                           "use 'distributed' or 'disk' otherwise")
 
 
-__all__ = ["INHERITS_SOCKET", "check_config", "gpus_per_server", "server_command",
+__all__ = ["INHERITS_SOCKET", "check_config", "describe", "gpus_per_server", "server_command",
            "weight_ranks_per_server"]

@@ -1,6 +1,7 @@
-"""SGLang servers (on GPUs, or on CPU from `moe-rl sglang-cpu-env`'s environment): their launch command (:mod:`.launcher`), the HTTP client
-(:mod:`.client`, :mod:`.pool`, :mod:`.decode`), the weight-update dialect (:mod:`.weights`) and
-what SGLang refuses (:mod:`.checks`)."""
+"""SGLang servers, on GPUs or on CPU (from `moe-rl sglang-cpu-env`'s environment): their launch
+command (:mod:`.launcher`), the HTTP client (:mod:`.client`, :mod:`.pool`, :mod:`.decode`), the
+weight-update dialect (:mod:`.weights`), the CPU environment and its shims
+(:mod:`.cpu_environment`, :mod:`.cpu_shims`) and what SGLang refuses (:mod:`.checks`)."""
 from __future__ import annotations
 
 from moe_rl.config import Config
@@ -19,6 +20,12 @@ def gpus_per_server(cfg: Config) -> int:
     return g.tp_size * dp
 
 
+def describe(cfg: Config) -> str:
+    """The engine in words (on CPU with the dtype moe_rl sets; on GPUs the checkpoint's)."""
+    g = cfg.rollout.sglang
+    return f"{cfg.rollout.engine_dtype} SGLang on cpu" if g.device == "cpu" else "SGLang on GPUs"
+
+
 def weight_ranks_per_server(cfg: Config) -> int:
     """Weight-update group ranks of one server: one per TP rank."""
     return cfg.rollout.sglang.tp_size
@@ -30,5 +37,5 @@ def server_command(cfg: Config, host: str, port: int, gpus: list[int], index: in
     return sglang_argv(cfg, model_path, host, port), sglang_env(gpus, cfg.rollout.sglang.device)
 
 
-__all__ = ["INHERITS_SOCKET", "check_config", "gpus_per_server", "server_command",
+__all__ = ["INHERITS_SOCKET", "check_config", "describe", "gpus_per_server", "server_command",
            "weight_ranks_per_server"]
