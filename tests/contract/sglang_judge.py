@@ -8,35 +8,17 @@ venv, see the Makefile's test-contract), never in moe_rl's:
 them to OUT.json; the pytest side (tests/contract/test_sglang_contract.py) decides."""
 from __future__ import annotations
 
-import importlib.machinery
 import json
 import sys
 import types
 
 
-def _import_only_torchvision() -> None:
+def _loadable_torchvision() -> None:
     """SGLang's config package imports torchvision at module level (multimodal helpers), and
-    PyPI's torchvision does not load against the CPU torch build: an import-only stand-in, after
-    transformers has recorded torchvision as absent."""
-    import transformers.utils.import_utils  # noqa: F401
-
-    def module(name: str) -> types.ModuleType:
-        m = types.ModuleType(name)
-        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        m.__path__ = []
-        sys.modules[name] = m
-        return m
-    root = module("torchvision")
-    for sub in ("transforms", "io", "ops"):
-        setattr(root, sub, module(f"torchvision.{sub}"))
-    for sub in ("functional", "v2"):
-        setattr(root.transforms, sub, module(f"torchvision.transforms.{sub}"))
-
-    class InterpolationMode:
-        NEAREST, NEAREST_EXACT, BILINEAR = "nearest", "nearest-exact", "bilinear"
-        BICUBIC, BOX, HAMMING, LANCZOS = "bicubic", "box", "hamming", "lanczos"
-    root.transforms.InterpolationMode = InterpolationMode
-    root.transforms.functional.InterpolationMode = InterpolationMode
+    PyPI's torchvision, a CUDA build, does not load beside the CPU torch: the SGLang CPU
+    environment's own shim (`moe-rl sglang-cpu-env`) defines the operator schemas it needs."""
+    from moe_rl_sglang_cpu_shims import define_torchvision_schemas
+    define_torchvision_schemas()
 
 
 def _plain(value):
@@ -299,7 +281,7 @@ COMMANDS = {"server_args": server_args, "requests": requests, "tensor_payload": 
 
 def main(argv: list[str]) -> None:
     command, src, dst = argv
-    _import_only_torchvision()
+    _loadable_torchvision()
     with open(src, encoding="utf-8") as fh:
         cases = json.load(fh)
     result = COMMANDS[command](cases)
