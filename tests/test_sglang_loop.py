@@ -91,6 +91,7 @@ def _zero_mismatch_on_sglang(model_dir, tmp_path, combos):
             check_invariant(combo, m)
             check_real_engine(name(combo), m)
         no_kernel_called(tmp_path / name(combo))
+    return results
 
 
 def test_zero_mismatch_every_option_value_on_sglang(model_dir, tmp_path):
@@ -102,14 +103,17 @@ def test_zero_mismatch_every_option_value_on_sglang(model_dir, tmp_path):
             combos.append(next(c for c in covering_set(FACTORS)
                                if c["mask"] and c["sampling"] == sampling))
     assert len(combos) <= 4
-    _zero_mismatch_on_sglang(model_dir, tmp_path, combos)
+    results = _zero_mismatch_on_sglang(model_dir, tmp_path, combos)
+    assert len(results) == len(combos)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)   # 12 runs of `moe-rl train`, two at a time: ~12 minutes here
 def test_zero_mismatch_covering_set_on_sglang(model_dir, tmp_path):
     """`make test-slow`: every pair of values together at least once."""
-    _zero_mismatch_on_sglang(model_dir, tmp_path, covering_set(FACTORS))
+    combos = covering_set(FACTORS)
+    results = _zero_mismatch_on_sglang(model_dir, tmp_path, combos)
+    assert len(results) == len(combos) and all(len(rows) == 2 for rows in results.values())
 
 
 def _train(config, model, run_dir, *extra, steps=2):
