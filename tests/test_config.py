@@ -136,7 +136,12 @@ def test_other_incompatible_combinations():
     assert "rollout.sglang.device=cpu" in _err(["rollout.engine=sglang"])  # no GPUs configured
     assert "trainer.tensor_parallel" in _err(["trainer.tensor_parallel=2"])
     assert "pipeline schedules" in _err(["trainer.pipeline_parallel=2", "cluster.gpus_per_node=8"])
-    assert "bfloat16 training needs GPUs" in _err(["model.dtype=bfloat16"])   # CPU run
+    # bf16 training runs on CPU (megatron's mixed-precision optimizer); an EMA policy written into
+    # the float32 master weights needs them whole, which the distributed optimizer (GPUs) is not
+    load_config(None, ["model.dtype=bfloat16", "trainer.ema_decay=0.9", "trainer.ema_policy=true"])
+    assert "set trainer.distributed_optimizer=false" in _err(
+        ["model.dtype=bfloat16", "trainer.ema_decay=0.9", "trainer.ema_policy=true",
+         "cluster.gpus_per_node=1"])
     assert "trainer.expert_parallel" in _err(["trainer.expert_parallel=3"])
     assert "algorithm.correction.rs_low" in _err(["algorithm.correction.rs_low=3"])
     assert "data.path" in _err(["data.source=jsonl"])

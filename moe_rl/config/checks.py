@@ -139,6 +139,12 @@ def check_ema(cfg: Config) -> None:
     if (t.ema_policy or t.ema_start_step) and t.ema_decay is None:
         key = "trainer.ema_policy" if t.ema_policy else "trainer.ema_start_step"
         raise ConfigError(f"{key}: needs trainer.ema_decay (the EMA's decay, e.g. 0.9)")
+    if t.ema_policy and cfg.model.dtype == "bfloat16" and t.distributed_optimizer \
+            and cfg.cluster.gpus_per_node > 0:
+        raise ConfigError("trainer.ema_policy: with model.dtype=bfloat16 the EMA is written into "
+                          "the optimizer's float32 main weights, of which megatron's distributed "
+                          "optimizer keeps only a shard per rank; set "
+                          "trainer.distributed_optimizer=false")
 
 
 def check_micro_batches(cfg: Config) -> None:
@@ -173,11 +179,6 @@ def check_cpu(cfg: Config) -> None:
     """What a CPU run (cluster.gpus_per_node 0) cannot do."""
     t = cfg.trainer
     if cfg.cluster.gpus_per_node == 0:
-        if cfg.model.dtype == "bfloat16":
-            raise ConfigError("model.dtype: bfloat16 training needs GPUs (cluster.gpus_per_node > "
-                              "0): megatron-core's mixed-precision optimizer wraps CUDA tensors "
-                              "only; use float32 on CPU (rollout.engine_dtype=bfloat16 still "
-                              "gives a bfloat16 engine)")
         for key in ("tensor_parallel", "context_parallel"):
             if getattr(t, key) > 1:
                 raise ConfigError(f"trainer.{key}: > 1 is not supported on CPU (megatron-core's "

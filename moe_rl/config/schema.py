@@ -14,7 +14,8 @@ from moe_rl.config.init_model import ModelInitConfig
 class ModelConfig:
     path: str = _f("outputs/tiny_model", "Hugging Face model directory (config.json + safetensors)")
     dtype: Literal["float32", "bfloat16"] = _f("float32",
-                                               "trainer parameter dtype (bfloat16: GPUs only)")
+                                               "trainer parameter dtype (bfloat16: megatron's mixed-precision "
+                                               "optimizer keeps float32 master weights)")
     fp32_output_layer: bool = _f(False, "keep the output layer (LM head) in float32")
     init: ModelInitConfig = _sub(ModelInitConfig, "tiny model shape for `moe-rl init-model`")
 

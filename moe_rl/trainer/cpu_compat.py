@@ -9,7 +9,10 @@
 5. Activation recomputation saves and restores the CUDA RNG state: on CPU there is none, so
    ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` do nothing.
 6. :func:`cuda_factories_on_cpu`: a context in which ``device='cuda'`` arguments of tensor
-   factories become 'cpu' (megatron's optimizer builds flag tensors on CUDA).
+   factories become 'cpu' (megatron's optimizer builds flag tensors on CUDA), and in which a
+   CPU tensor's ``type()`` reads as its CUDA type name (megatron's mixed-precision optimizer,
+   ``Float16OptimizerWithFloat16Params``, sorts the parameters it wraps by that name and refuses
+   any that is not ``torch.cuda.{Float,Half,BFloat16}Tensor``; optimizer.py:671-700 in 0.16.1).
 7. ``torch.cuda.synchronize`` does nothing (``dist_checkpointing``'s writer waits for device
    copies with it; on CPU there are none).
 """
@@ -62,6 +65,10 @@ def apply_cpu_shims() -> bool:
 class _CudaToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:   # the name, no cast
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" \
+                else name
         device = kwargs.get("device")
         if device is not None and str(device).startswith("cuda"):
             kwargs["device"] = "cpu"

@@ -294,6 +294,9 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                      max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
                      pre_process=pre_process, post_process=post_process,
                      share_embeddings_and_output_weights=spec.tie_word_embeddings, **rotary)
+    for p in model.parameters():   # every weight in ``dtype``, the norms' too (megatron-core's
+        if p.is_floating_point() and p.dtype != dtype:   # Float16Module; SGLang serves them so)
+            p.data = p.data.to(dtype)
     if not cuda_absent():
         model = model.cuda()
     return model, spec

@@ -48,14 +48,39 @@ def _by_param(model_sd: dict) -> dict[int, object]:
     return {id(t.data): t for t in nested_values(sharded)}
 
 
+def _keeps_step_per_group(torch_optimizer) -> bool:
+    """Whether the optimizer counts its steps per parameter group (Transformer Engine's and
+    Apex's FusedAdam, which megatron uses when either is installed: ``group["step"]``,
+    transformer_engine/pytorch/optimizers/fused_adam.py) rather than per parameter (torch's
+    Adam and AdamW: ``state[p]["step"]``)."""
+    if any("step" in g for g in torch_optimizer.param_groups):
+        return True
+    return not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
 def optimizer_step_count(optimizer) -> int:
-    """How many Adam steps the optimizer took (0 before the first)."""
+    """How many Adam steps the optimizer took (0 before the first), wherever it counts them."""
     for leaf in _leaf_optimizers(optimizer):
+        for group in leaf.optimizer.param_groups:
+            if "step" in group:
+                return int(group["step"])
         for _, main in _param_pairs(leaf):
             step = leaf.optimizer.state.get(main, {}).get("step")
             if step is not None:
                 return int(step)
     return 0
+
+
+def _set_step(leaf, step: int) -> None:
+    """Set the Adam step count ``step`` where the optimizer keeps it (per group or per
+    parameter), so that bias correction continues after a resume."""
+    opt = leaf.optimizer
+    if _keeps_step_per_group(opt):
+        for group in opt.param_groups:
+            group["step"] = step
+    else:
+        for _, main in _param_pairs(leaf):
+            opt.state[main]["step"] = torch.tensor(float(step))
 
 
 def sharded_trainer_state(model, optimizer, ema: dict | None, loading: bool = False,
@@ -75,12 +100,13 @@ def sharded_trainer_state(model, optimizer, ema: dict | None, loading: bool = Fa
     else:
         optim: dict = {}
         for leaf in _leaf_optimizers(optimizer):
+            if loading:
+                _set_step(leaf, step)
             for param, main in _param_pairs(leaf):
                 slot = leaf.optimizer.state[main]
                 if loading:
                     for k in _MOMENTS:
                         slot.setdefault(k, torch.zeros_like(main, memory_format=torch.preserve_format))
-                    slot["step"] = torch.tensor(float(step))
                 sharded, name = by_param[id(param)], names[id(param)]
                 for k in _MOMENTS:
                     if k in slot:

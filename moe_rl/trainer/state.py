@@ -15,6 +15,19 @@ from moe_rl.trainer.sharded_state import load_sharded, optimizer_step_count, sav
 from moe_rl.weights.hf import exporting_rank, iter_hf_buckets, save_hf_checkpoint
 
 
+def main_weights(param: torch.nn.Parameter) -> torch.Tensor:
+    """The float32 weights the optimizer updates for ``param``: the main (master) copy that
+    megatron's mixed-precision optimizer keeps for a bfloat16 parameter (``param.main_param``,
+    megatron/core/optimizer/optimizer.py:683), else the parameter itself. The distributed
+    optimizer keeps only a shard of it on each rank (``main_param_sharded``): there the
+    parameter itself (an EMA of it is good to the parameter's rounding; ``trainer.ema_policy``
+    is refused there by the config checks)."""
+    main = getattr(param, "main_param", None)
+    if main is None or getattr(param, "main_param_sharded", False):
+        return param
+    return main
+
+
 def rank() -> int:
     """This process's rank (0 outside torch.distributed)."""
     return dist.get_rank() if dist.is_initialized() else 0
@@ -44,27 +57,28 @@ class TrainerState:
         self.bucket_bytes = max(1, int(cfg.cluster.weight_sync_bucket_mb * (1 << 20)))
         self.ema = None
         if cfg.trainer.ema_decay is not None:
-            self.ema = {n: p.detach().clone().float()
+            self.ema = {n: main_weights(p).detach().clone().float()
                         for n, p in model.module.named_parameters()}
 
     def ema_update(self) -> None:
         """Fold the current weights into the EMA (``trainer.ema_decay``; before the RL step
-        ``trainer.ema_start_step`` the EMA takes the weights as they are), when kept. With
-        ``trainer.ema_policy`` the weights then become the EMA, and the optimizer's own copies
-        of them (its main parameters) are refreshed, so the next step starts from the EMA."""
+        ``trainer.ema_start_step`` the EMA takes the weights as they are), when kept. The EMA
+        averages the optimizer's float32 main weights (a bfloat16 model's master copies: its
+        own bfloat16 weights would round each step's update, already scaled by 1 - decay, away).
+        With ``trainer.ema_policy`` the EMA is then written into those main weights and the
+        model's weights (rounded to their dtype), so the next step starts from the EMA."""
         if self.ema is None:
             return
         t = self.cfg.trainer
         d = t.ema_decay if self.counters.step >= t.ema_start_step else 0.0
-        params = list(self.model.module.named_parameters())
         with torch.no_grad():
-            for name, p in params:
-                self.ema[name].mul_(d).add_(p.detach().float(), alpha=1 - d)
-            if t.ema_policy:
-                for name, p in params:
-                    p.copy_(self.ema[name].to(p.dtype))
-        if t.ema_policy:
-            self.optimizer.reload_model_params()
+            for name, p in self.model.module.named_parameters():
+                master = main_weights(p)
+                self.ema[name].mul_(d).add_(master.float(), alpha=1 - d)
+                if t.ema_policy:
+                    master.copy_(self.ema[name])
+                    if master is not p:
+                        p.copy_(self.ema[name].to(p.dtype))
 
     # ------------------------------------------------------------------ weights out
     def hf_buckets(self, everywhere: bool = False):

@@ -431,7 +431,8 @@ def save_hf_checkpoint(tensors, spec: ModelSpec, out_dir: str, source_dir: str |
     layout SGLang and the reference engine load. ``tensors``: a dict (cut into shards of at
     most ``shard_bytes``), or streamed (bucket, is_last) pairs, each written as one shard as it
     comes: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with
-    ``model.safetensors.index.json`` (each file appears whole: written aside, then renamed)."""
+    ``model.safetensors.index.json`` (each file appears whole: written aside, then renamed).
+    The config's dtype says what the weights were written in."""
     os.makedirs(out_dir, exist_ok=True)
     for fname in os.listdir(out_dir):   # a previous export's shards must not linger
         if fname.endswith(".safetensors") or fname == INDEX_FILE:
@@ -440,10 +441,15 @@ def save_hf_checkpoint(tensors, spec: ModelSpec, out_dir: str, source_dir: str |
         else tensors
     shards: list[tuple[str, list[str]]] = []
     total = 0
+    by_dtype: dict[torch.dtype, int] = {}   # elements of the unquantised weights per dtype
     for bucket, _ in buckets:
         bucket = [(k, (v.to(dtype) if dtype is not None else v).contiguous()) for k, v in bucket]
         if not bucket:
             continue
+        for k, v in bucket:
+            if v.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+                    and not k.endswith("scale_inv"):
+                by_dtype[v.dtype] = by_dtype.get(v.dtype, 0) + v.numel()
         tmp = os.path.join(out_dir, f".shard-{len(shards)}.tmp")
         save_file(dict(bucket), tmp, metadata={"format": "pt"})
         shards.append((tmp, [k for k, _ in bucket]))
@@ -461,8 +467,12 @@ def save_hf_checkpoint(tensors, spec: ModelSpec, out_dir: str, source_dir: str |
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh,
                       indent=2, sort_keys=True)
         os.replace(tmp, os.path.join(out_dir, INDEX_FILE))
+    config = dict(spec.hf_config)
+    if by_dtype:   # the dtype the weights are in (what SGLang's --dtype auto serves)
+        config["dtype" if "torch_dtype" not in config else "torch_dtype"] = \
+            str(max(by_dtype, key=by_dtype.get)).removeprefix("torch.")
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(spec.hf_config, fh, indent=2, sort_keys=True)
+        json.dump(config, fh, indent=2, sort_keys=True)
     if source_dir:
         for fname in os.listdir(source_dir):
             if fname.startswith(("tokenizer", "special_tokens", "generation_config",
