@@ -11,7 +11,9 @@ Checks, each reported pass / fail (with the figure) / skipped (with the reason):
    ratio at T=4096, V=151,936, H=1024 (bf16).
 4. parallel_equivalence: TP=2 + SP, EP=2, CP=2 (padded and packed rows) and packed DP=2 steps
    equal DP=2 on padded rows (needs 2 GPUs; torchrun).
-5. nccl_weight_sync: a broadcast over the weight-update group (built as SGLang builds it) into a
+5. bf16_policy: bfloat16 training with float32 master weights (distributed optimizer and
+   megatron's Float16Optimizer) against float32, and the EMA policy on the master weights.
+6. nccl_weight_sync: a broadcast over the weight-update group (built as SGLang builds it) into a
    second process (needs 2 GPUs: NCCL refuses two ranks on one device).
 On a machine without CUDA it records that nothing ran and exits 0.
 """
@@ -133,6 +135,68 @@ def check_triton_kernel() -> dict:
             "triton_s": out["triton"][2], "triton_over_torch": out["triton"][2] / out["torch"][2]}
 
 
+def check_bf16_policy(path: str) -> dict:
+    """The GPU configs' precision on CUDA: a bfloat16 policy with float32 master weights (the
+    distributed optimizer and megatron's Float16Optimizer), three RL steps each, against the
+    same steps in float32; and the EMA policy (decay 0.99, lr 1e-4, 20 steps) moving the bf16
+    master weights as float32 moves the weights."""
+    import copy
+
+    import transformers
+    from moe_rl.config import config_from_dict
+    from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu
+    from tests.helpers import engine_samples
+    from moe_rl.trainer.policy import PolicyTrainer
+    from moe_rl.trainer.state import main_weights
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    batches = [engine_samples(hf, n_groups=2, group_size=4, seed=s, max_resp=8) for s in range(3)]
+
+    def trainer(dtype, dist_opt, **extra):
+        return PolicyTrainer(config_from_dict({
+            "model": {"path": path, "dtype": dtype}, "cluster": {"gpus_per_node": 1},
+            "rollout": {"n_samples_per_prompt": 4},
+            "trainer": {"lr": 1e-4, "seed": 1, "micro_batch_size": 4,
+                        "distributed_optimizer": dist_opt, **extra},
+            "algorithm": {"replay": "r3", "corrections": ["token_tis"]}}), path)
+    out: dict = {}
+    for name, dtype, dist_opt in (("f32", "float32", False), ("bf16_dist_opt", "bfloat16", True),
+                                  ("bf16", "bfloat16", False)):
+        t = trainer(dtype, dist_opt)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        ms = [t.train_step(copy.deepcopy(b)) for b in batches]
+        torch.cuda.synchronize()
+        out[name] = {"k3_step1": ms[0]["mismatch/k3"], "grad_norm": [m["grad_norm"] for m in ms],
+                     "loss": [m["loss"] for m in ms], "s_per_step": (time.perf_counter() - start) / 3,
+                     "param_dtypes": sorted({str(p.dtype) for p in t.model.module.parameters()})}
+        del t
+    moves = {}
+    for dtype in ("bfloat16", "float32"):
+        t = trainer(dtype, False, ema_decay=0.99, ema_policy=True)
+        params = dict(t.model.module.named_parameters())
+        start_w = {n: main_weights(p).detach().double().clone() for n, p in params.items()}
+        for _ in range(20):
+            t.optimizer.zero_grad()
+            for i, (_, p) in enumerate(sorted(params.items())):
+                idx = torch.arange(p.numel(), device=p.device, dtype=torch.float64)
+                p.main_grad.copy_((torch.sin(idx * 0.37 + i) * 1e-2).reshape(p.shape).float())
+            with cuda_factories_on_cpu():   # nothing on CUDA; lets the check run on CPU too
+                t.optimizer.step()
+            t.state.ema_update()
+        moves[dtype] = {n: main_weights(p).detach().double() - start_w[n] for n, p in params.items()}
+        del t
+    f32 = moves["float32"]
+    total = sum(float(d.norm() ** 2) for d in f32.values()) ** 0.5
+    err = sum(float((moves["bfloat16"][n] - f32[n]).norm() ** 2) for n in f32) ** 0.5
+    out["ema_policy_bf16_vs_f32_rel_diff"] = err / total
+    finite = all(all(map(lambda v: v == v and abs(v) < 1e4, r["grad_norm"] + r["loss"]))
+                 for k, r in out.items() if isinstance(r, dict))
+    close = all(abs(out[k]["grad_norm"][0] - out["f32"]["grad_norm"][0])
+                <= 0.05 * out["f32"]["grad_norm"][0] for k in ("bf16", "bf16_dist_opt"))
+    ok = finite and close and out["ema_policy_bf16_vs_f32_rel_diff"] < 5e-3
+    return {"status": "pass" if ok else "fail", **out}
+
+
 def check_parallel(path: str) -> dict:
     if torch.cuda.device_count() < 2:
         return {"status": "skipped", "reason": f"{torch.cuda.device_count()} GPU(s); TP/EP/CP=2 "
@@ -238,6 +302,7 @@ def main() -> int:
                   "deepseek_cuda_local": lambda: check_megatron_cuda(deepseek, use_te=False),
                   "deepseek_cuda_te": lambda: check_megatron_cuda(deepseek, use_te=True),
                   "triton_kernel": check_triton_kernel,
+                  "bf16_policy": lambda: check_bf16_policy(path),
                   "parallel_equivalence": lambda: check_parallel(path),
                   "nccl_weight_sync": check_nccl_sync}
         for name, fn in checks.items():

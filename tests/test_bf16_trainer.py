@@ -32,7 +32,8 @@ def tiny(tmp_path_factory):
 def make_cfg(path, dtype="bfloat16", **trainer):
     tree = {"model": {"path": path, "dtype": dtype},
             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-            "trainer": {"lr": 1e-3, "micro_batch_size": 2, "steps": 4, "seed": 3, **trainer},
+            "trainer": {"lr": 1e-3, "micro_batch_size": 2, "steps": 4, "seed": 3,
+                        "distributed_optimizer": False, **trainer},   # CUDA: Float16Optimizer too
             "algorithm": {"replay": "r3", "corrections": ["token_tis"]}}
     return config_from_dict(tree)
 
