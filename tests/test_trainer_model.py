@@ -335,3 +335,15 @@ def test_replay_inputs_are_checked_as_the_peers_do(tmp_path):
     with pytest.raises(RuntimeError, match="ran 2 times"):
         ctl.finish_forward()
     ctl.close()
+
+
+def test_megatron_router_needs_no_transformer_engine_on_a_gpu(monkeypatch):
+    """megatron-core 0.16.1 reads ``moe_utils.te_general_gemm``, which exists only when TE
+    imports: on a GPU without TE every router forward raised NameError (seen on an H100). The
+    model builder defines it whatever the device: here as if CUDA were present."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from moe_rl.trainer import cpu_compat
+    monkeypatch.setattr(cpu_compat, "cuda_absent", lambda: False)
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    assert cpu_compat.apply_cpu_shims() is False   # no CPU shims on a GPU ...
+    assert moe_utils.te_general_gemm is None       # ... but the router's name is defined

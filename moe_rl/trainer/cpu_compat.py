@@ -3,7 +3,9 @@
 1. ``torch.cuda.current_device`` returns "cpu" (rotary embedding moves ``inv_freq`` there).
 2. The model-parallel RNG tracker's ``fork`` is a no-op context (it needs CUDA RNG states);
    dropout must be 0 on CPU because of it.
-3. ``moe_utils.te_general_gemm = None`` (0.16.1 raises NameError without Transformer Engine).
+3. ``moe_utils.te_general_gemm = None`` (0.16.1 raises NameError without Transformer Engine):
+   :func:`define_te_general_gemm`, applied on GPUs too (seen on an H100 without TE: every MoE
+   router forward failed there, moe_utils.py:1192).
 4. ``optimizer.clip_grad_by_total_norm_fp32`` asserts CUDA gradients: replaced by a CPU version
    that scales the gradients by ``max_norm / (total_norm + 1e-6)`` when below 1.
 5. Activation recomputation saves and restores the CUDA RNG state: on CPU there is none, so
@@ -40,9 +42,19 @@ def _clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
                 g.mul_(coeff)
 
 
+def define_te_general_gemm() -> None:
+    """megatron-core 0.16.1's router tests ``te_general_gemm is not None`` but defines the name
+    only when Transformer Engine imports (moe_utils.py:1192): define it as None otherwise."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_cpu_shims() -> bool:
-    """Install the shims once when CUDA is absent; returns whether they are active."""
+    """Install the shims once when CUDA is absent; returns whether they are active. Shim 3
+    applies on every device."""
     global _APPLIED
+    define_te_general_gemm()
     if not cuda_absent():
         return False
     if _APPLIED:
@@ -53,9 +65,6 @@ def apply_cpu_shims() -> bool:
     tp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
     tp_random._get_cuda_rng_state = lambda *a, **k: None
     tp_random._set_cuda_rng_state = lambda *a, **k: None
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     import megatron.core.optimizer.optimizer as mopt
     mopt.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
     _APPLIED = True
