@@ -95,7 +95,9 @@ class Forwarder:
         if run is not mb:
             replay.crop(run.shape, shape)
             lp, ent = lp[:shape[0], :shape[1]], ent[:shape[0], :shape[1]]
-        return lp, ent
+        # the step's per-token bookkeeping ([B, R] rows, the loss) lives on the CPU; the copy is
+        # differentiable, so the backward reaches the model on its GPU
+        return lp.cpu(), ent.cpu()
 
     @staticmethod
     def cp_positions(mb: MicroBatch) -> torch.Tensor | None:
