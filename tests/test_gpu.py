@@ -51,3 +51,18 @@ def test_tp2_sp_ep2_and_context_parallel_2_gradients_equal_data_parallel(tiny):
 @needs_two
 def test_nccl_weight_sync_into_a_second_process():
     assert gpu_check.check_nccl_sync()["status"] == "pass"
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU behaviour of the check")
+def test_gpu_check_on_cpu_keeps_the_last_gpu_runs_results(tmp_path, monkeypatch):
+    """Without CUDA the check records that nothing ran, but never over a GPU run's results
+    (`make bench` on a CPU machine must not erase the committed H100 figures)."""
+    import json
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path)
+    assert gpu_check.main() == 0
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == {
+        "cuda": False, "note": "no CUDA device: nothing ran"}
+    gpu_run = {"cuda": True, "device": "NVIDIA H100 80GB HBM3", "triton_kernel": {"status": "pass"}}
+    (tmp_path / "gpu_check.json").write_text(json.dumps(gpu_run))
+    assert gpu_check.main() == 0
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == gpu_run
