@@ -1,5 +1,7 @@
 """Expert parallel and data parallel over two gloo processes (multiproc)."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -161,3 +163,17 @@ def test_expert_parallel_ranks_with_different_micro_batch_shapes(tmp_path):
     for out in outs:
         assert out["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-5)
         assert out["agreement"] == pytest.approx(m["routing/agreement"], abs=1e-7)
+
+
+def test_the_planned_master_address_wins_over_an_inherited_one():
+    """A trainer rank is told rank 0's address by the plan; an inherited ``MASTER_ADDR`` (some
+    Slurm templates export one) must not override it, or the ranks never meet. Here the
+    inherited name does not resolve (no traffic leaves the machine): the rendezvous must use
+    the planned 127.0.0.1."""
+    code = ("import os; from moe_rl.trainer.parallel import free_port, init_distributed; "
+            "init_distributed(rank=0, world_size=1, master_addr='127.0.0.1', "
+            "master_port=free_port()); print(os.environ['MASTER_ADDR'])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "MASTER_ADDR": "inherited.invalid"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "127.0.0.1"

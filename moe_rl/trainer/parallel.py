@@ -48,7 +48,9 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
         return
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    os.environ.setdefault("MASTER_ADDR", master_addr or "127.0.0.1")
+    if master_addr is not None:   # the plan's rank-0 address wins over an inherited one
+        os.environ["MASTER_ADDR"] = master_addr   # (some Slurm templates export MASTER_ADDR)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if master_port is not None:
         os.environ["MASTER_PORT"] = str(master_port)
     elif world_size == 1:   # a port inherited from a parent process may still be bound there

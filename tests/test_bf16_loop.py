@@ -1,0 +1,106 @@
+"""`moe-rl train` in the precision the GPU configs run, on CPU: the trainer in bfloat16 with
+float32 master weights (megatron's mixed-precision optimizer) and the engine in bfloat16. A run
+resumes exactly, its checkpoint and export round-trip in bfloat16, the EMA policy moves the
+weights, and every replay mode and correction runs."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import train_cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BF16 = ("model.dtype=bfloat16", "rollout.engine_dtype=bfloat16")
+WEIGHTS_ONLY = {"token_tis", "seq_tis", "snis"}   # reweight; is/* shows them
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bf16_model") / "model"
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(out)],
+                   check=True, capture_output=True, timeout=120)
+    return out
+
+
+def _workdir(tmp_path, model_dir, name):
+    work = tmp_path / name
+    work.mkdir()
+    (work / "model").symlink_to(model_dir)
+    return work
+
+
+def _rows(work):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("timing/")}
+            for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(folder):
+    out = {}
+    for f in sorted(pathlib.Path(folder).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+def test_bf16_run_resumes_exactly_and_round_trips_in_bf16(tmp_path, model_dir):
+    """Four deterministic steps in one go equal two steps, a stop and `--resume` for two more:
+    every logged value and the final bfloat16 weights (the float32 master weights and Adam's
+    state come back from the checkpoint). The export is bfloat16 and says so; converting the
+    last checkpoint gives the same tensors; the engine (bf16) and the trainer (bf16) differ a
+    little (k3 > 0) but route alike."""
+    det = ("rollout.sglang.deterministic_inference=true", *BF16)
+    whole = _workdir(tmp_path, model_dir, "whole")
+    train_cli(whole, 4, *det)
+    parts = _workdir(tmp_path, model_dir, "parts")
+    train_cli(parts, 2, *det)
+    train_cli(parts, 4, *det, resume=True)
+    rows = _rows(whole)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows == _rows(parts)
+    assert all(0 < r["mismatch/k3"] < 1e-3 and r["routing/agreement"] > 0.95 for r in rows)
+    assert json.loads((whole / "run" / "final_hf" / "config.json").read_text())["dtype"] == \
+        "bfloat16"
+    final, resumed = _weights(whole / "run" / "final_hf"), _weights(parts / "run" / "final_hf")
+    start = _weights(model_dir)
+    assert final.keys() == resumed.keys() == start.keys()
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, resumed[k]) for k, v in final.items())
+    assert any(not torch.equal(v, start[k].to(torch.bfloat16)) for k, v in final.items())
+    out = tmp_path / "converted"
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "convert", "--to", "hf", "--checkpoint",
+                    str(whole / "run" / "checkpoints"), "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    converted = _weights(out)
+    assert all(torch.equal(converted[k], v) for k, v in final.items())
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+@pytest.mark.parametrize("replay,corrections,ema", [
+    ("r3", "[token_tis,seq_mis,icepop,geo_rs]", True),
+    ("r2", "[seq_tis,seq_rs,opsm,metropolis]", False),
+    ("off", "[trm,snis]", False)])
+def test_bf16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corrections, ema):
+    """Every replay mode and every correction through `moe-rl train` in bfloat16, two RL steps:
+    finite metrics, each correction's own metrics logged; with the EMA policy (decay 0.9 from
+    step 0) the served policy moves off the initial weights."""
+    work = _workdir(tmp_path, model_dir, "run")
+    extra = ["trainer.ema_decay=0.9", "trainer.ema_policy=true"] if ema else []
+    extra += ["algorithm.correction.opsm_delta=1e-3", "algorithm.correction.trm_delta=1e-3"]
+    train_cli(work, 2, *BF16, f"algorithm.replay={replay}",
+              f"algorithm.corrections={corrections}", *extra)
+    rows = _rows(work)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert all(v is None or v == v for v in r.values() if isinstance(v, float))
+        assert r["is/ess"] > 0
+        for name in set(corrections.strip("[]").split(",")) - WEIGHTS_ONLY:   # masks log theirs
+            assert 0 <= r[f"correction/{name}/masked_token_frac"] <= 1, name
+        assert r["grad_norm"] >= 0 and r["mismatch/k3"] < 1e-3
+    final, start = _weights(work / "run" / "final_hf"), _weights(model_dir)
+    assert any(not torch.equal(v, start[k].to(torch.bfloat16)) for k, v in final.items())
