@@ -450,3 +450,19 @@ def test_the_manuals_home_page_is_the_readme():
     assert home == readme.replace("](docs/", "](").replace(
         "The manual is in [`docs/`](index.md), one page per concern",
         "This manual has one page per concern")
+
+
+def test_context_parallel_without_transformer_engine_is_refused_early(monkeypatch):
+    """CP > 1 runs in Transformer Engine's attention only (megatron's local attention asserts
+    CP == 1 at the first forward): refused by the model builder, where the trainer starts and
+    before anything is built, naming the key and the fix. (Not at config time: the driver may
+    lack TE where the trainer's nodes have it.)"""
+    import importlib.util
+    from moe_rl.trainer import model_builder
+    from moe_rl.trainer.parallel import ParallelSizes
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformer_engine" else real(name, *a))
+    with pytest.raises(ValueError, match=r"trainer.context_parallel: > 1 needs Transformer "
+                                         r"Engine.*install transformer-engine\[pytorch\]"):
+        model_builder.build_model("unused", sizes=ParallelSizes(1, 1, 1, 2))

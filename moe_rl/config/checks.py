@@ -175,6 +175,14 @@ def check_optimiser_and_layout(cfg: Config, facts: MoEShape) -> None:
                           "parallelism are supported)")
 
 
+# refused where the model is built (the trainer's nodes, which may have Transformer Engine where
+# the driver does not), before the first forward would assert
+CP_NEEDS_TE = ("trainer.context_parallel: > 1 needs Transformer Engine's attention on GPUs "
+               "(megatron-core's local DotProductAttention asserts context parallel 1, "
+               "transformer/dot_product_attention.py:58); install transformer-engine[pytorch] "
+               "or set trainer.context_parallel=1")
+
+
 def check_cpu(cfg: Config) -> None:
     """What a CPU run (cluster.gpus_per_node 0) cannot do."""
     t = cfg.trainer

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe_rl.config.checks import CP_NEEDS_TE
 from moe_rl.moe_shape import MoEShape
 from moe_rl.trainer.cpu_compat import apply_cpu_shims, check_cpu_settings, cuda_absent
 from moe_rl.trainer.parallel import ParallelSizes
@@ -274,6 +275,8 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
+    if sizes.context > 1 and not te_available():
+        raise ValueError(CP_NEEDS_TE)
     apply_cpu_shims()
     spec = model_spec(load_hf_config(hf_config))
     config = transformer_config(spec, sizes=sizes, dtype=dtype,
