@@ -94,3 +94,19 @@ def test_moe_rl_plan_prints_json_and_refuses_with_exit_2():
                           "rollout.sglang.tp_size=2"], capture_output=True, text=True)
     assert bad.returncode == 2 and "rollout.num_servers" in bad.stderr \
         and "Traceback" not in bad.stderr
+
+
+def test_dp_attention_servers_on_one_node_get_port_ranges_that_do_not_overlap():
+    """SGLang 0.5.23 under --enable-dp-attention on one node binds its port and port+233 ..
+    port+239 (server_args.py:728,818-846): servers of one node spaced by 1 collide there; they
+    are spaced by 240. Without DP attention the spacing stays 1."""
+    dp = ["cluster.num_nodes=1", "cluster.trainer_workers=2", "rollout.num_servers=3",
+          "rollout.sglang.tp_size=2", "rollout.base_port=30000"]
+    plan = make_plan(load_config(None, GPU + dp + [
+        "rollout.sglang.extra_args=[--enable-dp-attention]", "rollout.sglang.dp_size=2"]))
+    ports = [p.port for p in plan.processes if p.role == "engine"]
+    assert ports == [30000, 30240, 30480]
+    bound = [set([p, *range(p + 233, p + 240)]) for p in ports]
+    assert all(not (bound[i] & bound[j]) for i in range(3) for j in range(i + 1, 3))
+    plain = make_plan(load_config(None, GPU + dp))
+    assert [p.port for p in plain.processes if p.role == "engine"] == [30000, 30001, 30002]

@@ -32,6 +32,11 @@ def gpus_per_server(cfg: Config) -> int:
     return engine_kind(cfg).gpus_per_server(cfg)
 
 
+def port_span(cfg: Config) -> int:
+    """Ports from its own up that one server binds (servers on a node are this far apart)."""
+    return engine_kind(cfg).port_span(cfg)
+
+
 def weight_ranks_per_server(cfg: Config) -> int:
     """Ranks one server takes in the weight-update group."""
     return engine_kind(cfg).weight_ranks_per_server(cfg)

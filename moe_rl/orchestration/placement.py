@@ -15,7 +15,8 @@ spread over the nodes in contiguous blocks. The rollout worker runs on node 0.
 
 Addresses: a single-node run binds the servers to ``rollout.host``; a multi-node run binds
 each server to its node's address (a loopback ``rollout.host`` cannot be reached from another
-node). Ports: server k of a node tries ``rollout.base_port + k`` first and takes the next free
+node). Ports: server k of a node tries ``rollout.base_port + k`` first (``k x 240`` with SGLang's
+``--enable-dp-attention``, under which a server also binds port+233..port+239) and takes the next free
 one on that node; the plan ``train`` writes to ``<run>/plan.json`` holds the ports taken."""
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from moe_rl.config import Config, ConfigError
-from moe_rl.engines.factory import gpus_per_server, server_command, weight_ranks_per_server
+from moe_rl.engines.factory import gpus_per_server, port_span, server_command, \
+    weight_ranks_per_server
 
 LOOPBACK_HOSTS = ("localhost",)
 
@@ -169,7 +171,7 @@ def make_plan(cfg: Config, nodes: int | None = None, gpus_per_node: int | None =
         on_node[node] = k + 1
         proc = PlannedProcess("engine", s, node, gpus,
                               host=engine_host(cfg, nodes, addresses[node]),
-                              port=r.base_port + k)
+                              port=r.base_port + k * port_span(cfg))
         proc.argv, proc.env = engine_command(cfg, proc, model_path)
         procs.append(proc)
     procs.append(PlannedProcess("rollout", 0, 0, []))

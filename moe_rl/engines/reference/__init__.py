@@ -35,6 +35,11 @@ def server_command(cfg: Config, host: str, port: int, gpus: list[int], index: in
         dict(REFERENCE_ENV)
 
 
+def port_span(cfg: Config) -> int:
+    """Ports one server takes from its own: just it."""
+    return 1
+
+
 def describe(cfg: Config) -> str:
     """The engine in words."""
     return f"{cfg.rollout.engine_dtype} reference engine"
@@ -48,5 +53,5 @@ def check_config(cfg: Config) -> None:
                           "use 'distributed' or 'disk' otherwise")
 
 
-__all__ = ["INHERITS_SOCKET", "check_config", "describe", "gpus_per_server", "server_command",
+__all__ = ["INHERITS_SOCKET", "check_config", "describe", "gpus_per_server", "port_span", "server_command",
            "weight_ranks_per_server"]

@@ -20,6 +20,19 @@ def gpus_per_server(cfg: Config) -> int:
     return g.tp_size * dp
 
 
+# SGLang 0.5.23 under --enable-dp-attention on one node also binds port+233 (its ZMQ_TCP_PORT_DELTA)
+# and port+234..port+239 (server_args.py:728,818-846)
+DP_ATTENTION_PORT_SPAN = 233 + 7
+
+
+def port_span(cfg: Config) -> int:
+    """Ports one server takes from its own: 1, or with ``--enable-dp-attention`` the
+    :data:`DP_ATTENTION_PORT_SPAN` that SGLang derives from it (servers on one node are spaced
+    by this, or the second cannot bind)."""
+    return DP_ATTENTION_PORT_SPAN if "--enable-dp-attention" in cfg.rollout.sglang.extra_args \
+        else 1
+
+
 def describe(cfg: Config) -> str:
     """The engine in words (on CPU with the dtype moe_rl sets; on GPUs the checkpoint's)."""
     g = cfg.rollout.sglang
@@ -37,5 +50,5 @@ def server_command(cfg: Config, host: str, port: int, gpus: list[int], index: in
     return sglang_argv(cfg, model_path, host, port), sglang_env(gpus, cfg.rollout.sglang.device)
 
 
-__all__ = ["INHERITS_SOCKET", "check_config", "describe", "gpus_per_server", "server_command",
+__all__ = ["INHERITS_SOCKET", "check_config", "describe", "gpus_per_server", "port_span", "server_command",
            "weight_ranks_per_server"]
