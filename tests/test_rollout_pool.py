@@ -3,6 +3,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -92,14 +93,14 @@ class _StubServer:
         import http.server
         import time
         stub = self
-        self.delay, self.hung, self.generated = delay, False, 0
+        self.delay, self.hung, self.generated, self.status = delay, False, 0, 200
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
 
-            def _reply(self, body: bytes):
-                self.send_response(200)
+            def _reply(self, body: bytes, status: int = 200):
+                self.send_response(status)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
@@ -114,7 +115,7 @@ class _StubServer:
                 self.rfile.read(int(self.headers["content-length"]))
                 time.sleep(stub.delay)
                 stub.generated += 1
-                self._reply(b'{"text": "done"}')
+                self._reply(b'{"text": "done"}', stub.status)
 
         self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.http.daemon_threads = True
@@ -168,5 +169,40 @@ def test_a_hung_server_is_restarted_and_the_request_sent_again():
                 return await pool.request("/generate", {}, server=pool.servers[0]), pool
         out, pool = asyncio.run(main())
         assert out == {"text": "done"} and restarts == [1] and pool.restarts == 1
+    finally:
+        stub.close()
+
+
+@pytest.mark.parametrize("failure", ["http_500", "hung"])
+def test_a_weight_announcement_is_never_sent_twice(failure):
+    """A request whose effect may have started (a weight broadcast the server joins as a
+    collective) fails at once, sent once, when its server fails (5xx) or stops answering; a
+    resend would wait in the collective until the group's timeout. An ordinary request is
+    retried."""
+    import asyncio
+    from moe_rl.engines.sglang.pool import EngineHTTPError
+    stub = _StubServer(delay=0.0)
+    if failure == "http_500":
+        stub.status = 500
+    else:
+        stub.delay, stub.hung = 1.0, True
+
+    async def main(resend):
+        async with ServerPool([stub.url], timeout=0.3, max_retries=2, backoff=0.01,
+                              restarters=[lambda: setattr(stub, "hung", False)]) as pool:
+            with pytest.raises(EngineHTTPError) as info:
+                await pool.request("/update_weights_from_distributed", {}, resend=resend,
+                                   server=pool.servers[0])
+            return str(info.value)
+    try:
+        msg = asyncio.run(main(resend=False))
+        time.sleep(1.2 if failure == "hung" else 0.0)   # the hung request's handler finishes
+        assert stub.generated == 1, msg
+        if failure == "http_500":
+            stub.generated = 0
+            asyncio.run(main(resend=True))   # an ordinary request: 1 + max_retries sends
+            assert stub.generated == 3
+        else:
+            assert "not sent again" in msg
     finally:
         stub.close()

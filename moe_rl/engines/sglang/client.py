@@ -90,8 +90,9 @@ class SGLangWeightReceiver(WeightReceiver):
     def __init__(self, pool_factory: Callable[[], ServerPool], ranks_per_server: int = 1):
         self.pool_factory, self.ranks_per_server = pool_factory, ranks_per_server
 
-    def _broadcast(self, path: str, body: dict | None) -> list[dict]:
-        return run_with_pool(self.pool_factory, lambda pool: pool.broadcast(path, body))
+    def _broadcast(self, path: str, body: dict | None, resend: bool = True) -> list[dict]:
+        return run_with_pool(self.pool_factory,
+                             lambda pool: pool.broadcast(path, body, resend=resend))
 
     def load_from_disk(self, path: str, version: int) -> None:
         self._broadcast("/update_weights_from_disk",
@@ -109,7 +110,7 @@ class SGLangWeightReceiver(WeightReceiver):
             return list(await asyncio.gather(*(pool.request(
                 "/init_weights_update_group",
                 init_group_request(address, port, 1 + i * per, world, group_name, backend),
-                server=s) for i, s in enumerate(pool.servers))))
+                server=s, resend=False) for i, s in enumerate(pool.servers))))
         run_with_pool(self.pool_factory, run)
 
     def begin(self) -> None:
@@ -124,8 +125,9 @@ class SGLangWeightReceiver(WeightReceiver):
 
     def announce_bucket(self, named: list[tuple[str, torch.Tensor]], version: int,
                         group_name: str, last: bool) -> None:
-        self._broadcast("/update_weights_from_distributed",
-                        update_request(named, version, group_name, flush_cache=last))
+        self._broadcast("/update_weights_from_distributed",   # a collective: never resent
+                        update_request(named, version, group_name, flush_cache=last),
+                        resend=False)
 
     def receive_tensors(self, payloads: list[list[str]], version: int, last: bool) -> None:
         async def run(pool: ServerPool):

@@ -173,11 +173,15 @@ class ServerPool:
                 send.cancel()
 
     async def request(self, path: str, body: dict | None = None, *, server: Server | None = None,
-                      method: str = "POST") -> dict:
+                      method: str = "POST", resend: bool = True) -> dict:
         """Send to ``server`` (pinned) or else to the least-loaded live one. Connection errors
         and 5xx: an unpinned request goes to another server (a dead one is restarted); a pinned
         one waits for its server's restart and is sent to it again. 4xx raise at once; so does
-        every failure after ``max_retries`` retries."""
+        every failure after ``max_retries`` retries. ``resend=False`` (a request whose effect
+        must not happen twice, e.g. a weight broadcast the server joins as a collective): only
+        a connection that never opened is tried again; once the request may have reached the
+        server, a failure raises at once (a second announcement would wait in the collective
+        until the group's timeout)."""
         pinned = server is not None
         avoid: set[str] = set()
         last: Exception | None = None
@@ -193,6 +197,10 @@ class ServerPool:
                     resp = await self._answer(target, method, path, body)
             except (httpx.TransportError, httpx.TimeoutException) as exc:
                 last, dead = exc, True
+                if not resend and not isinstance(exc, httpx.ConnectError):
+                    self._mark_dead(target)
+                    raise EngineHTTPError(f"{target.url}{path}: not sent again, the server may "
+                                          f"have started it: {exc!r}") from exc
             else:
                 if resp.status_code < 400:
                     return response_body(resp)
@@ -202,6 +210,8 @@ class ServerPool:
                 last = EngineHTTPError(f"{target.url}{path}: HTTP {resp.status_code}: "
                                        f"{error_message(resp)}")
                 target.failures += 1
+                if not resend:
+                    raise last
             finally:
                 target.in_flight -= 1
             if dead:
@@ -212,13 +222,14 @@ class ServerPool:
                 await asyncio.sleep(self.backoff * (2 ** attempt) * (0.5 + random.random() / 2))
         raise EngineHTTPError(f"{path}: failed after {self.max_retries + 1} attempts: {last}")
 
-    async def broadcast(self, path: str, body: dict | None = None, method: str = "POST"
-                        ) -> list[dict]:
+    async def broadcast(self, path: str, body: dict | None = None, method: str = "POST",
+                        resend: bool = True) -> list[dict]:
         """Send to every server (weight updates, health), each pinned; waits for restarting
-        servers first."""
+        servers first (``resend``: as :meth:`request`'s)."""
         for s in self.servers:
             if s.restarting is not None:
                 await s.restarting
                 s.restarting = None
-        return list(await asyncio.gather(*(self.request(path, body, server=s, method=method)
+        return list(await asyncio.gather(*(self.request(path, body, server=s, method=method,
+                                                        resend=resend)
                                            for s in self.servers)))
