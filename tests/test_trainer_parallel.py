@@ -177,3 +177,38 @@ def test_the_planned_master_address_wins_over_an_inherited_one():
                          timeout=120, env={**os.environ, "MASTER_ADDR": "inherited.invalid"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "127.0.0.1"
+
+
+def _agreement_worker(rank, port, sizes, out_dir):
+    import types
+    from moe_rl.trainer.parallel import ParallelSizes, destroy, init_distributed, \
+        init_model_parallel
+    from moe_rl.trainer.passes import StepPasses
+    init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    init_model_parallel(ParallelSizes(**sizes))
+    # rank 0 holds 6 positions that agree, rank 1 the other 2 positions, which do not
+    agree = 1.0 if rank == 0 else 0.0
+    rows = [{"w": 6.0 if rank == 0 else 2.0, "routing/agreement": agree,
+             "routing/token_differs_frac": 1 - agree, "routing/agreement_layer_0": agree}]
+    fake = types.SimpleNamespace(replay=types.SimpleNamespace(layer_names=["0"]))
+    got = StepPasses._agreement_metrics(fake, rows)
+    with open(os.path.join(out_dir, f"agree{rank}.txt"), "w") as fh:
+        fh.write(repr(got))
+    destroy()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("sizes", [{"tensor": 2}, {"context": 2}], ids=["tp2", "cp2"])
+def test_routing_agreement_counts_every_ranks_positions(tmp_path, sizes):
+    """Under sequence parallelism each tensor-parallel rank routes a slice of the positions,
+    under context parallelism each CP rank its chunks: routing/agreement is the position-weighted
+    mean over every rank's slice (6 agreeing + 2 not = 0.75), not over data-parallel rank 0's
+    (here the only one: 1.0), on every rank."""
+    import ast
+    from moe_rl.trainer.parallel import free_port
+    mp.start_processes(_agreement_worker, args=(free_port(), sizes, str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    for rank in (0, 1):
+        got = ast.literal_eval((tmp_path / f"agree{rank}.txt").read_text())
+        assert got == pytest.approx({"routing/agreement": 0.75, "routing/token_differs_frac": 0.25,
+                                     "routing/agreement_layer_0": 0.75})

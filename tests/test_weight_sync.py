@@ -279,3 +279,60 @@ def test_sharded_checkpoint_loads_back(tmp_path):
         assert r.status_code == 200
     finally:
         proc.stop()
+
+
+def test_tensor_sync_sources_follow_the_plan():
+    """Each SGLang TP rank takes the payload of the trainer rank on its own node and GPU, as the
+    plan placed them: with 6 GPUs a node and servers of TP 4, server 1 moves to node 1, where
+    trainer ranks 6-9 share its GPUs (``s * tp + j`` would have fed it ranks 4-7, two of them
+    on node 0). With EP 8 and one TP-4 server only ranks 0-3 are sources. A TP rank on a GPU
+    no trainer rank holds is refused, naming it."""
+    from moe_rl.config import ConfigError, load_config
+    from moe_rl.orchestration.placement import Plan, PlannedProcess, make_plan, tensor_sources
+    base = ["rollout.engine=sglang", "cluster.weight_sync=tensor", "cluster.colocate=true"]
+    moved = load_config(None, base + [
+        "cluster.gpus_per_node=6", "cluster.num_nodes=2", "cluster.trainer_workers=12",
+        "rollout.num_servers=2", "rollout.sglang.tp_size=4", "trainer.expert_parallel=2",
+        "rollout.prompts_per_step=12"])
+    plan = make_plan(moved)
+    assert [(p.node, p.gpus) for p in plan.of("engine")] == [(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3])]
+    assert plan.tensor_sources == [[0, 1, 2, 3], [6, 7, 8, 9]]
+    assert plan.to_json()["tensor_sources"] == [[0, 1, 2, 3], [6, 7, 8, 9]]
+    ep8 = make_plan(load_config(None, base + [
+        "cluster.gpus_per_node=8", "cluster.trainer_workers=8", "rollout.num_servers=1",
+        "rollout.sglang.tp_size=4", "trainer.expert_parallel=8"]))
+    assert ep8.tensor_sources == [[0, 1, 2, 3]]
+    lone = Plan(1, 8, [PlannedProcess("trainer", 0, 0, [0]), PlannedProcess("trainer", 1, 0, [1]),
+                       PlannedProcess("engine", 0, 0, [0, 1, 2, 3])])
+    with pytest.raises(ConfigError, match=r"server 0's TP rank 2 \(node 0, GPU 2\) has none"):
+        tensor_sources(load_config(None, base + ["cluster.gpus_per_node=8",
+                                                 "rollout.sglang.tp_size=4",
+                                                 "cluster.trainer_workers=4"]), lone)
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_only_the_ranks_a_server_reads_share_their_tensors(monkeypatch, rank):
+    """A rank that feeds no TP rank never serialises (its CUDA IPC share would pin a model copy
+    per sync until out of memory: torch keeps a shared block alive until a consumer releases
+    it); rank 0 hands server s the payloads of ``sources[s]``."""
+    import types
+    import moe_rl.weights.serialize as serialize
+    from moe_rl.orchestration.workers import TrainerWorker
+    sources = [[0, 1], [3, 4]]
+    serialised, received = [], []
+    monkeypatch.setattr(serialize, "serialize_named_tensors",
+                        lambda named: serialised.append(named) or f"payload{rank}")
+    monkeypatch.setattr(serialize, "gather_strings", lambda text: (
+        [f"payload{r}" if r in (0, 1, 3, 4) else "" for r in range(6)] if rank == 0 else None))
+    trainer = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(rollout=types.SimpleNamespace(quantization="none")),
+        hf_buckets=lambda everywhere: iter([([("w", torch.zeros(2))], True)]))
+    receiver = types.SimpleNamespace(
+        receive_tensors=lambda payloads, version, last: received.append(payloads),
+        end=lambda: None)
+    worker = types.SimpleNamespace(rank=rank, trainer=trainer, receiver=receiver,
+                                   _begin_session=lambda: None)
+    sent = TrainerWorker.__ray_actor_class__.push_weights_tensor(worker, sources, 3)
+    assert len(serialised) == (1 if rank == 0 else 0)
+    if rank == 0:
+        assert sent == 1 and received == [[["payload0", "payload1"], ["payload3", "payload4"]]]

@@ -55,6 +55,7 @@ class Plan:
     gpus_per_node: int
     processes: list[PlannedProcess]
     weight_update_group: dict | None = None
+    tensor_sources: list[list[int]] | None = None   # weight_sync tensor: [server][TP rank]
 
     def of(self, role: str) -> list[PlannedProcess]:
         return [p for p in self.processes if p.role == role]
@@ -63,7 +64,8 @@ class Plan:
         return {"nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
                 "processes": [{k: v for k, v in dataclasses.asdict(p).items()}
                               for p in self.processes],
-                "weight_update_group": self.weight_update_group}
+                "weight_update_group": self.weight_update_group,
+                "tensor_sources": self.tensor_sources}
 
     def node_resources(self, cfg: Config) -> list[dict[str, float]]:
         """The Ray resources each node's processes reserve (one placement-group bundle per
@@ -177,7 +179,30 @@ def make_plan(cfg: Config, nodes: int | None = None, gpus_per_node: int | None =
     procs.append(PlannedProcess("rollout", 0, 0, []))
     plan = Plan(nodes, G, procs)
     plan.weight_update_group = weight_group_plan(cfg, plan)
+    plan.tensor_sources = tensor_sources(cfg, plan)
     return plan
+
+
+def tensor_sources(cfg: Config, plan: Plan) -> list[list[int]] | None:
+    """``cluster.weight_sync: tensor``: for server s's TP rank j, the trainer rank on the same
+    node and GPU (SGLang's TP rank opens the CUDA tensors that rank shares), as the plan placed
+    them (a server moved to the next node included). ConfigError naming the server, TP rank,
+    node and GPU that no trainer rank shares."""
+    if cfg.cluster.weight_sync != "tensor":
+        return None
+    on_gpu = {(p.node, g): p.index for p in plan.of("trainer") for g in p.gpus}
+    out = []
+    for server in plan.of("engine"):
+        ranks = []
+        for j, gpu in enumerate(server.gpus[:weight_ranks_per_server(cfg)]):
+            if (server.node, gpu) not in on_gpu:
+                raise ConfigError(f"cluster.weight_sync: 'tensor' needs a trainer rank on the GPU "
+                                  f"of every SGLang TP rank; server {server.index}'s TP rank {j} "
+                                  f"(node {server.node}, GPU {gpu}) has none: use 'distributed' "
+                                  f"or 'disk', or place trainer ranks on every server GPU")
+            ranks.append(on_gpu[(server.node, gpu)])
+        out.append(ranks)
+    return out
 
 
 def weight_group_plan(cfg: Config, plan: Plan) -> dict | None:

@@ -17,6 +17,7 @@ import ray
 
 from moe_rl.config import Config
 from moe_rl.engines.factory import weight_ranks_per_server
+from moe_rl.orchestration.placement import make_plan
 
 
 class DiskSync:
@@ -153,12 +154,12 @@ class DistributedSync(_InMemorySync):
 
 
 class TensorSync(_InMemorySync):
-    """Colocated SGLang: every trainer rank hands the tensors on its GPU to the SGLang TP rank
-    on that GPU (``/update_weights_from_tensor``)."""
+    """Colocated SGLang: the trainer rank on each SGLang TP rank's GPU (the plan's
+    ``tensor_sources``) hands it the tensors (``/update_weights_from_tensor``)."""
 
     def _send(self, version: int) -> None:
-        tp = weight_ranks_per_server(self.cfg)
-        ray.get([a.push_weights_tensor.remote(tp, version) for a in self.trainers.actors])
+        sources = make_plan(self.cfg).tensor_sources   # which trainer rank feeds which TP rank
+        ray.get([a.push_weights_tensor.remote(sources, version) for a in self.trainers.actors])
         ray.get(self.rollout.set_version.remote(version))
 
 

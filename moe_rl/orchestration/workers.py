@@ -116,32 +116,29 @@ class TrainerWorker:
             self.receiver.end()
         return sent
 
-    def push_weights_tensor(self, tp_size: int, version: int) -> int:
+    def push_weights_tensor(self, sources: list[list[int]], version: int) -> int:
         """Colocated SGLang: hand the weights to every server as CUDA tensors (collective), in
-        buckets of ``cluster.weight_sync_bucket_mb``. Each trainer rank serialises the bucket's
-        tensors on its own GPU, which is the GPU of SGLang's TP rank ``rank % tp_size`` of server
-        ``rank // tp_size``; rank 0 gathers the payloads and hands each server its TP ranks'
-        ones inside a weight-update session, keeping its tensors alive until the servers
-        answered. Returns the tensors sent."""
+        buckets of ``cluster.weight_sync_bucket_mb``. Server s's TP rank j takes the payload
+        of trainer rank ``sources[s][j]`` (the plan's: the rank on that TP rank's GPU); only
+        those ranks serialise (torch keeps a shared CUDA block alive until a consumer releases
+        it: a payload no server opens would hold a model copy per sync). Rank 0 gathers the
+        payloads and hands each server its TP ranks' ones inside a weight-update session,
+        keeping its tensors alive until the servers answered. Returns the tensors sent."""
         from moe_rl.weights.fp8 import quantise_named
         from moe_rl.weights.serialize import gather_strings, serialize_named_tensors
-        servers = len(self.engine_urls)
         sent, failure = 0, None
         if self.rank == 0:   # SGLang loads tensor updates only inside a session
             failure = self._begin_session()
         fp8 = self.trainer.cfg.rollout.quantization == "fp8"
+        consumed = self.rank in {r for ranks in sources for r in ranks}
         for bucket, last in self.trainer.hf_buckets(everywhere=True):
             payloads = gather_strings(serialize_named_tensors(
-                quantise_named(bucket) if fp8 else bucket))
+                quantise_named(bucket) if fp8 else bucket) if consumed else "")
             if self.rank != 0 or failure is not None:
                 continue
             try:
-                if len(payloads) < servers * tp_size:
-                    raise ValueError(f"cluster.trainer_workers: {len(payloads)} trainer ranks "
-                                     f"cannot feed {servers} servers of TP {tp_size}")
-                self.receiver.receive_tensors(
-                    [payloads[s * tp_size:(s + 1) * tp_size] for s in range(servers)], version,
-                    last)
+                self.receiver.receive_tensors([[payloads[r] for r in ranks] for ranks in sources],
+                                              version, last)
                 sent += len(bucket)
             except Exception as exc:   # finish the stream (collectives), then report
                 failure = exc

@@ -1,4 +1,5 @@
-"""Reductions over the data-parallel group that every trainer rank enters (a no-op on one)."""
+"""Reductions over the data-parallel group (or every trainer rank) that every trainer rank enters
+(a no-op on one)."""
 from __future__ import annotations
 
 import torch
@@ -26,4 +27,15 @@ def dp_sum(values: list[float]) -> list[float]:
     group = dp_group()
     if group is not None:
         dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def every_rank_sum(values: list[float]) -> list[float]:
+    """``values`` summed over every trainer rank (float64): for per-position sums that tensor-
+    (with sequence parallelism) and context-parallel ranks each hold a slice of. Ranks holding
+    the same positions (tensor parallelism without it) count them alike, which leaves a
+    position-weighted mean unchanged."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
     return t.tolist()

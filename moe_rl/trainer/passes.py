@@ -16,7 +16,7 @@ from moe_rl.algo import kept_set_sizes
 from moe_rl.config import Config
 from moe_rl.packing import MicroBatch
 from moe_rl.trainer import context_parallel as cp_maps
-from moe_rl.trainer.dp import dp_group, dp_max, dp_sum
+from moe_rl.trainer.dp import dp_group, dp_max, every_rank_sum
 from moe_rl.trainer.forwarder import Forwarder
 from moe_rl.trainer.loss import PolicyLoss
 from moe_rl.trainer.replay import ReplayController
@@ -204,12 +204,15 @@ class StepPasses:
 
     def _agreement_metrics(self, agree_rows: list[dict]) -> dict[str, float]:
         """routing/agreement (+ per layer) over the whole batch: position-weighted sums
-        all-reduced over the data-parallel group (every rank enters, with or without rows)."""
+        all-reduced over every trainer rank (each enters, with or without rows): data-parallel
+        ranks hold other samples, sequence-parallel and context-parallel ranks other positions
+        of them (a data-parallel reduction counted only rank 0's slice: under sequence
+        parallelism the first 1/TP of each micro-batch's positions, mostly prompt)."""
         keys = ["routing/agreement", "routing/token_differs_frac"] + [
             f"routing/agreement_layer_{n}" for n in self.replay.layer_names]
         sums = [sum(r["w"] for r in agree_rows)] + [
             sum(r.get(k, 0.0) * r["w"] for r in agree_rows) for k in keys]
-        total, *values = dp_sum(sums)
+        total, *values = every_rank_sum(sums)
         return {k: v / total for k, v in zip(keys, values)} if total > 0 else {}
 
     def _per_sample_routing(self, samples: list[Sample], mb: MicroBatch
