@@ -1,10 +1,12 @@
 """The real engine/trainer gap, and what moe_rl's client costs, measured with stock SGLang 0.5.23
-serving on CPU (`rollout.sglang.device: cpu`) and the megatron-core trainer in float32.
+serving on CPU (`rollout.sglang.device: cpu`) and the megatron-core trainer in float32 and in
+bfloat16 (float32 master weights, as the GPU configs train).
 
 1. Gap: ONE set of sequences (sampled once by SGLang in bfloat16) is scored by SGLang serving in
-   float32 and in bfloat16; the float32 trainer scores them with replay off and R3: routing
-   agreement, tokens routed differently in at least one layer, mismatch/k1, k3, extreme_frac,
-   abs_diff_max. The float32 server is the control (k3 ~1e-14, agreement 1.0).
+   float32 and in bfloat16; the trainer in each dtype scores them with replay off and R3:
+   routing agreement, tokens routed differently in at least one layer, mismatch/k1, k3,
+   extreme_frac, abs_diff_max. Float32 server and trainer are the control (k3 ~1e-14,
+   agreement 1.0).
 2. Throughput: on the float32 server, the requests moe_rl's rollout sends (one ``/generate``
    per sample, up to 16 tokens, routing and kept sets asked) sent raw with httpx all at once,
    against moe_rl's client (``generate_samples`` through the pool, decoding every answer into
@@ -48,10 +50,10 @@ def sglang_python() -> str:
     return python
 
 
-def _cfg(model_dir: str, dtype: str = "float32", **algo):
+def _cfg(model_dir: str, dtype: str = "float32", trainer_dtype: str = "float32", **algo):
     from moe_rl.config import config_from_dict
     return config_from_dict({
-        "model": {"path": model_dir}, "cluster": {"gpus_per_node": 0},
+        "model": {"path": model_dir, "dtype": trainer_dtype}, "cluster": {"gpus_per_node": 0},
         "rollout": {"engine": "sglang", "engine_dtype": dtype, "n_samples_per_prompt": 4,
                     "max_new_tokens": 8, "top_k": 20, "return_routing": True,
                     "sglang": {"device": "cpu", "python": sglang_python()}},
@@ -89,16 +91,19 @@ def gap(model_dir: str, layout, prompts, n_samples: int, work: str) -> dict:
                                         SamplingConfig(max_new_tokens=8), seed=0)
             scored[dtype] = copy.deepcopy(base)
             out[dtype] = {"engine_scoring_s": _rescore(proc.url, scored[dtype], layout),
-                          "replay": {}}
+                          "trainer": {t: {} for t in DTYPES}}
         finally:
             proc.stop()
-    for mode in ("off", "r3"):
-        trainer = PolicyTrainer(_cfg(model_dir, replay=mode), model_dir)
-        for dtype, samples in scored.items():
-            m = trainer.prepare(copy.deepcopy(samples))[1]
-            out[dtype]["replay"][mode] = {k: v for k, v in m.items()
-                                          if k in KEYS or k.startswith("routing/agreement_l")}
-        trainer.replay.close()
+    for trainer_dtype in DTYPES:
+        for mode in ("off", "r3"):
+            trainer = PolicyTrainer(_cfg(model_dir, trainer_dtype=trainer_dtype, replay=mode),
+                                    model_dir)
+            for dtype, samples in scored.items():
+                m = trainer.prepare(copy.deepcopy(samples))[1]
+                out[dtype]["trainer"][trainer_dtype][mode] = {
+                    k: v for k, v in m.items()
+                    if k in KEYS or k.startswith("routing/agreement_l")}
+            trainer.replay.close()
     return out
 
 
@@ -151,21 +156,25 @@ def throughput(model_dir: str, layout, prompts, n_samples: int, rounds: int, wor
 def markdown(results: list[dict], args) -> str:
     md = ["# sglang_cpu_gap", "",
           "Stock SGLang 0.5.23 serving on CPU (`rollout.sglang.device: cpu`, torch-native "
-          "attention and MoE, 2 cores) against the megatron-core trainer in float32, same "
-          f"weights; {args.prompts} prompts x {args.samples} sequences of up to 8 new tokens, "
+          "attention and MoE, 2 cores) against the megatron-core trainer in float32 and in "
+          "bfloat16 (float32 master weights), same weights; "
+          f"{args.prompts} prompts x {args.samples} sequences of up to 8 new tokens, "
           "sampled once by SGLang in bfloat16 and scored by SGLang in each dtype. Every figure "
-          "here comes from the real engine. A bfloat16 trainer is not measured: the trainer "
-          "refuses bfloat16 on CPU today.", ""]
+          "here comes from the real engine.", ""]
     for r in results:
         md += [f"## {r['model']} ({r['shape']})", "",
-               "| SGLang dtype | replay | routing agreement | tokens routed differently | k1 | "
-               "k3 | extreme_frac | abs_diff_max |", "|---|---|---|---|---|---|---|---|"]
+               "| SGLang dtype | trainer dtype | replay | routing agreement | tokens routed "
+               "differently | k1 | k3 | extreme_frac | abs_diff_max |",
+               "|---|---|---|---|---|---|---|---|---|"]
         for dtype in DTYPES:
-            for mode, m in r["gap"][dtype]["replay"].items():
-                md.append(f"| {dtype} | {mode} | {m['routing/agreement']:.4f} | "
-                          f"{m['routing/token_differs_frac']:.3f} | {m['mismatch/k1']:.2e} | "
-                          f"{m['mismatch/k3']:.2e} | {m['mismatch/extreme_frac']:.4f} | "
-                          f"{m['mismatch/abs_diff_max']:.3f} |")
+            for trainer_dtype, modes in r["gap"][dtype]["trainer"].items():
+                for mode, m in modes.items():
+                    md.append(f"| {dtype} | {trainer_dtype} | {mode} | "
+                              f"{m['routing/agreement']:.4f} | "
+                              f"{m['routing/token_differs_frac']:.3f} | "
+                              f"{m['mismatch/k1']:.2e} | {m['mismatch/k3']:.2e} | "
+                              f"{m['mismatch/extreme_frac']:.4f} | "
+                              f"{m['mismatch/abs_diff_max']:.3f} |")
         t = r["throughput"]
         md += ["", f"Rollout throughput on the float32 server ({t['requests']} requests of up "
                    f"to {t['max_new_tokens']} tokens, routing and kept sets asked, median of "

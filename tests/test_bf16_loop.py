@@ -86,14 +86,19 @@ def test_bf16_run_resumes_exactly_and_round_trips_in_bf16(tmp_path, model_dir):
     ("r2", "[seq_tis,seq_rs,opsm,metropolis]", False),
     ("off", "[trm,snis]", False)])
 def test_bf16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corrections, ema):
-    """Every replay mode and every correction through `moe-rl train` in bfloat16, two RL steps:
-    finite metrics, each correction's own metrics logged; with the EMA policy (decay 0.9 from
-    step 0) the served policy moves off the initial weights."""
+    """Every replay mode and every correction through `moe-rl train` in bfloat16, two RL steps,
+    weights synced over the process group: finite metrics, each correction's own metrics
+    logged; with the EMA policy (decay 0.9 from step 0) the served policy moves off the initial
+    weights."""
     work = _workdir(tmp_path, model_dir, "run")
     extra = ["trainer.ema_decay=0.9", "trainer.ema_policy=true"] if ema else []
     extra += ["algorithm.correction.opsm_delta=1e-3", "algorithm.correction.trm_delta=1e-3"]
-    train_cli(work, 2, *BF16, f"algorithm.replay={replay}",
-              f"algorithm.corrections={corrections}", *extra)
+    res = train_cli(work, 2, *BF16, f"algorithm.replay={replay}",
+                    f"algorithm.corrections={corrections}", "cluster.weight_sync=distributed",
+                    *extra)
+    # the bf16 policy's buckets go into the float32 checkpoint the engine started from (as into
+    # SGLang, which loads an announced dtype into its own): no sync falls back to disk
+    assert "weight sync (distributed) of version" not in res.stdout + res.stderr
     rows = _rows(work)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
@@ -104,3 +109,47 @@ def test_bf16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corr
         assert r["grad_norm"] >= 0 and r["mismatch/k3"] < 1e-3
     final, start = _weights(work / "run" / "final_hf"), _weights(model_dir)
     assert any(not torch.equal(v, start[k].to(torch.bfloat16)) for k, v in final.items())
+
+
+CPU_SCALE = ["rollout.engine=reference", "rollout.num_servers=1", "rollout.engine_dtype=bfloat16",
+             "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+             "rollout.max_new_tokens=8", "rollout.concurrency=16", "trainer.expert_parallel=2",
+             "cluster.num_nodes=1", "cluster.gpus_per_node=0", "cluster.trainer_workers=2",
+             "data.source=toy", "data.path=null", "data.chat_template=false", "data.reward=toy"]
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+@pytest.mark.parametrize("config,model_config,extra", [
+    ("qwen3_30b_a3b_r3_gspo.yaml", "tiny_cpu.yaml",
+     ["rollout.max_oversample=8", "trainer.max_tokens_per_micro_batch=64"]),
+    ("deepseek_style_r3_grpo.yaml", "deepseek_tiny_cpu.yaml", ["rollout.top_k=16"])])
+def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_config, extra):
+    """Each shipped GPU config, run as shipped except for its scale (tiny model, one reference
+    engine, 2 trainer ranks with expert parallel 2 instead of 16 with 8, toy data, gloo): its
+    bfloat16 policy with every training option it sets (Qwen3: GSPO + seq-MIS, the fp32 LM
+    head, the Polyak EMA, dynamic sampling, one step of staleness, packed rows under a token
+    budget, recomputation, 4 mini-batches, LR warm-up, the collapse guard; DeepSeek-style: MLA
+    and the biased router, PPO with dual clip, pi_old the mean of 4 engine passes over 32-token
+    windows, the keep-sampling mask, IcePop + seq-MIS, the off-policy-corrected k3 KL) for
+    three RL steps, weights synced over the process group with no fallback."""
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / model_config), "--out", str(tmp_path / "model")],
+                   check=True, capture_output=True, timeout=120)
+    from moe_rl.trainer.parallel import free_port
+    res = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(ROOT / "configs" / config),
+         f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
+         "logging.progress=false", "trainer.steps=3", "trainer.save_interval=3",
+         f"rollout.base_port={free_port()}", *CPU_SCALE, *extra],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    assert "weight sync (distributed) of version" not in res.stdout + res.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["mismatch/k3"] < 1e-3 and r["routing/agreement"] > 0.9
+        assert all(v == v for v in r.values() if isinstance(v, float))
+    cfg = json.loads((tmp_path / "run" / "final_hf" / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16"

@@ -336,3 +336,35 @@ def test_only_the_ranks_a_server_reads_share_their_tensors(monkeypatch, rank):
     assert len(serialised) == (1 if rank == 0 else 0)
     if rank == 0:
         assert sent == 1 and received == [[["payload0", "payload1"], ["payload3", "payload4"]]]
+
+
+def test_a_refused_announcement_ends_the_broadcast_at_once(tmp_path):
+    """The server refuses a bucket's announcement (HTTP 400) and never joins its broadcast:
+    rank 0 raises the refusal at once instead of waiting out the group's timeout (a bfloat16
+    trainer's first sync into a float32 checkpoint waited 300 s so), and the group closes."""
+    import subprocess
+    import sys
+    import time
+    from concurrent.futures import Future
+    from moe_rl.engines.sglang.pool import EngineHTTPError
+    port = free_port()
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "import time; from moe_rl.engines.sglang.weights import open_group; "
+        f"g = open_group('gloo', '127.0.0.1', {port}, 1, 2, 'refused', timeout_s=60); "
+        "time.sleep(30)")])
+    try:
+        group = open_group("gloo", "127.0.0.1", port, 0, 2, "refused", timeout_s=60)
+        answer = Future()
+        answer.set_running_or_notify_cancel()
+        threading.Timer(0.3, lambda: answer.set_exception(
+            EngineHTTPError("HTTP 400: dtypes: refused"))).start()
+        t0 = time.monotonic()
+        with pytest.raises(EngineHTTPError, match="dtypes: refused"):
+            broadcast_tensors(group, [("w", torch.ones(4))], answer)
+        assert time.monotonic() - t0 < 5
+        t0 = time.monotonic()
+        close_group(group)
+        assert time.monotonic() - t0 < 10
+    finally:
+        peer.kill()
+        peer.wait()

@@ -105,7 +105,7 @@ class TrainerWorker:
                 answer = pool.submit(self.receiver.announce_bucket, bucket, version,
                                      self.group_name, last)
                 try:
-                    broadcast_tensors(self.weight_group, bucket)
+                    broadcast_tensors(self.weight_group, bucket, answer)
                     answer.result()
                     sent += len(bucket)
                 except Exception as exc:   # finish the stream (collectives), then report

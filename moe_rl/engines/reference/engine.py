@@ -42,6 +42,9 @@ from moe_rl.types import MODEL_DTYPES
 from moe_rl.weights.fp8 import is_fp8_checkpoint, read_fp8_checkpoint, write_dequantised_checkpoint
 from moe_rl.weights.serialize import parse_dtype
 
+# unquantised float dtypes a weight update may announce for one another (received, then cast to
+# the served checkpoint's dtype, as SGLang's load_weights does); FP8 weights must match exactly
+CASTABLE = {str(torch.float32), str(torch.bfloat16), str(torch.float16)}
 
 
 class RequestError(ValueError):
@@ -500,7 +503,10 @@ class ReferenceEngine:
     def check_announcement(self, names, dtypes, shapes) -> None:
         """An update's announced tensors against the served checkpoint, before anything is
         allocated: every name a tensor of the served model, announced once per update, with its
-        dtype and shape. RequestError names the tensor and what was expected."""
+        shape, and its dtype or another unquantised float one (SGLang receives a tensor in the
+        announced dtype and loads it into the model's, model_runner_components/
+        weight_updater.py: a bfloat16 trainer updates a float32 checkpoint). RequestError names
+        the tensor and what was expected."""
         if not all(isinstance(x, list) for x in (names, dtypes, shapes)) or not (
                 len(names) == len(dtypes) == len(shapes)):
             raise RequestError("names, dtypes, shapes: expected lists of equal length")
@@ -521,7 +527,7 @@ class ReferenceEngine:
                 dtype = str(parse_dtype(dt))
             except (ValueError, TypeError, AttributeError):
                 dtype = None
-            if dtype != want_dtype:
+            if dtype != want_dtype and (dtype not in CASTABLE or want_dtype not in CASTABLE):
                 raise RequestError(f"dtypes: {name}: announced {dt!r}, the served model's is "
                                    f"{want_dtype.removeprefix('torch.')}")
 
@@ -547,7 +553,9 @@ class ReferenceEngine:
             except RequestError:
                 self._staged = {}
                 raise
-            tensors = receive_tensors(self.groups[group_name], names, dtypes, shapes)
+            tensors = {k: t.to(getattr(torch, self.checkpoint_spec[k][1].removeprefix("torch.")))
+                       for k, t in receive_tensors(self.groups[group_name], names, dtypes,
+                                                   shapes).items()}   # as SGLang loads them
             bad = sorted(k for k, t in tensors.items() if not torch.isfinite(t.float()).all())
             missing = sorted(set(self.checkpoint_spec) - set(tensors) - set(self._staged)) \
                 if flush_cache else []

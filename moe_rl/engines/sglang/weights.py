@@ -100,10 +100,19 @@ def update_request(named: list[tuple[str, torch.Tensor]], version: int, group_na
             "flush_cache": flush_cache, "weight_version": str(version)}
 
 
-def broadcast_tensors(group, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Rank 0: send every tensor, in order."""
+def broadcast_tensors(group, named: list[tuple[str, torch.Tensor]], answer=None) -> None:
+    """Rank 0: send every tensor, in order. ``answer``: the future of the bucket's announcement;
+    when it fails while a broadcast waits (the server refused the bucket and will never join),
+    its error is raised at once instead of waiting out the group's timeout (the group is then
+    unusable: the caller rebuilds it)."""
+    import time
     for _, t in named:
-        group.broadcast(_wire(t.contiguous()), 0).wait()
+        work = group.broadcast(_wire(t.contiguous()), 0)
+        while answer is not None and not work.is_completed():
+            if answer.done() and answer.exception() is not None:
+                raise answer.exception()
+            time.sleep(0.001)
+        work.wait()
 
 
 def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[list[int]],
