@@ -12,7 +12,8 @@ Checks, each reported pass / fail (with the figure) / skipped (with the reason):
 4. parallel_equivalence: TP=2 + SP, EP=2, CP=2 (padded and packed rows) and packed DP=2 steps
    equal DP=2 on padded rows (needs 2 GPUs; torchrun).
 5. bf16_policy: bfloat16 training with float32 master weights (distributed optimizer and
-   megatron's Float16Optimizer) against float32, and the EMA policy on the master weights.
+   megatron's Float16Optimizer) against float32, and the EMA policy on the master weights;
+   bf16_dist_opt_resume: the distributed optimizer's checkpoint resumes exactly.
 6. nccl_weight_sync: a broadcast over the weight-update group (built as SGLang builds it) into a
    second process (needs 2 GPUs: NCCL refuses two ranks on one device).
 On a machine without CUDA it records that nothing ran (keeping a GPU run's results) and exits 0.
@@ -197,6 +198,45 @@ def check_bf16_policy(path: str) -> dict:
     return {"status": "pass" if ok else "fail", **out}
 
 
+def check_dist_opt_resume(path: str) -> dict:
+    """megatron's distributed optimizer (GPUs only) on a bfloat16 policy: save after one RL step,
+    resume in a new trainer, the next step's metrics and weights equal the uninterrupted run's;
+    the Adam step count survives."""
+    import copy
+
+    import transformers
+    from moe_rl.config import config_from_dict
+    from moe_rl.trainer.policy import PolicyTrainer
+    from moe_rl.trainer.sharded_state import optimizer_step_count
+    from tests.helpers import engine_samples
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    batches = [engine_samples(hf, n_groups=2, group_size=4, seed=10 + s, max_resp=8)
+               for s in range(2)]
+
+    def cfg():
+        return config_from_dict({
+            "model": {"path": path, "dtype": "bfloat16"}, "cluster": {"gpus_per_node": 1},
+            "rollout": {"n_samples_per_prompt": 4},
+            "trainer": {"lr": 1e-3, "seed": 1, "micro_batch_size": 4, "ema_decay": 0.9,
+                        "distributed_optimizer": True},
+            "algorithm": {"replay": "r3"}})
+    ckpt = tempfile.mkdtemp(prefix="gpu_check_ckpt_")
+    run = PolicyTrainer(cfg(), path)
+    run.train_step(copy.deepcopy(batches[0]))
+    run.save_checkpoint(ckpt)
+    m1 = run.train_step(copy.deepcopy(batches[1]))
+    resumed = PolicyTrainer(cfg(), path)
+    resumed.load_checkpoint(ckpt)
+    steps = optimizer_step_count(resumed.optimizer)
+    m2 = resumed.train_step(copy.deepcopy(batches[1]))
+    same = all(torch.equal(a, b) for a, b in zip(run.model.module.parameters(),
+                                                  resumed.model.module.parameters()))
+    diff = {k: abs(m1[k] - m2[k]) for k in m1 if isinstance(m1[k], float) and m1[k] != m2.get(k)}
+    ok = same and not diff and steps == 1
+    return {"status": "pass" if ok else "fail", "weights_equal": same, "adam_steps": steps,
+            "metric_diffs": dict(list(diff.items())[:8])}
+
+
 def check_parallel(path: str) -> dict:
     if torch.cuda.device_count() < 2:
         return {"status": "skipped", "reason": f"{torch.cuda.device_count()} GPU(s); TP/EP/CP=2 "
@@ -308,6 +348,7 @@ def main() -> int:
                   "deepseek_cuda_te": lambda: check_megatron_cuda(deepseek, use_te=True),
                   "triton_kernel": check_triton_kernel,
                   "bf16_policy": lambda: check_bf16_policy(path),
+                  "bf16_dist_opt_resume": lambda: check_dist_opt_resume(path),
                   "parallel_equivalence": lambda: check_parallel(path),
                   "nccl_weight_sync": check_nccl_sync}
         for name, fn in checks.items():
