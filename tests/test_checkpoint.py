@@ -96,3 +96,20 @@ def test_another_model_or_optimizer_is_refused_another_layout_resharded(tmp_path
     smaller = load_config(None, [f"model.path={tmp_path / 'small'}"])
     with pytest.raises(checkpoint.CheckpointError, match="hidden_size"):
         checkpoint.open_checkpoint(path, smaller)
+
+
+def test_resuming_the_distributed_optimizer_without_te_is_refused_before_loading(monkeypatch):
+    """On an H100 without Transformer Engine, megatron-core 0.16.1's distributed optimizer saved
+    but could not load (KeyError 'step'): the resume is refused first, naming the key and the
+    two ways out, and nothing is read."""
+    import types
+    from megatron.core.optimizer import distrib_optimizer
+    from moe_rl.trainer import sharded_state
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    leaf = distrib_optimizer.DistributedOptimizer.__new__(distrib_optimizer.DistributedOptimizer)
+    chained = types.SimpleNamespace(chained_optimizers=[leaf])
+    with pytest.raises(ValueError, match=r"trainer.distributed_optimizer: .*install "
+                                         r"transformer-engine\[pytorch\], or run with "
+                                         r"trainer.distributed_optimizer=false"):
+        sharded_state.load_sharded("/nonexistent/dist", model=None, optimizer=chained, ema=None,
+                                   step=1)

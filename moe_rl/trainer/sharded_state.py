@@ -17,6 +17,13 @@ from typing import Iterator
 import torch
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+# seen on an H100 without Transformer Engine: megatron's load sets a per-parameter "step" for
+# torch's Adam and then copies every state key from the checkpoint, which has none
+DIST_OPT_RESUME_NEEDS_TE = (
+    "trainer.distributed_optimizer: megatron-core 0.16.1 cannot resume its distributed optimizer "
+    "without Transformer Engine or Apex (torch's Adam keeps a per-parameter step that its "
+    "reshardable load does not restore: KeyError 'step', distrib_optimizer.py:940); install "
+    "transformer-engine[pytorch], or run with trainer.distributed_optimizer=false")
 
 
 def _leaf_optimizers(optimizer) -> list:
@@ -93,6 +100,10 @@ def sharded_trainer_state(model, optimizer, ema: dict | None, loading: bool = Fa
     by_param = _by_param(model_sd)
     names = {id(p): n for n, p in model.named_parameters()}   # local names: unique on a rank
     if _uses_distributed_optimizer(optimizer):
+        if loading:   # a fresh optimizer has no state: megatron's state_dict() asserts one Adam
+            for leaf in _leaf_optimizers(optimizer):   # step (distrib_optimizer.py:640)
+                leaf.init_state_fn(leaf.optimizer, leaf.config)
+                _set_step(leaf, step)
         state["optimizer"] = optimizer.sharded_state_dict(   # megatron's reshardable format
             model_sd, is_loading=loading,
             metadata={"distrib_optim_sharding_type": "fully_reshardable",
@@ -135,6 +146,10 @@ def load_sharded(path: str, model, optimizer, ema: dict | None, step: int) -> No
     without running code from it (:mod:`moe_rl.trainer.dcp_metadata`)."""
     from megatron.core import dist_checkpointing
     from moe_rl.trainer.dcp_metadata import check, install
+    if _uses_distributed_optimizer(optimizer):
+        from megatron.core.optimizer import distrib_optimizer
+        if not distrib_optimizer.HAVE_APEX_OR_TE:
+            raise ValueError(DIST_OPT_RESUME_NEEDS_TE)
     install()
     check(path)
     state = sharded_trainer_state(model, optimizer, ema, loading=True, step=step)
