@@ -109,6 +109,25 @@ def test_bf16_policy_trains_with_float32_master_weights(tiny):
         assert torch.equal(p.detach(), main_weights(p).to(torch.bfloat16))
 
 
+def test_a_bf16_rl_step_learns(tiny):
+    """The bfloat16 policy learns from one RL step: the sequences with a positive advantage
+    become likelier and those with a negative one less likely (the trainer's own log-probs of
+    the same samples, before and after)."""
+    path, hf_model = tiny
+    trainer = PolicyTrainer(make_cfg(path, lr=3e-3), path)
+    samples = engine_samples(hf_model, n_groups=2, group_size=4, seed=7)
+    for s in samples:
+        s.reward = float(s.sample_id % 2)   # half of each group rewarded
+    before, _ = trainer.prepare(copy.deepcopy(samples))
+    trainer.train_step(copy.deepcopy(samples))
+    after, _ = trainer.prepare(copy.deepcopy(samples))
+    seq_lp = lambda b: (b.lp_trainer * b.mask).sum(-1)   # noqa: E731
+    gain = seq_lp(after) - seq_lp(before)
+    assert (before.advantages != 0).all()
+    assert (gain[before.advantages > 0] > 0).all() and (gain[before.advantages < 0] < 0).all(), \
+        (gain, before.advantages)
+
+
 def test_ema_policy_moves_bf16_master_weights_as_float32_does(tiny):
     """EMA policy smoothing (decay 0.99) with small steps (lr 1e-4): each step moves a weight by
     ~1e-6, far below bfloat16's spacing (~1e-4 at the weights' scale). The bf16 run's master weights must move as the float32

@@ -187,8 +187,7 @@ def test_a_bf16_trainer_syncs_into_bf16_sglang(model_dir, tmp_path):
     """The GPU configs' precision on the real engine: the trainer in bfloat16 with float32
     master weights, SGLang serving bfloat16, the weights broadcast over the process group into
     the float32 checkpoint SGLang started from (it loads each announced bfloat16 tensor into its
-    own): every sync lands (no fallback to disk), the gap is bf16's own (0 < k3 < 1e-2), and the
-    summary names both dtypes."""
+    own): every sync lands (no fallback to disk) and the gap is bf16's own (0 < k3 < 1e-2)."""
     run = tmp_path / "run"
     res, rows = _train(CONFIG, model_dir, run, "model.dtype=bfloat16",
                        "rollout.engine_dtype=bfloat16", "cluster.weight_sync=distributed",
@@ -198,5 +197,4 @@ def test_a_bf16_trainer_syncs_into_bf16_sglang(model_dir, tmp_path):
         assert 0 < m["mismatch/k3"] < 1e-2, m["mismatch/k3"]
         assert m["routing/agreement"] >= 0.9
     assert "weight sync (distributed) of version" not in res.stdout + res.stderr
-    assert "engine: bfloat16 SGLang on cpu; trainer: bfloat16" in res.stdout
     no_kernel_called(run)
