@@ -265,3 +265,87 @@ def test_a_group_is_scored_as_soon_as_it_is_generated():
     assert [(s.group_id, s.sample_id) for s in samples] == [(0, 0), (0, 1), (0, 2), (1, 3)]
     assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 1.0]
     assert not math.isnan(samples[0].rollout_logprobs.sum().item())
+
+
+class _DripServer:
+    """A service that sends its headers at once, then its answer one byte every ``every`` s (a
+    socket read never waits long, so a per-read timeout never fires)."""
+
+    def __init__(self, every: float):
+        import socket
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/reward"
+        self.every, self.closed = every, False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._drip, args=(conn,), daemon=True).start()
+
+    def _drip(self, conn):
+        answer = b'{"rewards": [1.0, 1.0]}' + b" " * 1000
+        try:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(answer)).encode() + b"\r\n\r\n")
+            for i in range(len(answer)):
+                conn.sendall(answer[i:i + 1])
+                time.sleep(self.every)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.closed = True
+        self.sock.close()
+
+
+def test_a_dripping_service_is_cut_off_at_its_timeout():
+    """Headers at once, then a byte every 0.1 s: each read is quick, the request never ends.
+    timeout_s bounds the request whole: 2 tries of 1 s, the samples dropped as timed out."""
+    srv = _DripServer(every=0.1)
+    try:
+        svc = service(srv.url, timeout_s=1.0, max_retries=1, batch_size=2)
+        t0 = time.monotonic()
+        assert asyncio.run(svc.score(items(2))) == [None, None]
+        assert time.monotonic() - t0 < 3.0   # 2 x 1 s + backoff, not ~100 s of dripping
+        assert svc.timeouts == 2 and "no whole answer within 1 s" in svc.first_error
+    finally:
+        srv.close()
+
+
+def test_hostile_answers_score_zero_and_are_counted(serve):
+    """Numbers too large for a float, JSON nested past the parser's depth, strings and booleans
+    where a number belongs: each such sample scores 0 and counts in reward/errors; the run's
+    other samples keep their rewards."""
+    answers = {1: b'{"rewards": [1' + b"0" * 400 + b', 0.5]}',
+               2: b'{"rewards": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+               3: b'{"rewards": ["0.5", true, 0.25, false]}'}
+    srv = serve(lambda body, call: (200, answers[call]))
+    svc = service(srv.url, batch_size=4, max_concurrency=1, max_retries=0)
+    assert asyncio.run(svc.score(items(2))) == [0.0, 0.5]
+    assert svc.errors == 1 and "too large for a float" in svc.first_error
+    assert asyncio.run(svc.score(items(2))) == [0.0, 0.0]
+    assert svc.errors == 3
+    assert asyncio.run(svc.score(items(4))) == [0.0, 0.0, 0.25, 0.0]
+    assert svc.errors == 6
+
+
+def test_an_oversized_answer_is_refused_as_it_arrives(serve):
+    """An answer past data.reward_service.max_answer_mb is refused (its samples score 0 and
+    count) without being held whole."""
+    big = b'{"rewards": [1.0], "pad": "' + b"x" * (3 << 20) + b'"}'
+    srv = serve(lambda body, call: (200, big))
+    svc = service(srv.url, max_answer_mb=1.0, max_retries=0)
+    assert asyncio.run(svc.score(items(1))) == [0.0]
+    assert svc.errors == 1 and "larger than 1 MB (data.reward_service.max_answer_mb)" in \
+        svc.first_error
+    ok = service(srv.url, max_answer_mb=8.0, max_retries=0)
+    assert asyncio.run(ok.score(items(1))) == [1.0]

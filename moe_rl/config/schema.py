@@ -285,8 +285,11 @@ class RewardServiceConfig:
     """Rewards computed by an HTTP service (protocol: docs/data.md)."""
     url: str | None = _f(None, "POST endpoint of the reward service (null = data.reward, a "
                          "Python function)")
-    timeout_s: float = _f(60.0, "seconds one request may take before it is retried",
-                          **_rng(0, lo_open=True))
+    timeout_s: float = _f(60.0, "seconds one request may take, whole (connection, upload, the "
+                          "full answer), before it is retried", **_rng(0, lo_open=True))
+    max_answer_mb: float = _f(16.0, "largest answer read from the service; a larger one is "
+                              "refused (its samples score 0, reward/errors)",
+                              **_rng(0, lo_open=True))
     max_concurrency: int = _f(8, "requests in flight at once", **_rng(1))
     batch_size: int = _f(16, "samples per request (a finished group is sent in requests of "
                          "at most this many)", **_rng(1))

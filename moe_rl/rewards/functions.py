@@ -68,6 +68,9 @@ class RewardCounts:
             number = float(value)
         except (TypeError, ValueError):
             return self.error(f"ValueError: reward {value!r:.60} is not a number")
+        except OverflowError:
+            return self.error(f"OverflowError: reward {str(value)[:40]}... is too large for a "
+                              f"float")
         if not math.isfinite(number):
             return self.error(f"ValueError: non-finite reward {number}")
         return number
