@@ -12,14 +12,16 @@ from moe_rl.errors import UserError
 from tests.helpers import sglang_cpu_python
 
 
-def in_sglang_env(code: str, off: str = "", cpu: bool = True, extra_env: dict | None = None):
+def in_sglang_env(code: str, off: str = "", cpu: bool = True, extra_env: dict | None = None,
+                  cwd: str = "/"):
     """Run ``code`` in the SGLang CPU environment (shims named in ``off`` left out)."""
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_USE_CPU_ENGINE",)}
     env.update({"MOE_RL_SGLANG_CPU_SHIMS_OFF": off, "PYTHONSAFEPATH": "1", **(extra_env or {})})
     if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     return subprocess.run([sglang_cpu_python(), "-c", code], capture_output=True, text=True,
-                          env=env, timeout=300, cwd="/")
+                          env={k: v for k, v in env.items() if v is not None}, timeout=300,
+                          cwd=cwd)
 
 
 @pytest.mark.sglang
@@ -80,3 +82,20 @@ def test_the_shims_are_refused_in_an_environment_with_a_cuda_torch(monkeypatch, 
     with pytest.raises(UserError, match="CUDA build"):
         cpu_environment.install_shims("python")
     assert list(tmp_path.iterdir()) == []   # nothing written
+
+
+@pytest.mark.sglang
+def test_sglang_starts_from_the_checkout_root_with_the_launchers_environment():
+    """`python -m sglang.launch_server` puts its working directory on sys.path; Ray actors
+    inherit the driver's, the checkout root, where moe_rl's `kernels/` shadows Hugging Face's
+    `kernels` package that transformers imports, and the server died at import. The launcher's
+    environment (PYTHONSAFEPATH=1) keeps the working directory off the path."""
+    import pathlib
+    from moe_rl.engines.sglang.launcher import sglang_env
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    code = "import transformers.models.qwen3_moe.modeling_qwen3_moe; print('imported')"
+    bare = in_sglang_env(code, cwd=root, extra_env={"PYTHONSAFEPATH": None})
+    assert bare.returncode != 0 and "moe_rl_kernels" in bare.stderr, bare.stderr[-1500:]
+    launched = in_sglang_env(code, cwd=root, extra_env=sglang_env([], "cpu"))
+    assert launched.returncode == 0 and launched.stdout.strip() == "imported", \
+        launched.stderr[-1500:]
