@@ -216,3 +216,24 @@ def test_a_usage_error_or_scancel_is_not_requeued(tmp_path):
     res = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 1 and "not requeued (MAX_REQUEUES=1)" in res.stderr
+
+
+@pytest.mark.parametrize("name,value,named", [
+    ("SLURM_GPUS_ON_NODE", "BASH_VERSINFO[$(touch PWN)0]", "SLURM_GPUS_ON_NODE / SLURM_GPUS_PER"),
+    ("SLURM_RESTART_COUNT", "a[$(touch PWN)]", "SLURM_RESTART_COUNT="),
+    ("MAX_REQUEUES", "three", "MAX_REQUEUES='three': expected a non-negative integer"),
+    ("WAIT_TIMEOUT", "-5", "WAIT_TIMEOUT='-5'"),
+])
+def test_numeric_settings_are_plain_integers_before_any_arithmetic(slurm_shims, tmp_path, name,
+                                                                   value, named):
+    """bash evaluates array subscripts (and the $(...) in them) inside $((...)) and [[ -gt ]]:
+    a crafted value ran a command. Each numeric setting is checked first: refused naming it,
+    nothing run."""
+    env = _env(slurm_shims, **{"SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_JOB_ID": "77",
+                               "SLURM_GPUS_ON_NODE": "8",
+                               "CONFIG": str(ROOT / "configs" / "qwen3_30b_a3b_r3_gspo.yaml"),
+                               name: value})
+    res = subprocess.run(["bash", str(SBATCH), f"logging.dir={tmp_path / 'run'}"], env=env,
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 1 and named in res.stderr, res.stderr[-1000:]
+    assert not (tmp_path / "PWN").exists() and not (ROOT / "PWN").exists()
