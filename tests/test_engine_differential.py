@@ -177,9 +177,10 @@ def test_control_endpoints_answer_as_sglang(pair):
                          {"model_path": pair.model, "weight_version": "7"})
     assert ref.status_code == sgl.status_code == 200
     assert set(ref.json()) == set(sgl.json()) and ref.json()["success"] is True
-    ref, sgl = pair.both("GET", "/get_model_info", None)
-    same_shape(ref.json(), sgl.json(), "get_model_info")
-    assert ref.json()["weight_version"] == sgl.json()["weight_version"] == "7"
+    for path in ("/model_info", "/get_model_info"):   # the latter deprecated by SGLang
+        ref, sgl = pair.both("GET", path, None)
+        same_shape(ref.json(), sgl.json(), path)
+        assert ref.json()["weight_version"] == sgl.json()["weight_version"] == "7"
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
         ref, sgl = pair.both("POST", path, {})
         assert ref.status_code == sgl.status_code == 200 and ref.json() is sgl.json() is None

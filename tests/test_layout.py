@@ -75,7 +75,7 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
 
 SGLANG_DIALECT = re.compile(r"\bhttpx\b|\bfastapi\b|\buvicorn\b|\"/(generate|health|flush_cache|"
                             r"update_weights_\w+|init_weights_update_group|\w+_weight_update|"
-                            r"get_model_info|\w+_memory_occupation)\"")
+                            r"(get_)?model_info|\w+_memory_occupation)\"")
 # the one HTTP client outside engines/: the reward service's (its own protocol, not SGLang's)
 OTHER_HTTP = {"moe_rl.rewards.service": re.compile(r"\bhttpx\b")}
 ENGINE_BRANCH = re.compile(r"engine\s*[!=]=\s*[\"']|[\"']sglang[\"']")

@@ -137,11 +137,11 @@ class _RecordingPool(ServerPool):
              "/release_memory_occupation", "/resume_memory_occupation",
              "/update_weights_from_tensor")
 
-    async def request(self, path, body=None, *, server=None, method="POST"):
+    async def request(self, path, body=None, *, server=None, method="POST", resend=True):
         self.log.append({"path": path, "method": method, "body": body})
         if path in self.LOCAL:
             return {"success": True, "message": "recorded"}
-        return await super().request(path, body, server=server, method=method)
+        return await super().request(path, body, server=server, method=method, resend=resend)
 
 
 class _TwoTurnEnv:
@@ -235,7 +235,7 @@ def test_every_request_body_is_read_by_sglang_as_meant(recorded_requests, tmp_pa
             "/init_weights_update_group", "/update_weights_from_distributed",
             "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
             "/destroy_weights_update_group", "/release_memory_occupation",
-            "/resume_memory_occupation", "/health", "/get_model_info"} <= paths
+            "/resume_memory_occupation", "/health", "/model_info"} <= paths
     generate = [r["body"] for r in recorded_requests if r["path"] == "/generate"]
     assert any("token_ids_logprob" in b for b in generate)                  # kept-set scoring
     assert any(b["sampling_params"].get("max_new_tokens") == 0 for b in generate)   # scoring

@@ -316,5 +316,6 @@ class SGLangEngine(Engine):
         self._broadcast("/health", None, method="GET")
 
     def weight_versions(self) -> list[str]:
-        infos = self._broadcast("/get_model_info", None, method="GET")
+        infos = self._broadcast("/model_info", None, method="GET")   # SGLang 0.5.23 deprecates
+        # /get_model_info ("will be removed", http_server.py:802-809)
         return [str(i.get("weight_version")) for i in infos]
