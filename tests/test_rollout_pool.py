@@ -89,7 +89,7 @@ class _StubServer:
     SGLang's non-streaming generate: nothing until done) and whose ``/health`` answers at once,
     or never while ``hung``."""
 
-    def __init__(self, delay: float):
+    def __init__(self, delay: float, port: int = 0):
         import http.server
         import time
         stub = self
@@ -117,7 +117,7 @@ class _StubServer:
                 stub.generated += 1
                 self._reply(b'{"text": "done"}', stub.status)
 
-        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.http.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
@@ -206,3 +206,24 @@ def test_a_weight_announcement_is_never_sent_twice(failure):
             assert "not sent again" in msg
     finally:
         stub.close()
+
+
+def test_a_pool_without_a_restarter_retries_a_refused_connection():
+    """The trainer's side of a weight sync has no restarter: a connection refused while its
+    server is briefly away is tried again with backoff, as max_retries promises (it gave up at
+    the first error), and the request lands once the server is back."""
+    import asyncio
+    from moe_rl.trainer.parallel import free_port
+    port, started = free_port(), []
+    threading.Timer(0.4, lambda: started.append(_StubServer(delay=0.0, port=port))).start()
+
+    async def main():
+        async with ServerPool([f"http://127.0.0.1:{port}"], timeout=5, max_retries=4,
+                              backoff=0.2) as pool:
+            return await pool.request("/generate", {}, server=pool.servers[0])
+    try:
+        assert asyncio.run(main()) == {"text": "done"}
+        assert started and started[0].generated == 1
+    finally:
+        for stub in started:
+            stub.close()

@@ -120,7 +120,9 @@ class ServerPool:
         return min(live, key=lambda s: (s.in_flight, random.random()))
 
     def _mark_dead(self, server: Server) -> None:
-        if not server.alive:
+        """Take ``server`` for dead and restart it; one without a restarter stays live (nothing
+        would bring it back: the retries that ``max_retries`` promises try it again)."""
+        if not server.alive or server.restart is None:
             return
         server.alive = False
         if server.restart is not None:
