@@ -176,3 +176,13 @@ def test_the_worked_example_reads_its_shipped_data_from_the_repository_root(tmp_
     tok = inp.tokenizer   # the tiny tokenizer spells every character of an answer
     assert tok.decode(tok(held[0].answer, add_special_tokens=False)["input_ids"]) == \
         held[0].answer
+
+
+def test_mixture_weights_near_the_float_limit_keep_their_proportions():
+    """data.sets weights of 1e308 and 3e308 sum past the float limit: they must still draw 1:3
+    (the shares became [0, 0] and nothing was drawn in proportion)."""
+    from moe_rl.data.mixture import MixtureSampler
+    huge = MixtureSampler([40, 40], [1e308, 1.7e308], batch_size=4, seed=0)
+    plain = MixtureSampler([40, 40], [1.0, 1.7], batch_size=4, seed=0)
+    assert huge.shares == pytest.approx([1 / 2.7, 1.7 / 2.7])
+    assert huge.shares == pytest.approx(plain.shares)

@@ -16,8 +16,9 @@ class MixtureSampler:
         if len(sizes) != len(weights) or not sizes or min(weights) <= 0:
             raise ValueError("MixtureSampler: one positive weight per set")
         self.batch_size = batch_size
-        total = float(sum(weights))
-        self.shares = [w / total for w in weights]
+        top = float(max(weights))   # scaled first: weights near the float limit sum to inf
+        scaled = [w / top for w in weights]
+        self.shares = [w / sum(scaled) for w in scaled]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.sets = [PromptSampler(n, 1, seed + 7919 * i) for i, n in enumerate(sizes)]
         self.drawn = [0] * len(sizes)
