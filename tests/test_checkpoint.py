@@ -113,3 +113,30 @@ def test_resuming_the_distributed_optimizer_without_te_is_refused_before_loading
                                          r"trainer.distributed_optimizer=false"):
         sharded_state.load_sharded("/nonexistent/dist", model=None, optimizer=chained, ema=None,
                                    step=1)
+
+
+def test_a_step_saved_again_survives_a_kill_before_its_replacement_lands(tmp_path, cfg,
+                                                                          monkeypatch):
+    """Saving a step that exists (a resumed run saves its step again) sets the old one aside
+    and removes it only once the new one is in place: killed in between, the resume finds the
+    old one complete (it was removed first, and the kill lost the step)."""
+    ck = str(tmp_path / "ck")
+    os.makedirs(ck)
+    checkpoint.save(FakeTrainers(), {"step": 3, "sampler": {}}, cfg, ck, 3)
+    real_replace = os.replace
+
+    def killed_at_the_swap(src, dst):
+        if src.endswith("iter_0000003.tmp"):
+            raise KeyboardInterrupt   # the process dies here
+        real_replace(src, dst)
+    monkeypatch.setattr(checkpoint.os, "replace", killed_at_the_swap)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(FakeTrainers(), {"step": 3, "sampler": {"again": 1}}, cfg, ck, 3)
+    monkeypatch.setattr(checkpoint.os, "replace", real_replace)
+    found = checkpoint.latest(ck)
+    assert found is not None and found.endswith("iter_0000003")
+    assert checkpoint.open_checkpoint(found, cfg)["sampler"] == {}   # the old, complete one
+    assert sorted(os.listdir(ck)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    checkpoint.save(FakeTrainers(), {"step": 3, "sampler": {"again": 1}}, cfg, ck, 3)
+    assert checkpoint.open_checkpoint(checkpoint.latest(ck), cfg)["sampler"] == {"again": 1}
+    assert sorted(os.listdir(ck)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]

@@ -6,7 +6,8 @@ shards that any parallel layout can load; ``trainer/rank{r}.pt``: each rank's sc
 and RNG states), the loop state (step, data sampler), the resolved config, the model and layout
 that wrote it, and a manifest of every file with its size and SHA-256, which a load checks
 first (a truncated, damaged, edited or missing file is refused naming it; ``--resume`` then takes
-the previous complete step and says so)."""
+the previous complete step and says so). A step saved again (after a resume) replaces its
+directory only once the new one is complete: the old one is set aside and removed after."""
 from __future__ import annotations
 
 import hashlib
@@ -67,8 +68,12 @@ def save(trainers, loop_state: dict, cfg: Config, ckpt_dir: str, step: int) -> s
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as fh:
             fh.write(dump_config(cfg))
         _write_json(os.path.join(tmp, MANIFEST), {"step": step, "files": _file_records(tmp)})
-        shutil.rmtree(final, ignore_errors=True)
+        replaced = final + ".old"   # a step saved again: set aside, removed once replaced (a
+        shutil.rmtree(replaced, ignore_errors=True)   # kill in between: latest() takes it back)
+        if os.path.isdir(final):
+            os.replace(final, replaced)
         os.replace(tmp, final)
+        shutil.rmtree(replaced, ignore_errors=True)
         tracker_tmp = os.path.join(ckpt_dir, TRACKER + ".tmp")
         with open(tracker_tmp, "w", encoding="utf-8") as fh:
             fh.write(f"{step}\n")
@@ -105,6 +110,20 @@ def _prune(ckpt_dir: str, keep: int, latest: int) -> None:
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
 
 
+def _restore_set_aside(ckpt_dir: str) -> None:
+    """A step set aside by a save of the same step that was killed before its replacement
+    moved in (``iter_N.old`` without ``iter_N``) is put back; one whose replacement landed goes."""
+    for name in os.listdir(ckpt_dir):
+        m = _ITER.match(name.removesuffix(".old")) if name.endswith(".old") else None
+        if m is None:
+            continue
+        final = os.path.join(ckpt_dir, name.removesuffix(".old"))
+        if os.path.isdir(final):
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+        else:
+            os.replace(os.path.join(ckpt_dir, name), final)
+
+
 def latest(ckpt_dir: str) -> str | None:
     """The checkpoint to resume from: the one the tracker names; if that one is not complete
     (its directory lost or damaged after it was published) the newest complete one. None when
@@ -112,6 +131,7 @@ def latest(ckpt_dir: str) -> str | None:
     path = os.path.join(ckpt_dir, TRACKER)
     if not os.path.isdir(ckpt_dir):
         return None
+    _restore_set_aside(ckpt_dir)
     candidates = sorted((int(m.group(1)) for m in map(_ITER.match, os.listdir(ckpt_dir)) if m),
                         reverse=True)
     if os.path.isfile(path):
