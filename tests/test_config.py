@@ -322,6 +322,9 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
     base = ["--config", str(root / "configs" / "tiny_cpu.yaml"), f"model.path={model}",
             f"logging.dir={tmp_path / 'run'}"]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1="}\n{not json\n')
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "1+1="}\n{"prompt": "caf\xe9"}\n')
+    (tmp_path / "deep.jsonl").write_text('{"prompt": "2+2="}\n' + "[" * 200_000
+                                         + "]" * 200_000 + "\n")
     (tmp_path / "sigs.py").write_text("def two_args(prompt, response):\n    return 0.0\n"
                                       "def nothing():\n    return 0.0\n")
     cases = [([f"model.path={tmp_path / 'nowhere'}"], "model.path: no local HF model"),
@@ -335,7 +338,11 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
              (["data.source=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"],
               "data.path: "),
              (["data.source=jsonl", f"data.path={tmp_path / 'bad.jsonl'}"],
-              "line 2: invalid JSON")]
+              "line 2: invalid JSON"),
+             (["data.source=jsonl", f"data.path={tmp_path / 'latin1.jsonl'}"],
+              "latin1.jsonl line 2: not UTF-8 text (byte 0xe9 at column 16)"),
+             (["data.source=jsonl", f"data.path={tmp_path / 'deep.jsonl'}"],
+              "deep.jsonl line 2: JSON nested too deeply to read")]
     for extra, message in cases:
         for command in ("config", "train"):
             res = subprocess.run([sys.executable, "-m", "moe_rl.cli", command, *base, *extra],

@@ -30,14 +30,23 @@ def toy_problems(max_operand: int, size: int, seed: int) -> list[tuple[str, str]
 def _read_rows(cfg: DataConfig) -> list[dict]:
     if cfg.source == "jsonl":
         rows = []
-        with open(cfg.path, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
+        with open(cfg.path, "rb") as fh:
+            for n, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"data.path: {cfg.path} line {n}: not UTF-8 text (byte "
+                                     f"0x{raw[exc.start]:02x} at column {exc.start + 1})") \
+                        from None
                 if line.strip():
                     try:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as exc:
                         raise ValueError(f"data.path: {cfg.path} line {n}: invalid JSON: "
                                          f"{exc}") from None
+                    except RecursionError:
+                        raise ValueError(f"data.path: {cfg.path} line {n}: JSON nested too "
+                                         f"deeply to read") from None
         return rows
     import pyarrow.parquet as pq
     return pq.read_table(cfg.path).to_pylist()
