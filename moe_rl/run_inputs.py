@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from moe_rl.config import Config, ConfigError
+from moe_rl.config import Config, ConfigError, facts_context
 from moe_rl.data.prompts import PromptRecord, load_prompt_sets, load_prompts, set_source
 from moe_rl.envs import load_environment
 from moe_rl.rewards.service import reward_scorer
@@ -21,10 +21,33 @@ class RunInputs:
     eval_sets: list[tuple[str, list[PromptRecord]]] = field(default_factory=list)
 
 
+def check_prompt_lengths(prompts: list[PromptRecord], where: str, context: int | None,
+                         new_tokens: int, new_tokens_key: str) -> None:
+    """Refuse a set holding a prompt that cannot fit the model's context with ``new_tokens``
+    generated after it (the engine refuses such a request: one long row would end a run at the
+    first step that draws it), naming the rows (0-based), their lengths and the limit."""
+    if context is None:
+        return
+    room = context - new_tokens
+    long_rows = [(n, len(p.ids)) for n, p in enumerate(prompts) if len(p.ids) > room]
+    if long_rows:
+        shown = ", ".join(f"row {n} ({t} tokens)" for n, t in long_rows[:3])
+        more = f" and {len(long_rows) - 3} more" if len(long_rows) > 3 else ""
+        raise ConfigError(f"{where}: {len(long_rows)} prompt(s) too long for the model's context "
+                          f"of {context} tokens (max_position_embeddings) with "
+                          f"{new_tokens_key}={new_tokens} generated after them (at most {room} "
+                          f"prompt tokens): {shown}{more}; drop or shorten them, or lower "
+                          f"{new_tokens_key}")
+
+
 def load_eval_sets(cfg: Config, tokenizer) -> list[tuple[str, list[PromptRecord]]]:
-    """(name, prompts) of every ``eval.sets`` entry (its first ``eval.max_prompts``)."""
+    """(name, prompts) of every ``eval.sets`` entry (its first ``eval.max_prompts``); a prompt
+    that cannot fit the model's context with the evaluation's new tokens is refused."""
     from moe_rl.config import set_name
     out = []
+    new_tokens, key = (cfg.eval.max_new_tokens, "eval.max_new_tokens") \
+        if cfg.eval.max_new_tokens is not None else (cfg.rollout.max_new_tokens,
+                                                     "rollout.max_new_tokens")
     for i, entry in enumerate(cfg.eval.sets):
         if not os.path.isfile(entry.path):
             raise ConfigError(f"eval.sets[{i}].path: {entry.path!r} is not a readable file")
@@ -32,7 +55,10 @@ def load_eval_sets(cfg: Config, tokenizer) -> list[tuple[str, list[PromptRecord]
             prompts = load_prompts(set_source(cfg.data, entry), tokenizer)
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             raise ConfigError(f"eval.sets[{i}]: {exc}") from None
-        out.append((set_name(entry), prompts[:cfg.eval.max_prompts]))
+        prompts = prompts[:cfg.eval.max_prompts]
+        check_prompt_lengths(prompts, f"eval.sets[{i}] ({entry.path})",
+                             facts_context(cfg.model), new_tokens, key)
+        out.append((set_name(entry), prompts))
     return out
 
 
@@ -80,5 +106,12 @@ def load_run_inputs(cfg: Config) -> RunInputs:
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(str(exc) if str(exc).startswith("data") else f"data.path: {exc}") \
             from None
+    start = 0
+    for i, size in enumerate(sizes):   # each training set on its own, rows numbered in it
+        where = f"data.sets[{i}] ({cfg.data.sets[i].path})" if cfg.data.sets else \
+            f"data.path ({cfg.data.path or 'the toy task'})"
+        check_prompt_lengths(prompts[start:start + size], where, facts_context(cfg.model),
+                             cfg.rollout.max_new_tokens, "rollout.max_new_tokens")
+        start += size
     return RunInputs(tokenizer, prompts, reward, environment, sizes,
                      load_eval_sets(cfg, tokenizer))

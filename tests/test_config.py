@@ -325,6 +325,8 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
     (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "1+1="}\n{"prompt": "caf\xe9"}\n')
     (tmp_path / "deep.jsonl").write_text('{"prompt": "2+2="}\n' + "[" * 200_000
                                          + "]" * 200_000 + "\n")
+    (tmp_path / "long.jsonl").write_text('{"prompt": "1+1="}\n'
+                                         + json.dumps({"prompt": "9+9=" * 400}) + "\n")
     (tmp_path / "sigs.py").write_text("def two_args(prompt, response):\n    return 0.0\n"
                                       "def nothing():\n    return 0.0\n")
     cases = [([f"model.path={tmp_path / 'nowhere'}"], "model.path: no local HF model"),
@@ -342,7 +344,14 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
              (["data.source=jsonl", f"data.path={tmp_path / 'latin1.jsonl'}"],
               "latin1.jsonl line 2: not UTF-8 text (byte 0xe9 at column 16)"),
              (["data.source=jsonl", f"data.path={tmp_path / 'deep.jsonl'}"],
-              "deep.jsonl line 2: JSON nested too deeply to read")]
+              "deep.jsonl line 2: JSON nested too deeply to read"),
+             # a prompt that cannot fit the context with the response: refused at load, named
+             (["data.source=jsonl", f"data.path={tmp_path / 'long.jsonl'}"],
+              "long.jsonl): 1 prompt(s) too long for the model's context of 256 tokens "
+              "(max_position_embeddings) with rollout.max_new_tokens=4 generated after them "
+              "(at most 252 prompt tokens): row 1 ("),
+             (["eval.sets=[{path: " + str(tmp_path / "long.jsonl") + "}]"],
+              "eval.sets[0] (" + str(tmp_path / "long.jsonl") + "): 1 prompt(s) too long")]
     for extra, message in cases:
         for command in ("config", "train"):
             res = subprocess.run([sys.executable, "-m", "moe_rl.cli", command, *base, *extra],
