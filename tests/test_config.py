@@ -325,6 +325,7 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
     (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "1+1="}\n{"prompt": "caf\xe9"}\n')
     (tmp_path / "deep.jsonl").write_text('{"prompt": "2+2="}\n' + "[" * 200_000
                                          + "]" * 200_000 + "\n")
+    (tmp_path / "surrogate.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "a\\ud800b"}\n')
     (tmp_path / "long.jsonl").write_text('{"prompt": "1+1="}\n'
                                          + json.dumps({"prompt": "9+9=" * 400}) + "\n")
     (tmp_path / "sigs.py").write_text("def two_args(prompt, response):\n    return 0.0\n"
@@ -345,6 +346,9 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
               "latin1.jsonl line 2: not UTF-8 text (byte 0xe9 at column 16)"),
              (["data.source=jsonl", f"data.path={tmp_path / 'deep.jsonl'}"],
               "deep.jsonl line 2: JSON nested too deeply to read"),
+             (["data.source=jsonl", f"data.path={tmp_path / 'surrogate.jsonl'}"],
+              "data.prompt_key: row 1 of " + str(tmp_path / "surrogate.jsonl") + ": prompt: not "
+              "valid text: a lone surrogate '\\ud800' at character 1"),
              # a prompt that cannot fit the context with the response: refused at load, named
              (["data.source=jsonl", f"data.path={tmp_path / 'long.jsonl'}"],
               "long.jsonl): 1 prompt(s) too long for the model's context of 256 tokens "

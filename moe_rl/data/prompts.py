@@ -94,6 +94,17 @@ def check_messages(value, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def _check_text(text: str, where: str) -> str:
+    """``text``, refused naming ``where`` when it holds a lone surrogate (JSON's "\\ud800"
+    decodes to one; no tokenizer encodes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{where}: not valid text: a lone surrogate "
+                         f"{text[exc.start]!r} at character {exc.start}") from None
+    return text
+
+
 def _record(cfg: DataConfig, tokenizer, row, n: int) -> PromptRecord:
     """Row ``n`` of ``cfg.path`` as a prompt record (ValueError naming file, row and key)."""
     where = f"row {n} of {cfg.path}"
@@ -109,9 +120,11 @@ def _record(cfg: DataConfig, tokenizer, row, n: int) -> PromptRecord:
     metadata = {k: row[k] for k in cfg.metadata_keys}
     if cfg.messages_key:
         messages = check_messages(row[key], f"data.messages_key: {where}: {key}")
+        for i, m in enumerate(messages):
+            _check_text(m["content"], f"data.messages_key: {where}: {key}[{i}].content")
         text, ids = encode_messages(tokenizer, messages, cfg.chat_template_kwargs)
         return PromptRecord(text, ids, answer, metadata)
-    text = str(row[key])
+    text = _check_text(str(row[key]), f"data.prompt_key: {where}: {key}")
     return PromptRecord(text, encode_prompt(tokenizer, text, cfg.chat_template,
                                             cfg.system_prompt, cfg.chat_template_kwargs),
                         answer, metadata)
