@@ -10,23 +10,9 @@ import torch
 
 from moe_rl.config import config_from_dict
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu
-from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.policy import PolicyTrainer
-from tests.helpers import engine_samples, write_tiny_qwen
-
-
-@pytest.fixture(scope="module", autouse=True)
-def parallel_state():
-    init_distributed()
-    init_model_parallel()
-    yield
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "qwen"
-    model = write_tiny_qwen(path)
-    return str(path), model
+from tests.helpers import engine_samples
+from tests.test_trainer_step import parallel_state, tiny   # noqa: F401  (the shared fixtures)
 
 
 def make_cfg(path, dtype="bfloat16", **trainer):
