@@ -74,8 +74,10 @@ def test_eval_through_train_resume_and_moe_rl_eval(tmp_path):
 
 def test_reward_service_through_train(tmp_path):
     """Rewards from a service that fails its first request (retried) and answers every third
-    one with garbage (scored 0, counted): the steps' reward means are the service's answers.
-    The trainer sizes its micro-batches by a token budget in this run."""
+    one with garbage, every fifth with strings, booleans and numbers too large for a float, and
+    every seventh past data.reward_service.max_answer_mb (each scored 0, counted): the steps'
+    reward means are the service's answers. The trainer sizes its micro-batches by a token
+    budget in this run."""
     answered: list[float] = []
     garbage: list[int] = []
 
@@ -85,6 +87,14 @@ def test_reward_service_through_train(tmp_path):
         if call % 3 == 0:
             garbage.append(len(body["samples"]))
             return 200, b"<html>oops</html>"
+        if call % 5 == 0:
+            garbage.append(len(body["samples"]))
+            bad = (['"0.5"', "true"] if call % 10 else ["1" + "0" * 400, "false"]) * 2
+            return 200, ('{"rewards": [' + ", ".join(bad[:len(body["samples"])]) + "]}").encode()
+        if call % 7 == 0:
+            garbage.append(len(body["samples"]))
+            return 200, json.dumps({"rewards": [1.0] * len(body["samples"]),
+                                    "pad": "x" * 20_000}).encode()
         rewards = [len(s["response"]) / 10 + (s["metadata"]["stopped"] is True)
                    for s in body["samples"]]
         answered.extend(rewards)
@@ -94,6 +104,7 @@ def test_reward_service_through_train(tmp_path):
         _, rows = _train_tiny(tmp_path, 2, 4, f"data.reward_service.url={srv.url}",
                               "data.reward_service.batch_size=2",
                               "data.reward_service.max_concurrency=2",
+                              "data.reward_service.max_answer_mb=0.01",
                               # micro-batches by a token budget, no row cap
                               "trainer.micro_batch_size=null",
                               "trainer.max_tokens_per_micro_batch=40")
