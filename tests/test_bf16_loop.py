@@ -1,7 +1,9 @@
 """`moe-rl train` in the precision the GPU configs run, on CPU: the trainer in bfloat16 with
 float32 master weights (megatron's mixed-precision optimizer) and the engine in bfloat16. A run
 resumes exactly, its checkpoint and export round-trip in bfloat16, the EMA policy moves the
-weights, and every replay mode and correction runs."""
+weights, and every replay mode and correction runs. `make test-loop` (CI) runs R3 with four
+corrections and the shipped Qwen3 config; `make test-slow` adds R2, replay off, the other
+corrections and the shipped DeepSeek-style config."""
 import json
 import pathlib
 import subprocess
@@ -81,10 +83,10 @@ def test_bf16_run_resumes_exactly_and_round_trips_in_bf16(tmp_path, model_dir):
 
 @pytest.mark.loop
 @pytest.mark.e2e
-@pytest.mark.parametrize("replay,corrections,ema", [
+@pytest.mark.parametrize("replay,corrections,ema", [   # CI runs the first; make test-slow all
     ("r3", "[token_tis,seq_mis,icepop,geo_rs]", True),
-    ("r2", "[seq_tis,seq_rs,opsm,metropolis]", False),
-    ("off", "[trm,snis]", False)])
+    pytest.param("r2", "[seq_tis,seq_rs,opsm,metropolis]", False, marks=pytest.mark.slow),
+    pytest.param("off", "[trm,snis]", False, marks=pytest.mark.slow)])
 def test_bf16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corrections, ema):
     """Every replay mode and every correction through `moe-rl train` in bfloat16, two RL steps,
     weights synced over the process group: finite metrics, each correction's own metrics
@@ -123,7 +125,8 @@ CPU_SCALE = ["rollout.engine=reference", "rollout.num_servers=1", "rollout.engin
 @pytest.mark.parametrize("config,model_config,extra", [
     ("qwen3_30b_a3b_r3_gspo.yaml", "tiny_cpu.yaml",
      ["rollout.max_oversample=8", "trainer.max_tokens_per_micro_batch=64"]),
-    ("deepseek_style_r3_grpo.yaml", "deepseek_tiny_cpu.yaml", ["rollout.top_k=16"])])
+    pytest.param("deepseek_style_r3_grpo.yaml", "deepseek_tiny_cpu.yaml", ["rollout.top_k=16"],
+                 marks=pytest.mark.slow)])   # CI runs the Qwen3 config; make test-slow both
 def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_config, extra):
     """Each shipped GPU config, run as shipped except for its scale (tiny model, one reference
     engine, 2 trainer ranks with expert parallel 2 instead of 16 with 8, toy data, gloo): its
