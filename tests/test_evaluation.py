@@ -186,3 +186,18 @@ def test_mixture_weights_near_the_float_limit_keep_their_proportions():
     plain = MixtureSampler([40, 40], [1.0, 1.7], batch_size=4, seed=0)
     assert huge.shares == pytest.approx([1 / 2.7, 1.7 / 2.7])
     assert huge.shares == pytest.approx(plain.shares)
+
+
+def test_eval_out_is_checked_before_the_evaluation(tmp_path):
+    """`moe-rl eval --out` on a path that cannot be written is refused first, one line, exit 2
+    (it failed with a traceback after the whole evaluation)."""
+    import subprocess
+    import sys
+    for out, named in ((tmp_path / "no_such_folder" / "e.json", "does not exist"),
+                       (tmp_path, "is a directory")):
+        res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "eval", "--config",
+                              "tiny_math_cpu.yaml", "--hf", str(tmp_path / "not_even_a_model"),
+                              "--out", str(out)],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert res.returncode == 2 and f"--out {out}: " in res.stderr and named in res.stderr
+        assert "Traceback" not in res.stderr and "not a Hugging Face model" not in res.stderr

@@ -61,9 +61,23 @@ def evaluate_model(cfg) -> dict:
             reservation.release()
 
 
+def check_out_path(out: str) -> None:
+    """``--out``: a file that can be written, checked before the evaluation (which may take
+    long) rather than after it (UserError naming the path)."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise UserError(f"--out {out}: is a directory; give a file path")
+    if not os.path.isdir(folder):
+        raise UserError(f"--out {out}: its folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(out) and not os.access(out, os.W_OK)):
+        raise UserError(f"--out {out}: not writable here")
+
+
 def run(args: argparse.Namespace) -> int:
     from moe_rl.config import load_config
     from moe_rl.run_inputs import load_run_inputs
+    if args.out:
+        check_out_path(args.out)
     with tempfile.TemporaryDirectory(prefix="moe-rl-eval-model-") as tmp:
         model = args.hf or _export_checkpoint(args.checkpoint, os.path.join(tmp, "hf"))
         if args.hf and not os.path.isfile(os.path.join(args.hf, "config.json")):
