@@ -65,9 +65,11 @@ def prepare(cfg: Config, resume: bool, overwrite: bool) -> None:
     ``trainer.checkpoint_dir``). A resumed run continues the run there. Otherwise a directory
     that holds a run is refused (UserError naming ``--resume``, a new ``logging.dir`` and
     ``--overwrite``) or, with ``overwrite``, moved aside to ``<dir>.old-N`` (said on stdout)."""
+    run, ckpt = cfg.logging.dir, checkpoint_dir(cfg)
+    for key, path in (("logging.dir", run), ("trainer.checkpoint_dir", ckpt)):
+        _check_writable_dir(key, path)
     if resume:
         return
-    run, ckpt = cfg.logging.dir, checkpoint_dir(cfg)
     taken = [p for p in (run,) if holds_run(p)]
     if cfg.trainer.checkpoint_dir and _has_checkpoints(ckpt):
         taken.append(ckpt)
@@ -80,9 +82,31 @@ def prepare(cfg: Config, resume: bool, overwrite: bool) -> None:
             f"one with logging.dir=NEW_DIR, or pass --overwrite to move the old run aside to "
             f"{_aside(taken[0])} (nothing is deleted)")
     for path in taken:
+        if path != run and _inside(path, run) and run in taken:
+            continue   # moved aside with the run that holds it
         dest = _aside(path)
         os.replace(path, dest)
         print(f"moved the previous run in {path} aside to {dest}", flush=True)
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _check_writable_dir(key: str, path: str) -> None:
+    """``path`` is, or can become, a folder this process writes in (UserError naming ``key``):
+    not a file, not a link to nothing, on a writable filesystem."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise UserError(f"{key}: {path} is a symbolic link to {os.readlink(path)}, which does "
+                        f"not exist")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{key}: {path} is a file, not a folder")
+    probe = path
+    while not os.path.exists(probe):   # the nearest existing folder it would be made in
+        probe = os.path.dirname(os.path.abspath(probe))
+    if not os.access(probe, os.W_OK):
+        raise UserError(f"{key}: {path} cannot be written ({probe} is read-only here)")
 
 
 def fresh(path: str) -> str:

@@ -69,3 +69,30 @@ def test_checkpoint_due_by_steps_or_minutes_whichever_first(tmp_path):
     only_end = _cfg(tmp_path, "trainer.steps=7", "trainer.save_interval=0",
                     "trainer.save_interval_minutes=0")
     assert [d for d in range(1, 8) if checkpoint_due(only_end, d, 1e9)] == [7]
+
+
+def test_a_checkpoint_dir_inside_the_run_moves_aside_with_it(tmp_path):
+    """trainer.checkpoint_dir set to <logging.dir>/checkpoints with --overwrite: the run moves
+    aside whole, its checkpoints with it, nothing lost (the second move raised
+    FileNotFoundError)."""
+    cfg = _cfg(tmp_path, f"trainer.checkpoint_dir={tmp_path / 'run' / 'checkpoints'}")
+    (tmp_path / "run" / "checkpoints" / "iter_0000002").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    run_dir.prepare(cfg, resume=False, overwrite=True)
+    assert not (tmp_path / "run").exists()
+    assert (tmp_path / "run.old-1" / "checkpoints" / "iter_0000002").is_dir()
+
+
+def test_a_logging_dir_that_is_a_file_or_a_dangling_link_is_named(tmp_path):
+    """One line naming the key instead of a traceback: a file, a link to a file, a link to
+    nothing (read-only folders are refused alike, through os.access)."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "to_file").symlink_to(tmp_path / "afile")
+    (tmp_path / "to_nothing").symlink_to(tmp_path / "gone")
+    for path, named in ((tmp_path / "afile", "is a file, not a folder"),
+                        (tmp_path / "to_file", "is a file, not a folder"),
+                        (tmp_path / "to_nothing", "is a symbolic link to")):
+        cfg = load_config(None, [f"logging.dir={path}"])
+        for resume in (False, True):
+            with pytest.raises(UserError, match=f"logging.dir: {path} {named}"):
+                run_dir.prepare(cfg, resume=resume, overwrite=False)
