@@ -21,16 +21,28 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every available sub-command."""
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser with every available sub-command, and each sub-command's parser."""
     parser = argparse.ArgumentParser(prog="moe-rl", description="RL for Mixture-of-Experts LLMs: megatron-core trainer, SGLang or CPU reference engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = {}
     for name, (module, help_text) in COMMANDS.items():   # each imports its work lazily
         mod = importlib.import_module(module if "." in module else f"moe_rl.commands.{module}")
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
-    return parser
+        p.set_defaults(_run=mod.run, command=name)
+        commands[name] = p
+    return parser, commands
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, flags and ``key=value`` overrides in any order (``train ... --resume
+    trainer.steps=101``): a sub-command's arguments are parsed intermixed."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, commands = build_parser()
+    if argv and argv[0] in commands:
+        return commands[argv[0]].parse_intermixed_args(argv[1:])
+    return parser.parse_args(argv)   # help, or the error naming the commands
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_rl.errors import UserError
     from moe_rl.orchestration.failures import RunFailed
     from moe_rl.orchestration.stop import RunStopped
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except UserError as exc:   # the user's input refused: one line, no traceback

@@ -5,17 +5,43 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from moe_rl.cli import COMMANDS, build_parser
+from moe_rl.cli import COMMANDS, parse_args
 from tests.helpers import write_tiny_qwen
 
 
 def test_every_command_has_help(capsys):
-    parser = build_parser()
     for name in COMMANDS:
         with pytest.raises(SystemExit) as info:
-            parser.parse_args([name, "--help"])
+            parse_args([name, "--help"])
         assert info.value.code == 0
         assert "usage: moe-rl " + name in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--config", "tiny_cpu", "logging.dir=runs/a", "--resume", "trainer.steps=101"],
+     {"resume": True, "overrides": ["logging.dir=runs/a", "trainer.steps=101"]}),
+    (["train", "a=1", "--overwrite", "b=2", "--config", "c", "d=3"],
+     {"overwrite": True, "config": "c", "overrides": ["a=1", "b=2", "d=3"]}),
+    (["eval", "--config", "tiny_math_cpu", "eval.n=2", "--hf", "DIR", "eval.pass_k=[2]"],
+     {"hf": "DIR", "overrides": ["eval.n=2", "eval.pass_k=[2]"]}),
+    (["plan", "cluster.nodes=2", "--config", "qwen3_30b_a3b", "cluster.gpus_per_node=8"],
+     {"overrides": ["cluster.nodes=2", "cluster.gpus_per_node=8"]}),
+])
+def test_overrides_and_flags_in_any_order(argv, expected):
+    args = parse_args(argv)
+    assert args.command == argv[0]
+    for key, value in expected.items():
+        assert getattr(args, key) == value
+
+
+def test_an_unknown_flag_is_still_refused(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(["train", "--config", "tiny_cpu", "a=1", "--bogus"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["trian"])
+    assert "invalid choice: 'trian'" in capsys.readouterr().err
 
 
 def test_convert_round_trip_is_bit_identical(tmp_path):

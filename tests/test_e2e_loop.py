@@ -137,6 +137,10 @@ def test_ema_policy_and_trust_region_masking_through_moe_rl_train(tmp_path):
 @pytest.mark.loop
 @pytest.mark.e2e
 def test_a_reward_failing_on_a_whole_batch_stops_the_run_with_the_reason(tmp_path):
+    """A Python reward that raises, then a reward service that answers 500 to everything: the
+    run stops after data.max_failed_reward_batches in one line naming what scores the run (the
+    service's url, not the unused data.reward default), exit 1, no traceback."""
+    from tests.test_reward_service import RewardServer
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
@@ -147,17 +151,31 @@ def test_a_reward_failing_on_a_whole_batch_stops_the_run_with_the_reason(tmp_pat
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
            f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
            "logging.progress=false", f"rollout.base_port={free_port()}",
-           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-           "data.reward=broken_reward:score"]
+           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2"]
     import os
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
-    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env=env)
-    assert res.returncode != 0
-    out = res.stdout + res.stderr
-    assert "failed on every sample of 1 batch(es)" in out and "KeyError" in out
+    res = subprocess.run(cmd + ["data.reward=broken_reward:score"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("moe-rl train: data.reward: broken_reward:score failed on every "
+                           "sample of 1 batch(es)") and "KeyError" in last, last
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or \
         (tmp_path / "run" / "metrics.jsonl").read_text() == ""
+    srv = RewardServer(lambda body, call: (500, b'{"detail": "model not loaded"}'))
+    try:
+        res = subprocess.run(cmd + ["--overwrite", f"data.reward_service.url={srv.url}",
+                                    "data.reward_service.max_retries=0",
+                                    "data.max_failed_reward_batches=2"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    finally:
+        srv.close()
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"moe-rl train: data.reward_service.url: {srv.url} failed on every "
+                           f"sample of 2 batch(es) in a row (data.max_failed_reward_batches=2)")
+    assert "HTTP 500" in last and "data.reward:" not in last, last
 
 
 def test_shard_by_group_keeps_groups_whole_and_balances_tokens():

@@ -24,6 +24,7 @@ from moe_rl.orchestration.failures import RunFailed, lost_process
 from moe_rl.orchestration.stop import Abandoned, RunStopped, StopRequest, abandoned_in
 from moe_rl.orchestration.workers import (EngineHost, RolloutWorker, TrainerWorker,
                                           served_checkpoint)
+from moe_rl.rewards.service import reward_setting
 from moe_rl.run_inputs import RunInputs, load_run_inputs
 from moe_rl.run_summary import run_summary
 from moe_rl.trainer.parallel import free_port
@@ -283,10 +284,10 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                 check_batch(cfg, summary, failed_batches)
                 if summary["reward_timeouts_total"] and not reward_timeouts_named:
                     reward_timeouts_named = True
-                    print(f"step {step}: reward {cfg.data.reward} did not return within "
-                          f"{cfg.data.reward_timeout_s:g} s (data.reward_timeout_s) on "
-                          f"{summary['reward_timeouts_total']} sample(s), dropped (counted in "
-                          f"reward/timeouts)", flush=True)
+                    scorer, bound = reward_setting(cfg.data)
+                    print(f"step {step}: {scorer} did not return within the time allowed "
+                          f"({bound}) on {summary['reward_timeouts_total']} sample(s), "
+                          f"dropped (counted in reward/timeouts)", flush=True)
                 dropped = summary["counts"].get("rollout/env_errors", 0) + \
                     summary["counts"].get("rollout/env_timeouts", 0)
                 if dropped and summary["first_env_error"]:
@@ -405,21 +406,20 @@ def warm_start(cfg: Config, trainers: Trainers, inputs: RunInputs, stop: StopReq
 
 
 def check_batch(cfg: Config, summary: dict, failed_batches: int) -> None:
-    """Stop the run (RuntimeError naming the key) when the reward function or the environment
-    failed on everything for ``data.max_failed_reward_batches`` batches in a row."""
+    """Stop the run (RunFailed: one line naming the key, exit 1) when the reward or the
+    environment failed on everything for ``data.max_failed_reward_batches`` batches in a row."""
     if failed_batches < cfg.data.max_failed_reward_batches:
         return
+    limit = f"data.max_failed_reward_batches={cfg.data.max_failed_reward_batches}"
     if not summary["samples"] and cfg.data.environment is not None:
-        raise RuntimeError(
+        raise RunFailed(
             f"data.environment: {cfg.data.environment} failed on every trajectory of "
-            f"{failed_batches} batch(es) in a row (data.max_failed_reward_batches="
-            f"{cfg.data.max_failed_reward_batches}); nothing is left to train on. "
-            f"First error: {summary['first_env_error']}")
-    raise RuntimeError(
-        f"data.reward: {cfg.data.reward} failed on every sample of {failed_batches} batch(es) "
-        f"in a row (data.max_failed_reward_batches={cfg.data.max_failed_reward_batches}); "
-        f"training on zero rewards would learn nothing. First error: "
-        f"{summary['first_reward_error']}")
+            f"{failed_batches} batch(es) in a row ({limit}); nothing is left to train on. "
+            f"First error: {first_line(summary['first_env_error'] or '')}")
+    raise RunFailed(
+        f"{reward_setting(cfg.data)[0]} failed on every sample of {failed_batches} batch(es) "
+        f"in a row ({limit}); training on zero rewards would learn nothing. First error: "
+        f"{first_line(summary['first_reward_error'] or '')}")
 
 
 def export_final(cfg: Config, trainers: Trainers) -> None:

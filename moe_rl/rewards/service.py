@@ -125,6 +125,15 @@ class RewardService(RewardCounts):
         return [r for part in parts for r in part]
 
 
+def reward_setting(data_cfg) -> tuple[str, str]:
+    """The key and value that say what scores the run (``data.reward_service.url`` when a
+    service is set, else ``data.reward``) and the key bounding one score's time, for messages."""
+    if data_cfg.reward_service.url:
+        return f"data.reward_service.url: {data_cfg.reward_service.url}", \
+            f"data.reward_service.timeout_s={data_cfg.reward_service.timeout_s:g}"
+    return f"data.reward: {data_cfg.reward}", f"data.reward_timeout_s={data_cfg.reward_timeout_s:g}"
+
+
 def reward_scorer(data_cfg, spec: str | None = None):
     """What scores a run's samples: the reward service when ``data.reward_service.url`` is set
     (and no ``spec`` is given), else the Python reward ``spec`` (default ``data.reward``)."""
