@@ -168,6 +168,26 @@ def test_errors_answer_as_sglang(pair):
             assert isinstance(r.json()["error"]["message"], str), (name, r.text)
 
 
+DEEP = b"[" * 200_000 + b"]" * 200_000   # past any JSON parser's depth
+UNREADABLE = {"not_json": b"{input_ids: [1,", "nested_too_deep": DEEP,
+              "deep_field": b'{"input_ids": [5, 6], "sampling_params": ' + DEEP + b"}"}
+
+
+@pytest.mark.parametrize("path", ["/generate", "/update_weights_from_disk"])
+def test_unreadable_bodies_answer_as_sglang(pair, path):
+    """A body that is not JSON or is nested past the parser's depth: 400 in SGLang's
+    ErrorResponse shape from both (not a 500, not a dropped connection), and both still serve."""
+    for name, raw in UNREADABLE.items():
+        ref, sgl = (httpx.post(p.url + path, content=raw, timeout=120,
+                               headers={"Content-Type": "application/json"})
+                    for p in (pair.ref, pair.sgl))
+        assert ref.status_code == sgl.status_code == 400, (name, ref.text, sgl.text[:300])
+        same_shape(ref.json(), sgl.json(), name)
+        assert isinstance(ref.json()["message"], str) and ref.json()["code"] == 400
+    for p in (pair.ref, pair.sgl):
+        assert httpx.get(p.url + "/health", timeout=30).status_code == 200
+
+
 def test_control_endpoints_answer_as_sglang(pair):
     ref, sgl = pair.both("GET", "/health", None)
     assert ref.status_code == sgl.status_code == 200 and ref.content == sgl.content == b""

@@ -284,6 +284,23 @@ def test_a_bad_item_in_a_batch_fails_that_request_only(served):
     assert "input_ids" in bad_answers[2].text
 
 
+@pytest.mark.parametrize("path", ["/generate", "/init_weights_update_group"])
+def test_unreadable_bodies_are_a_400_naming_the_body(served, path):
+    """Not JSON, or nested 200,000 deep (a RecursionError in the parser): 400 in SGLang's
+    ErrorResponse shape naming the body; the server serves on."""
+    deep = b"[" * 200_000 + b"]" * 200_000
+    for raw, named in ((b"{input_ids: [1,", "body: not valid JSON"),
+                       (deep, "body: JSON nested too deeply to read"),
+                       (b'{"input_ids": [5], "sampling_params": ' + deep + b"}",
+                        "body: JSON nested too deeply to read")):
+        r = httpx.post(served.url + path, content=raw, timeout=30,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text[:300]
+        assert r.json() == {"object": "error", "message": named, "type": "Bad Request",
+                            "param": None, "code": 400}
+    _generate(served.url)
+
+
 def test_a_disk_update_waits_for_running_requests(served, models):
     """No answer mixes two weight versions: requests running when /update_weights_from_disk
     arrives finish on the old weights (deterministic inference: the same tokens as alone), the

@@ -87,13 +87,14 @@ def test_requests_wait_for_the_restart_of_the_only_server(tmp_path):
 class _StubServer:
     """An HTTP server on 127.0.0.1 whose ``/generate`` answers after ``delay`` seconds (as
     SGLang's non-streaming generate: nothing until done) and whose ``/health`` answers at once,
-    or never while ``hung``."""
+    or never while ``hung``, or a byte every 0.1 s while ``dripping``."""
 
     def __init__(self, delay: float, port: int = 0):
         import http.server
         import time
         stub = self
         self.delay, self.hung, self.generated, self.status = delay, False, 0, 200
+        self.dripping = False
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -109,6 +110,16 @@ class _StubServer:
             def do_GET(self):
                 while stub.hung:
                     time.sleep(0.05)
+                if stub.dripping:   # headers at once, then the body a byte at a time
+                    self.send_response(200)
+                    self.send_header("content-length", "600")
+                    self.end_headers()
+                    for _ in range(600):
+                        if not stub.dripping:
+                            return
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        time.sleep(0.1)
                 self._reply(b"{}")
 
             def do_POST(self):
@@ -169,6 +180,32 @@ def test_a_hung_server_is_restarted_and_the_request_sent_again():
                 return await pool.request("/generate", {}, server=pool.servers[0]), pool
         out, pool = asyncio.run(main())
         assert out == {"text": "done"} and restarts == [1] and pool.restarts == 1
+    finally:
+        stub.close()
+
+
+def test_a_health_check_that_drips_is_bounded_whole_and_counts_as_failed():
+    """A hung request on a server whose /health sends its headers and then a byte every 0.1 s
+    (each read well inside the bound): the check is cut at health_timeout for the whole answer,
+    the server taken for dead and restarted, the request sent again."""
+    import asyncio
+    import time
+    stub, restarts = _StubServer(delay=30.0), []
+    stub.dripping = True
+
+    def restart():
+        restarts.append(1)
+        stub.delay, stub.dripping = 0.0, False
+    try:
+        async def main():
+            async with ServerPool([stub.url], timeout=0.3, max_retries=2, backoff=0.01,
+                                  restarters=[restart], health_timeout=0.5) as pool:
+                t0 = time.monotonic()
+                out = await pool.request("/generate", {}, server=pool.servers[0])
+                return out, time.monotonic() - t0
+        out, took = asyncio.run(main())
+        assert out == {"text": "done"} and restarts == [1]
+        assert took < 5.0, took   # 0.3 s silent + 0.5 s health + the resend; not 60 s of drip
     finally:
         stub.close()
 

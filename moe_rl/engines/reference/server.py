@@ -24,6 +24,27 @@ def _error(message: str) -> dict:
     return {"error": {"message": message}}
 
 
+def _unreadable_body(message: str) -> JSONResponse:
+    """SGLang's (FastAPI's) 400 for a body that is not JSON or is nested past the parser's
+    depth: its ``ErrorResponse`` shape, on every endpoint."""
+    return JSONResponse({"object": "error", "message": message, "type": "Bad Request",
+                         "param": None, "code": 400}, status_code=400)
+
+
+class UnreadableBody(RequestError):
+    """The body is not JSON, or nested too deeply to read."""
+
+
+def _read_json(raw: bytes):
+    """The body's JSON value (UnreadableBody when it cannot be read)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise UnreadableBody("body: JSON nested too deeply to read") from None
+    except ValueError:
+        raise UnreadableBody("body: not valid JSON") from None
+
+
 class _BearerAuth:
     """Require ``Authorization: Bearer KEY`` (a plain ASGI middleware: it leaves the request's
     receive channel alone, so a handler still sees its client hang up)."""
@@ -291,10 +312,7 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
         return b"".join(chunks)
 
     def parse(raw: bytes) -> tuple[list[Request], bool]:
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise RequestError("body: not valid JSON") from None
+        body = _read_json(raw)
         reqs, batch = _as_requests(body, engine, counter, limits)
         for r in reqs:
             need = len(r.input_ids) + r.params.max_new_tokens
@@ -309,6 +327,8 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
     async def generate(request: HTTPRequest):
         try:   # parsed on a thread: a large call never holds the event loop (/health answers)
             reqs, batch = await asyncio.to_thread(parse, await read_body(request))
+        except UnreadableBody as exc:
+            return _unreadable_body(str(exc))
         except RequestError as exc:
             return JSONResponse(_error(str(exc)), status_code=400)
         async with model_update.shared():   # a weight update waits for these requests
@@ -338,11 +358,11 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
     async def _json_object(request: HTTPRequest):
         """The body as a JSON object, or the 400 answer naming what is wrong."""
         try:
-            body = json.loads(await read_body(request))
+            body = _read_json(await read_body(request))
+        except UnreadableBody as exc:
+            return _unreadable_body(str(exc))
         except RequestError as exc:
             return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
-        except ValueError:
-            body = None
         if not isinstance(body, dict):
             return JSONResponse({"success": False, "message": "body: expected a JSON object"},
                                 status_code=400)

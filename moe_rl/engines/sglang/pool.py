@@ -146,11 +146,14 @@ class ServerPool:
         return server.alive
 
     async def _healthy(self, server: Server) -> bool:
-        """Whether ``server`` answers ``GET /health`` within ``health_timeout``."""
+        """Whether ``server`` answers ``GET /health`` whole within ``health_timeout`` (an
+        answer that drips in is cut off too)."""
         self.health_probes += 1
         try:
-            resp = await self._client.get(server.url + "/health", timeout=self.health_timeout)
-        except (httpx.TransportError, httpx.TimeoutException):
+            resp = await asyncio.wait_for(self._client.get(server.url + "/health",
+                                                           timeout=self.health_timeout),
+                                          self.health_timeout)
+        except (httpx.TransportError, httpx.TimeoutException, TimeoutError):
             return False
         return resp.status_code < 400
 
