@@ -486,3 +486,25 @@ def test_context_parallel_without_transformer_engine_is_refused_early(monkeypatc
     with pytest.raises(ValueError, match=r"trainer.context_parallel: > 1 needs Transformer "
                                          r"Engine.*install transformer-engine\[pytorch\]"):
         model_builder.build_model("unused", sizes=ParallelSizes(1, 1, 1, 2))
+
+
+def test_a_data_file_not_under_the_working_directory_is_found_beside_the_config(tmp_path,
+                                                                               monkeypatch):
+    """Relative paths resolve against the working directory; a data file that is not there
+    is taken from the config file's folder (a shipped config's data); other paths never are."""
+    conf = tmp_path / "confs"
+    (conf / "data").mkdir(parents=True)
+    (conf / "data" / "train.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    (conf / "run.yaml").write_text(
+        "data: {source: jsonl, path: data/train.jsonl}\n"
+        "eval: {sets: [{path: data/train.jsonl, name: held}]}\nlogging: {dir: data}\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    cfg = load_config(str(conf / "run.yaml"))
+    assert cfg.data.path == str(conf / "data" / "train.jsonl")
+    assert cfg.eval.sets[0].path == str(conf / "data" / "train.jsonl")
+    assert cfg.logging.dir == str(work / "data")   # not a data file: the working directory
+    (work / "data").mkdir()
+    (work / "data" / "train.jsonl").write_text("{}\n")   # one here wins
+    assert load_config(str(conf / "run.yaml")).data.path == str(work / "data" / "train.jsonl")

@@ -126,32 +126,39 @@ def _port_closed(port: int) -> bool:
 
 
 @pytest.mark.loop
-def test_sigterm_finishes_the_step_checkpoints_it_and_the_printed_command_resumes(model,
-                                                                                  tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_finishes_the_step_checkpoints_it_and_the_printed_command_resumes(model,
+                                                                                   tmp_path, sig):
+    """SIGTERM (Slurm, scancel) and one Ctrl-C (SIGINT to the whole process group, as a terminal
+    sends it) alike: the step in flight finishes and is checkpointed, nothing since the last
+    save is lost, and the printed command resumes."""
     run = tmp_path / "run"
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
             "trainer.steps=100", "trainer.save_interval=0", "trainer.save_interval_minutes=0",
             "trainer.stop_grace_s=60", f"rollout.base_port={free_port()}",
             "logging.log_interval=2", *SMALL]
-    proc = _start(tmp_path, args)
+    proc = _start(tmp_path, args, session=True)
     lines = _wait_for_line(proc, "RL step 2/100")
     assert not any("RL step 1/100" in line for line in lines)   # every log_interval steps
     port = json.loads((run / "plan.json").read_text())["processes"]
     port = [p["port"] for p in port if p["role"] == "engine"][0]
     sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     out, err = proc.communicate(timeout=60 + 60)
     took = time.monotonic() - sent
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert proc.returncode == 128 + sig, err[-3000:]
     assert took < 60 + 60, took   # trainer.stop_grace_s + the engines' stop
-    assert "Traceback" not in err
-    assert "SIGTERM: finishing the current step (at most 60 s, trainer.stop_grace_s), then " \
-        "checkpoint it, stop" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert f"{sig.name}: finishing the current step (at most 60 s, trainer.stop_grace_s), " \
+        "then checkpoint it, stop" in err
     last = [line for line in err.splitlines() if line.startswith("moe-rl train: stopped")]
     assert len(last) == 1, err[-3000:]
     done = len(steps_of(run))
     ckpt = run / "checkpoints" / f"iter_{done:07d}"
-    assert f"stopped by SIGTERM, after step {done} of 100: last checkpoint " in last[0]
+    assert f"stopped by {sig.name}, after step {done} of 100: last checkpoint " in last[0]
     assert os.path.samefile(tmp_path / last[0].split("last checkpoint ")[1].split(";")[0],
                             ckpt) and (ckpt / "manifest.json").is_file()
     assert _port_closed(port)   # the engine server is gone

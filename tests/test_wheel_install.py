@@ -59,6 +59,14 @@ def test_wheel_ships_the_configs_and_runs_outside_the_source_tree(installed):
                          cwd=work, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert (work / "outputs" / "tiny_model" / "config.json").is_file()   # relative to the cwd
+    # a shipped config with data files: they are found beside it, in the package
+    for command in ("init-model", "config"):
+        res = subprocess.run([str(bin_dir / "moe-rl"), command, "--config", "tiny_math_cpu"],
+                             cwd=work, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+    shipped_data = pathlib.Path(where).parent / "configs" / "data"
+    assert f"path: {shipped_data / 'tiny_math_train.jsonl'}" in res.stdout
+    assert f"path: {shipped_data / 'tiny_math_eval.jsonl'}" in res.stdout
     missing = subprocess.run([str(bin_dir / "moe-rl"), "config", "--config", "nope.yaml"],
                              cwd=work, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "tiny_cpu.yaml" in missing.stderr

@@ -233,7 +233,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree, "")
-    resolve_paths(cfg)
+    resolve_paths(cfg, os.path.dirname(os.path.abspath(path)) if path is not None else None)
     validate(cfg)
     return cfg
 
@@ -242,22 +242,34 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 # loaded (so every process of the run, on every node, sees the same absolute path)
 PATH_KEYS = ("model.path", "data.path", "logging.dir", "trainer.checkpoint_dir",
              "data.sets[].path", "eval.sets[].path")
+# the data files among them: one not found under the current directory is looked for beside
+# the config file (a shipped config's data, wherever the package is installed)
+DATA_FILE_KEYS = ("data.path", "data.sets[].path", "eval.sets[].path")
 
 
-def resolve_paths(cfg: Config) -> None:
+def resolve_paths(cfg: Config, config_dir: str | None = None) -> None:
     """Make the :data:`PATH_KEYS` of ``cfg`` absolute (``~`` expanded; relative to the current
-    directory); ``sets[]`` stands for every entry of the list ``sets``."""
-    def resolve(node: Any, parts: list[str]) -> None:
+    directory, or for a :data:`DATA_FILE_KEYS` file that is not there, to ``config_dir`` when
+    it is there); ``sets[]`` stands for every entry of the list ``sets``."""
+    def absolute(key: str, value: str) -> str:
+        value = os.path.expanduser(value)
+        here = os.path.abspath(value)
+        if key in DATA_FILE_KEYS and config_dir and not os.path.isabs(value) \
+                and not os.path.exists(here) and os.path.isfile(os.path.join(config_dir, value)):
+            return os.path.join(config_dir, value)
+        return here
+
+    def resolve(node: Any, parts: list[str], key: str) -> None:
         head, rest = parts[0], parts[1:]
         if head.endswith("[]"):
             for entry in getattr(node, head[:-2]):
-                resolve(entry, rest)
+                resolve(entry, rest, key)
         elif rest:
-            resolve(getattr(node, head), rest)
+            resolve(getattr(node, head), rest, key)
         elif getattr(node, head):
-            setattr(node, head, os.path.abspath(os.path.expanduser(getattr(node, head))))
+            setattr(node, head, absolute(key, getattr(node, head)))
     for key in PATH_KEYS:
-        resolve(cfg, key.split("."))
+        resolve(cfg, key.split("."), key)
 
 
 def config_from_dict(tree: dict) -> Config:

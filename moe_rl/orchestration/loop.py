@@ -315,7 +315,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                 history.append({"step": step, **metrics})
                 bar.update(step_fields(metrics))
                 if checkpoint_due(cfg, step + 1, time.monotonic() - last_save) \
-                        or stop.wants_checkpoint:
+                        or stop.signum:
                     # the data order as of the consumed steps: in-flight batches are regenerated
                     saved = checkpoint.save(trainers, {"step": step + 1,
                                                        "sampler": pipeline.sampler_state()},
@@ -356,8 +356,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
         raise RunFailed(f"lost a process of the run during step {done} ({lost}): " + (
             f"last checkpoint {shown}{again}" if saved else "no checkpoint was written"))
     if stop.signum:
-        where = f"last checkpoint {shown}" if saved else "no checkpoint was written" + (
-            "" if stop.wants_checkpoint else " (SIGTERM or SIGUSR1 checkpoint the current step)")
+        where = f"last checkpoint {shown}" if saved else "no checkpoint was written"
         what = f"{done} of {cfg.trainer.steps} steps done, the next one abandoned ({abandoned})" \
             if abandoned else f"after step {done} of {cfg.trainer.steps}"
         raise RunStopped(f"stopped by {stop.name}, {what}: {where}{again}", stop.signum)

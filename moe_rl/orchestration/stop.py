@@ -1,6 +1,6 @@
 """Clean stops of a run on a signal. SIGINT (Ctrl-C), SIGTERM (Slurm's preemption and
-``scancel``) and SIGUSR1 (``sbatch --signal``) ask the loop to stop after the current step;
-SIGTERM and SIGUSR1 also ask for a checkpoint of that step (SIGINT saves only one that is due).
+``scancel``) and SIGUSR1 (``sbatch --signal``) ask the loop to stop after the current step and
+to checkpoint that step (nothing since the last save is lost).
 The step and its checkpoint get ``trainer.stop_grace_s`` seconds; past them, or on a second
 signal, the step is abandoned (nothing more is saved). The run then stops its engines and Ray
 and ``moe-rl`` prints one line: where the last checkpoint is and the command that resumes."""
@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 
-ASKS_FOR_CHECKPOINT = {signal.SIGTERM, signal.SIGUSR1}
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -55,10 +54,6 @@ class StopRequest:
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else ""
 
-    @property
-    def wants_checkpoint(self) -> bool:
-        return self.signum in ASKS_FOR_CHECKPOINT
-
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
             for sig in HANDLED:
@@ -95,9 +90,9 @@ class StopRequest:
         if self.signum is not None:
             raise Abandoned(f"a second {signal.Signals(signum).name}")
         self.signum = signum
-        then = "checkpoint it, " if self.wants_checkpoint else ""
         print(f"{self.name}: finishing the current step (at most {self.grace_s:g} s, "
-              f"trainer.stop_grace_s), then {then}stop; send it again to abandon the step now",
+              f"trainer.stop_grace_s), then checkpoint it, stop; send it again to abandon the "
+              f"step now",
               file=sys.stderr, flush=True)
         signal.setitimer(signal.ITIMER_REAL, self.grace_s)
 
