@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # sub-command -> (module under moe_rl.commands, or a full module path; one-line help)
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as exc:   # a node or process of the run was lost: what, and how to go on
         print(f"moe-rl {args.command}: {exc}", file=sys.stderr, flush=True)
         return 1
+    except BrokenPipeError:   # the reader of the output went away (`| head`): no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

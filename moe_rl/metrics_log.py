@@ -24,8 +24,9 @@ class MetricsLogger:
     """Writes one record per step to TensorBoard (``run_dir/tb``) and ``run_dir/metrics.jsonl``.
 
     Non-finite values are written as null in JSONL and skipped (and counted) in TensorBoard.
-    ``start_step``: on resume, JSONL lines of steps >= start_step are dropped first. ``sinks``:
-    further outputs, each with ``log(step, metrics)`` and ``close()`` (W&B).
+    ``start_step``: on resume, JSONL lines of steps >= start_step are dropped first; the rows
+    kept are :attr:`earlier` (read back, for the summary of the whole run). ``sinks``: further
+    outputs, each with ``log(step, metrics)`` and ``close()`` (W&B).
     """
 
     def __init__(self, run_dir: str, tensorboard: bool = True, jsonl: bool = True,
@@ -35,11 +36,13 @@ class MetricsLogger:
         self.sinks = list(sinks or [])
         self.skipped_nonfinite = 0
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if jsonl else None
+        self.earlier: list[dict] = []
         if self.jsonl_path and os.path.exists(self.jsonl_path):
             with open(self.jsonl_path, encoding="utf-8") as fh:
                 keep = [line for line in fh if _step_of(line) < start_step]
             with open(self.jsonl_path, "w", encoding="utf-8") as fh:
                 fh.writelines(keep)
+            self.earlier = [json.loads(line) for line in keep]
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

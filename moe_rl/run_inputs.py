@@ -115,3 +115,39 @@ def load_run_inputs(cfg: Config) -> RunInputs:
         start += size
     return RunInputs(tokenizer, prompts, reward, environment, sizes,
                      load_eval_sets(cfg, tokenizer))
+
+
+def unknown_characters(inputs: RunInputs) -> str | None:
+    """A warning when prompts hold characters the tokenizer maps to its unknown token (the
+    tiny models' character tokenizer knows digits, ASCII letters and some signs only): how
+    many prompts, the first one's row and the characters; None when there are none."""
+    tok = inputs.tokenizer
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is None:
+        return None
+    sets = [("training", inputs.prompts)] + [(f"eval {name}", p) for name, p in inputs.eval_sets]
+    parts = []
+    for where, prompts in sets:
+        rows = [n for n, p in enumerate(prompts) if unk in p.ids]
+        if rows:
+            text = prompts[rows[0]].text
+            chars = sorted({c for c in text if tok.encode(c, add_special_tokens=False) == [unk]})
+            shown = " ".join(repr(c) for c in chars[:8])
+            parts.append(f"{len(rows)} {where} prompt(s), first row {rows[0]} ({shown})")
+    if not parts:
+        return None
+    return (f"warning: the tokenizer of model.path maps characters of {'; '.join(parts)} to "
+            f"{tok.unk_token!r}: the model cannot read them (a tiny model's character tokenizer "
+            f"knows ASCII letters, digits and common signs)")
+
+
+def inputs_summary(cfg: Config, inputs: RunInputs) -> str:
+    """What ``moe-rl config`` checked, in one line."""
+    from moe_rl.rewards.service import reward_setting
+    sets = f"{len(inputs.prompts)} training prompts" + (
+        f" in {len(inputs.set_sizes)} sets" if cfg.data.sets else "")
+    evals = "".join(f", eval set {name}: {len(p)} prompts" for name, p in inputs.eval_sets)
+    env = f", environment {cfg.data.environment}" if inputs.environment is not None else ""
+    return (f"inputs checked: model {cfg.model.path} (tokenizer loads), {sets}{evals}, "
+            f"{reward_setting(cfg.data)[0]}{env}; every prompt fits the context")
+

@@ -15,20 +15,22 @@ def _mean(history: list[dict], key: str, rows: slice = slice(None)) -> float:
 
 
 def eval_line(evals: list[dict]) -> str | None:
-    """Each held-out set's pass@1 at the first and the last evaluation of this process."""
+    """Each held-out set's pass@1 at the first and the last evaluation of the run."""
     if not evals:
         return None
     first, last = evals[0], evals[-1]
     parts = [f"{key.split('/')[1]} pass@1 {first[key]:.3f} (after {first['step']} updates) -> "
              f"{last[key]:.3f} (after {last['step']})"
-             for key in sorted(last) if key.endswith("/pass@1") and key in first]
-    return "  eval: " + "; ".join(parts)
+             for key in sorted(last) if key.endswith("/pass@1") and key in first
+             and isinstance(first[key], float) and isinstance(last[key], float)]
+    return "  eval: " + "; ".join(parts) if parts else None
 
 
 def run_summary(history: list[dict], cfg, seconds: float, checkpoint: str | None,
-                evals: list[dict] = ()) -> str:
-    """What the run did, in a few lines (``history``: the per-step metrics of this process;
-    ``evals``: its evaluation rows)."""
+                evals: list[dict] = (), resumed_at: int = 0) -> str:
+    """What the run did, in a few lines (``history``: the per-step metrics of the whole run,
+    the steps before a resume included; ``evals``: its evaluation rows; ``seconds``: this
+    process's time, which began at step ``resumed_at``)."""
     done = len(history)
     if not done:
         return (f"run finished: no RL step left to do (trainer.steps={cfg.trainer.steps}); "
@@ -36,9 +38,11 @@ def run_summary(history: list[dict], cfg, seconds: float, checkpoint: str | None
     k = max(1, min(10, done // 2))
     first, last = _mean(history, "reward/mean", slice(0, k)), _mean(history, "reward/mean",
                                                                      slice(-k, None))
+    session = f", resumed at step {resumed_at}" if resumed_at else ""
+    timed = [h for h in history if h["step"] >= resumed_at]
     lines = [f"run finished: {done} RL steps (steps {history[0]['step']}-{history[-1]['step']}) "
-             f"in {seconds / 60:.1f} min ({_mean(history, 'timing/step_s'):.1f} s/step); mean "
-             f"reward of the first {k} steps {first:.3f}, of the last {k} {last:.3f} (rise "
+             f"in {seconds / 60:.1f} min{session} ({_mean(timed, 'timing/step_s'):.1f} s/step); "
+             f"mean reward of the first {k} steps {first:.3f}, of the last {k} {last:.3f} (rise "
              f"{last - first:+.3f})",
              f"  mismatch/k3 {_mean(history, 'mismatch/k3'):.2e} (mean), routing/agreement "
              f"{_mean(history, 'routing/agreement'):.4f} (mean)",

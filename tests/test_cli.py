@@ -113,3 +113,36 @@ def test_config_get_prints_one_resolved_value_for_scripts(capsys):
     assert "'logging' is a section" in capsys.readouterr().err
     assert cli.main(["config", "--get", "trainer.nope"]) == 2
     assert "--get: unknown key 'trainer.nope'" in capsys.readouterr().err
+
+
+def test_config_output_into_a_closed_pipe_ends_quietly():
+    res = subprocess.run(["bash", "-c", f"'{sys.executable}' -m moe_rl.cli config --keys | head -2"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("| key | type |")
+    assert "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr, res.stderr
+
+
+def test_config_says_what_it_checked_and_warns_of_characters_the_tokenizer_lacks(tmp_path):
+    """`moe-rl config` ends with one line on stderr naming what it checked (stdout stays the
+    YAML alone); prompts with characters the tiny character tokenizer maps to <|unk|> are
+    named with the row and the characters (`train` prints the same warning)."""
+    import yaml
+    from moe_rl.config import ModelInitConfig
+    from moe_rl.models.tiny import write_tiny_model
+    model = tmp_path / "model"
+    write_tiny_model(ModelInitConfig(seed=1), str(model))
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "3$ + 4@ ~é=", "answer": "7"}\n')
+    base = [sys.executable, "-m", "moe_rl.cli", "config", "--config", "tiny_cpu",
+            f"model.path={model}"]
+    res = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert yaml.safe_load(res.stdout)["model"]["path"] == str(model)
+    assert res.stderr.strip() == (f"inputs checked: model {model} (tokenizer loads), 100 training "
+                                  f"prompts, data.reward: toy; every prompt fits the context")
+    res = subprocess.run(base + ["data.source=jsonl", f"data.path={data}"], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    warning = res.stderr.splitlines()[0]
+    assert warning.startswith("warning: the tokenizer of model.path maps characters of 1 "
+                              "training prompt(s), first row 1 ('$' '@' '~' 'é') to '<|unk|>'")

@@ -67,18 +67,23 @@ class Pair:
     def __init__(self, base):
         self.model = str(base / "model")
         write_tiny_model(ModelInitConfig(seed=3), self.model)
+        python = sglang_cpu_python()   # first: a failure here leaves no server behind
         # SGLang's CPU sampler is its torch sampler: the reference engine runs the same rule
         self.ref = ReferenceServer(self.model, free_port(), log_path=str(base / "ref.log"),
                                    extra_args=["--sampling-backend", "pytorch"]).start(120)
         cfg = config_from_dict({
             "model": {"path": self.model}, "cluster": {"gpus_per_node": 0},
             "rollout": {"engine": "sglang", "top_k": 8, "return_routing": True,
-                        "sglang": {"device": "cpu", "python": sglang_cpu_python()}},
+                        "sglang": {"device": "cpu", "python": python}},
             "algorithm": {"replay": "r3", "keep_sampling_mask": True}})
         port = free_port()
         argv, env = server_command(cfg, "127.0.0.1", port, [], 0, self.model)
-        self.sgl = server_process(cfg, argv, env, "127.0.0.1", port,
-                                  str(base / "sglang.log")).start(300)
+        try:
+            self.sgl = server_process(cfg, argv, env, "127.0.0.1", port,
+                                      str(base / "sglang.log")).start(300)
+        except BaseException:
+            self.ref.stop()
+            raise
         self.layout = MoEShape.from_hf(json.load(open(f"{self.model}/config.json")))
 
     def both(self, method: str, path: str, body) -> tuple[httpx.Response, httpx.Response]:

@@ -66,10 +66,15 @@ def test_eval_through_train_resume_and_moe_rl_eval(tmp_path):
         assert again[f"eval/held_out/{key}"] == final[f"eval/held_out/{key}"]
     # a resumed run evaluates at the same steps: the step-2 evaluation (its rows are dropped
     # with the steps after the checkpoint) is repeated, with the same numbers
-    train_cli(tmp_path, 3, *EVAL_KEYS, config="tiny_math_cpu.yaml", resume=True)
+    res = train_cli(tmp_path, 3, *EVAL_KEYS, config="tiny_math_cpu.yaml", resume=True)
     resumed = [r for r in _rows(tmp_path / "run") if r.get("kind") == "eval"]
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert resumed[2]["eval/held_out/pass@1"] == evals[2]["eval/held_out/pass@1"]
+    # the summary after the resume covers the whole run: its steps and its first evaluation
+    assert "run finished: 3 RL steps (steps 0-2) in " in res.stdout
+    assert "resumed at step 2" in res.stdout
+    assert f"  eval: held_out pass@1 {evals[0]['eval/held_out/pass@1']:.3f} (after 0 updates) " \
+        f"-> {resumed[3]['eval/held_out/pass@1']:.3f} (after 3)" in res.stdout
 
 
 def test_reward_service_through_train(tmp_path):

@@ -3,8 +3,9 @@ model, tokenizer, data, reward) or the documented table of keys."""
 from __future__ import annotations
 
 import argparse
+import sys
 
-from moe_rl.run_inputs import load_run_inputs
+from moe_rl.run_inputs import inputs_summary, load_run_inputs, unknown_characters
 from moe_rl.config import Config, ConfigError, dump_config, iter_keys, load_config
 
 
@@ -42,7 +43,11 @@ def run(args: argparse.Namespace) -> int:
     if args.get:
         print(config_value(cfg, args.get))
         return 0
-    print(dump_config(cfg), end="")
-    if not args.no_inputs:
-        load_run_inputs(cfg)
+    print(dump_config(cfg), end="", flush=True)
+    if not args.no_inputs:   # on stderr: stdout stays the YAML alone
+        inputs = load_run_inputs(cfg)
+        warning = unknown_characters(inputs)
+        if warning:
+            print(warning, file=sys.stderr)
+        print(inputs_summary(cfg, inputs), file=sys.stderr)
     return 0

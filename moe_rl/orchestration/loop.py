@@ -226,8 +226,9 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
         fh.write(dump_config(cfg))
-    print(dump_config(cfg), flush=True)
     print(f"run directory: {os.path.abspath(run_dir)}", flush=True)
+    print(f"resolved config: {os.path.join(os.path.abspath(run_dir), 'config.yaml')}",
+          flush=True)
     if resume_path:
         print(f"resuming at step {start_step} from {resume_path}", flush=True)
     sinks = []
@@ -360,7 +361,11 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
         what = f"{done} of {cfg.trainer.steps} steps done, the next one abandoned ({abandoned})" \
             if abandoned else f"after step {done} of {cfg.trainer.steps}"
         raise RunStopped(f"stopped by {stop.name}, {what}: {where}{again}", stop.signum)
-    print(run_summary(history, cfg, time.perf_counter() - started, saved, evals), flush=True)
+    before = logger.earlier   # a resumed run's summary covers the whole run
+    print(run_summary([r for r in before if "kind" not in r] + history, cfg,
+                      time.perf_counter() - started, saved,
+                      [r for r in before if r.get("kind") == "eval"] + evals,
+                      resumed_at=start_step), flush=True)
     return history
 
 
