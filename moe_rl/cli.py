@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     from moe_rl.errors import UserError
     from moe_rl.orchestration.failures import RunFailed
     from moe_rl.orchestration.stop import RunStopped
+    if not sys.stderr.isatty():   # progress bars only on a terminal (logs keep no redraws)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     args = parse_args(argv)
     try:
         return int(args._run(args) or 0)

@@ -37,6 +37,10 @@ def test_loop_runs_logs_checkpoints_and_resumes(trained_run, tmp_path):
     assert (ck / "iter_0000003" / "trainer" / "rank0.pt").exists()
     assert json.loads((ck / "iter_0000003" / "loop_state.json").read_text())["step"] == 3
     assert (run / "final_hf" / "model.safetensors").exists()
+    assert "algorithm:" in (run / "config.yaml").read_text()   # the resolved config, kept
+    engine_log = (run / "logs" / "engine_0.log").read_text()   # quiet: no progress bars
+    assert engine_log.count("listening on http://127.0.0.1:") == 1, engine_log[-2000:]
+    assert "Loading weights" not in engine_log and "\r" not in engine_log, engine_log[-2000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(run / "tb"))
     acc.Reload()
@@ -44,10 +48,25 @@ def test_loop_runs_logs_checkpoints_and_resumes(trained_run, tmp_path):
     assert {"reward/mean", "mismatch/k3", "routing/agreement", "routing/agreement_layer_0",
             "grad_norm"} <= tags
     assert [e.step for e in acc.Scalars("reward/mean")] == [0, 1, 2]
+    # samples a user can read: two per step, with what the reward was given (the toy reward
+    # of the logged inputs is the logged reward), the advantage and the largest mismatch
+    from moe_rl.rewards.functions import toy_reward
+    shown = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in shown] == [0, 0, 1, 1, 2, 2]
+    for r in shown:
+        assert r["reward"] == toy_reward(r["prompt"], r["response"], r["label"], r["metadata"])
+        assert r["prompt"].endswith("=") and r["response_tokens"] == r["tokens"] > 0
+        assert math.isfinite(r["advantage"]) and r["tokens_removed"] >= 0
+        worst = r["largest_mismatch"]
+        assert 1 <= len(worst) <= 3 and all(0 <= t["position"] < r["tokens"] for t in worst)
+        assert all(abs(t["engine_logprob"] - t["trainer_logprob"]) < 1e-3 for t in worst)
+    assert [e.step for e in acc.Tensors("samples/text_summary")] == [0, 1, 2]
     # resume: continues at step 3 with the same data order, no duplicated steps
     _train(tmp_path, 5, "algorithm.corrections=[icepop,seq_mis]", resume=True)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    shown = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in shown] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
     assert sorted(p.name for p in ck.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
 

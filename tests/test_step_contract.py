@@ -107,7 +107,8 @@ def test_step_inputs_are_a_pure_function_of_the_rows():
                     entropy=torch.rand(N, R, generator=g),
                     rewards=torch.tensor([1.0, 0.0, 0.5, 0.5]),
                     groups=torch.tensor([0, 0, 1, 1]),
-                    weight_versions=torch.tensor([3, 3, 2, 3]))
+                    weight_versions=torch.tensor([3, 3, 2, 3]),
+                    sample_ids=torch.arange(N))
     from moe_rl.config import AlgorithmConfig
     a = AlgorithmConfig(corrections=["seq_mis"])
     out = step_inputs(a, rows, deferred=[])
@@ -118,3 +119,38 @@ def test_step_inputs_are_a_pure_function_of_the_rows():
     assert out.metrics["mismatch/k3"] == pytest.approx(float((d.exp() - d - 1).mean()))
     merged, mine = gather_rows(rows)   # no process group: the rows themselves
     assert merged is rows and mine == slice(0, N)
+
+
+def test_sample_notes_name_the_first_samples_and_their_largest_mismatch():
+    """Hand-worked: rows out of order; the first two by (group, sample id) are reported with
+    their advantage, the tokens a correction removed, and the tokens where trainer and engine
+    differ most (padding never chosen); with the asynchronous pipeline, against the trainer at
+    the sample's own version."""
+    from moe_rl.trainer.step import StepInputs, sample_notes
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    lp_roll = torch.tensor([[-1.0, -2.0, -3.0, -9.0], [-1.0, -1.0, 0.0, 0.0],
+                            [-0.5, -0.5, -0.5, -0.5]])
+    lp_tr = torch.tensor([[-1.1, -2.0, -2.0, 0.0], [-1.0, -1.5, 0.0, 0.0],
+                          [-0.5, -0.5, -0.5, -0.5]])
+    rows = StepRows(mask=mask, lp_roll=lp_roll, lp_tr=lp_tr, entropy=torch.zeros(3, 4),
+                    rewards=torch.tensor([1.0, 0.0, 0.0]), groups=torch.tensor([1, 0, 0]),
+                    weight_versions=torch.zeros(3, dtype=torch.long),
+                    sample_ids=torch.tensor([0, 5, 4]))
+    keep = mask.clone()
+    keep[1, 1] = False
+    inputs = StepInputs(lp_old=lp_tr, advantages=torch.tensor([0.7, -0.3, 0.2]),
+                        weights=torch.full((3, 4), 0.5), keep=keep, metrics={})
+    notes = sample_notes(rows, inputs, k=2, top=2)
+    assert [(n["group_id"], n["sample_id"]) for n in notes] == [(0, 4), (0, 5)]
+    assert notes[1]["advantage"] == pytest.approx(-0.3) and notes[1]["tokens"] == 2
+    assert notes[1]["tokens_removed"] == 1 and notes[1]["correction_weight_mean"] == 0.5
+    assert notes[1]["largest_mismatch"][0] == {"position": 1, "engine_logprob": -1.0,
+                                               "trainer_logprob": -1.5}
+    first = sample_notes(rows, inputs, k=3, top=2)[2]   # (1, 0): the padded position 3 skipped
+    assert [t["position"] for t in first["largest_mismatch"]] == [2, 0]
+    rows.lp_same = lp_roll.clone()   # the trainer at the sample's version equals the engine
+    rows.same_scored = torch.tensor([True, False, False])
+    rows.stale = torch.tensor([True, False, False])
+    first = sample_notes(rows, inputs, k=3, top=1)[2]
+    assert first["largest_mismatch"][0]["trainer_logprob"] == first["largest_mismatch"][0][
+        "engine_logprob"]

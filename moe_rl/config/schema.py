@@ -381,6 +381,12 @@ class LoggingConfig:
                         "line per logging.log_interval steps on stdout")
     log_interval: int = _f(1, "steps between progress lines when the console is not a terminal "
                            "(nohup, Slurm, a pipe); the last step is always shown", **_rng(1))
+    samples_per_step: int = _f(2, "samples of each step written to <logging.dir>/samples.jsonl "
+                               "and TensorBoard text: prompt, response, reward and its inputs, "
+                               "advantage, the tokens where engine and trainer differ most "
+                               "(0: none)", **_rng(0))
+    samples_max_mb: float = _f(64.0, "size at which samples.jsonl stops growing (said once on "
+                               "the console)", **_rng(0.001))
     wandb: WandbConfig = _sub(WandbConfig, "Weights & Biases")
 
 

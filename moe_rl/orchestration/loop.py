@@ -27,6 +27,7 @@ from moe_rl.orchestration.workers import (EngineHost, RolloutWorker, TrainerWork
 from moe_rl.rewards.service import reward_setting
 from moe_rl.run_inputs import RunInputs, load_run_inputs
 from moe_rl.run_summary import run_summary
+from moe_rl.sample_log import SampleLog
 from moe_rl.trainer.parallel import free_port
 from moe_rl.types import RolloutBatch, Sample
 
@@ -237,6 +238,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
         sinks.append(WandbLog(cfg, run_dir))
     logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.logging.jsonl, start_step,
                            sinks)
+    samples_log = SampleLog(run_dir, cfg.logging.samples_max_mb, start_step, logger.writer)
     plan = make_plan(cfg)
     start_ray(cfg, plan)
     reservation = reserve(cfg, plan)
@@ -299,6 +301,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                         ray.get(rollout.release_memory.remote())
                 with timer.phase("train"):   # a batch left empty (every trajectory dropped)
                     metrics = trainers.train_step(shards) if summary["samples"] else {}
+                samples_log.log(step, summary["shown"], metrics.pop("sample_notes", []))
                 if cfg.cluster.colocate:
                     with timer.phase("engine_resume"):
                         ray.get(rollout.resume_memory.remote())

@@ -48,7 +48,10 @@ class TrainerWorker:
         return free_port(host or ray.util.get_node_ip_address())
 
     def train_step(self, data: bytes) -> dict:
-        return self.trainer.train_step(RolloutBatch.from_bytes(data).samples)
+        """The step's metrics, and under ``sample_notes`` what the trainer knows of the
+        batch's first samples (for samples.jsonl)."""
+        metrics = self.trainer.train_step(RolloutBatch.from_bytes(data).samples)
+        return {**metrics, "sample_notes": self.trainer.passes.notes}
 
     def sft_step(self, data: bytes, lr: float) -> dict:
         return self.trainer.sft_step(RolloutBatch.from_bytes(data).samples, lr)
@@ -407,6 +410,7 @@ class RolloutWorker:
         (:meth:`check_serving`)."""
         import time
         from moe_rl.orchestration.sharding import shard_by_group
+        from moe_rl.sample_log import shown_samples
         self.check_serving(version, step)
         cfg, inp = self.cfg, self.inputs
         timing = {}
@@ -423,7 +427,9 @@ class RolloutWorker:
                    "reward_timeouts_total": inp.reward.timeouts,
                    "first_reward_error": inp.reward.first_error, "first_env_error": env_error,
                    "stale_samples": sum(s.weight_version < step for s in samples),
-                   "counts": counts}
+                   "counts": counts,
+                   "shown": shown_samples(samples, inp.tokenizer, inp.prompts,
+                                          cfg.logging.samples_per_step)}
         if samples and errors < len(samples) and cfg.algorithm.pi_old == "engine_avg":
             t2 = time.perf_counter()
             self.engine.score(samples, cfg.algorithm.pi_old_passes,

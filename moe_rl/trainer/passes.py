@@ -21,7 +21,7 @@ from moe_rl.trainer.forwarder import Forwarder
 from moe_rl.trainer.loss import PolicyLoss
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.trainer.replay_plan import ReplayPlan, Route
-from moe_rl.trainer.step import StepRows, gather_rows, step_inputs
+from moe_rl.trainer.step import StepRows, gather_rows, sample_notes, step_inputs
 from moe_rl.trainer.versions import WeightVersions
 from moe_rl.types import Sample, compact_routing
 
@@ -62,6 +62,7 @@ class StepPasses:
         self.ref_model, self.ref_replay = ref_model, ref_replay
         self.versions = versions
         self.vocab_size, self.moe_shape = vocab_size, moe_shape
+        self.notes: list[dict] = []   # the last step's sample notes (for samples.jsonl)
 
     def run(self, samples: list[Sample], step: int) -> tuple[StepBatch, dict[str, float]]:
         """The passes of step ``step`` on this rank's ``samples``: pi_old / reference passes,
@@ -127,6 +128,7 @@ class StepPasses:
             rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
             groups=torch.tensor([s.group_id for s in samples], dtype=torch.long),
             weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
+            sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
             lp_ref=lp_ref, passes=passes, lp_same=lp_same, same_scored=scored, stale=stale,
             kept_logmass=pad_rows([s.kept_logmass for s in samples]) if has_mass else None,
             kept_sizes=pad_rows(kept, dtype=torch.long) if kept is not None else None)
@@ -134,6 +136,7 @@ class StepPasses:
         inputs = step_inputs(a, rows_all, deferred=self.loss.live,
                              generator=self.loss.generator)
         metrics.update(inputs.metrics)
+        self.notes = sample_notes(rows_all, inputs, self.cfg.logging.samples_per_step)
         if self.versions is not None and rows_all.weight_versions.numel():
             lag = (step - rows_all.weight_versions).clamp(min=0).double()
             metrics["rollout/staleness_mean"] = float(lag.mean())

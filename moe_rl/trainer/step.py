@@ -25,6 +25,7 @@ class StepRows:
     rewards: torch.Tensor
     groups: torch.Tensor
     weight_versions: torch.Tensor
+    sample_ids: torch.Tensor
     lp_ref: torch.Tensor | None = None
     passes: torch.Tensor | None = None  # engine_avg scoring passes
     kept_logmass: torch.Tensor | None = None
@@ -35,8 +36,9 @@ class StepRows:
 
 
 ROW_DTYPES = {"mask": torch.bool, "groups": torch.long, "weight_versions": torch.long,
-              "kept_sizes": torch.long, "same_scored": torch.bool, "stale": torch.bool}
-PER_SAMPLE = ("rewards", "groups", "weight_versions", "same_scored", "stale")
+              "sample_ids": torch.long, "kept_sizes": torch.long, "same_scored": torch.bool,
+              "stale": torch.bool}
+PER_SAMPLE = ("rewards", "groups", "weight_versions", "sample_ids", "same_scored", "stale")
 
 
 @dataclass
@@ -104,6 +106,33 @@ def step_inputs(a, rows: StepRows, *, deferred: list[str],
     if rows.weight_versions.numel():
         metrics["weight_version/min"] = float(rows.weight_versions.min())
     return StepInputs(lp_old, adv, corr.weights.float(), corr.keep, metrics)
+
+
+def sample_notes(rows: StepRows, inputs: StepInputs, k: int, top: int = 3) -> list[dict]:
+    """What the trainer knows of the batch's first ``k`` samples (by group, then sample id; the
+    rollout shows the same ones): the advantage, the tokens a correction removed, the mean
+    correction weight, and the ``top`` tokens where the trainer's log-prob differs most from the
+    engine's at the sample's own weight version (response position, both log-probs)."""
+    order = sorted(range(rows.groups.numel()),
+                   key=lambda i: (int(rows.groups[i]), int(rows.sample_ids[i])))[:k]
+    notes = []
+    for i in order:
+        mask = rows.mask[i]
+        trainer = rows.lp_tr[i]
+        if rows.lp_same is not None and bool(rows.same_scored[i]):
+            trainer = rows.lp_same[i]
+        gap = (trainer.double() - rows.lp_roll[i].double()).abs().masked_fill(~mask, -1.0)
+        worst = gap.topk(min(top, int(mask.sum()))).indices.tolist() if mask.any() else []
+        notes.append({
+            "group_id": int(rows.groups[i]), "sample_id": int(rows.sample_ids[i]),
+            "advantage": float(inputs.advantages[i]),
+            "tokens": int(mask.sum()),
+            "tokens_removed": int((mask & ~inputs.keep[i]).sum()),
+            "correction_weight_mean": float(inputs.weights[i][mask].mean()) if mask.any()
+            else 1.0,
+            "largest_mismatch": [{"position": j, "engine_logprob": float(rows.lp_roll[i, j]),
+                                  "trainer_logprob": float(trainer[j])} for j in worst]})
+    return notes
 
 
 def gather_rows(local: StepRows, group=None) -> tuple[StepRows, slice]:

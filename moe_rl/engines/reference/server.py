@@ -529,7 +529,11 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: st
         raise UserError(str(exc)) from None
     app = build_app(engine, api_key, max_running_requests, max_total_tokens, limits)
     if fd is None:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
-        return
-    sock = socket.socket(fileno=fd)   # family and type read from the descriptor
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family)
+    else:
+        sock = socket.socket(fileno=fd)   # family and type read from the descriptor
+    address, bound_port = sock.getsockname()[:2]
+    shown = f"[{address}]" if sock.family == socket.AF_INET6 else address
+    print(f"listening on http://{shown}:{bound_port}", file=sys.stderr, flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

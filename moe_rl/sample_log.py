@@ -1,0 +1,80 @@
+"""What the model generated, readable: a few samples of each step (``logging.samples_per_step``)
+written to ``<run>/samples.jsonl`` (one JSON object per sample, bounded by
+``logging.samples_max_mb``) and to TensorBoard's text tab. The rollout gives each sample's
+texts and the reward's inputs, the trainer its advantage, correction and largest mismatch."""
+from __future__ import annotations
+
+import json
+import os
+
+from moe_rl.metrics_log import _step_of
+from moe_rl.rewards.functions import reward_items
+
+TEXT_CHARS = 4000   # a prompt or response longer than this is cut (its length is kept)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= TEXT_CHARS else text[:TEXT_CHARS] + f" ... [{len(text)} chars]"
+
+
+def shown_samples(samples: list, tokenizer, prompts, k: int) -> list[dict]:
+    """The rollout's part of the batch's first ``k`` samples (by group, then sample id, as
+    :func:`moe_rl.trainer.step.sample_notes` picks them): the reward's inputs exactly as the
+    reward got them, the reward, the weight version and the response's length."""
+    first = sorted(samples, key=lambda s: (s.group_id, s.sample_id))[:k]
+    out = []
+    for s, item in zip(first, reward_items(first, tokenizer, prompts)):
+        out.append({"group_id": s.group_id, "sample_id": s.sample_id,
+                    "weight_version": s.weight_version, "reward": s.reward,
+                    "prompt": _cut(item["prompt"]), "response": _cut(item["response"]),
+                    "response_tokens": int(s.response_ids.numel()), "label": item["label"],
+                    "metadata": item["metadata"]})
+    return out
+
+
+class SampleLog:
+    """Appends each step's shown samples to ``samples.jsonl`` (on resume the lines of steps
+    from ``start_step`` on are dropped first, as in metrics.jsonl) and to TensorBoard text
+    (``writer``: the run's SummaryWriter, or None)."""
+
+    def __init__(self, run_dir: str, max_mb: float, start_step: int = 0, writer=None):
+        self.path = os.path.join(run_dir, "samples.jsonl")
+        self.cap, self.writer, self.full = int(max_mb * (1 << 20)), writer, False
+        if os.path.exists(self.path):
+            with open(self.path, encoding="utf-8") as fh:
+                keep = [line for line in fh if _step_of(line) < start_step]
+            with open(self.path, "w", encoding="utf-8") as fh:
+                fh.writelines(keep)
+
+    def log(self, step: int, shown: list[dict], notes: list[dict]) -> None:
+        """One step's samples: the rollout's ``shown`` joined with the trainer's ``notes`` on
+        (group, sample id)."""
+        if not shown:
+            return
+        by_key = {(n["group_id"], n["sample_id"]): n for n in notes}
+        rows = [{"step": step, **s, **by_key.get((s["group_id"], s["sample_id"]), {})}
+                for s in shown]
+        lines = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows)
+        if not self.full:
+            size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+            if size + len(lines.encode()) > self.cap:
+                self.full = True
+                print(f"step {step}: {self.path} reached logging.samples_max_mb="
+                      f"{self.cap / (1 << 20):g}; no more samples are written to it", flush=True)
+            else:
+                with open(self.path, "a", encoding="utf-8") as fh:
+                    fh.write(lines)
+        if self.writer is not None:
+            self.writer.add_text("samples", "\n\n".join(_markdown(r) for r in rows), step)
+            self.writer.flush()
+
+
+def _markdown(row: dict) -> str:
+    """One sample as TensorBoard's text tab shows it (markdown)."""
+    worst = ", ".join(f"pos {t['position']}: engine {t['engine_logprob']:.3f} trainer "
+                      f"{t['trainer_logprob']:.3f}" for t in row.get("largest_mismatch", []))
+    fence = "```"
+    return (f"**group {row['group_id']} sample {row['sample_id']}** reward {row['reward']:.3f}"
+            f", advantage {row.get('advantage', float('nan')):.3f}, label {row['label']!r}\n\n"
+            f"{fence}\n{row['prompt']}\n{fence}\n{fence}\n{row['response']}\n{fence}\n"
+            f"largest mismatch: {worst or '-'}")
