@@ -70,6 +70,8 @@ $(DOCS_STAMP): $(STAMP) setup.py
 
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+	# a table's escaped pipe shown literally (`\|` inside code renders as typed): none allowed
+	! grep -rlF '\|' site --include='*.html' || (echo "literal \\| in the built manual (above)"; false)
 
 demo: $(STAMP)
 	$(VENV)/bin/moe-rl demo
