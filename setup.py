@@ -36,7 +36,7 @@ setup(
         "pyarrow>=14,<28",
         "matplotlib>=3.8,<4",
         "psutil>=5.9,<8",   # megatron-core dist_checkpointing writer
-        "math-verify[antlr4_13_2]>=0.9,<0.10",   # data.reward: math
+        "math-verify[antlr4-13-2]>=0.9,<0.10",   # data.reward: math
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "triton>=3.2,<4", "packaging>=23,<27",

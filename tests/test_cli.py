@@ -146,3 +146,12 @@ def test_config_says_what_it_checked_and_warns_of_characters_the_tokenizer_lacks
     warning = res.stderr.splitlines()[0]
     assert warning.startswith("warning: the tokenizer of model.path maps characters of 1 "
                               "training prompt(s), first row 1 ('$' '@' '~' 'é') to '<|unk|>'")
+
+
+def test_every_argument_of_every_command_is_described():
+    """`moe-rl COMMAND --help` describes each flag and positional (key.sub=value included)."""
+    from moe_rl.cli import build_parser
+    _, commands = build_parser()
+    missing = [f"{name} {a.option_strings or a.dest}" for name, p in commands.items()
+               for a in p._actions if a.dest != "help" and not (a.help or "").strip()]
+    assert not missing, missing

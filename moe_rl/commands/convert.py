@@ -20,7 +20,9 @@ from moe_rl.orchestration.checkpoint import CheckpointError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--to", choices=["megatron", "hf"], required=True)
+    parser.add_argument("--to", choices=["megatron", "hf"], required=True,
+                        help="the layout to write: megatron (a trainer file from --hf) or hf (a "
+                             "HF model from --megatron or a run's --checkpoint)")
     parser.add_argument("--hf", help="HF model directory (source, or architecture)")
     parser.add_argument("--megatron", help="Megatron file to convert to HF (--to hf)")
     parser.add_argument("--checkpoint",

@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=DEFAULT_CONFIG,
                         help=f"YAML config file or the name of a shipped one (default "
                              f"{DEFAULT_CONFIG})")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="config overrides, e.g. trainer.steps=20 algorithm.replay=off (flags and overrides in any order)")
 
 
 def run(args: argparse.Namespace) -> int:

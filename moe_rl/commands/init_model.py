@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --preset: supervised warm-up steps (default: the preset's)")
     parser.add_argument("--out", help="output directory (default: model.path of the config, or "
                                       "the preset's folder under outputs/)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="config overrides, e.g. model.init.architecture=deepseek_v3 model.init.seed=3 (flags and overrides in any order)")
 
 
 def run(args: argparse.Namespace) -> int:

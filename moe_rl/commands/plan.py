@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-inputs", action="store_true",
                         help="skip the checks of the model, tokenizer, data and reward function "
                              "(a model's config.json is still read when present)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="config overrides, e.g. cluster.num_nodes=4 trainer.tensor_parallel=2 (flags and overrides in any order)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(for a config written away from the machine that runs it)")
     parser.add_argument("--get", metavar="KEY",
                         help="print only KEY's resolved value (for scripts; no input checks)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="config overrides, e.g. trainer.lr=1e-5 (flags and overrides in any order)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,12 +10,13 @@ from moe_rl.engines.reference.admission_limits import Limits
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF model directory")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
     parser.add_argument("--fd", type=int, default=None,
                         help="serve on this inherited, already bound socket instead of binding "
                              "--host/--port (how moe-rl train launches it: the port is held "
                              "from the moment it is chosen)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the served weights' and the arithmetic's dtype (default float32)")
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     parser.add_argument("--seed", type=int, default=0, help="seed of requests without one")
     parser.add_argument("--max-running-requests", "--max-batch-size", type=int, default=64,
