@@ -22,6 +22,8 @@ SUMMARY_KEYS = ["reward/mean", "mismatch/k3", "mismatch/extreme_frac", "routing/
                 "is/ess", "grad_norm"]
 LOG_SCALE_PREFIX = "mismatch/"
 MAX_EVAL_PLOTS = 6
+MAX_TICKS = 8   # labelled ticks on a symmetric-log axis, about
+COLUMNS = 3     # panels in a row of one PNG
 
 
 def read_scalars(run_dir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -90,24 +92,35 @@ def load_runs(run_dirs: list[str]) -> dict[str, dict]:
 
 
 def _scale(ax, tag: str, runs: dict) -> None:
-    """A log axis for mismatch metrics: log when every value is > 0, symmetric log otherwise."""
+    """A log axis for mismatch metrics: log when every value is > 0, symmetric log when some
+    are <= 0 and some not (at most :data:`MAX_TICKS` labelled decades), linear when all are 0."""
+    from matplotlib.ticker import SymmetricalLogLocator
     if not tag.startswith(LOG_SCALE_PREFIX):
         return
     vals = np.concatenate([d[tag][1] for d in runs.values() if tag in d] or [np.zeros(0)])
     vals = vals[np.isfinite(vals)]
-    if not len(vals):
+    nonzero = np.abs(vals[vals != 0])
+    if not len(nonzero):
         return
     if (vals > 0).all():
         ax.set_yscale("log")
-    else:
-        nonzero = np.abs(vals[vals != 0])
-        ax.set_yscale("symlog", linthresh=float(nonzero.min()) if len(nonzero) else 1e-12)
+        return
+    linthresh = float(nonzero.min())
+    ax.set_yscale("symlog", linthresh=linthresh)
+    decades = np.log10(float(nonzero.max()) / linthresh) + 1
+    base = 10.0 ** max(1, int(np.ceil(decades / (MAX_TICKS // 2))))   # both signs share it
+    ax.yaxis.set_major_locator(SymmetricalLogLocator(linthresh=linthresh, base=base))
 
 
 def _figure(path: str, tags: list[str], runs: dict, weight: float) -> None:
+    """One PNG: a panel per tag, at most :data:`COLUMNS` to a row."""
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(tags), figsize=(5 * len(tags), 3.5), squeeze=False)
-    for ax, tag in zip(axes[0], tags):
+    cols = min(COLUMNS, len(tags))
+    rows = -(-len(tags) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.5 * rows), squeeze=False)
+    for ax in axes.flat[len(tags):]:
+        ax.set_visible(False)
+    for ax, tag in zip(axes.flat, tags):
         for k, (name, data) in enumerate(runs.items()):
             if tag not in data:
                 continue

@@ -116,6 +116,40 @@ def test_mismatch_axes_are_logarithmic_so_float32_and_fp8_runs_both_show():
     assert scales == {"mismatch/k3": "log", "mismatch/k1": "symlog", "reward/mean": "linear"}
 
 
+def test_an_always_zero_series_is_linear_and_a_wide_symlog_axis_has_few_ticks():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from moe_rl.report import _scale
+    steps = np.arange(3)
+    runs = {"a": {"mismatch/extreme_frac": (steps, np.zeros(3)),
+                  "mismatch/k1": (steps, np.array([-1e-12, 0.0, 3e-2]))}}
+    fig, (zero, wide) = plt.subplots(1, 2)
+    _scale(zero, "mismatch/extreme_frac", runs)
+    _scale(wide, "mismatch/k1", runs)
+    wide.plot(steps, runs["a"]["mismatch/k1"][1])
+    fig.canvas.draw()
+    ticks = [t for t in wide.get_yticks() if wide.get_ylim()[0] <= t <= wide.get_ylim()[1]]
+    plt.close(fig)
+    assert zero.get_yscale() == "linear" and wide.get_yscale() == "symlog"
+    assert 2 <= len(ticks) <= 10, ticks   # 11 decades, not a tick label on each
+
+
+def test_plots_are_laid_out_in_rows_of_three(tmp_path):
+    from matplotlib.image import imread
+    run = tmp_path / "evals"
+    log = MetricsLogger(str(run))
+    for step in range(3):
+        log.log(step, {"reward/mean": 0.1 * step, "mismatch/extreme_frac": 0.0,
+                       **{f"eval/s{i}/pass@1": 0.1 * i for i in range(6)}})
+    log.close()
+    make_report([str(run)])
+    height, width = imread(run / "report" / "eval.png").shape[:2]
+    assert (width, height) == (1500, 700)   # 6 panels: 2 rows of 3, 500 x 350 each
+    height, width = imread(run / "report" / "mismatch.png").shape[:2]
+    assert (width, height) == (1500, 350)
+
+
 def test_smoothing_matches_tensorboards_debiased_ema():
     from moe_rl.report import smooth
     rng = np.random.default_rng(0)
