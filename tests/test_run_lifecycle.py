@@ -217,3 +217,26 @@ def test_ctrl_c_twice_abandons_the_step_and_stops_everything(model, tmp_path):
         tmp_path / last[0].split("last checkpoint ")[1].split(";")[0], latest)
     assert not list((run / "checkpoints").glob("*.tmp"))
     assert _port_closed(port)
+
+
+@pytest.mark.loop
+def test_a_run_whose_ray_is_stopped_from_outside_says_so(model, tmp_path):
+    """Another job's `ray stop` (here: SIGTERM to the run's own raylet) is named as what it is,
+    in one line with the last checkpoint, not as a bare ActorDiedError."""
+    import psutil
+    run = tmp_path / "run"
+    args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
+            "trainer.steps=100", "trainer.save_interval=1", f"rollout.base_port={free_port()}",
+            *SMALL]
+    proc = _start(tmp_path, args)
+    _wait_for_line(proc, "RL step 2/100")
+    raylets = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if p.name() == "raylet"]
+    assert len(raylets) == 1, raylets
+    raylets[0].send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("moe-rl train: stopped from outside the run during step "), err[-3000:]
+    assert "Ray's raylet (pid " in last or "Ray's gcs_server (pid " in last, last
+    assert "last checkpoint " in last and "--resume" in last

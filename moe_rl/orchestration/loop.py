@@ -19,7 +19,7 @@ from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.weight_sync import weight_sync_for
 from moe_rl.orchestration.placement import make_plan
 from moe_rl.orchestration.sharding import per_rank
-from moe_rl.orchestration.ray_placement import reserve, start_ray
+from moe_rl.orchestration.ray_placement import reserve, start_ray, stopped_from_outside
 from moe_rl.orchestration.failures import RunFailed, lost_process
 from moe_rl.orchestration.stop import Abandoned, RunStopped, StopRequest, abandoned_in
 from moe_rl.orchestration.workers import (EngineHost, RolloutWorker, TrainerWorker,
@@ -247,7 +247,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     evals: list[dict] = []   # the eval rows (step = updates done before it)
     started = time.perf_counter()
     saved = resume_path   # the last complete checkpoint of this run
-    abandoned = lost = trainers = None
+    abandoned = lost = outside = trainers = None
     with StopRequest(cfg.trainer.stop_grace_s) as stop:
         try:
             trainers = Trainers(cfg, plan, reservation)
@@ -344,6 +344,7 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                 lost = lost_process(exc) or (trainers.unreachable() if trainers else None)
                 if lost is None:
                     raise
+                outside = stopped_from_outside()
                 if lost_process(exc) is None:
                     seen = getattr(exc, "cause", None) or exc   # a rank's own error
                     lost += f"; the error seen first: {type(seen).__name__}: {first_line(seen)}"
@@ -357,8 +358,11 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
     done = start_step + len(history)
     again = f"; continue with: {resume_command}" if saved and resume_command else ""
     if lost:
-        raise RunFailed(f"lost a process of the run during step {done} ({lost}): " + (
-            f"last checkpoint {shown}{again}" if saved else "no checkpoint was written"))
+        where = f"last checkpoint {shown}{again}" if saved else "no checkpoint was written"
+        if outside:
+            raise RunFailed(f"stopped from outside the run during step {done}: {outside} (not "
+                            f"sent by the run: another job's `ray stop`, or a kill); {where}")
+        raise RunFailed(f"lost a process of the run during step {done} ({lost}): {where}")
     if stop.signum:
         where = f"last checkpoint {shown}" if saved else "no checkpoint was written"
         what = f"{done} of {cfg.trainer.steps} steps done, the next one abandoned ({abandoned})" \

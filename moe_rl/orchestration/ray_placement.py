@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import ray
 
 from moe_rl.config import Config
-from moe_rl.leftovers import reap_orphaned_ray_agents
+from moe_rl.leftovers import mark_ray_session, reap_orphaned_ray_agents
 from moe_rl.orchestration.placement import Plan, PlannedProcess, ray_resources
 
 # Trainer ranks choose their GPU themselves (the plan's index, torch.cuda.set_device); Ray must
@@ -39,15 +41,38 @@ def start_ray(cfg: Config, plan: Plan) -> None:
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
     else:
-        reaped = reap_orphaned_ray_agents()
-        if reaped:
-            print(f"stopped {reaped} Ray agent process(es) left by a killed run",
-                  file=sys.stderr)
+        for line in reap_orphaned_ray_agents():
+            print(line, file=sys.stderr)
         choose_local_ray_auth()
         need = sum(b["CPU"] for b in plan.node_resources(cfg))
         # address="local": a new Ray of its own, never a cluster another run left behind
         ray.init(address="local", num_cpus=max(math.ceil(need), os.cpu_count() or 1),
                  log_to_driver=False, include_dashboard=False)
+        mark_ray_session(ray._private.worker.global_worker.node.get_session_dir_path(),
+                         cfg.logging.dir)
+
+
+def stopped_from_outside(wait_s: float = 5.0) -> str | None:
+    """While the run is going, when a process of the local Ray this driver started has ended
+    (the run stops them only at its end: so ``ray stop`` of another job of this user, or a
+    kill): which one and how (the signal, or the exit code of a graceful stop); None otherwise,
+    and when the run joined a cluster it did not start. A process stopping gracefully is
+    waited for up to ``wait_s`` (its workers' deaths reach the run first)."""
+    node = getattr(ray._private.worker.global_worker, "node", None)
+    processes = [(kind, info.process) for kind, infos in
+                 (getattr(node, "all_processes", None) or {}).items() for info in infos]
+    deadline = time.monotonic() + wait_s
+    while processes:
+        for kind, process in processes:
+            code = process.poll()
+            if code is not None:
+                how = f"got {signal.Signals(-code).name}" if code < 0 else \
+                    f"exited with code {code}"
+                return f"Ray's {kind} (pid {process.pid}) {how}"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return None
 
 
 @dataclass
