@@ -71,10 +71,9 @@ def test_three_node_dry_run(slurm_shims, tmp_path):
                  "cluster.gpus_per_node=8", "trainer.lr=1e-6"):
         assert part in train
     assert not train.endswith("--resume")   # a first start: a used run directory is refused
-    # teardown: each worker's Ray step told to end, then the head's, then `ray stop` everywhere
-    assert cmds[6:9] == [f"touch {logs}/.ray-stop-{n}" for n in ("gpu02", "gpu03", "gpu01")]
-    assert [c.split("-w ")[1] for c in cmds[9:]] == [f"{n} ray stop" for n in
-                                                     ("gpu01", "gpu02", "gpu03")]
+    # teardown: each worker's Ray step told to end, then the head's; nothing else (`ray stop`
+    # would stop every Ray of the user on the node, another job's too)
+    assert cmds[6:] == [f"touch {logs}/.ray-stop-{n}" for n in ("gpu02", "gpu03", "gpu01")]
 
 
 def test_a_requeued_job_resumes_and_resume_can_be_forced_or_refused(slurm_shims):
@@ -150,7 +149,8 @@ def test_single_node_finds_the_checkout_venv_when_moe_rl_is_not_on_path(tmp_path
 def test_sbatch_passes_slurms_warning_signal_to_train_tears_down_and_requeues(tmp_path):
     """The batch script as Slurm runs it, with srun / scontrol / moe-rl as recording shims: the
     SIGUSR1 Slurm sends before the time limit reaches `moe-rl train`, whose exit status the
-    job keeps, Ray is stopped on every node afterwards, and the job requeues itself to go on."""
+    job keeps, each node's Ray step is told to end afterwards (no user-wide `ray stop`), and
+    the job requeues itself to go on."""
     import signal
     import time
     log = tmp_path / "calls.log"
@@ -182,8 +182,7 @@ def test_sbatch_passes_slurms_warning_signal_to_train_tears_down_and_requeues(tm
     assert "train got USR1" in calls
     assert "train train --config c.yaml cluster.ray_address=10.0.0.1:6379" in calls and \
         "trainer.lr=1e-6\n" in calls
-    stops = [line for line in calls.splitlines() if "ray stop" in line]
-    assert [s.split("-w ")[1].split()[0] for s in stops] == ["n1", "n2"]
+    assert "ray stop" not in calls
     # each node's Ray step was told to end (workers first, then the head)
     logs = tmp_path / "run" / "logs" / "slurm-41.0"
     assert (logs / ".ray-stop-n1").exists() and (logs / ".ray-stop-n2").exists()

@@ -75,16 +75,54 @@ def _only_slurmd_left(cluster) -> None:
         time.sleep(1)
 
 
+class Bystander:
+    """Another Ray of the same user on this machine (as another job's on a shared node): a
+    `ray start --head --block` on 127.0.0.1 with a temp dir of its own, and its processes."""
+
+    def __init__(self, tmp):
+        import psutil
+        from moe_rl.trainer.parallel import free_port
+        ray = str(pathlib.Path(sys.executable).parent / "ray")
+        self.proc = subprocess.Popen(
+            [ray, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+             f"--port={free_port()}", "--num-cpus=1", "--include-dashboard=false",
+             f"--temp-dir={tmp}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline, self.children = time.monotonic() + 60, []
+        while time.monotonic() < deadline and not any(
+                c.name() == "raylet" for c in self.children):
+            time.sleep(0.5)
+            self.children = psutil.Process(self.proc.pid).children(recursive=True)
+        assert any(c.name() == "raylet" for c in self.children), "the bystander Ray never started"
+
+    def alive(self) -> list[str]:
+        """What of the bystander has stopped (empty: all of it runs)."""
+        gone = [f"{c.pid} {c.name()}" for c in self.children if not c.is_running()]
+        return gone + ([] if self.proc.poll() is None else ["ray start --block"])
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(cluster, work):
-    job = _submit(cluster, work, "base")
-    info = cluster.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, RUN_TIMEOUT_S)
-    return job, info
+def uninterrupted(cluster, work, tmp_path_factory):
+    """The 2-node job, run while another Ray of this user runs beside the nodes; returns the
+    job, its Slurm record, and what of the bystander stopped meanwhile."""
+    bystander = Bystander(tmp_path_factory.mktemp("bystander_ray"))
+    try:
+        job = _submit(cluster, work, "base")
+        info = cluster.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"},
+                                RUN_TIMEOUT_S)
+        _only_slurmd_left(cluster)   # the job's teardown is over
+        return job, info, bystander.alive()
+    finally:
+        bystander.stop()
 
 
 def test_two_node_run_places_a_rank_on_each_node_and_leaves_nothing(cluster, work,
                                                                     uninterrupted):
-    job, info = uninterrupted
+    job, info, bystander_stopped = uninterrupted
+    assert bystander_stopped == []   # the teardown stopped this job's Ray only
     out = (work / f"base-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out[-4000:]
     run = work / "base"
