@@ -164,6 +164,24 @@ def test_zero_mismatch_covering_set(model_dir, tmp_path):
         check_invariant(combo, results[name(combo)][0])
 
 
+@pytest.mark.loop
+@pytest.mark.e2e
+@pytest.mark.multiproc
+def test_zero_mismatch_dppo(model_dir, tmp_path):
+    """DPPO through `moe-rl train`, with R3 (binary TV, the keep-sampling-mask, pi_old from the
+    rollout as its authors recommend) and without (binary KL, packed): on identical float32
+    engine and trainer no token leaves the trust region and the divergence is ~0."""
+    combos = [{"temperature": 1.0, "sampling": "top_k", "mask": True, "pi_old": "rollout",
+               "replay": "r3", "loss": "dppo_tv", "pack": False},
+              {"temperature": 0.7, "sampling": "full", "mask": False, "pi_old": "trainer",
+               "replay": "off", "loss": "dppo_kl", "pack": True}]
+    results = run_all(model_dir, tmp_path, combos)
+    for combo in combos:
+        m = results[name(combo)][0]
+        check_invariant(combo, m)
+        assert m["dppo/divergence_mean"] < 1e-6, (name(combo), m["dppo/divergence_mean"])
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(3600)   # 120 runs of `moe-rl train`, two at a time: ~20 minutes here

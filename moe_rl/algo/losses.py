@@ -1,4 +1,5 @@
-"""Policy losses (per token, minimised): PPO-clip / GRPO and GSPO, plus Clip-Cov and KL-Cov."""
+"""Policy losses (per token, minimised): PPO-clip / GRPO, GSPO and DPPO, plus Clip-Cov and
+KL-Cov."""
 from __future__ import annotations
 
 import torch
@@ -75,6 +76,62 @@ def gspo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor, 
                    "gspo/seq_ratio_mean": float(torch.exp(log_s)[has_tok].mean())
                    if has_tok.any() else 1.0}
     return loss, metrics
+
+
+DPPO_DIVERGENCES = ("tv", "kl")
+
+
+def binary_kl(lp: torch.Tensor, lp_old: torch.Tensor) -> torch.Tensor:
+    """KL(Bernoulli(q) || Bernoulli(p)) of the sampled token, ``q = exp(lp_old)``, ``p =
+    exp(lp)``: ``q log(q/p) + (1-q) log((1-q)/(1-p))``, with ``log(1-x)`` from ``expm1`` (exact
+    near x = 1), ``0 log 0 = 0`` and ``+inf`` when p = 1 > q."""
+    one_minus_q = -torch.expm1(lp_old)
+    tail = one_minus_q * (torch.log(one_minus_q) - torch.log(-torch.expm1(lp)))
+    return lp_old.exp() * (lp_old - lp) + torch.where(one_minus_q > 0, tail,
+                                                      torch.zeros_like(tail))
+
+
+def dppo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, divergence: str, delta_low: float, delta_high: float,
+              ratio_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPPO (Qi et al., 2026, arXiv 2602.04879): a trust region on the divergence between the
+    policies at the sampled token instead of on the ratio. With ``q = exp(lp_old)``, ``p =
+    exp(lp)`` and ``r = p / q`` (``log r`` clamped to +-20), a token leaves the region when it
+    moved too far in the direction its advantage pushes:
+
+    - ``tv`` (binary total variation, signed ``p - q``): A > 0 and ``p - q > delta_high``, or
+      A <= 0 and ``p - q < -delta_low``;
+    - ``kl`` (binary KL, :func:`binary_kl`): A > 0, ``p > q`` and ``KL > delta_high``, or
+      A <= 0, ``p < q`` and ``KL > delta_low``.
+
+    Inside, the gradient is the unclipped policy gradient ``-A min(r, ratio_cap) grad lp``;
+    outside, none. The per-token loss is ``-A sg(min(r, cap) / r) r`` (its value ``-A r`` below
+    the cap, as PPO's surrogate), in float32 (float64 for float64 inputs). Returns the loss
+    [B, T] and metrics: clip_frac (masked tokens outside the region), dppo/divergence_mean."""
+    if divergence not in DPPO_DIVERGENCES:
+        raise ValueError(f"divergence: expected one of {DPPO_DIVERGENCES}, got {divergence!r}")
+    check_same_shape(lp=lp, lp_old=lp_old, mask=mask)
+    dtype = compute_dtype(lp, lp_old, advantages)
+    lp, lp_old = lp.to(dtype), lp_old.to(dtype)
+    adv = broadcast_to_tokens(advantages.to(dtype), lp)
+    ratio = torch.exp((lp - lp_old).clamp(-EXP_CLAMP, EXP_CLAMP))
+    with torch.no_grad():
+        now, old = lp.detach(), lp_old.detach()
+        if divergence == "tv":
+            moved = now.exp() - old.exp()
+            outside = torch.where(adv > 0, moved > delta_high, moved < -delta_low)
+            div = moved.abs()
+        else:
+            div = binary_kl(now, old)
+            outside = torch.where(adv > 0, (now > old) & (div > delta_high),
+                                  (now < old) & (div > delta_low))
+        weight = ratio.detach() if ratio_cap is None else ratio.detach().clamp(max=ratio_cap)
+        scale = torch.where(outside, torch.zeros_like(weight), weight / ratio.detach())
+        valid = mask.to(torch.bool)
+        finite = valid & torch.isfinite(div)
+        metrics = {"clip_frac": float(masked_mean(outside.to(dtype), mask)),
+                   "dppo/divergence_mean": float(div[finite].mean()) if finite.any() else 0.0}
+    return -adv * scale * ratio, metrics
 
 
 def _token_covariance(lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor

@@ -145,9 +145,27 @@ class EntropyControlConfig:
 
 
 @dataclass
+class DPPOConfig:
+    """DPPO's trust region (algorithm.loss: dppo_tv | dppo_kl); defaults from the authors'
+    recipe (verl's DPPO example: TV 0.15, KL 0.05, no ratio truncation)."""
+    delta_low: float | None = _f(None, "divergence bound for tokens with A <= 0 (null: 0.15 "
+                                 "for dppo_tv, 0.05 for dppo_kl)", **_rng(0, lo_open=True))
+    delta_high: float | None = _f(None, "divergence bound for tokens with A > 0 (null: 0.15 "
+                                  "for dppo_tv, 0.05 for dppo_kl)", **_rng(0, lo_open=True))
+    ratio_cap: float | None = _f(None, "cap of the (detached) ratio weighting a token's "
+                                 "gradient inside the region (null: none)",
+                                 **_rng(1, lo_open=True))
+
+
+DPPO_DEFAULT_DELTA = {"dppo_tv": 0.15, "dppo_kl": 0.05}
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: Literal["grpo", "drgrpo", "rloo"] = _f("grpo", "advantage estimator")
-    loss: Literal["ppo", "gspo"] = _f("ppo", "policy loss: token PPO-clip (GRPO) or GSPO")
+    loss: Literal["ppo", "gspo", "dppo_tv", "dppo_kl"] = _f(
+        "ppo", "policy loss: token PPO-clip (GRPO), GSPO, or DPPO's divergence trust region "
+        "(binary total variation or binary KL; algorithm.dppo)")
     clip_low: float = _f(0.2, "epsilon_low of the ratio clip (GSPO paper: 3e-4)")
     clip_high: float = _f(0.28, "epsilon_high of the ratio clip (GSPO paper: 4e-4)")
     dual_clip_c: float | None = _f(3.0, "dual-clip cap c for negative advantages (null = off)",
@@ -168,6 +186,7 @@ class AlgorithmConfig:
     corrections: list[str] = _f([], "training-inference corrections, applied in order: "
                                 + ", ".join(CORRECTIONS))
     correction: CorrectionParams = _sub(CorrectionParams, "correction thresholds")
+    dppo: DPPOConfig = _sub(DPPOConfig, "DPPO's divergence bounds")
     kl: KLConfig = _sub(KLConfig, "KL to the reference policy")
     entropy_coef: float = _f(0.0, "entropy bonus coefficient", **_rng(0))
     entropy_control: EntropyControlConfig = _sub(EntropyControlConfig, "Clip-Cov / KL-Cov")

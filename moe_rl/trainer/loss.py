@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.algo import (CorrectionInputs, Normalisers, aggregate, apply_corrections, clip_cov,
-                         clip_cov_select, gspo_loss, kl_cov_loss, kl_cov_select, kl_estimate,
-                         ppo_clip_loss)
-from moe_rl.config import AlgorithmConfig
+                         clip_cov_select, dppo_loss, gspo_loss, kl_cov_loss, kl_cov_select,
+                         kl_estimate, ppo_clip_loss)
+from moe_rl.config import DPPO_DEFAULT_DELTA, AlgorithmConfig
 
 GROUP_CORRECTIONS = ("metropolis", "snis")
 
@@ -92,6 +92,12 @@ class PolicyLoss:
                                        coef=e.kl_cov_coef, chosen=x.chosen)
         elif a.loss == "gspo":
             loss_tok, lm = gspo_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high)
+        elif a.loss in DPPO_DEFAULT_DELTA:
+            d, default = a.dppo, DPPO_DEFAULT_DELTA[a.loss]
+            loss_tok, lm = dppo_loss(lp, lp_old, adv, keep, a.loss.removeprefix("dppo_"),
+                                     default if d.delta_low is None else d.delta_low,
+                                     default if d.delta_high is None else d.delta_high,
+                                     d.ratio_cap)
         else:
             loss_tok, lm = ppo_clip_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high,
                                          a.dual_clip_c)
