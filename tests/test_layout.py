@@ -11,7 +11,7 @@ LAYERS = [
     {"errors", "moe_shape", "shipped", "plugins", "leftovers", "launch_tools"},
     {"types", "config", "report", "metrics_log"},
     {"packing", "data", "rewards", "weights", "algo", "run_dir", "wandb_log"},
-    {"envs", "models", "engines"},
+    {"envs", "models", "engines", "sample_log"},
     {"trainer", "rollout", "run_inputs", "run_summary"},
     {"evaluation"},
     {"orchestration"},
