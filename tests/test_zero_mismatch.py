@@ -2,8 +2,8 @@
 reference engine over HTTP on 127.0.0.1) with a float32 engine and a float32 trainer on the same
 weights. Whatever the temperature, the truncation, the keep-sampling-mask, the source of pi_old,
 the replay mode, the loss and sequence packing, every log-prob compared describes one
-distribution, so every mismatch metric is ~0, no correction removes anything and the first
-mini-batch's ratio is 1.
+distribution, so every mismatch metric is ~0, no correction removes anything, the first
+mini-batch's ratio is 1, and the weight check's probe reads ~0 and never fires.
 
 `make test` runs a covering set in which every pair of option values appears together at least
 once; `make test-slow` runs the full product. A combination the configuration refuses is asserted
@@ -75,7 +75,8 @@ def overrides(combo: dict) -> list[str]:
            f"algorithm.keep_sampling_mask={str(combo['mask']).lower()}",
            f"algorithm.pi_old={combo['pi_old']}", f"algorithm.replay={combo['replay']}",
            f"algorithm.loss={combo['loss']}", f"algorithm.corrections=[{','.join(CORRECTIONS)}]",
-           "algorithm.correction.trm_delta=1e-3", "algorithm.correction.trm_measure=k3"]
+           "algorithm.correction.trm_delta=1e-3", "algorithm.correction.trm_measure=k3",
+           "rollout.weight_check=true"]
     if combo["pi_old"] == "engine_avg":
         out.append(f"algorithm.pi_old_passes={combo.get('passes', 2)}")
     if "sync" in combo:
@@ -133,6 +134,10 @@ def check_invariant(combo: dict, m: dict) -> None:
     assert m["is/ess"] > 0.999, (label, m["is/ess"])
     assert m["ratio/first_minibatch_max_dev"] < 1e-5, (label, m["ratio/first_minibatch_max_dev"])
     assert m["clip_frac"] == 0.0, label
+    assert m["weights/probe_k3"] < 1e-6 and m["weights/check_resyncs"] == 0.0, label
+    assert m["weights/probe_max_abs_diff"] < 1e-4, (label, m["weights/probe_max_abs_diff"])
+    if combo["replay"] != "off" or "weights/probe_routing_agreement" in m:
+        assert m["weights/probe_routing_agreement"] == 1.0, label
     if combo["mask"]:
         assert 0.0 < m["mismatch/kept_mass_mean"] <= 1.0, label
     else:

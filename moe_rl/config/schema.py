@@ -80,6 +80,16 @@ class RolloutConfig:
                                        "--sampling-mask-max-tokens)", **_rng(2))
     return_routing: bool = _f(True, "ask for every token's routing (replay r3 always does; "
                               "otherwise it only feeds routing/agreement)")
+    weight_check: bool = _f(True, "after every weight sync, score a fixed probe on every engine "
+                            "server and compare with the trainer at the same version; past the "
+                            "limit the sync is redone from disk once, then the run stops")
+    weight_check_prompts: int = _f(2, "probe size: responses to the first N training prompts",
+                                   **_rng(1))
+    weight_check_factor: float = _f(10.0, "the check fires when the probe's k3 exceeds this "
+                                    "times its value at the run's start (what the engine's "
+                                    "precision explains) ...", **_rng(1))
+    weight_check_floor: float = _f(1e-4, "... and this k3 (so identical float32 engine and "
+                                   "trainer never fire)", **_rng(0, lo_open=True))
     score_window_tokens: int = _f(32, "response tokens per engine scoring request when pi_old "
                                   "passes are renormalised from listed ids (kept sets, or the "
                                   "vocabulary at temperature != 1)", **_rng(1))

@@ -16,6 +16,7 @@ from moe_rl.errors import first_line
 from moe_rl.evaluation import eval_due
 from moe_rl.metrics_log import MetricsLogger, PhaseTimer, StepProgress, step_fields
 from moe_rl.orchestration import checkpoint
+from moe_rl.orchestration.weight_check import WeightCheck
 from moe_rl.orchestration.weight_sync import weight_sync_for
 from moe_rl.orchestration.placement import make_plan
 from moe_rl.orchestration.sharding import per_rank
@@ -117,6 +118,13 @@ class Trainers:
         bytes (Ray hands each rank its bytes from the object store; the driver never holds
         them); the tensor- and context-parallel ranks of a data-parallel rank get the same."""
         return ray.get([a.train_step.remote(ref) for a, ref in
+                        zip(self.actors, per_rank(shards, self.data_ranks))])[0]
+
+    def probe(self, data: bytes) -> list[tuple]:
+        """The weight check's trainer side on the probe ``data`` (rollout-batch bytes), held by
+        data-parallel rank 0; every rank enters the forward."""
+        shards = [data] + [RolloutBatch([]).to_bytes()] * (self.n_data - 1)
+        return ray.get([a.probe.remote(d) for a, d in
                         zip(self.actors, per_rank(shards, self.data_ranks))])[0]
 
     def sft_step(self, samples: list[Sample], lr: float) -> dict:
@@ -266,6 +274,10 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
             elif cfg.trainer.sft_warmup_steps:
                 warm_start(cfg, trainers, inputs, stop)
                 weights.sync(0)
+            if cfg.rollout.weight_check:   # the probe, and what the engine's precision explains
+                weights.check = WeightCheck(cfg, trainers, rollout)
+                weights.check.record_trainer(start_step)
+                weights.check.passes(start_step)
             bar = StepProgress(cfg.trainer.steps, "RL step", cfg.logging.progress,
                                cfg.logging.log_interval, first=start_step)
             failed_batches, reward_timeouts_named = 0, False
@@ -315,6 +327,8 @@ def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = Fa
                 metrics.update(summary["counts"])
                 metrics["rollout/engine_restarts"] = float(ray.get(rollout.restarts.remote()))
                 metrics["rollout/weight_sync_recoveries"] = float(weights.recoveries)
+                if weights.check is not None:   # the last checked version's figures
+                    metrics.update(weights.check.metrics)
                 logger.log(step, metrics)
                 history.append({"step": step, **metrics})
                 bar.update(step_fields(metrics))

@@ -29,6 +29,7 @@ class DiskSync:
         self.weights_dir = weights_dir
         self.recoveries = 0
         self._loading: tuple | None = None   # a load handed to the rollout worker, unconfirmed
+        self.check = None   # the WeightCheck (rollout.weight_check), once the run has one
 
     def sync(self, version: int, wait: bool = True) -> None:
         """Bring every engine server to the trainer's current weights as ``version``. The
@@ -39,6 +40,8 @@ class DiskSync:
         end) confirms it and raises its error."""
         self.wait()
         target = self._export(version)
+        if self.check is not None:   # the trainer holds this version's weights now
+            self.check.record_trainer(version)
         self._loading = (self.rollout.health.remote(),
                          self.rollout.update_weights.remote(target, version), version)
         if wait:
@@ -52,7 +55,27 @@ class DiskSync:
         self._loading = None
         ray.get(health)
         ray.get(load)
+        self.verify(version)
         self._drop_older(version)
+
+    def verify(self, version: int) -> None:
+        """The weight check of ``version`` (when on): past its limit the sync is redone from
+        disk once, then checked again; still past it, the run stops (RunFailed)."""
+        if self.check is None or self.check.passes(version):
+            return
+        self.check.resyncs += 1
+        print(f"weight check: the engines disagree with the trainer after syncing version "
+              f"{version} (probe k3 {self.check.metrics['weights/probe_k3']:.3g}, limit "
+              f"{self.check.limit:.3g}); reloading it from disk", flush=True)
+        self._redo_from_disk(version)
+        if not self.check.passes(version):
+            raise self.check.failure(version)
+
+    def _redo_from_disk(self, version: int) -> None:
+        """Load ``version`` again from its export (still on disk: the trainer may have moved
+        on since, with the asynchronous pipeline)."""
+        ray.get(self.rollout.update_weights.remote(
+            os.path.join(self.weights_dir, f"v{version}"), version))
 
     def _export(self, version: int) -> str:
         target = os.path.join(self.weights_dir, f"v{version}")
@@ -85,6 +108,8 @@ class _InMemorySync(DiskSync, ABC):
         trainer ranks and the engines together."""
         ray.get(self.rollout.health.remote())
         self._prepare()
+        if self.check is not None:   # the trainer holds this version's weights now
+            self.check.record_trainer(version)
         try:
             self._send(version)
         except Exception as exc:   # a server died midway: redo this version from disk
@@ -95,6 +120,12 @@ class _InMemorySync(DiskSync, ABC):
             ray.get(self.trainers.actors[0].abort_weight_update.remote())
             self._sync_disk(version)
             self._after_recovery()
+        self.verify(version)
+
+    def _redo_from_disk(self, version: int) -> None:
+        """Export this version (the trainer still holds it: in-memory syncs are awaited) and
+        load it from disk."""
+        self._sync_disk(version)
 
     def _prepare(self) -> None:
         """Before a sync (nothing by default)."""

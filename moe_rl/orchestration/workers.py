@@ -53,6 +53,11 @@ class TrainerWorker:
         metrics = self.trainer.train_step(RolloutBatch.from_bytes(data).samples)
         return {**metrics, "sample_notes": self.trainer.passes.notes}
 
+    def probe(self, data: bytes) -> list[tuple]:
+        """The weight check's trainer side: the probe's log-probs and the trainer's own routing
+        under the current weights (see StepPasses.probe)."""
+        return self.trainer.passes.probe(RolloutBatch.from_bytes(data).samples)
+
     def sft_step(self, data: bytes, lr: float) -> dict:
         return self.trainer.sft_step(RolloutBatch.from_bytes(data).samples, lr)
 
@@ -456,6 +461,39 @@ class RolloutWorker:
                            self.eval_scorer, seed=self.cfg.trainer.seed * 1_000_033 + 17)
         metrics["eval/time_s"] = time.perf_counter() - t0
         return metrics
+
+    def make_probe(self) -> None:
+        """The weight check's fixed probe: one response to each of the first
+        ``rollout.weight_check_prompts`` training prompts, sampled (seeded) as the run samples,
+        by the weights the engines serve at the run's start."""
+        from moe_rl.rollout.trajectories import generate_samples
+        n = min(self.cfg.rollout.weight_check_prompts, len(self.inputs.prompts))
+        self.probe = generate_samples(self.engine, [p.ids for p in self.inputs.prompts[:n]], 1,
+                                      self.sampling, seed=self.cfg.trainer.seed + 7_000_003)
+
+    def probe_batch(self) -> bytes:
+        """The probe as rollout-batch bytes (for the trainer's side of the check)."""
+        return RolloutBatch(self.probe).to_bytes()
+
+    def score_probe(self) -> bytes:
+        """The probe scored by every server at the weights they serve now: ``pass_logprobs``
+        row j of sample i by server (i + j) % servers (one pass per server), as pi_old's
+        engine passes are scored; with routing, each sample's routing refetched from server
+        i % servers. Returns the rollout-batch bytes for the trainer's side."""
+        import asyncio
+        import copy
+        samples = [copy.deepcopy(s) for s in self.probe]
+        servers = len(self.server_urls)
+        self.engine.score(samples, servers, temperature=self.cfg.rollout.temperature,
+                          window=self.cfg.rollout.score_window_tokens)
+        if samples and samples[0].routing is not None:
+            async def refetch(session):
+                return await asyncio.gather(*(
+                    session.routing(s.prompt_ids.tolist() + s.response_ids.tolist(), 0,
+                                    server=i % servers) for i, s in enumerate(samples)))
+            for s, routing in zip(samples, self.engine.run(refetch)):
+                s.routing = routing
+        return RolloutBatch(samples).to_bytes()
 
     def update_weights(self, path: str, version: int) -> list[str]:
         """Every server loads the HF checkpoint at ``path`` (its FP8 form with FP8 rollouts) as

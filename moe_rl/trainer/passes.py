@@ -151,6 +151,30 @@ class StepPasses:
                          own(rows_all.lp_ref), own(inputs.weights), own(inputs.keep),
                          own(inputs.advantages), replay_samples), metrics
 
+    def probe(self, samples: list[Sample]) -> list[tuple[list[float], list | None]]:
+        """The weight check's trainer side (``rollout.weight_check``): per probe sample, the
+        log-probs of its response under the current weights, routed by the trainer's own
+        routers (nothing replayed: the engine scores them with its own), as pi_theta is scored,
+        and the routing those routers chose ([routed positions, MoE layers, K], as the
+        rollout's, as nested lists; None for a model without MoE layers). Every trainer rank
+        enters, with or without samples (the forward's collectives)."""
+        self.model.eval()
+        out: dict[int, tuple] = {}
+        moe = self.moe_shape is not None and bool(self.replay.layer_names)
+        for mb in self.fw.aligned(self.fw.micro_batches(samples, list(range(len(samples))))):
+            if mb is None:
+                self.fw.dummy_forward(self.model, self.replay)
+                continue
+            lp, _ = self.fw.forward(self.model, self.replay, mb,
+                                    Route.RECORD if moe else Route.OFF, collect_own=moe)
+            padded = mb.to_response_padded(lp.float())
+            routing = self._per_sample_routing(samples, mb) if moe else {}
+            for row, i in enumerate(mb.sample_indices):
+                chosen = routing.get(i)
+                out[i] = (padded[row, :samples[i].response_len].tolist(),
+                          None if chosen is None else chosen.tolist())
+        return [out[i] for i in range(len(samples))]
+
     def _agreement_rows(self, mb: MicroBatch, route: Route, counted: torch.Tensor
                         ) -> tuple[dict, dict]:
         """The routing agreement of the last forward of ``mb`` (routed as ``route``) with the
