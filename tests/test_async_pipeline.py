@@ -131,7 +131,8 @@ def _metrics(run_dir):
 def test_train_with_max_staleness_1_through_the_loop(tmp_path):
     """`moe-rl train` with rollout.max_staleness=1 and dynamic sampling (float32 engine, R3):
     step 0 trains on version-0 samples, every later step on samples one version old; the
-    same-version mismatch stays ~0 and nothing is corrected away, the lag shows in staleness/*;
+    same-version mismatch stays ~0 and nothing is corrected away (nor does the weight check
+    fire), the lag shows in staleness/*;
     the checkpoint keeps the data order of the consumed steps."""
     import subprocess
     import sys
@@ -139,9 +140,14 @@ def test_train_with_max_staleness_1_through_the_loop(tmp_path):
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
-    train_cli(tmp_path, 4, "rollout.max_staleness=1", "rollout.dynamic_sampling=true")
+    train_cli(tmp_path, 4, "rollout.max_staleness=1", "rollout.dynamic_sampling=true",
+              "rollout.weight_check=true")
     rows = _metrics(tmp_path / "run")
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    # the weight check of each version runs when its load is confirmed (the next sync): the
+    # trainer's side was taken when it held that version, so no false alarm although it has
+    # moved on by then
+    assert all(r["weights/probe_k3"] < 1e-6 and r["weights/check_resyncs"] == 0 for r in rows)
     assert [r["rollout/stale_samples"] for r in rows] == [0.0, 16.0, 16.0, 16.0]
     for r in rows:
         assert abs(r["mismatch/k3"]) < 1e-6
