@@ -1,9 +1,9 @@
 """The engine self-check after every weight update (rollout.weight_check): its figures on a
-hand-worked probe, and through `moe-rl train` with an engine whose weights go wrong after a sync
-(one expert of every MoE layer overwritten, in the engine only, by a sitecustomize patch of the
-reference engine's loader): a one-off corruption is caught in the same step and redone from
-disk, a lasting one stops the run naming the version, and without the check the same run
-trains on silently."""
+hand-worked probe, and through `moe-rl train` with an engine whose weights go wrong after a
+sync (one expert of every MoE layer overwritten, in the engine only, when the reference engine
+is told its new version: a sitecustomize patch): a one-off corruption is caught in the same
+step and redone from disk (disk and broadcast syncs), a lasting one stops the run naming the
+version, and without the check the same run trains on silently."""
 from __future__ import annotations
 
 import json
@@ -26,12 +26,10 @@ import os, sys
 if "serve-reference" in sys.argv:
     import torch
     from moe_rl.engines.reference import engine as reference
-    plain = reference.ReferenceEngine.load
 
-    def load(self, model_path):
-        plain(self, model_path)
-        name = os.path.basename(model_path.rstrip("/"))
-        if not (name.startswith("v") and name[1:].isdigit() and int(name[1:]) >= 2):
+    def set_version(self, version):   # the server names the version after every update
+        self.__dict__["weight_version"] = version
+        if not (version.isdigit() and int(version) >= 2):
             return
         mark = os.environ["CORRUPT_MARK"]
         if os.environ["CORRUPT_MODE"] == "once" and os.path.exists(mark):
@@ -42,7 +40,8 @@ if "serve-reference" in sys.argv:
             for n, p in self.model.named_parameters():
                 if n.endswith("experts.down_proj"):
                     p[0].copy_(torch.randn(p[0].shape, generator=gen))
-    reference.ReferenceEngine.load = load
+    reference.ReferenceEngine.weight_version = property(
+        lambda self: self.__dict__.get("weight_version", "default"), set_version)
 '''
 
 
@@ -70,7 +69,7 @@ def model(tmp_path_factory):
     return out
 
 
-def _train(model, base, name: str, mode: str, check: bool):
+def _train(model, base, name: str, mode: str, check: bool, sync: str = "disk"):
     work = base / name
     work.mkdir()
     (work / "sitecustomize.py").write_text(CORRUPT_ENGINE)
@@ -82,7 +81,7 @@ def _train(model, base, name: str, mode: str, check: bool):
          f"model.path={model}", f"logging.dir={work / 'run'}", "trainer.steps=4",
          "trainer.sft_warmup_steps=0", "trainer.export_hf=false", "logging.progress=false",
          "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-         f"rollout.base_port={free_port()}", "cluster.weight_sync=disk",
+         f"rollout.base_port={free_port()}", f"cluster.weight_sync={sync}",
          f"rollout.weight_check={str(check).lower()}"],
         cwd=work, env=env, capture_output=True, text=True, timeout=600)
     rows = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()] \
@@ -93,11 +92,12 @@ def _train(model, base, name: str, mode: str, check: bool):
 @pytest.mark.loop
 @pytest.mark.e2e
 def test_a_wrong_engine_update_is_redone_or_stops_the_run(model, tmp_path):
-    runs = {"once": ("once", True), "always": ("always", True), "unchecked": ("always", False)}
+    runs = {"once": ("once", True), "always": ("always", True), "unchecked": ("always", False),
+            "distributed": ("once", True, "distributed")}
     with ThreadPoolExecutor(2) as pool:
         done = {k: pool.submit(_train, model, tmp_path, k, *v) for k, v in runs.items()}
-        (once, once_rows), (always, always_rows), (unchecked, unchecked_rows) = \
-            (done[k].result() for k in runs)
+        (once, once_rows), (always, always_rows), (unchecked, unchecked_rows), \
+            (broadcast, broadcast_rows) = (done[k].result() for k in runs)
     # a one-off corruption of version 2: caught when it loads (the sync after step 1),
     # reloaded from disk, and the run goes on with the probe back at the start's ~0
     assert once.returncode == 0, once.stderr[-3000:]
@@ -118,3 +118,7 @@ def test_a_wrong_engine_update_is_redone_or_stops_the_run(model, tmp_path):
     assert unchecked_rows[0]["mismatch/k3"] < 1e-6
     assert min(r["mismatch/k3"] for r in unchecked_rows[2:]) > 1e-4   # past the check's floor
     assert not any(k.startswith("weights/") for k in unchecked_rows[0])
+    # the broadcast sync (gloo on CPU) goes wrong the same way: redone from disk, run goes on
+    assert broadcast.returncode == 0, broadcast.stderr[-3000:]
+    assert [r["weights/check_resyncs"] for r in broadcast_rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["mismatch/k3"] < 1e-6 for r in broadcast_rows)
