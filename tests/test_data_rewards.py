@@ -219,7 +219,7 @@ def test_a_hanging_reward_through_moe_rl_train(tmp_path):
                             "data.reward_timeout_s=1")
     assert [r["reward/timeouts"] for r in rows] == [3.0, 6.0]   # 16 calls a step
     assert rows[-1]["reward/errors"] == 0.0
-    assert res.stdout.count("did not return within 1 s (data.reward_timeout_s)") == 1
+    assert res.stdout.count("did not return within the time allowed (data.reward_timeout_s=1)") == 1
 
 
 def test_jsonl_and_parquet_with_chat_template(tmp_path):
