@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass, field
 
 from moe_rl.config import Config, ConfigError, facts_context
-from moe_rl.data.prompts import PromptRecord, load_prompt_sets, load_prompts, set_source
+from moe_rl.data.prompts import (PromptLimit, PromptRecord, load_prompt_sets, load_prompts,
+                                 set_source)
 from moe_rl.envs import load_environment
 from moe_rl.rewards.service import reward_scorer
 
@@ -40,6 +41,17 @@ def check_prompt_lengths(prompts: list[PromptRecord], where: str, context: int |
                           f"{new_tokens_key}")
 
 
+def prompt_limit(context: int | None, new_tokens: int, new_tokens_key: str
+                 ) -> PromptLimit | None:
+    """The most tokens a prompt may hold with ``new_tokens`` generated after it (None without a
+    known context): lets a row far too long be refused before it is tokenised."""
+    if context is None:
+        return None
+    return PromptLimit(context - new_tokens, f"the model's context of {context} tokens "
+                       f"(max_position_embeddings) leaves with {new_tokens_key}={new_tokens} "
+                       f"generated after them; drop or shorten it, or lower {new_tokens_key}")
+
+
 def load_eval_sets(cfg: Config, tokenizer) -> list[tuple[str, list[PromptRecord]]]:
     """(name, prompts) of every ``eval.sets`` entry (its first ``eval.max_prompts``); a prompt
     that cannot fit the model's context with the evaluation's new tokens is refused."""
@@ -52,7 +64,8 @@ def load_eval_sets(cfg: Config, tokenizer) -> list[tuple[str, list[PromptRecord]
         if not os.path.isfile(entry.path):
             raise ConfigError(f"eval.sets[{i}].path: {entry.path!r} is not a readable file")
         try:
-            prompts = load_prompts(set_source(cfg.data, entry), tokenizer)
+            prompts = load_prompts(set_source(cfg.data, entry), tokenizer,
+                                   prompt_limit(facts_context(cfg.model), new_tokens, key))
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             raise ConfigError(f"eval.sets[{i}]: {exc}") from None
         prompts = prompts[:cfg.eval.max_prompts]
@@ -102,7 +115,8 @@ def load_run_inputs(cfg: Config) -> RunInputs:
         if not os.path.isfile(entry.path):
             raise ConfigError(f"data.sets[{i}].path: {entry.path!r} is not a readable file")
     try:
-        prompts, sizes = load_prompt_sets(cfg.data, tokenizer)
+        prompts, sizes = load_prompt_sets(cfg.data, tokenizer, prompt_limit(
+            facts_context(cfg.model), cfg.rollout.max_new_tokens, "rollout.max_new_tokens"))
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(str(exc) if str(exc).startswith("data") else f"data.path: {exc}") \
             from None

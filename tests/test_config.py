@@ -328,6 +328,8 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
     (tmp_path / "surrogate.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "a\\ud800b"}\n')
     (tmp_path / "long.jsonl").write_text('{"prompt": "1+1="}\n'
                                          + json.dumps({"prompt": "9+9=" * 400}) + "\n")
+    (tmp_path / "huge.jsonl").write_text('{"prompt": "1+1="}\n'
+                                         + json.dumps({"prompt": "7" * 1_000_000}) + "\n")
     (tmp_path / "sigs.py").write_text("def two_args(prompt, response):\n    return 0.0\n"
                                       "def nothing():\n    return 0.0\n")
     cases = [([f"model.path={tmp_path / 'nowhere'}"], "model.path: no local HF model"),
@@ -355,7 +357,14 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
               "(max_position_embeddings) with rollout.max_new_tokens=4 generated after them "
               "(at most 252 prompt tokens): row 1 ("),
              (["eval.sets=[{path: " + str(tmp_path / "long.jsonl") + "}]"],
-              "eval.sets[0] (" + str(tmp_path / "long.jsonl") + "): 1 prompt(s) too long")]
+              "eval.sets[0] (" + str(tmp_path / "long.jsonl") + "): 1 prompt(s) too long"),
+             # one far too long for any tokenisation to fit: refused before it is tokenised
+             (["data.source=jsonl", f"data.path={tmp_path / 'huge.jsonl'}"],
+              "data.prompt_key: row 1 of " + str(tmp_path / "huge.jsonl") + ": 1000000 "
+              "characters, so at least"),
+             (["eval.sets=[{path: " + str(tmp_path / "huge.jsonl") + "}]"],
+              "eval.sets[0]: data.prompt_key: row 1 of " + str(tmp_path / "huge.jsonl") +
+              ": 1000000 characters, so at least")]
     for extra, message in cases:
         for command in ("config", "train"):
             res = subprocess.run([sys.executable, "-m", "moe_rl.cli", command, *base, *extra],

@@ -105,8 +105,34 @@ def _check_text(text: str, where: str) -> str:
     return text
 
 
-def _record(cfg: DataConfig, tokenizer, row, n: int) -> PromptRecord:
-    """Row ``n`` of ``cfg.path`` as a prompt record (ValueError naming file, row and key)."""
+@dataclass(frozen=True)
+class PromptLimit:
+    """The most tokens a prompt may hold (``tokens``) and what sets it, for the refusal."""
+    tokens: int
+    why: str
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` covers (its vocabulary's longest entry,
+    added tokens included; a byte-level token's string has a character per byte, at least as
+    many as the text characters it covers)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def _check_length(chars: int, limit: PromptLimit | None, longest: int, where: str) -> None:
+    """Refuse a prompt of ``chars`` characters that is certainly longer than ``limit`` before
+    tokenising it: no token covers more than ``longest`` characters (a 10 MB prompt would take
+    seconds to tokenise, only to be refused)."""
+    if limit is not None and chars > limit.tokens * longest:
+        raise ValueError(f"{where}: {chars} characters, so at least {-(-chars // longest)} "
+                         f"tokens (no token of the tokenizer covers more than {longest}): "
+                         f"more than the {limit.tokens} prompt tokens {limit.why}")
+
+
+def _record(cfg: DataConfig, tokenizer, row, n: int, limit: PromptLimit | None = None,
+            longest: int = 1) -> PromptRecord:
+    """Row ``n`` of ``cfg.path`` as a prompt record (ValueError naming file, row and key);
+    ``limit``: refuse a row too long to fit before tokenising it."""
     where = f"row {n} of {cfg.path}"
     key = cfg.messages_key or cfg.prompt_key
     if not isinstance(row, dict) or key not in row:
@@ -122,9 +148,12 @@ def _record(cfg: DataConfig, tokenizer, row, n: int) -> PromptRecord:
         messages = check_messages(row[key], f"data.messages_key: {where}: {key}")
         for i, m in enumerate(messages):
             _check_text(m["content"], f"data.messages_key: {where}: {key}[{i}].content")
+        _check_length(sum(len(m["content"]) for m in messages), limit, longest,
+                      f"data.messages_key: {where}")
         text, ids = encode_messages(tokenizer, messages, cfg.chat_template_kwargs)
         return PromptRecord(text, ids, answer, metadata)
     text = _check_text(str(row[key]), f"data.prompt_key: {where}: {key}")
+    _check_length(len(text), limit, longest, f"data.prompt_key: {where}")
     return PromptRecord(text, encode_prompt(tokenizer, text, cfg.chat_template,
                                             cfg.system_prompt, cfg.chat_template_kwargs),
                         answer, metadata)
@@ -139,19 +168,21 @@ def set_source(cfg: DataConfig, entry: DataSetConfig) -> DataConfig:
     return dataclasses.replace(cfg, source=source, path=entry.path, sets=[], **keys)
 
 
-def load_prompt_sets(cfg: DataConfig, tokenizer) -> tuple[list[PromptRecord], list[int]]:
+def load_prompt_sets(cfg: DataConfig, tokenizer, limit: PromptLimit | None = None
+                     ) -> tuple[list[PromptRecord], list[int]]:
     """The prompts of every training set one after the other (``data.sets``, else the one
     configured source) and the number each set holds."""
     if not cfg.sets:
-        prompts = load_prompts(cfg, tokenizer)
+        prompts = load_prompts(cfg, tokenizer, limit)
         return prompts, [len(prompts)]
-    parts = [load_prompts(set_source(cfg, entry), tokenizer) for entry in cfg.sets]
+    parts = [load_prompts(set_source(cfg, entry), tokenizer, limit) for entry in cfg.sets]
     return [r for part in parts for r in part], [len(part) for part in parts]
 
 
-def load_prompts(cfg: DataConfig, tokenizer) -> list[PromptRecord]:
+def load_prompts(cfg: DataConfig, tokenizer, limit: PromptLimit | None = None
+                 ) -> list[PromptRecord]:
     """All prompts of the configured source, tokenised; a bad row is refused naming the file,
-    the row and the key."""
+    the row and the key, and with ``limit`` a row too long to fit before it is tokenised."""
     if cfg.source == "toy":
         records = [PromptRecord(text, encode_prompt(tokenizer, text, cfg.chat_template,
                                                     cfg.system_prompt,
@@ -159,7 +190,9 @@ def load_prompts(cfg: DataConfig, tokenizer) -> list[PromptRecord]:
                    for text, answer in toy_problems(cfg.toy_max_operand, cfg.toy_size,
                                                     cfg.shuffle_seed)]
     else:
-        records = [_record(cfg, tokenizer, row, n) for n, row in enumerate(_read_rows(cfg))]
+        longest = longest_token_chars(tokenizer) if limit is not None else 1
+        records = [_record(cfg, tokenizer, row, n, limit, longest)
+                   for n, row in enumerate(_read_rows(cfg))]
     if not records:
         raise ValueError(f"data: no prompts in {cfg.path or 'the toy task'}")
     return records
