@@ -262,7 +262,11 @@ def test_demo_runs_on_fp8_and_reports_what_replay_removed(tmp_path):
                           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "quantization: fp8" in res.stdout and "engine_dtype: bfloat16" in res.stdout
+    import yaml   # the resolved config is in the run directory (one line says where)
+    resolved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert resolved["rollout"]["quantization"] == "fp8"
+    assert resolved["rollout"]["engine_dtype"] == "bfloat16"
+    assert f"resolved config: {tmp_path / 'run' / 'config.yaml'}" in res.stdout
     assert "run finished: 3 RL steps" in res.stdout
     assert "engine: fp8 bfloat16 reference engine; trainer: float32" in res.stdout
     assert "without replay the trainer's own routers would have agreed with the engine on" \
