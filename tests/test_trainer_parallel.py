@@ -49,12 +49,14 @@ def _worker(rank, port, model_dir, out_dir, mode):
         from moe_rl.trainer.policy import PolicyTrainer
         cfg = config_from_dict({"model": {"path": model_dir},
                                 "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-                                "trainer": {"lr": 1e-3, "grad_clip": 0.0, "expert_parallel": 2},
+                                "trainer": {"lr": 1e-2, "grad_clip": 0.0, "expert_parallel": 2,
+                                            "epochs": 2},
                                 "cluster": {"trainer_workers": 2},
-                                "algorithm": {"replay": "r3"}})
+                                "algorithm": RAGGED_ALGORITHM})
         trainer = PolicyTrainer(cfg, model_dir)
         m = trainer.train_step(_ragged_shares(samples)[rank])
-        torch.save({"grad_norm": m["grad_norm"], "agreement": m["routing/agreement"]},
+        torch.save({"grad_norm": m["grad_norm"], "agreement": m["routing/agreement"],
+                    "gamma": m["router_shift/gamma_mean"]},
                    os.path.join(out_dir, f"epr{rank}.pt"))
     else:   # data parallel: each rank trains on its own group; gradients are all-reduced
         init_model_parallel()
@@ -68,6 +70,11 @@ def _worker(rank, port, model_dir, out_dir, mode):
         torch.save({"grads": [p.main_grad.clone() for p in trainer.model.module.parameters()],
                     "grad_norm": m["grad_norm"]}, os.path.join(out_dir, f"dp{rank}.pt"))
     destroy()
+
+
+# RSPO (GMPO with the router-shift weight) over two epochs: the second reads the routers moved
+RAGGED_ALGORITHM = {"replay": "r3", "loss": "gmpo", "clip_low": 0.4, "clip_high": 0.4,
+                    "aggregation": "seq-mean-token-mean", "router_shift": {"enabled": True}}
 
 
 def _ragged_shares(samples):
@@ -146,7 +153,8 @@ def test_expert_parallel_ranks_with_different_micro_batch_shapes(tmp_path):
     """On CPU the allgather dispatcher gathers hidden states over the expert-parallel group: a
     rank with 2 rows and one with 1 row (other lengths too) must still train (each forward is
     padded to the group's shape and cropped back), with the gradient norm and routing agreement
-    of one process training on the same 3 rows."""
+    of one process training on the same 3 rows; with RSPO over two epochs, the router-shift
+    weight read through the padded, cropped forwards equals the one process's too."""
     model_dir, samples = _spawn(tmp_path, "ep_ragged")
     outs = [torch.load(tmp_path / f"epr{r}.pt") for r in range(2)]
     from moe_rl.config import config_from_dict
@@ -156,13 +164,15 @@ def test_expert_parallel_ranks_with_different_micro_batch_shapes(tmp_path):
     init_model_parallel()
     cfg = config_from_dict({"model": {"path": model_dir},
                             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-                            "trainer": {"lr": 1e-3, "grad_clip": 0.0},
-                            "algorithm": {"replay": "r3"}})
+                            "trainer": {"lr": 1e-2, "grad_clip": 0.0, "epochs": 2},
+                            "algorithm": RAGGED_ALGORITHM})
     share0, share1 = _ragged_shares(samples)
     m = PolicyTrainer(cfg, model_dir).train_step(share0 + share1)
+    assert m["router_shift/gamma_mean"] < 1.0   # the second epoch saw the routers move
     for out in outs:
         assert out["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-5)
         assert out["agreement"] == pytest.approx(m["routing/agreement"], abs=1e-7)
+        assert out["gamma"] == pytest.approx(m["router_shift/gamma_mean"], rel=1e-6)
 
 
 def test_the_planned_master_address_wins_over_an_inherited_one():

@@ -86,6 +86,10 @@ def overrides(combo: dict) -> list[str]:
     if combo["loss"] == "ppo":
         out += ["algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
                 "algorithm.aggregation=token-mean"]
+    if combo["loss"] == "gmpo":   # the GMPO paper's log-ratio range
+        out += ["algorithm.clip_low=0.4", "algorithm.clip_high=0.4"]
+    if combo.get("router_shift"):
+        out.append("algorithm.router_shift.enabled=true")
     return out
 
 
@@ -144,6 +148,9 @@ def check_invariant(combo: dict, m: dict) -> None:
         assert "mismatch/kept_mass_mean" not in m, label
     if combo["pi_old"] == "engine_avg":
         assert "pi_old/pass_std" in m, label
+    if combo.get("router_shift"):   # one update per rollout: the routers never moved
+        assert m["router_shift/gamma_mean"] == 1.0, (label, m["router_shift/gamma_mean"])
+        assert m["router_shift/shifted_frac"] == 0.0, label
 
 
 def test_covering_set_covers_every_valid_pair():
@@ -172,19 +179,23 @@ def test_zero_mismatch_covering_set(model_dir, tmp_path):
 @pytest.mark.loop
 @pytest.mark.e2e
 @pytest.mark.multiproc
-def test_zero_mismatch_dppo(model_dir, tmp_path):
+def test_zero_mismatch_dppo_and_rspo(model_dir, tmp_path):
     """DPPO through `moe-rl train`, with R3 (binary TV, the keep-sampling-mask, pi_old from the
-    rollout as its authors recommend) and without (binary KL, packed): on identical float32
-    engine and trainer no token leaves the trust region and the divergence is ~0."""
+    rollout as its authors recommend) and without (binary KL, packed), and RSPO (GMPO with the
+    router-shift weight) under R3: on identical float32 engine and trainer no token leaves the
+    trust region, the divergence is ~0 and the router-shift weight is exactly 1."""
     combos = [{"temperature": 1.0, "sampling": "top_k", "mask": True, "pi_old": "rollout",
                "replay": "r3", "loss": "dppo_tv", "pack": False},
               {"temperature": 0.7, "sampling": "full", "mask": False, "pi_old": "trainer",
-               "replay": "off", "loss": "dppo_kl", "pack": True}]
+               "replay": "off", "loss": "dppo_kl", "pack": True},
+              {"temperature": 0.7, "sampling": "top_k", "mask": True, "pi_old": "trainer",
+               "replay": "r3", "loss": "gmpo", "pack": True, "router_shift": True}]
     results = run_all(model_dir, tmp_path, combos)
     for combo in combos:
         m = results[name(combo)][0]
         check_invariant(combo, m)
-        assert m["dppo/divergence_mean"] < 1e-6, (name(combo), m["dppo/divergence_mean"])
+        if combo["loss"].startswith("dppo"):
+            assert m["dppo/divergence_mean"] < 1e-6, (name(combo), m["dppo/divergence_mean"])
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
-"""Policy losses (per token, minimised): PPO-clip / GRPO, GSPO and DPPO, plus Clip-Cov and
-KL-Cov."""
+"""Policy losses (per token, minimised): PPO-clip / GRPO, GSPO, GMPO and DPPO, plus Clip-Cov and
+KL-Cov. The ratio losses (PPO-clip, GSPO, GMPO) take an optional ``log_scale`` [B, T], a detached
+per-token log factor on the ratio applied before clipping and aggregation (RSPO's router-shift
+weight, :mod:`moe_rl.algo.router_shift`)."""
 from __future__ import annotations
 
 import torch
@@ -10,9 +12,19 @@ from moe_rl.algo.common import (EXP_CLAMP, broadcast_to_tokens, check_same_shape
 GSPO_LOG_CAP = 10.0   # GSPO: the sequence and token log-ratios are capped at 10 (as verl)
 
 
+def _log_ratio(lp: torch.Tensor, lp_old: torch.Tensor, log_scale: torch.Tensor | None
+               ) -> torch.Tensor:
+    """``lp - lp_old`` plus the detached ``log_scale`` (when given)."""
+    if log_scale is None:
+        return lp - lp_old
+    check_same_shape(lp=lp, log_scale=log_scale)
+    return lp - lp_old + log_scale.detach().to(lp.dtype)
+
+
 def ppo_clip_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, clip_low: float, clip_high: float,
-                  dual_clip_c: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                  dual_clip_c: float | None = None, log_scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO-clip: ``-min(r A, clip(r, 1-clip_low, 1+clip_high) A)``, in float32
     (float64 for float64 inputs), with ``log r`` clamped to +-20 before the exp.
 
@@ -24,7 +36,7 @@ def ppo_clip_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tens
     dtype = compute_dtype(lp, lp_old, advantages)
     lp, lp_old = lp.to(dtype), lp_old.to(dtype)
     adv = broadcast_to_tokens(advantages.to(dtype), lp)
-    ratio = torch.exp((lp - lp_old).clamp(-EXP_CLAMP, EXP_CLAMP))
+    ratio = torch.exp(_log_ratio(lp, lp_old, log_scale).clamp(-EXP_CLAMP, EXP_CLAMP))
     loss_unclipped = -ratio * adv
     loss_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     loss = torch.maximum(loss_unclipped, loss_clipped)
@@ -44,7 +56,8 @@ def ppo_clip_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tens
 
 
 def gspo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict[str, float]]:
+              clip_low: float, clip_high: float, log_scale: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO in token form: ``s_it = sg[s_i] * exp(lp - sg[lp])`` with ``s_i`` the length-normalised
     sequence ratio ``exp(mean_t (lp - lp_old))``; loss ``-min(s_it A_i, clip(s_it) A_i)``, in
     float32 (float64 for float64 inputs). ``log s_i`` and ``log s_it`` are capped at 10 (verl's
@@ -60,7 +73,7 @@ def gspo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor, 
                          f"{list(advantages.shape)}")
     dtype = compute_dtype(lp, lp_old, advantages)
     lp, lp_old = lp.to(dtype), lp_old.to(dtype)
-    log_s = masked_seq_mean(lp - lp_old, mask).clamp(max=GSPO_LOG_CAP)
+    log_s = masked_seq_mean(_log_ratio(lp, lp_old, log_scale), mask).clamp(max=GSPO_LOG_CAP)
     log_tok = log_s.detach()[:, None] + lp - lp.detach()
     beyond = (log_s.detach() >= GSPO_LOG_CAP)[:, None]   # capped sequences carry no gradient
     s_tok = torch.exp(torch.where(beyond, log_tok.detach(), log_tok))
@@ -75,6 +88,37 @@ def gspo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor, 
         metrics = {"clip_frac": float(clipped_seq.sum() / n),
                    "gspo/seq_ratio_mean": float(torch.exp(log_s)[has_tok].mean())
                    if has_tok.any() else 1.0}
+    return loss, metrics
+
+
+def gmpo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_low: float, clip_high: float, log_scale: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO (Zhao et al., 2025, arXiv 2507.20673): the sequence objective ``A_i exp(mean_t c_t)``,
+    the geometric mean of the token ratios, each clipped in log space on the pessimistic side:
+    ``c_t = sgn(A) min(sgn(A) log r_t, sgn(A) clamp(log r_t, -clip_low, clip_high))`` (no
+    gradient through a clipped token). In token form ``-A_i sg[g_i] (1 + c_t - sg[c_t])`` with
+    ``g_i = exp(mean_t c_t)``: under seq-mean-token-mean its value is ``-A_i g_i`` and its
+    gradient the sequence objective's. ``log r`` clamped to +-20, in float32 (float64 for
+    float64 inputs). Returns the per-token loss [B, T] and metrics (clip_frac = masked tokens
+    clipped, gmpo/seq_ratio_mean)."""
+    check_same_shape(lp=lp, lp_old=lp_old, mask=mask)
+    if advantages.dim() != 1:
+        raise ValueError(f"advantages: GMPO needs one advantage per sequence [B], got "
+                         f"{list(advantages.shape)}")
+    dtype = compute_dtype(lp, lp_old, advantages)
+    lp, lp_old = lp.to(dtype), lp_old.to(dtype)
+    log_r = _log_ratio(lp, lp_old, log_scale).clamp(-EXP_CLAMP, EXP_CLAMP)
+    sign = torch.sign(broadcast_to_tokens(advantages.to(dtype), lp))
+    bounded = log_r.clamp(-clip_low, clip_high)
+    c = sign * torch.minimum(sign * log_r, sign * bounded)
+    g = torch.exp(masked_seq_mean(c, mask)).detach()
+    adv = broadcast_to_tokens(advantages.to(dtype), lp)
+    loss = -adv * g[:, None] * (1 + c - c.detach())
+    with torch.no_grad():
+        has_tok = mask.to(torch.bool).any(-1)
+        metrics = {"clip_frac": float(masked_mean((c != log_r).to(dtype), mask)),
+                   "gmpo/seq_ratio_mean": float(g[has_tok].mean()) if has_tok.any() else 1.0}
     return loss, metrics
 
 

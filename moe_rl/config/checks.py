@@ -37,6 +37,9 @@ def check_model_fit(cfg: Config, facts: MoEShape) -> None:
     if a.replay != "off" and not facts.moe_layers:
         raise ConfigError(f"algorithm.replay: '{a.replay}' needs a model with MoE layers, but "
                           f"{m.path} has none; set algorithm.replay=off")
+    if a.router_shift.enabled and not facts.moe_layers:
+        raise ConfigError(f"algorithm.router_shift.enabled: {m.path} has no MoE layer, so no "
+                          f"routing to measure")
     context = facts_context(m)
     if context is not None and r.max_new_tokens >= context:
         raise ConfigError(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for a "
@@ -93,10 +96,17 @@ def check_loss(cfg: Config) -> None:
                           f"{a.clip_low} / {a.clip_high}")
     if a.clip_low < 0 or a.clip_high < 0:
         raise ConfigError("algorithm.clip_low/clip_high: clip ranges must be >= 0")
-    if a.loss == "gspo" and a.aggregation != "seq-mean-token-mean":
-        raise ConfigError(f"algorithm.aggregation: GSPO's token form has the sequence objective's "
-                          f"gradient only under seq-mean-token-mean; got {a.aggregation!r}")
-    if a.clip_low >= 1:
+    if a.loss in ("gspo", "gmpo") and a.aggregation != "seq-mean-token-mean":
+        raise ConfigError(f"algorithm.aggregation: {a.loss.upper()}'s token form has the sequence "
+                          f"objective's gradient only under seq-mean-token-mean; got "
+                          f"{a.aggregation!r}")
+    if a.router_shift.enabled and a.loss not in ("ppo", "gspo", "gmpo"):
+        raise ConfigError(f"algorithm.router_shift.enabled: the router-shift weight scales the "
+                          f"importance ratio of ppo, gspo or gmpo; algorithm.loss is {a.loss!r}")
+    if a.router_shift.enabled and a.entropy_control.method == "kl_cov":
+        raise ConfigError("algorithm.router_shift.enabled: kl_cov replaces the ratio surrogate "
+                          "the router-shift weight scales; turn one off")
+    if a.clip_low >= 1 and a.loss != "gmpo":
         raise ConfigError(f"algorithm.clip_low: must be < 1 (ratio floor 1 - clip_low), got "
                           f"{a.clip_low}")
     if a.kl.in_reward and a.kl.coef == 0:

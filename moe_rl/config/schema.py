@@ -171,11 +171,21 @@ DPPO_DEFAULT_DELTA = {"dppo_tv": 0.15, "dppo_kl": 0.05}
 
 
 @dataclass
+class RouterShiftConfig:
+    """RSPO's router-shift weight on the importance ratio (ppo, gspo, gmpo)."""
+    enabled: bool = _f(False, "scale each token's ratio by gamma = max(exp(-d), floor), d the "
+                       "mean |change| of the router's log-scores of the experts pi_old "
+                       "activated (RSPO = loss gmpo + this)")
+    floor: float = _f(0.8, "lower bound of gamma", **_rng(0, 1))
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: Literal["grpo", "drgrpo", "rloo"] = _f("grpo", "advantage estimator")
-    loss: Literal["ppo", "gspo", "dppo_tv", "dppo_kl"] = _f(
-        "ppo", "policy loss: token PPO-clip (GRPO), GSPO, or DPPO's divergence trust region "
-        "(binary total variation or binary KL; algorithm.dppo)")
+    loss: Literal["ppo", "gspo", "gmpo", "dppo_tv", "dppo_kl"] = _f(
+        "ppo", "policy loss: token PPO-clip (GRPO), GSPO, GMPO (geometric mean of log-clipped "
+        "token ratios; clip_low/clip_high bound log r, paper 0.4), or DPPO's divergence trust "
+        "region (binary total variation or binary KL; algorithm.dppo)")
     clip_low: float = _f(0.2, "epsilon_low of the ratio clip (GSPO paper: 3e-4)")
     clip_high: float = _f(0.28, "epsilon_high of the ratio clip (GSPO paper: 4e-4)")
     dual_clip_c: float | None = _f(3.0, "dual-clip cap c for negative advantages (null = off)",
@@ -197,6 +207,7 @@ class AlgorithmConfig:
                                 + ", ".join(CORRECTIONS))
     correction: CorrectionParams = _sub(CorrectionParams, "correction thresholds")
     dppo: DPPOConfig = _sub(DPPOConfig, "DPPO's divergence bounds")
+    router_shift: RouterShiftConfig = _sub(RouterShiftConfig, "RSPO's router-shift weight")
     kl: KLConfig = _sub(KLConfig, "KL to the reference policy")
     entropy_coef: float = _f(0.0, "entropy bonus coefficient", **_rng(0))
     entropy_control: EntropyControlConfig = _sub(EntropyControlConfig, "Clip-Cov / KL-Cov")

@@ -68,25 +68,34 @@ class Forwarder:
             (lp.sum() * 0.0).backward()
 
     def forward(self, model, replay: ReplayController, mb: MicroBatch, mode: Route,
-                 grad: bool = False, collect_own: bool = False, kept_sets: bool = True):
+                 grad: bool = False, collect_own: bool = False, kept_sets: bool = True,
+                 router_scores: bool = False):
         """Log-probs and entropies of one micro-batch from ``model``, routed as ``mode`` (see
         :class:`Route`) through ``replay``. ``kept_sets=False`` scores on the full vocabulary even
-        with ``keep_sampling_mask`` (supervised samples have no kept sets)."""
+        with ``keep_sampling_mask`` (supervised samples have no kept sets). ``router_scores``
+        also reads the routers' log-scores (``replay.router_scores()`` afterwards) of the
+        experts this forward activates, or, routing freely, of those ``mb.routing`` holds."""
         a = self.cfg.algorithm
         shape = mb.shape
         run = mb.padded_to(*self._ep_common_shape(shape), self.num_experts)
         B, S = run.shape
+        carried = None
+        if mb.routing is not None and (mode is Route.REPLAY or router_scores):
+            carried = replay.local_indices(run.replay_indices(), S, B, self.cp_positions(run))
         if mode is Route.REPLAY:
             if mb.routing is None:
                 raise ValueError("algorithm.replay=r3: the rollout carries no routing (start "
                                  "SGLang with --enable-return-routed-experts)")
-            replay.replay(replay.local_indices(run.replay_indices(), S, B,
-                                               self.cp_positions(run)),
-                          collect_own=collect_own)
+            replay.replay(carried, collect_own=collect_own)
         elif mode is Route.RECORD:
             replay.record()
         else:
             replay.off()
+        if router_scores:
+            if mode is Route.OFF and carried is None:
+                raise ValueError("router scores: a freely routed forward needs the experts to "
+                                 "read in the micro-batch's routing")
+            replay.capture_scores(None if mode is Route.RECORD else carried)
         with torch.set_grad_enabled(grad):
             lp, ent = forward_logprobs(model, run, temperature=self.cfg.rollout.temperature or 1.0,
                                        use_kept_sets=a.keep_sampling_mask and kept_sets,

@@ -1,5 +1,6 @@
 """The policy loss of one micro-step, built once from ``cfg.algorithm``: live corrections on the
-current pi_theta, Clip-Cov / KL-Cov, the PPO-clip or GSPO surrogate, per-token weights, the KL
+current pi_theta, Clip-Cov / KL-Cov, the PPO-clip, GSPO, GMPO or DPPO surrogate (the ratio ones
+scaled by RSPO's router-shift weight when it is on), per-token weights, the KL
 penalty, the entropy bonus and the aggregation. Pure torch (no megatron): the trainer's micro-step
 is forward -> :meth:`PolicyLoss.__call__` -> backward."""
 from __future__ import annotations
@@ -9,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.algo import (CorrectionInputs, Normalisers, aggregate, apply_corrections, clip_cov,
-                         clip_cov_select, dppo_loss, gspo_loss, kl_cov_loss, kl_cov_select,
-                         kl_estimate, ppo_clip_loss)
+                         clip_cov_select, dppo_loss, gmpo_loss, gspo_loss, kl_cov_loss,
+                         kl_cov_select, kl_estimate, ppo_clip_loss, router_shift_metrics)
 from moe_rl.config import DPPO_DEFAULT_DELTA, AlgorithmConfig
 
 GROUP_CORRECTIONS = ("metropolis", "snis")
@@ -37,6 +38,7 @@ class LossInputs:
     keep: torch.Tensor               # ... that no correction removed (subset of mask)
     weights: torch.Tensor            # per-token correction weights
     chosen: torch.Tensor | None      # Clip-Cov / KL-Cov tokens chosen over the mini-batch
+    log_ratio_scale: torch.Tensor | None = None   # log of RSPO's router-shift weight (detached)
 
 
 class PolicyLoss:
@@ -90,8 +92,10 @@ class PolicyLoss:
         if e.method == "kl_cov":   # replaces the clipped surrogate
             loss_tok, lm = kl_cov_loss(lp, lp_old, adv, keep, ratio=e.kl_cov_ratio,
                                        coef=e.kl_cov_coef, chosen=x.chosen)
-        elif a.loss == "gspo":
-            loss_tok, lm = gspo_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high)
+        elif a.loss in ("gspo", "gmpo"):
+            ratio_loss = gspo_loss if a.loss == "gspo" else gmpo_loss
+            loss_tok, lm = ratio_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high,
+                                      log_scale=x.log_ratio_scale)
         elif a.loss in DPPO_DEFAULT_DELTA:
             d, default = a.dppo, DPPO_DEFAULT_DELTA[a.loss]
             loss_tok, lm = dppo_loss(lp, lp_old, adv, keep, a.loss.removeprefix("dppo_"),
@@ -100,7 +104,9 @@ class PolicyLoss:
                                      d.ratio_cap)
         else:
             loss_tok, lm = ppo_clip_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high,
-                                         a.dual_clip_c)
+                                         a.dual_clip_c, log_scale=x.log_ratio_scale)
+        if x.log_ratio_scale is not None:
+            lm.update(router_shift_metrics(x.log_ratio_scale.exp(), keep, a.router_shift.floor))
         loss_tok = loss_tok * weights.to(loss_tok.dtype)
         kl_tok = None
         if x.lp_ref is not None and not a.kl.in_reward:

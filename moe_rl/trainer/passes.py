@@ -10,17 +10,16 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from moe_rl.algo import kept_set_sizes
 from moe_rl.config import Config
 from moe_rl.packing import MicroBatch
-from moe_rl.trainer import context_parallel as cp_maps
 from moe_rl.trainer.dp import dp_group, dp_max, every_rank_sum
 from moe_rl.trainer.forwarder import Forwarder
 from moe_rl.trainer.loss import PolicyLoss
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.trainer.replay_plan import ReplayPlan, Route
+from moe_rl.trainer.router_rows import micro_batch_rows, response_rows
 from moe_rl.trainer.step import StepRows, gather_rows, sample_notes, step_inputs
 from moe_rl.trainer.versions import WeightVersions
 from moe_rl.types import Sample, compact_routing
@@ -48,7 +47,10 @@ class StepBatch:
     weights: torch.Tensor
     keep: torch.Tensor
     advantages: torch.Tensor
-    replay_samples: list[Sample]   # the samples with the routing the update replays
+    replay_samples: list[Sample]   # the samples with the routing the update replays (or,
+                                   # routing freely, reads the router-shift weight at)
+    router_old: torch.Tensor | None = None   # [N, R_max, L, K] router log-scores at pi_old of
+                                             # the experts pi_old activated (router shift)
 
 
 class StepPasses:
@@ -84,6 +86,9 @@ class StepPasses:
         agree_rows: list[dict] = []   # routing agreement at the samples' own versions
         lag_rows: list[dict] = []     # stale samples against the current version
         r2_routing: dict[int, torch.Tensor] = {}
+        shift = a.router_shift.enabled
+        keep_own = a.replay == "r2" or (shift and a.replay == "off")
+        router_old = None
         self.model.eval()
         for mb in self.fw.aligned(self.fw.micro_batches(samples, list(range(n)))):
             if mb is None:
@@ -92,9 +97,15 @@ class StepPasses:
                     self.fw.dummy_forward(self.ref_model, self.ref_replay)
                 continue
             lp, e = self.fw.forward(self.model, self.replay, mb, self.routes.pi_old,
-                                  collect_own=mb.routing is not None)
+                                    collect_own=mb.routing is not None, router_scores=shift)
             rows = mb.sample_indices
             width = int(mb.response_lens.max())
+            if shift:
+                old = response_rows(micro_batch_rows(self.replay.router_scores(), mb, self.fw,
+                                                     self.cfg.trainer.sequence_parallel), mb)
+                if router_old is None:
+                    router_old = old.new_zeros((n, lp_roll.shape[1], *old.shape[2:]))
+                router_old[rows, :width] = old
             lp_tr[rows, :width] = mb.to_response_padded(lp.float())
             ent[rows, :width] = mb.to_response_padded(e.float())
             if mb.routing is not None:   # fresh samples: same version; stale ones: the lag
@@ -103,7 +114,7 @@ class StepPasses:
                 same, lag = self._agreement_rows(mb, self.routes.pi_old, fresh)
                 agree_rows.append(same)
                 lag_rows.append(lag)
-            if a.replay == "r2":
+            if keep_own:
                 r2_routing.update(self._per_sample_routing(samples, mb))
             if self.ref_model is not None:
                 lr_, _ = self.fw.forward(self.ref_model, self.ref_replay, mb, ReplayPlan.for_batch(
@@ -142,14 +153,15 @@ class StepPasses:
             metrics["rollout/staleness_mean"] = float(lag.mean())
             metrics["rollout/staleness_max"] = float(lag.max())
         replay_samples = samples
-        if a.replay == "r2":   # the update replays, per sample, what the pi_old pass chose
+        if keep_own:   # the update replays (R2), or reads the router shift at, per sample, what
+                       # the pi_old pass chose
             replay_samples = [dataclasses.replace(s, routing=r2_routing[i])
                               for i, s in enumerate(samples)]
         own = lambda t: None if t is None else t[mine]   # noqa: E731  (this rank's rows)
         return StepBatch(samples, own(rows_all.mask), own(rows_all.lp_roll),
                          own(rows_all.lp_tr), own(rows_all.entropy), own(inputs.lp_old),
                          own(rows_all.lp_ref), own(inputs.weights), own(inputs.keep),
-                         own(inputs.advantages), replay_samples), metrics
+                         own(inputs.advantages), replay_samples, router_old), metrics
 
     def probe(self, samples: list[Sample]) -> list[tuple[list[float], list | None]]:
         """The weight check's trainer side (``rollout.weight_check``): per probe sample, the
@@ -247,25 +259,8 @@ class StepPasses:
         """R2: the routing this rank's routers recorded in the last forward of ``mb``, cut into
         one [routed positions, MoE layers, K] record per sample (as the rollout's), so any later
         micro- or mini-batch plan can replay it."""
-        from megatron.core import parallel_state as ps
-        B, S = mb.input_ids.shape
-        rows = self.replay.recorded()
-        tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() \
-            else 1
-        if tp > 1 and self.cfg.trainer.sequence_parallel:   # each TP rank routed a slice
-            group = ps.get_tensor_model_parallel_group()
-            full = []
-            for t in rows:
-                parts = [torch.empty_like(t) for _ in range(tp)]
-                dist.all_gather(parts, t.contiguous(), group=group)
-                full.append(torch.cat(parts))
-            rows = full
-        cp = self.fw.cp_positions(mb)
-        if cp is not None:   # each CP rank routed its chunks
-            every = cp_maps.every_rank_positions(mb, ps.get_context_parallel_world_size())
-            rows = [cp_maps.gather_rows(t, every, S, B, ps.get_context_parallel_group())
-                    for t in rows]
-        per = torch.stack([t.reshape(S, B, -1) for t in rows], dim=2)   # router order s*B+b
+        per = micro_batch_rows(self.replay.recorded(), mb, self.fw,
+                               self.cfg.trainer.sequence_parallel)
         out = {}
         for i, row in enumerate(mb.sample_indices):
             b, o = int(mb.sample_rows[i]), int(mb.sample_starts[i])

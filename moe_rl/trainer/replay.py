@@ -4,7 +4,8 @@ The controller binds to the routers of one model by walking its MoE layers (glob
 index from ``layer_number``, so pipeline stages and dense layers are handled), never by position
 in megatron's global registry. It wraps each router's ``get_replay_topk`` to (a) count that the
 replay tensor was consumed and (b) compute, while replaying, the top-k the router would have
-chosen from its own scores, for the routing-agreement metric.
+chosen from its own scores, for the routing-agreement metric; and its ``gating`` to read, when
+asked, the router's log-scores of given experts (RSPO's router-shift weight).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_rl.algo.metrics import routing_agreement
+from moe_rl.algo.router_shift import router_log_scores
 
 MODES = ("off", "r2", "r3")
 
@@ -41,8 +43,12 @@ class _Router:
     layer: int                  # global decoder-layer index
     moe_index: int              # index among the model's MoE layers (routing record column)
     replay: object              # megatron RouterReplay instance
+    module: object = None       # megatron TopKRouter
     calls: int = 0
     own_topk: list = field(default_factory=list)
+    score_at: torch.Tensor | None = None   # experts whose log-scores the next forward reads
+    scores: torch.Tensor | None = None     # ... read: [tokens, K] (or [tokens, E] until the
+                                           # recorded choice is known)
 
 
 class ReplayController:
@@ -78,12 +84,13 @@ class ReplayController:
             if g not in moe_layers:
                 raise ValueError(f"layer {g} is MoE in the model but not in the config's MoE "
                                  f"layers {moe_layers}")
-            self.routers.append(_Router(g, moe_layers.index(g), router.router_replay))
+            self.routers.append(_Router(g, moe_layers.index(g), router.router_replay, router))
         self.layer_names = [r.layer for r in self.routers]
         self._mode: str | None = None
         self._expected_rows: int | None = None
         self.collect_own = False
         self._crop = None   # see crop()
+        self._capture = False   # see capture_scores()
         for r in self.routers:
             self._wrap(r)
         self.registry = RouterReplay
@@ -111,6 +118,20 @@ class ReplayController:
             return original(scores, topk, num_groups, group_topk, default_compute_topk)
 
         r.replay.get_replay_topk = get_replay_topk
+        gating = r.module.gating
+
+        def gating_with_scores(inputs, *args, **kwargs):
+            logits = gating(inputs, *args, **kwargs)
+            if self._capture and r.scores is None:   # once per forward (not in recomputation)
+                with torch.no_grad():
+                    flat = logits.detach().reshape(-1, logits.shape[-1])   # [s * B + b, E]
+                    scores = router_log_scores(flat, r.module.score_function)
+                    if r.score_at is not None:
+                        scores = scores.gather(-1, r.score_at.to(scores.device).long())
+                    r.scores = scores
+            return logits
+
+        r.module.gating = gating_with_scores
 
     # -------------------------------------------------------------- control
     @property
@@ -144,10 +165,12 @@ class ReplayController:
 
     def _reset(self) -> None:
         self._crop = None
+        self._capture = False
         for r in self.routers:
             r.replay.clear_indices()
             r.calls = 0
             r.own_topk = []
+            r.score_at = r.scores = None
 
     def local_rows(self, rows: torch.Tensor, seq_len: int, batch: int,
                    cp_positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -215,6 +238,34 @@ class ReplayController:
                 raise RuntimeError(f"routing: layer {r.layer} recorded nothing; did the forward "
                                    f"run in record mode?")
             out.append(self._cropped(t.detach().cpu()))
+        return out
+
+    def capture_scores(self, at: list[torch.Tensor] | None) -> None:
+        """Read, in the next forward (set after :meth:`replay` / :meth:`record` / :meth:`off`),
+        each router's log-scores of the experts ``at`` (one [tokens, K] per MoE layer of this
+        stage, as :meth:`replay` takes), or with None of the experts it chooses (record mode);
+        :meth:`router_scores` returns them."""
+        if at is None and self._mode != "record":
+            raise ValueError("router scores: say at which experts (only a recording forward "
+                             "knows them by itself)")
+        if at is not None:
+            self.check(at)
+        for i, r in enumerate(self.routers):
+            r.score_at = None if at is None else at[i]
+        self._capture = True
+
+    def router_scores(self) -> list[torch.Tensor]:
+        """The log-scores read in the last forward (:meth:`capture_scores`), one [tokens, K]
+        float32 per MoE layer, on the CPU."""
+        out = []
+        for r in self.routers:
+            if r.scores is None:
+                raise RuntimeError(f"router scores: layer {r.layer} read none; was "
+                                   f"capture_scores() called before the forward?")
+            t = r.scores
+            if r.score_at is None:
+                t = t.gather(-1, r.replay.get_recorded_indices().to(t.device).long())
+            out.append(self._cropped(t.cpu()))
         return out
 
     def crop(self, padded: tuple[int, int], shape: tuple[int, int]) -> None:

@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from moe_rl.algo import Normalisers, aggregate, count_normalisers
+from moe_rl.algo import Normalisers, aggregate, count_normalisers, router_shift_weight
 from moe_rl.config import Config, response_cap
 from moe_rl.packing import MicroBatch
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu
@@ -18,6 +18,7 @@ from moe_rl.trainer.loss import LossInputs, PolicyLoss
 from moe_rl.trainer.passes import StepBatch
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.trainer.replay_plan import ReplayPlan
+from moe_rl.trainer.router_rows import micro_batch_rows, response_rows
 from moe_rl.trainer.step import reduce_sums
 from moe_rl.types import Sample
 
@@ -122,15 +123,24 @@ class PolicyUpdate:
                     selection: torch.Tensor | None = None) -> None:
         """Forward with the update's replay mode, the policy loss, backward; metric sums."""
         rows, width = mb.sample_indices, int(mb.response_lens.max())
+        shift = batch.router_old is not None
         lp_pos, ent_pos = self.fw.forward(self.model, self.replay, mb, self.routes.update,
-                                        grad=True)
+                                          grad=True, router_scores=shift)
         mask = batch.mask[rows, :width]
+        log_scale = None
+        if shift:
+            rs = self.cfg.algorithm.router_shift
+            now = response_rows(micro_batch_rows(self.replay.router_scores(), mb, self.fw,
+                                                 self.cfg.trainer.sequence_parallel), mb)
+            log_scale = router_shift_weight(batch.router_old[rows, :width], now,
+                                            rs.floor).log().float()
         inputs = LossInputs(
             lp_old=batch.lp_old[rows, :width], lp_roll=batch.lp_roll[rows, :width],
             lp_ref=None if batch.lp_ref is None else batch.lp_ref[rows, :width],
             advantages=batch.advantages[rows], mask=mask,
             keep=batch.keep[rows, :width] & mask, weights=batch.weights[rows, :width],
-            chosen=None if selection is None else selection[rows, :width])
+            chosen=None if selection is None else selection[rows, :width],
+            log_ratio_scale=log_scale)
         loss, got = self.loss(mb.to_response_padded(lp_pos), mb.to_response_padded(ent_pos),
                               inputs, norm, first)
         with self.replay.backward():
