@@ -15,13 +15,19 @@ from tests.helpers import engine_samples
 from tests.test_trainer_step import parallel_state, tiny   # noqa: F401  (the shared fixtures)
 
 
-def make_cfg(path, dtype="bfloat16", **trainer):
+def make_cfg(path, dtype="bfloat16", algorithm=None, **trainer):
     tree = {"model": {"path": path, "dtype": dtype},
             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
             "trainer": {"lr": 1e-3, "micro_batch_size": 2, "steps": 4, "seed": 3,
                         "distributed_optimizer": False, **trainer},   # CUDA: Float16Optimizer too
-            "algorithm": {"replay": "r3", "corrections": ["token_tis"]}}
+            "algorithm": {"replay": "r3", "corrections": ["token_tis"], **(algorithm or {})}}
     return config_from_dict(tree)
+
+
+LOSSES = {"ppo": {},
+          "dppo_tv": {"loss": "dppo_tv"},
+          "rspo": {"loss": "gmpo", "clip_low": 0.4, "clip_high": 0.4,
+                   "aggregation": "seq-mean-token-mean", "router_shift": {"enabled": True}}}
 
 
 def main_weights(p):
@@ -95,17 +101,23 @@ def test_bf16_policy_trains_with_float32_master_weights(tiny):
         assert torch.equal(p.detach(), main_weights(p).to(torch.bfloat16))
 
 
-def test_a_bf16_rl_step_learns(tiny):
-    """The bfloat16 policy learns from one RL step: the sequences with a positive advantage
-    become likelier and those with a negative one less likely (the trainer's own log-probs of
-    the same samples, before and after)."""
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_a_bf16_rl_step_learns(tiny, loss):
+    """The bfloat16 policy learns from one RL step, with PPO-clip, DPPO and RSPO (GMPO with the
+    router-shift weight, over two epochs so that the second reads routers that moved): the
+    sequences with a positive advantage become likelier and those with a negative one less
+    likely (the trainer's own log-probs of the same samples, before and after)."""
     path, hf_model = tiny
-    trainer = PolicyTrainer(make_cfg(path, lr=3e-3), path)
+    epochs = 2 if loss == "rspo" else 1
+    trainer = PolicyTrainer(make_cfg(path, algorithm=LOSSES[loss], lr=3e-3, epochs=epochs),
+                            path)
     samples = engine_samples(hf_model, n_groups=2, group_size=4, seed=7)
     for s in samples:
         s.reward = float(s.sample_id % 2)   # half of each group rewarded
     before, _ = trainer.prepare(copy.deepcopy(samples))
-    trainer.train_step(copy.deepcopy(samples))
+    m = trainer.train_step(copy.deepcopy(samples))
+    if loss == "rspo":
+        assert 0.8 <= m["router_shift/gamma_mean"] < 1.0, m["router_shift/gamma_mean"]
     after, _ = trainer.prepare(copy.deepcopy(samples))
     seq_lp = lambda b: (b.lp_trainer * b.mask).sum(-1)   # noqa: E731
     gain = seq_lp(after) - seq_lp(before)
