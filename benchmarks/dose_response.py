@@ -20,7 +20,11 @@ Phases (each written to benchmarks/results/dose_response.{md,json} and dose_resp
      unstable setting collapse sooner or more often?
   6. outcomes per run and paired bootstrap intervals over seeds (BOOT resamples).
 
-Usage: python benchmarks/dose_response.py [--steps 40] [--report-only]
+Usage: python benchmarks/dose_response.py [--steps 40] [--report-only] [--add-arms A,B]
+
+``--add-arms`` runs only the named arms (at every dose, their seeds, the report's rate) into the
+existing report: the warm-up is repeated, and one run of the report (the control's ``none``, seed
+1) is repeated first and must reproduce its reward curve exactly, or nothing is added.
 """
 from __future__ import annotations
 
@@ -74,6 +78,15 @@ ARMS = {
                      "algorithm.keep_sampling_mask=true", "rollout.top_k=20"],
     "engine_avg4_r3": ["algorithm.replay=r3", "algorithm.corrections=[]",
                        "algorithm.pi_old=engine_avg", "algorithm.pi_old_passes=4"],
+    # RSPO as its paper runs it: GMPO (log-ratio range 0.4) with the router-shift weight, no
+    # routing replay (the method's alternative to it)
+    "rspo": ["algorithm.replay=off", "algorithm.corrections=[]", "algorithm.loss=gmpo",
+             "algorithm.clip_low=0.4", "algorithm.clip_high=0.4",
+             "algorithm.aggregation=seq-mean-token-mean", "algorithm.router_shift.enabled=true"],
+    # DPPO's binary-TV trust region as its authors recommend it: against the rollout's policy,
+    # no routing replay (reported stable on Qwen3-30B-A3B without R3)
+    "dppo_tv": ["algorithm.replay=off", "algorithm.corrections=[]", "algorithm.loss=dppo_tv",
+                "algorithm.pi_old=rollout"],
 }
 MAIN_ARMS = ("none", "r3")
 EDGE_DOSES = ("control_fp32", "mxfp4")   # phase 5: the harshest dose against the control
@@ -462,6 +475,10 @@ def markdown(report: dict) -> str:
              f"{WARMUP_STEPS} supervised steps, then `moe-rl train` from it: additions a+b "
              f"(a, b <= {MAX_OPERAND}), {len(HELD_OUT)} held out; {report['steps']} RL steps of "
              f"8 prompts x 8 samples, float32 trainer. Common overrides: `{' '.join(BASE)}`.",
+             *[f"Arms {', '.join(f'`{a}`' for a in add['arms'])} were added later by "
+               f"`--add-arms` ({add['wall_min']:.0f} minutes): the same warm-up, rate and seeds; "
+               f"`{add['reproduced']}` was run again first and reproduced its reward curve "
+               f"exactly." for add in report.get("added", [])],
              "", OUTCOMES, "## 1. The control and the learning rate", "",
              "Sweep on the control (float32 engine, arm `none`), seeds "
              f"{list(range(1, report['sweep_seeds'] + 1))}:", "",
@@ -615,12 +632,59 @@ def keep_for_report() -> None:
                 (run_dir / name).unlink(missing_ok=True)
 
 
+def rerender(report: dict) -> None:
+    """Groups, comparisons, findings, plots and the report files from ``report["runs"]``."""
+    n_main, n_other = SEEDS_MAIN, SEEDS_OTHER
+    report["groups"] = group_stats(report["runs"], n_main, n_other)
+    report["comparisons"] = compare(report["runs"], n_main, n_other)
+    report["findings"] = findings(report)
+    report["plots"] = plots(report["runs"], report["groups"], report["steps"], report.get("edge"))
+    (RESULTS / "dose_response.json").write_text(json.dumps(report, indent=1) + "\n")
+    (RESULTS / "dose_response.md").write_text(markdown(report))
+
+
+def add_arms(arms: list[str]) -> int:
+    """Run ``arms`` into the existing report (see the module's usage)."""
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"--add-arms: unknown arm(s) {unknown}; known: {list(ARMS)}")
+    report = json.loads((RESULTS / "dose_response.json").read_text())
+    steps, lr = report["steps"], report["lr"]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp)
+        train, held = write_data(work / "data")
+        data = data_overrides(train, held)
+        model = warm_model(work, train)
+        check = "control_fp32__none__s1"
+        again = run_all([(f"recheck__{check}", DOSES["control_fp32"] + ARMS["none"], lr, 1)],
+                        model, data, steps)[f"recheck__{check}"]
+        shutil.rmtree(RUNS_DIR / f"recheck__{check}", ignore_errors=True)
+        if again["reward"] != report["runs"][check]["reward"]:
+            raise SystemExit(f"--add-arms: {check} did not reproduce the report's reward curve "
+                             f"on this machine; run the whole study instead")
+        jobs = [j for j in study_jobs(lr, SEEDS_MAIN, SEEDS_OTHER)
+                if j[0].split("__")[1] in arms]
+        report["runs"].update(run_all(jobs, model, data, steps))
+    keep_for_report()
+    report.setdefault("added", []).append(
+        {"arms": arms, "wall_min": (time.perf_counter() - start) / 60,
+         "reproduced": check})
+    rerender(report)
+    print(markdown(report))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--report-only", action="store_true",
                     help="re-render the report and plots from dose_response.json")
+    ap.add_argument("--add-arms", default="",
+                    help="comma-separated arms to run into the existing report")
     args = ap.parse_args()
+    if args.add_arms:
+        return add_arms([a for a in args.add_arms.split(",") if a])
     if args.report_only:
         report = json.loads((RESULTS / "dose_response.json").read_text())
         report["findings"] = findings(report)

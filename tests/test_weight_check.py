@@ -22,19 +22,45 @@ from moe_rl.types import Sample
 from tests.conftest import ROOT
 
 CORRUPT_ENGINE = '''
-import os, sys
-if "serve-reference" in sys.argv:
+import importlib.util, os, sys
+
+
+def corrupt_now(version):
+    """Version 2 and later ("once": only the first time)."""
+    if not (version is not None and str(version).isdigit() and int(version) >= 2):
+        return False
+    mark = os.environ["CORRUPT_MARK"]
+    if os.environ["CORRUPT_MODE"] == "once" and os.path.exists(mark):
+        return False
+    open(mark, "a").close()
+    return True
+
+
+if importlib.util.find_spec("moe_rl_sglang_cpu_shims") is not None:
+    # the real SGLang on CPU (its environment holds moe_rl's shims): after its scheduler
+    # records the new version (disk and distributed updates alike), expert 0 of every fused
+    # MoE layer gets a garbage down projection (w2)
+    import torch
+    from sglang.srt.managers.scheduler_components import weight_updater as _wu
+    _record = _wu.SchedulerWeightUpdaterManager.record_weight_version_after_update
+
+    def record(self, weight_version):
+        _record(self, weight_version)
+        if corrupt_now(weight_version):
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(0)
+                for n, p in self.tp_worker.model_runner.model.named_parameters():
+                    if n.endswith("experts.w2_weight"):
+                        p[0].copy_(torch.randn(p[0].shape, generator=gen).to(p.dtype))
+    _wu.SchedulerWeightUpdaterManager.record_weight_version_after_update = record
+elif "serve-reference" in sys.argv:
     import torch
     from moe_rl.engines.reference import engine as reference
 
     def set_version(self, version):   # the server names the version after every update
         self.__dict__["weight_version"] = version
-        if not (version.isdigit() and int(version) >= 2):
+        if not corrupt_now(version):
             return
-        mark = os.environ["CORRUPT_MARK"]
-        if os.environ["CORRUPT_MODE"] == "once" and os.path.exists(mark):
-            return
-        open(mark, "a").close()
         with torch.no_grad():   # expert 0 of every MoE layer: its output projection garbage
             gen = torch.Generator().manual_seed(0)
             for n, p in self.model.named_parameters():
@@ -69,7 +95,8 @@ def model(tmp_path_factory):
     return out
 
 
-def _train(model, base, name: str, mode: str, check: bool, sync: str = "disk"):
+def _train(model, base, name: str, mode: str, check: bool, sync: str = "disk",
+           engine: tuple[str, ...] = ()):
     work = base / name
     work.mkdir()
     (work / "sitecustomize.py").write_text(CORRUPT_ENGINE)
@@ -82,7 +109,7 @@ def _train(model, base, name: str, mode: str, check: bool, sync: str = "disk"):
          "trainer.sft_warmup_steps=0", "trainer.export_hf=false", "logging.progress=false",
          "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
          f"rollout.base_port={free_port()}", f"cluster.weight_sync={sync}",
-         f"rollout.weight_check={str(check).lower()}"],
+         f"rollout.weight_check={str(check).lower()}", *engine],
         cwd=work, env=env, capture_output=True, text=True, timeout=600)
     rows = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()] \
         if (work / "run" / "metrics.jsonl").exists() else []
@@ -122,3 +149,28 @@ def test_a_wrong_engine_update_is_redone_or_stops_the_run(model, tmp_path):
     assert broadcast.returncode == 0, broadcast.stderr[-3000:]
     assert [r["weights/check_resyncs"] for r in broadcast_rows] == [0.0, 1.0, 1.0, 1.0]
     assert all(r["mismatch/k3"] < 1e-6 for r in broadcast_rows)
+
+
+@pytest.mark.sglang
+@pytest.mark.loop
+@pytest.mark.e2e
+def test_a_wrong_update_of_the_real_sglang_is_redone_or_stops_the_run(model, tmp_path):
+    """The same on the real SGLang serving on CPU, corrupted inside its scheduler after it
+    records the new version: a one-off corruption of a broadcast (gloo) update is caught and
+    redone from disk, a lasting one of a disk update stops the run naming the version."""
+    from tests.test_sglang_loop import on_sglang
+    runs = {"sglang_once": ("once", True, "distributed", on_sglang()),
+            "sglang_always": ("always", True, "disk", on_sglang())}
+    with ThreadPoolExecutor(2) as pool:
+        done = {k: pool.submit(_train, model, tmp_path, k, *v) for k, v in runs.items()}
+        (once, once_rows), (always, always_rows) = (done[k].result() for k in runs)
+    assert once.returncode == 0, once.stderr[-3000:]
+    assert "weight check: the engines disagree with the trainer after syncing version 2" \
+        in once.stdout
+    assert [r["weights/check_resyncs"] for r in once_rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["mismatch/k3"] < 1e-6 for r in once_rows)
+    assert always.returncode == 1 and "Traceback" not in always.stderr, always.stderr[-3000:]
+    last = always.stderr.strip().splitlines()[-1]
+    assert last.startswith("moe-rl train: weight check: after syncing version 2 (disk) and "
+                           "again after reloading it from disk, the engine"), last
+    assert len(always_rows) == 1
