@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+# the slowest tests of each target in its log (what to move to test-slow when CI grows)
+DURATIONS := --durations=10
 
 SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
@@ -23,11 +25,11 @@ $(STAMP): setup.py
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not contract and not multinode and not loop and not cluster and not sglang" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not slow and not contract and not multinode and not loop and not cluster and not sglang" $(PYTEST_ARGS) $(DURATIONS) tests
 
 # the training loop end to end through `moe-rl train` / `moe-rl demo` (every option's user path)
 test-loop: $(STAMP)
-	$(PY) -m pytest -q -m "loop and not slow and not sglang" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "loop and not slow and not sglang" $(PYTEST_ARGS) $(DURATIONS) tests
 
 # a run placed on Ray's multi-node test cluster (several raylets on this machine)
 test-multinode: $(STAMP)
@@ -54,7 +56,7 @@ test-contract: $(STAMP) $(SGLANG_STAMP)
 
 # the real SGLang serving on CPU: its shims, the engine contract, the loop through `moe-rl train`
 test-sglang: $(STAMP) $(SGLANG_STAMP)
-	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m "sglang and not slow" $(PYTEST_ARGS) tests
+	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m "sglang and not slow" $(PYTEST_ARGS) $(DURATIONS) tests
 
 test-slow: $(STAMP) $(SGLANG_STAMP)
 	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m "slow" $(PYTEST_ARGS) tests

@@ -237,7 +237,8 @@ def score(prompt, response, answer, metadata):
 
 @pytest.mark.loop
 @pytest.mark.e2e
-@pytest.mark.parametrize("sync,pi_old", [("distributed", "trainer"), ("disk", "engine_avg")])
+@pytest.mark.parametrize("sync,pi_old", [("distributed", "trainer"),
+                                         pytest.param("disk", "engine_avg", marks=pytest.mark.slow)])
 def test_an_engine_killed_between_phases_comes_back_with_the_current_weights(tmp_path, sync,
                                                                               pi_old):
     """The engine dies after step 1's rollout (in the reward phase): the next contact (the
@@ -294,6 +295,7 @@ def test_two_deterministic_runs_are_bit_identical(tmp_path):
 
 @pytest.mark.loop
 @pytest.mark.e2e
+@pytest.mark.slow   # 100 s: in `make test-slow`; the exporter and resharding run in `make test`
 def test_expert_parallel_export_streams_sharded_checkpoints_and_resumes_on_one_rank(tmp_path):
     """Two trainer ranks with expert parallel 2, disk sync in ~20 KB shards: each expert is
     sent by its owner to the exporting rank, the engines load the sharded checkpoint, and the

@@ -97,7 +97,7 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.mark.loop
-@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("deterministic", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_engine_passes_differ_like_a_loaded_server(tiny_model, tmp_path, deterministic):
     """engine_avg's n passes run in batches of other sizes: they differ (pass_std > 0) on the
     default engine and are bit-identical with deterministic inference; either way the float32

@@ -133,6 +133,7 @@ def contains(samples):
 """
 
 
+@pytest.mark.slow   # 60 s: in `make test-slow`; evaluation through `moe-rl train` stays in CI
 def test_evaluation_leaves_training_untouched_in_the_asynchronous_pipeline(tmp_path):
     """The same run with and without evaluation (rollout.max_staleness=1: each evaluation waits
     for the weight version it names) trains on the same samples: evaluation draws nothing from

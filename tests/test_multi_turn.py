@@ -483,7 +483,8 @@ def env_module(tmp_path_factory):
 
 
 @pytest.mark.loop
-@pytest.mark.parametrize("mode", ["mask-engine_avg", "full-trainer"])
+@pytest.mark.parametrize("mode", [pytest.param("mask-engine_avg", marks=pytest.mark.slow),
+                                  "full-trainer"])
 def test_two_turn_zero_mismatch_invariant(agentic_model, tmp_path, env_module, mode):
     """Float32 engine and trainer, two-turn trajectories: every mismatch metric ~0, nothing
     corrected away, routing agreement 1 with R3."""

@@ -126,7 +126,9 @@ def _port_closed(port: int) -> bool:
 
 
 @pytest.mark.loop
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+# SIGTERM (the same handler) runs in `make test-slow`, to keep CI in its time
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+                                 signal.SIGINT])
 def test_a_signal_finishes_the_step_checkpoints_it_and_the_printed_command_resumes(model,
                                                                                    tmp_path, sig):
     """SIGTERM (Slurm, scancel) and one Ctrl-C (SIGINT to the whole process group, as a terminal
