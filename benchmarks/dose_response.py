@@ -177,7 +177,7 @@ def warm_model(work: pathlib.Path, train: pathlib.Path) -> str:
     from transformers import AutoTokenizer
     from moe_rl.config import load_config
     from moe_rl.data.prompts import PromptSampler, load_prompts
-    from moe_rl.orchestration.loop import sft_samples
+    from moe_rl.orchestration.warm_start import sft_samples
     from moe_rl.trainer.parallel import init_distributed, init_model_parallel
     from moe_rl.trainer.policy import PolicyTrainer
     base = work / "init"

@@ -59,7 +59,7 @@ def tiny_model(out: str, steps: int = 30) -> str:
     from moe_rl.config import ModelInitConfig
     from moe_rl.data.prompts import PromptSampler, load_prompts
     from moe_rl.models.tiny import write_tiny_model
-    from moe_rl.orchestration.loop import sft_samples
+    from moe_rl.orchestration.warm_start import sft_samples
     from moe_rl.trainer.policy import PolicyTrainer
     base = out + "_init"
     write_tiny_model(ModelInitConfig(max_position_embeddings=128, **TINY), base)

@@ -96,3 +96,17 @@ def test_sglangs_dialect_and_engine_branches_live_in_engines():
     # the one place the engine's name is a value: the key's allowed values
     assert [f.split(":")[0] + ":" + f.split(":", 2)[2] for f in found] == \
         ["moe_rl/config/schema.py: \"sglang\""]
+
+
+def test_no_function_of_the_top_floor_is_above_radon_c():
+    """The run's lifecycle and the step loop stay in functions a reader can hold: cyclomatic
+    complexity rank C (<= 20) or better everywhere under orchestration/ (radon's grading)."""
+    from radon.complexity import cc_rank, cc_visit
+    worst = []
+    for path in sorted((ROOT / "orchestration").glob("*.py")):
+        for block in cc_visit(path.read_text()):
+            for fn in [block, *getattr(block, "methods", [])]:
+                if not hasattr(fn, "methods") and cc_rank(fn.complexity) > "C":
+                    worst.append(f"{path.name}:{fn.lineno} {fn.name} {cc_rank(fn.complexity)} "
+                                 f"({fn.complexity})")
+    assert worst == []

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from moe_rl.orchestration.failures import RunFailed, lost_process
-from moe_rl.orchestration.loop import Trainers
+from moe_rl.orchestration.processes import Trainers
 
 
 @pytest.fixture(scope="module")

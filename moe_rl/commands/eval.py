@@ -40,21 +40,21 @@ def evaluate_model(cfg) -> dict:
     """Serve ``model.path`` on the configured engines (placed as a training run places them)
     and evaluate it; the servers are stopped afterwards."""
     import ray
-    from moe_rl.orchestration.loop import _cfg_tree, place_engines, stop_engines
-    from moe_rl.orchestration.placement import make_plan
+    from moe_rl.orchestration.placement import at_addresses, make_plan
+    from moe_rl.orchestration.processes import (place_engines, start_rollout_worker,
+                                                stop_engines)
     from moe_rl.orchestration.ray_placement import reserve, start_ray
-    from moe_rl.orchestration.workers import RolloutWorker, served_checkpoint
+    from moe_rl.orchestration.workers import served_checkpoint
     plan = make_plan(cfg)
     start_ray(cfg, plan)
-    reservation = reserve(cfg, plan)
+    reservation = reserve(plan)
     hosts: list = []
     with tempfile.TemporaryDirectory(prefix="moe-rl-eval-") as scratch:
         try:
             served = served_checkpoint(cfg, cfg.model.path, os.path.join(scratch, "fp8"))
-            plan = make_plan(cfg, node_addresses=reservation.addresses, model_path=served)
+            plan = at_addresses(plan, cfg, reservation.addresses, served)
             hosts = place_engines(cfg, plan, reservation, served, os.path.join(scratch, "logs"))
-            rollout = RolloutWorker.options(**reservation.options(cfg, plan.of("rollout")[0])
-                                            ).remote(_cfg_tree(cfg), hosts)
+            rollout = start_rollout_worker(cfg, plan, reservation, hosts)
             return ray.get(rollout.evaluate.remote(0, version=0))
         finally:
             stop_engines(hosts)

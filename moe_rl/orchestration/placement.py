@@ -33,7 +33,7 @@ LOOPBACK_HOSTS = ("localhost",)
 
 @dataclass
 class PlannedProcess:
-    """One process of the run."""
+    """One process of the run, with what its Ray actor reserves inside its node's bundle."""
     role: str                      # "trainer" | "engine" | "rollout"
     index: int                     # trainer rank / server index / 0
     node: int
@@ -42,6 +42,8 @@ class PlannedProcess:
     env: dict[str, str] = field(default_factory=dict)
     host: str | None = None        # engines: the address the server binds
     port: int | None = None        # engines: the port (preferred one until the server started)
+    num_cpus: float = 0.0          # Ray resources of its actor
+    num_gpus: float = 0.0
 
     @property
     def name(self) -> str:
@@ -67,13 +69,13 @@ class Plan:
                 "weight_update_group": self.weight_update_group,
                 "tensor_sources": self.tensor_sources}
 
-    def node_resources(self, cfg: Config) -> list[dict[str, float]]:
+    def node_resources(self) -> list[dict[str, float]]:
         """The Ray resources each node's processes reserve (one placement-group bundle per
         node): CPUs, and the distinct GPUs used there."""
         out = []
         for n in range(self.nodes):
             procs = [p for p in self.processes if p.node == n]
-            cpus = sum(ray_resources(cfg, p)["num_cpus"] for p in procs)
+            cpus = sum(p.num_cpus for p in procs)
             gpus = len({g for p in procs for g in p.gpus})
             res = {"CPU": max(cpus, 1.0)}   # a node of engines alone: its hosts' CPU
             if gpus:
@@ -117,70 +119,91 @@ def _spread(count: int, nodes: int) -> list[int]:
     return [i * nodes // count for i in range(count)]
 
 
+def _gpu_layout(cfg: Config, nodes: int, G: int
+                ) -> tuple[list[PlannedProcess], list[int], list[list[int]]]:
+    """GPU runs: the trainer ranks, and each engine server's node and GPUs (see the rules)."""
+    c, r = cfg.cluster, cfg.rollout
+    E = gpus_per_server(cfg)
+    if c.trainer_workers > nodes * G:
+        raise ConfigError(f"cluster.trainer_workers: {c.trainer_workers} ranks need as many "
+                          f"GPUs; the cluster has {nodes} x {G} (cluster.num_nodes x "
+                          f"cluster.gpus_per_node)")
+    trainers = [PlannedProcess("trainer", rank, rank // G, [rank % G])
+                for rank in range(c.trainer_workers)]
+    if E > G:
+        raise ConfigError(f"rollout.sglang.tp_size: a server needs {E} GPUs on one node "
+                          f"(tp_size x dp_size), more than cluster.gpus_per_node = {G}")
+    slot = 0 if c.colocate else c.trainer_workers
+    engine_slots = []
+    for _ in range(r.num_servers):
+        if E and slot % G + E > G:   # never straddle two nodes
+            slot = (slot // G + 1) * G
+        engine_slots.append(slot)
+        slot += E
+    if slot > nodes * G:
+        beside = "on the trainer GPUs" if c.colocate else \
+            f"beside {c.trainer_workers} trainer GPUs"
+        raise ConfigError(
+            f"rollout.num_servers: {r.num_servers} servers of {E} GPUs {beside} need {slot} GPU "
+            f"slots; the cluster has {nodes} x {G} = {nodes * G} (cluster.num_nodes x "
+            f"cluster.gpus_per_node)")
+    if c.colocate and slot > c.trainer_workers:
+        raise ConfigError(f"cluster.colocate: {r.num_servers} servers of {E} GPUs need "
+                          f"{slot} GPUs, more than the {c.trainer_workers} trainer GPUs "
+                          f"they share (cluster.trainer_workers)")
+    return (trainers, [s // G for s in engine_slots],
+            [list(range(s % G, s % G + E)) for s in engine_slots])
+
+
 def make_plan(cfg: Config, nodes: int | None = None, gpus_per_node: int | None = None,
               node_addresses: list[str] | None = None, model_path: str | None = None) -> Plan:
     """The plan of ``cfg`` on ``nodes`` x ``gpus_per_node`` (default: the ``cluster`` keys);
-    ``node_addresses``: each node's address (default: placeholders ``<node N address>``);
-    ``model_path``: the checkpoint the engines serve (default ``model.path``). ConfigError when
-    the run does not fit, naming the keys and the numbers."""
+    ``node_addresses``: each node's address (default: placeholders ``<node N address>``, which
+    :func:`at_addresses` replaces once the nodes are known); ``model_path``: the checkpoint
+    the engines serve (default ``model.path``). ConfigError when the run does not fit, naming
+    the keys and the numbers."""
     c, r = cfg.cluster, cfg.rollout
     nodes = c.num_nodes if nodes is None else nodes
     G = c.gpus_per_node if gpus_per_node is None else gpus_per_node
     if nodes < 1 or G < 0:
         raise ConfigError(f"cluster.num_nodes / gpus_per_node: expected >= 1 and >= 0, got "
                           f"{nodes} / {G}")
-    addresses = node_addresses or [f"<node {n} address>" for n in range(nodes)]
-    model_path = model_path or cfg.model.path
-    procs: list[PlannedProcess] = []
-    E = gpus_per_server(cfg)
     if G > 0:
-        if c.trainer_workers > nodes * G:
-            raise ConfigError(f"cluster.trainer_workers: {c.trainer_workers} ranks need as many "
-                              f"GPUs; the cluster has {nodes} x {G} (cluster.num_nodes x "
-                              f"cluster.gpus_per_node)")
-        for rank in range(c.trainer_workers):
-            procs.append(PlannedProcess("trainer", rank, rank // G, [rank % G]))
-        if E > G:
-            raise ConfigError(f"rollout.sglang.tp_size: a server needs {E} GPUs on one node "
-                              f"(tp_size x dp_size), more than cluster.gpus_per_node = {G}")
-        slot = 0 if c.colocate else c.trainer_workers
-        engine_slots = []
-        for s in range(r.num_servers):
-            if E and slot % G + E > G:
-                slot = (slot // G + 1) * G
-            engine_slots.append(slot)
-            slot += E
-        if slot > nodes * G:
-            raise ConfigError(
-                f"rollout.num_servers: {r.num_servers} servers of {E} GPUs "
-                f"{'on the trainer GPUs' if c.colocate else f'beside {c.trainer_workers} trainer GPUs'}"
-                f" need {slot} GPU slots; the cluster has {nodes} x {G} = {nodes * G} "
-                f"(cluster.num_nodes x cluster.gpus_per_node)")
-        if c.colocate and slot > c.trainer_workers:
-            raise ConfigError(f"cluster.colocate: {r.num_servers} servers of {E} GPUs need "
-                              f"{slot} GPUs, more than the {c.trainer_workers} trainer GPUs "
-                              f"they share (cluster.trainer_workers)")
-        engine_nodes = [s // G for s in engine_slots]
-        engine_gpu_lists = [list(range(s % G, s % G + E)) for s in engine_slots]
-    else:
-        for rank, node in enumerate(_spread(c.trainer_workers, nodes)):
-            procs.append(PlannedProcess("trainer", rank, node, []))
+        procs, engine_nodes, engine_gpu_lists = _gpu_layout(cfg, nodes, G)
+    else:   # CPU runs: spread in contiguous blocks
+        procs = [PlannedProcess("trainer", rank, node, [])
+                 for rank, node in enumerate(_spread(c.trainer_workers, nodes))]
         engine_nodes = _spread(r.num_servers, nodes)
         engine_gpu_lists = [[] for _ in range(r.num_servers)]
     on_node: dict[int, int] = {}
     for s, (node, gpus) in enumerate(zip(engine_nodes, engine_gpu_lists)):
         k = on_node.get(node, 0)
         on_node[node] = k + 1
-        proc = PlannedProcess("engine", s, node, gpus,
-                              host=engine_host(cfg, nodes, addresses[node]),
-                              port=r.base_port + k * port_span(cfg))
-        proc.argv, proc.env = engine_command(cfg, proc, model_path)
-        procs.append(proc)
+        procs.append(PlannedProcess("engine", s, node, gpus,
+                                    port=r.base_port + k * port_span(cfg)))
     procs.append(PlannedProcess("rollout", 0, 0, []))
+    for p in procs:
+        res = ray_resources(cfg, p)
+        p.num_cpus, p.num_gpus = res["num_cpus"], res["num_gpus"]
     plan = Plan(nodes, G, procs)
     plan.weight_update_group = weight_group_plan(cfg, plan)
     plan.tensor_sources = tensor_sources(cfg, plan)
-    return plan
+    return at_addresses(plan, cfg, node_addresses or [f"<node {n} address>"
+                                                       for n in range(nodes)], model_path)
+
+
+def at_addresses(plan: Plan, cfg: Config, node_addresses: list[str],
+                 model_path: str | None = None) -> Plan:
+    """``plan`` with each engine's bind address and command for the nodes' addresses and the
+    checkpoint the engines serve (``model_path``, default ``model.path``); nothing else of the
+    layout changes."""
+    processes = []
+    for p in plan.processes:
+        if p.role == "engine":
+            p = dataclasses.replace(p, host=engine_host(cfg, plan.nodes, node_addresses[p.node]))
+            p.argv, p.env = engine_command(cfg, p, model_path or cfg.model.path)
+        processes.append(p)
+    return dataclasses.replace(plan, processes=processes)
 
 
 def tensor_sources(cfg: Config, plan: Plan) -> list[list[int]] | None:

@@ -14,7 +14,7 @@ import ray
 
 from moe_rl.config import Config
 from moe_rl.leftovers import mark_ray_session, reap_orphaned_ray_agents
-from moe_rl.orchestration.placement import Plan, PlannedProcess, ray_resources
+from moe_rl.orchestration.placement import Plan, PlannedProcess
 
 # Trainer ranks choose their GPU themselves (the plan's index, torch.cuda.set_device); Ray must
 # not narrow CUDA_VISIBLE_DEVICES to the one it would have picked.
@@ -44,7 +44,7 @@ def start_ray(cfg: Config, plan: Plan) -> None:
         for line in reap_orphaned_ray_agents():
             print(line, file=sys.stderr)
         choose_local_ray_auth()
-        need = sum(b["CPU"] for b in plan.node_resources(cfg))
+        need = sum(b["CPU"] for b in plan.node_resources())
         # address="local": a new Ray of its own, never a cluster another run left behind
         ray.init(address="local", num_cpus=max(math.ceil(need), os.cpu_count() or 1),
                  log_to_driver=False, include_dashboard=False)
@@ -82,13 +82,12 @@ class Reservation:
     node_ids: list[str]
     addresses: list[str]
 
-    def options(self, cfg: Config, proc: PlannedProcess) -> dict:
+    def options(self, proc: PlannedProcess) -> dict:
         """``.options(...)`` of ``proc``'s actor: its node's bundle and its share of it."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        res = ray_resources(cfg, proc)
         opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=proc.node),
-                "num_cpus": res["num_cpus"], "num_gpus": res["num_gpus"]}
+                "num_cpus": proc.num_cpus, "num_gpus": proc.num_gpus}
         if proc.role == "trainer" and proc.gpus:
             opts["runtime_env"] = {"env_vars": dict(NO_RAY_CUDA_VISIBLE)}
         return opts
@@ -97,11 +96,11 @@ class Reservation:
         ray.util.remove_placement_group(self.pg)
 
 
-def reserve(cfg: Config, plan: Plan, timeout_s: float = 600.0) -> Reservation:
+def reserve(plan: Plan, timeout_s: float = 600.0) -> Reservation:
     """Reserve every plan node's resources on its own Ray node (waits up to ``timeout_s``; a
     RuntimeError names what could not be placed)."""
     from ray.util.placement_group import placement_group, placement_group_table
-    bundles = plan.node_resources(cfg)
+    bundles = plan.node_resources()
     pg = placement_group(bundles, strategy="STRICT_SPREAD" if plan.nodes > 1 else "PACK")
     try:
         ray.get(pg.ready(), timeout=timeout_s)

@@ -17,15 +17,14 @@ import ray
 
 from moe_rl.config import Config
 from moe_rl.engines.factory import weight_ranks_per_server
-from moe_rl.orchestration.placement import make_plan
 
 
 class DiskSync:
     """Export a HF checkpoint (``weights/v{version}``) that every server loads; the pool
     restarts and retries a server that dies meanwhile."""
 
-    def __init__(self, cfg: Config, trainers, rollout, weights_dir: str):
-        self.cfg, self.trainers, self.rollout = cfg, trainers, rollout
+    def __init__(self, cfg: Config, plan, trainers, rollout, weights_dir: str):
+        self.cfg, self.plan, self.trainers, self.rollout = cfg, plan, trainers, rollout
         self.weights_dir = weights_dir
         self.recoveries = 0
         self._loading: tuple | None = None   # a load handed to the rollout worker, unconfirmed
@@ -97,8 +96,8 @@ class _InMemorySync(DiskSync, ABC):
     themselves; a restarted server gets the trainer's weights exported for it; a failed sync is
     redone from disk."""
 
-    def __init__(self, cfg: Config, trainers, rollout, weights_dir: str):
-        super().__init__(cfg, trainers, rollout, weights_dir)
+    def __init__(self, cfg: Config, plan, trainers, rollout, weights_dir: str):
+        super().__init__(cfg, plan, trainers, rollout, weights_dir)
         urls = ray.get(rollout.urls.remote())
         ray.get([a.connect_engines.remote(urls) for a in trainers.actors])
         ray.get(rollout.set_weight_source.remote(trainers.actors, weights_dir))
@@ -148,8 +147,8 @@ class DistributedSync(_InMemorySync):
     """Broadcast the HF-named tensors from trainer rank 0 over a process group with every
     server's ranks, inside a weight-update session; the group is rebuilt after any restart."""
 
-    def __init__(self, cfg: Config, trainers, rollout, weights_dir: str):
-        super().__init__(cfg, trainers, rollout, weights_dir)
+    def __init__(self, cfg: Config, plan, trainers, rollout, weights_dir: str):
+        super().__init__(cfg, plan, trainers, rollout, weights_dir)
         self.group_name: str | None = None
         self.groups_built = 0
         self._open_group()
@@ -189,7 +188,7 @@ class TensorSync(_InMemorySync):
     ``tensor_sources``) hands it the tensors (``/update_weights_from_tensor``)."""
 
     def _send(self, version: int) -> None:
-        sources = make_plan(self.cfg).tensor_sources   # which trainer rank feeds which TP rank
+        sources = self.plan.tensor_sources   # which trainer rank feeds which TP rank
         ray.get([a.push_weights_tensor.remote(sources, version) for a in self.trainers.actors])
         ray.get(self.rollout.set_version.remote(version))
 
@@ -197,6 +196,6 @@ class TensorSync(_InMemorySync):
 SYNC_MODES = {"disk": DiskSync, "distributed": DistributedSync, "tensor": TensorSync}
 
 
-def weight_sync_for(cfg: Config, trainers, rollout, weights_dir: str) -> DiskSync:
-    """The weight sync of ``cluster.weight_sync``."""
-    return SYNC_MODES[cfg.cluster.weight_sync](cfg, trainers, rollout, weights_dir)
+def weight_sync_for(cfg: Config, plan, trainers, rollout, weights_dir: str) -> DiskSync:
+    """The weight sync of ``cluster.weight_sync`` between the processes of ``plan``."""
+    return SYNC_MODES[cfg.cluster.weight_sync](cfg, plan, trainers, rollout, weights_dir)
