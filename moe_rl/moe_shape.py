@@ -1,5 +1,6 @@
 """The MoE shape of a model: what validation, decoding, the rollout record and the trainer need to
-know about its layers, experts and vocabulary. One type, read from a Hugging Face config."""
+know about its layers, experts and vocabulary. One type, read from a Hugging Face config; beside
+it the trainer's :class:`ModelSpec` of a supported architecture."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,3 +38,29 @@ class MoEShape:
             dense = set(hf.get("mlp_only_layers") or [])
             moe = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
         return cls(n_layers, moe, topk, n_exp, hf.get("vocab_size"))
+
+
+SUPPORTED = ("qwen3_moe", "mixtral", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the trainer and the weight mapping need to know about a model of a supported
+    architecture."""
+    arch: str
+    hf_config: dict
+    facts: MoEShape
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    tie_word_embeddings: bool
+
+
+def model_spec(hf: dict) -> ModelSpec:
+    """Check the architecture and collect its facts."""
+    arch = hf.get("model_type")
+    if arch not in SUPPORTED:
+        raise ValueError(f"model_type: {arch!r} is not supported; supported: {SUPPORTED}")
+    facts = MoEShape.from_hf(hf)
+    return ModelSpec(arch, hf, facts, int(hf["vocab_size"]), int(hf["hidden_size"]),
+                     int(hf["num_hidden_layers"]), bool(hf.get("tie_word_embeddings", False)))

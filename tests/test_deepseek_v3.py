@@ -14,7 +14,8 @@ from moe_rl.config import ConfigError, load_config
 from moe_rl.packing import pack_one
 from moe_rl.trainer.forward import forward_logprobs
 from moe_rl.weights.hf import load_hf_into_megatron, megatron_to_hf
-from moe_rl.trainer.model_builder import build_model, model_spec, transformer_config
+from moe_rl.moe_shape import model_spec
+from moe_rl.trainer.model_builder import build_model, transformer_config
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.types import RolloutBatch, Sample

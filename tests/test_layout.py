@@ -32,17 +32,12 @@ def _modules():
 
 
 def _imports(tree: ast.AST):
-    """moe_rl modules imported anywhere in ``tree`` (functions included), except under
-    ``if TYPE_CHECKING:``."""
-    skip = set()
+    """moe_rl modules imported anywhere in ``tree`` (functions and type-only blocks included;
+    ``from moe_rl.a import b`` also names ``moe_rl.a.b``, which may be a module)."""
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip |= {id(n) for b in node.body for n in ast.walk(b)}
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
 
@@ -60,7 +55,8 @@ def test_imports_only_go_down():
             continue
         mine = LAYER_OF[_unit(module)]
         for target in _imports(ast.parse(path.read_text())):
-            if not target.startswith("moe_rl.") or _unit(target) == _unit(module):
+            if (not target.startswith("moe_rl.") or _unit(target) not in LAYER_OF
+                    or _unit(target) == _unit(module)):
                 continue
             if LAYER_OF[_unit(target)] >= mine:
                 upward.append(f"{module} imports {target}")
@@ -68,9 +64,49 @@ def test_imports_only_go_down():
 
 
 def test_the_layer_check_sees_an_upward_import(tmp_path):
+    """Inside functions and type-only blocks alike."""
     tree = ast.parse("def f():\n    from moe_rl.orchestration.loop import run\n"
                      "if TYPE_CHECKING:\n    from moe_rl.cli import main\n")
-    assert list(_imports(tree)) == ["moe_rl.orchestration.loop"]
+    assert list(_imports(tree)) == ["moe_rl.orchestration.loop", "moe_rl.orchestration.loop.run",
+                                    "moe_rl.cli", "moe_rl.cli.main"]
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (module -> modules it imports): its strongly connected
+    components of more than one module, or of one that imports itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while comp[-1:] != [v]:
+                comp.append(stack.pop())
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_between_modules():
+    """No module reaches itself through its imports (type-only ones included)."""
+    modules = dict((m, p) for p, m in _modules())
+    graph = {m: {t for t in _imports(ast.parse(p.read_text())) if t in modules and t != m}
+             for m, p in modules.items()}
+    assert _circles(graph) == []
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 SGLANG_DIALECT = re.compile(r"\bhttpx\b|\bfastapi\b|\buvicorn\b|\"/(generate|health|flush_cache|"

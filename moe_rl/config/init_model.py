@@ -3,12 +3,10 @@ the HF ``config.json`` fields it becomes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from moe_rl.config.fields import ConfigError, _f, _rng, _sub, as_dict
 
-if TYPE_CHECKING:   # the whole configuration, for check_model_init's signature
-    from moe_rl.config.schema import Config
 
 
 @dataclass
@@ -92,16 +90,3 @@ def check_deepseek_init(init: ModelInitConfig) -> None:
     if d.first_k_dense_replace >= init.num_hidden_layers:
         raise ConfigError(f"model.init.deepseek.first_k_dense_replace: {d.first_k_dense_replace} "
                           f"leaves no MoE layer of {init.num_hidden_layers}")
-
-
-def check_model_init(cfg: Config) -> None:
-    """model.init: the shape ``init-model`` would write (the first of the cross-field checks)."""
-    init = cfg.model.init
-    if init.num_experts_per_tok > init.num_experts:
-        raise ConfigError(f"model.init.num_experts_per_tok: {init.num_experts_per_tok} exceeds "
-                          f"model.init.num_experts = {init.num_experts}")
-    if init.architecture == "qwen3_moe" and init.num_attention_heads % init.num_key_value_heads:
-        raise ConfigError("model.init.num_key_value_heads: must divide model.init."
-                          f"num_attention_heads ({init.num_attention_heads})")
-    if init.architecture == "deepseek_v3":
-        check_deepseek_init(init)

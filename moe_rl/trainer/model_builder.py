@@ -12,29 +12,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from moe_rl.config.checks import CP_NEEDS_TE
-from moe_rl.moe_shape import MoEShape
+from moe_rl.moe_shape import ModelSpec, model_spec
 from moe_rl.trainer.cpu_compat import apply_cpu_shims, check_cpu_settings, cuda_absent
 from moe_rl.trainer.parallel import ParallelSizes
 
-SUPPORTED = ("qwen3_moe", "mixtral", "deepseek_v3")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the rest of the trainer needs to know about a built model."""
-    arch: str
-    hf_config: dict
-    facts: MoEShape
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    tie_word_embeddings: bool
 
 
 def load_hf_config(path_or_dict) -> dict:
@@ -47,16 +33,6 @@ def load_hf_config(path_or_dict) -> dict:
         else path_or_dict
     with open(path, encoding="utf-8") as fh:
         return json.load(fh)
-
-
-def model_spec(hf: dict) -> ModelSpec:
-    """Check the architecture and collect its facts."""
-    arch = hf.get("model_type")
-    if arch not in SUPPORTED:
-        raise ValueError(f"model_type: {arch!r} is not supported; supported: {SUPPORTED}")
-    facts = MoEShape.from_hf(hf)
-    return ModelSpec(arch, hf, facts, int(hf["vocab_size"]), int(hf["hidden_size"]),
-                     int(hf["num_hidden_layers"]), bool(hf.get("tie_word_embeddings", False)))
 
 
 def _rope_table(hf: dict) -> tuple[dict, dict]:

@@ -15,15 +15,14 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-if TYPE_CHECKING:   # the trainer's description of the built model
-    from moe_rl.trainer.model_builder import ModelSpec
+from moe_rl.moe_shape import ModelSpec
+
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
