@@ -98,8 +98,8 @@ def orphaned_ray_agents() -> list[tuple[object, dict]]:
     for proc in psutil.process_iter(["cmdline", "uids"]):
         try:
             cmd = proc.info["cmdline"] or []
-            if not cmd or cmd[0].strip() not in RAY_AGENT_TITLES or \
-                    proc.info["uids"].real != os.getuid():
+            if (not cmd or cmd[0].strip() not in RAY_AGENT_TITLES or
+                    proc.info["uids"].real != os.getuid()):
                 continue
             parent = proc.parent()
             if parent is not None and os.path.basename(parent.name()) == "raylet":

@@ -57,9 +57,9 @@ def load_eval_sets(cfg: Config, tokenizer) -> list[tuple[str, list[PromptRecord]
     that cannot fit the model's context with the evaluation's new tokens is refused."""
     from moe_rl.config import set_name
     out = []
-    new_tokens, key = (cfg.eval.max_new_tokens, "eval.max_new_tokens") \
+    new_tokens, key = ((cfg.eval.max_new_tokens, "eval.max_new_tokens")
         if cfg.eval.max_new_tokens is not None else (cfg.rollout.max_new_tokens,
-                                                     "rollout.max_new_tokens")
+                                                     "rollout.max_new_tokens"))
     for i, entry in enumerate(cfg.eval.sets):
         if not os.path.isfile(entry.path):
             raise ConfigError(f"eval.sets[{i}].path: {entry.path!r} is not a readable file")
@@ -118,12 +118,12 @@ def load_run_inputs(cfg: Config) -> RunInputs:
         prompts, sizes = load_prompt_sets(cfg.data, tokenizer, prompt_limit(
             facts_context(cfg.model), cfg.rollout.max_new_tokens, "rollout.max_new_tokens"))
     except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(str(exc) if str(exc).startswith("data") else f"data.path: {exc}") \
-            from None
+        message = str(exc) if str(exc).startswith("data") else f"data.path: {exc}"
+        raise ConfigError(message) from None
     start = 0
     for i, size in enumerate(sizes):   # each training set on its own, rows numbered in it
-        where = f"data.sets[{i}] ({cfg.data.sets[i].path})" if cfg.data.sets else \
-            f"data.path ({cfg.data.path or 'the toy task'})"
+        where = (f"data.sets[{i}] ({cfg.data.sets[i].path})" if cfg.data.sets else
+            f"data.path ({cfg.data.path or 'the toy task'})")
         check_prompt_lengths(prompts[start:start + size], where, facts_context(cfg.model),
                              cfg.rollout.max_new_tokens, "rollout.max_new_tokens")
         start += size

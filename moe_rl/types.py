@@ -117,8 +117,8 @@ class Sample:
                                           f"{self.loss_mask.numel()}")
         self._check_logprobs("rollout_logprobs", self.rollout_logprobs, (R,))
         if self.pass_logprobs is not None:
-            if self.pass_logprobs.dim() != 2 or self.pass_logprobs.shape[1] != R \
-                    or self.pass_logprobs.shape[0] < 1:
+            if (self.pass_logprobs.dim() != 2 or self.pass_logprobs.shape[1] != R
+                    or self.pass_logprobs.shape[0] < 1):
                 raise self._fail("pass_logprobs", f"expected [n_passes >= 1, {R}], got "
                                                   f"{list(self.pass_logprobs.shape)}")
             self._check_logprobs("pass_logprobs", self.pass_logprobs, None)

@@ -146,3 +146,22 @@ def test_no_function_of_the_top_floor_is_above_radon_c():
                     worst.append(f"{path.name}:{fn.lineno} {fn.name} {cc_rank(fn.complexity)} "
                                  f"({fn.complexity})")
     assert worst == []
+
+
+def _backslash_continuations(source: str) -> list[int]:
+    """Line numbers that end in a backslash continuation (not inside a string)."""
+    import io
+    import tokenize
+    in_string = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.STRING or tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
+            in_string.update(range(tok.start[0], tok.end[0]))
+    return [n for n, line in enumerate(source.splitlines(), 1)
+            if line.rstrip().endswith("\\") and n not in in_string]
+
+
+def test_statements_continue_in_parentheses_not_backslashes():
+    found = [f"{path.relative_to(ROOT.parent)}:{n}" for path, _ in _modules()
+             for n in _backslash_continuations(path.read_text())]
+    assert found == []
+    assert _backslash_continuations('x = 1 + \\\n    2\ny = """a \\\nb"""\n') == [1]

@@ -9,8 +9,8 @@ EXP_CLAMP = 20.0   # every log-ratio is clamped to +-20 before an exp (it guards
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """float32, or float64 when any input is float64: per-token algorithm arithmetic never runs
     in bfloat16 / float16 (a GSPO ratio of 1.002 reads as 1.0 there)."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) \
-        else torch.float32
+    return (torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors)
+        else torch.float32)
 
 
 def zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -57,8 +57,8 @@ def check_model_fit(cfg: Config, facts: MoEShape) -> None:
     if context is not None and r.max_new_tokens >= context:
         raise ConfigError(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for a "
                           f"prompt in the model's context ({context} positions)")
-    if cfg.data.environment is not None and context is not None \
-            and response_cap(cfg) >= context:
+    if (cfg.data.environment is not None and context is not None
+            and response_cap(cfg) >= context):
         raise ConfigError(f"rollout.max_response_tokens: a trajectory's response of up to "
                           f"{response_cap(cfg)} tokens leaves no room for a prompt in the "
                           f"model's context ({context} positions)")
@@ -162,8 +162,8 @@ def check_ema(cfg: Config) -> None:
     if (t.ema_policy or t.ema_start_step) and t.ema_decay is None:
         key = "trainer.ema_policy" if t.ema_policy else "trainer.ema_start_step"
         raise ConfigError(f"{key}: needs trainer.ema_decay (the EMA's decay, e.g. 0.9)")
-    if t.ema_policy and cfg.model.dtype == "bfloat16" and t.distributed_optimizer \
-            and cfg.cluster.gpus_per_node > 0:
+    if (t.ema_policy and cfg.model.dtype == "bfloat16" and t.distributed_optimizer
+            and cfg.cluster.gpus_per_node > 0):
         raise ConfigError("trainer.ema_policy: with model.dtype=bfloat16 the EMA is written into "
                           "the optimizer's float32 main weights, of which megatron's distributed "
                           "optimizer keeps only a shard per rank; set "
@@ -224,15 +224,15 @@ def check_weight_sync(cfg: Config) -> None:
         raise ConfigError("cluster.weight_sync: 'tensor' hands CUDA tensors to SGLang on the same "
                           "GPUs: it needs cluster.colocate=true, rollout.engine=sglang and GPUs; "
                           "use 'distributed' or 'disk' otherwise")
-    if cfg.cluster.weight_sync == "tensor" and \
-            t.tensor_parallel * t.context_parallel * t.expert_parallel == 1 and \
-            cfg.cluster.trainer_workers != r.num_servers * r.sglang.tp_size:
+    if (cfg.cluster.weight_sync == "tensor" and
+            t.tensor_parallel * t.context_parallel * t.expert_parallel == 1 and
+            cfg.cluster.trainer_workers != r.num_servers * r.sglang.tp_size):
         raise ConfigError(f"cluster.trainer_workers: colocated tensor sync builds each SGLang TP "
                           f"rank's payload on the trainer rank sharing its GPU, so it needs "
                           f"trainer_workers == rollout.num_servers * rollout.sglang.tp_size "
                           f"({r.num_servers * r.sglang.tp_size}); got {cfg.cluster.trainer_workers}")
-    if cfg.cluster.colocate and cfg.cluster.weight_sync == "distributed" and \
-            cfg.cluster.gpus_per_node > 0:
+    if (cfg.cluster.colocate and cfg.cluster.weight_sync == "distributed" and
+            cfg.cluster.gpus_per_node > 0):
         raise ConfigError("cluster.weight_sync: 'distributed' with cluster.colocate=true puts "
                           "trainer rank 0 and an SGLang rank on the same GPU in one NCCL "
                           "communicator, which NCCL refuses; use weight_sync=tensor (CUDA "
@@ -265,8 +265,8 @@ def check_ranks(cfg: Config) -> None:
     """The trainer ranks split into model-parallel groups, each data-parallel rank with prompts."""
     r, t = cfg.rollout, cfg.trainer
     model_parallel = t.tensor_parallel * t.pipeline_parallel * t.context_parallel
-    if cfg.cluster.trainer_workers % model_parallel or \
-            (cfg.cluster.trainer_workers // model_parallel) % t.expert_parallel:
+    if (cfg.cluster.trainer_workers % model_parallel or
+            (cfg.cluster.trainer_workers // model_parallel) % t.expert_parallel):
         raise ConfigError(f"cluster.trainer_workers: {cfg.cluster.trainer_workers} ranks do not "
                           f"split into tensor x pipeline x context parallel ({model_parallel}) "
                           f"groups whose data-parallel size is a multiple of "
@@ -297,8 +297,8 @@ def check_data(cfg: Config) -> None:
         raise ConfigError("data.system_prompt: messages rows carry their own system message; "
                           "put it in the rows, or use prompt_key rows")
     if not d.chat_template and (d.system_prompt is not None or d.chat_template_kwargs):
-        key = "data.system_prompt" if d.system_prompt is not None else \
-            "data.chat_template_kwargs"
+        key = ("data.system_prompt" if d.system_prompt is not None else
+            "data.chat_template_kwargs")
         raise ConfigError(f"{key}: applies through the chat template; set "
                           f"data.chat_template=true")
 
@@ -344,8 +344,8 @@ def check_eval(cfg: Config) -> None:
 def check_logging(cfg: Config) -> None:
     """logging.wandb: the optional package is there when asked for."""
     import importlib.util
-    if cfg.logging.wandb.enabled and cfg.logging.wandb.mode != "disabled" and \
-            importlib.util.find_spec("wandb") is None:
+    if (cfg.logging.wandb.enabled and cfg.logging.wandb.mode != "disabled" and
+            importlib.util.find_spec("wandb") is None):
         raise ConfigError("logging.wandb.enabled: W&B logging needs the wandb package: "
                           "pip install 'moe_rl[wandb]' (or set logging.wandb.enabled=false)")
 

@@ -254,8 +254,8 @@ def resolve_paths(cfg: Config, config_dir: str | None = None) -> None:
     def absolute(key: str, value: str) -> str:
         value = os.path.expanduser(value)
         here = os.path.abspath(value)
-        if key in DATA_FILE_KEYS and config_dir and not os.path.isabs(value) \
-                and not os.path.exists(here) and os.path.isfile(os.path.join(config_dir, value)):
+        if (key in DATA_FILE_KEYS and config_dir and not os.path.isabs(value)
+                and not os.path.exists(here) and os.path.isfile(os.path.join(config_dir, value))):
             return os.path.join(config_dir, value)
         return here
 

@@ -36,8 +36,8 @@ def _read_rows(cfg: DataConfig) -> list[dict]:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
                     raise ValueError(f"data.path: {cfg.path} line {n}: not UTF-8 text (byte "
-                                     f"0x{raw[exc.start]:02x} at column {exc.start + 1})") \
-                        from None
+                                     f"0x{raw[exc.start]:02x} at column {exc.start + 1})"
+                                     ) from None
                 if line.strip():
                     try:
                         rows.append(json.loads(line))
@@ -87,8 +87,8 @@ def check_messages(value, where: str) -> list[dict]:
         raise ValueError(f"{where}: expected a non-empty list of {{role, content}} messages, "
                          f"got {value!r:.80}")
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or \
-                not isinstance(m.get("content"), str):
+        if (not isinstance(m, dict) or m.get("role") not in ROLES or
+                not isinstance(m.get("content"), str)):
             raise ValueError(f"{where}[{i}]: expected {{role: one of {', '.join(ROLES)}, "
                              f"content: text}}, got {m!r:.80}")
     return [{"role": m["role"], "content": m["content"]} for m in value]

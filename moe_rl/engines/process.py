@@ -85,8 +85,8 @@ class ServerProcess(ABC):
             try:
                 sock = bind_port(self.host, self.port)
             except OSError as exc:
-                raise RuntimeError(f"server port {self.port} on {self.host} is taken: {exc}") \
-                    from exc
+                raise RuntimeError(f"server port {self.port} on {self.host} is taken: "
+                                   f"{exc}") from exc
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             if self.inherits_socket:
@@ -154,5 +154,5 @@ class CommandServer(ServerProcess):
         self.argv, self.env, self.inherits_socket = list(argv), dict(env), inherits_socket
 
     def command(self, fd: int | None = None) -> tuple[list[str], dict]:
-        return self.argv + (["--fd", str(fd)] if fd is not None else []), \
-            dict(os.environ, **self.env)
+        return (self.argv + (["--fd", str(fd)] if fd is not None else []),
+            dict(os.environ, **self.env))

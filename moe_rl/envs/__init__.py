@@ -91,8 +91,8 @@ def check_step(result, vocab_size: int) -> EnvStep:
     obs = _ids(result.observation_ids, "step.observation_ids", vocab_size)
     reward = result.reward
     if reward is not None:
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
-                or not math.isfinite(reward):
+        if (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                or not math.isfinite(reward)):
             raise EnvError(f"step.reward: expected a finite number or None, got {reward!r}")
         reward = float(reward)
     if result.done and reward is None:

@@ -25,8 +25,8 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from moe_rl.config import Config, ConfigError
-from moe_rl.engines.factory import gpus_per_server, port_span, server_command, \
-    weight_ranks_per_server
+from moe_rl.engines.factory import (gpus_per_server, port_span, server_command,
+    weight_ranks_per_server)
 
 LOOPBACK_HOSTS = ("localhost",)
 
@@ -141,8 +141,8 @@ def _gpu_layout(cfg: Config, nodes: int, G: int
         engine_slots.append(slot)
         slot += E
     if slot > nodes * G:
-        beside = "on the trainer GPUs" if c.colocate else \
-            f"beside {c.trainer_workers} trainer GPUs"
+        beside = ("on the trainer GPUs" if c.colocate else
+            f"beside {c.trainer_workers} trainer GPUs")
         raise ConfigError(
             f"rollout.num_servers: {r.num_servers} servers of {E} GPUs {beside} need {slot} GPU "
             f"slots; the cluster has {nodes} x {G} = {nodes * G} (cluster.num_nodes x "

@@ -139,6 +139,5 @@ class Trainers:
             return ray.get([a.load.remote(path) for a in self.actors])[0]
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if exc.cause is not None else exc
-            raise checkpoint.CheckpointError(
-                f"{path}: cannot be loaded ({type(cause).__name__}: {first_line(cause)})") \
-                from None
+            raise checkpoint.CheckpointError(f"{path}: cannot be loaded ({type(cause).__name__}: "
+                                             f"{first_line(cause)})") from None

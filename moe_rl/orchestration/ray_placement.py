@@ -66,8 +66,8 @@ def stopped_from_outside(wait_s: float = 5.0) -> str | None:
         for kind, process in processes:
             code = process.poll()
             if code is not None:
-                how = f"got {signal.Signals(-code).name}" if code < 0 else \
-                    f"exited with code {code}"
+                how = (f"got {signal.Signals(-code).name}" if code < 0 else
+                    f"exited with code {code}")
                 return f"Ray's {kind} (pid {process.pid}) {how}"
         if time.monotonic() > deadline:
             break

@@ -171,8 +171,8 @@ class Run:
         shown = os.path.relpath(saved) if saved and os.path.abspath(saved).startswith(
             os.getcwd() + os.sep) else saved   # shorter, when under the current directory
         done = self.start_step + len(self.history)
-        again = f"; continue with: {self.resume_command}" if saved and self.resume_command \
-            else ""
+        again = (f"; continue with: {self.resume_command}" if saved and self.resume_command
+            else "")
         where = f"last checkpoint {shown}" if saved else "no checkpoint was written"
         if self.lost:
             where += again if saved else ""

@@ -90,8 +90,8 @@ def probe_figures(engine: list, trainer: list) -> dict[str, float]:
     routing per sample) and the trainer's side ((log-probs, routing) per sample)."""
     k3_sum, n, worst, agree, choices = 0.0, 0, 0.0, 0.0, 0
     for s, (lp_trainer, routing) in zip(engine, trainer):
-        d = torch.tensor(lp_trainer, dtype=torch.float64)[None] - \
-            s.pass_logprobs.to(torch.float64)
+        d = (torch.tensor(lp_trainer, dtype=torch.float64)[None] -
+            s.pass_logprobs.to(torch.float64))
         d = d[:, s.loss_mask.to(torch.bool)]
         k3_sum += float((torch.exp(d.clamp(-20, 20)) - d - 1).sum())
         n += d.numel()

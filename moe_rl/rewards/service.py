@@ -129,8 +129,8 @@ def reward_setting(data_cfg) -> tuple[str, str]:
     """The key and value that say what scores the run (``data.reward_service.url`` when a
     service is set, else ``data.reward``) and the key bounding one score's time, for messages."""
     if data_cfg.reward_service.url:
-        return f"data.reward_service.url: {data_cfg.reward_service.url}", \
-            f"data.reward_service.timeout_s={data_cfg.reward_service.timeout_s:g}"
+        return (f"data.reward_service.url: {data_cfg.reward_service.url}",
+            f"data.reward_service.timeout_s={data_cfg.reward_service.timeout_s:g}")
     return f"data.reward: {data_cfg.reward}", f"data.reward_timeout_s={data_cfg.reward_timeout_s:g}"
 
 

@@ -76,8 +76,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:   # the name, no cast
             name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" \
-                else name
+            return (name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu"
+                else name)
         device = kwargs.get("device")
         if device is not None and str(device).startswith("cuda"):
             kwargs["device"] = "cpu"

@@ -29,8 +29,8 @@ def load_hf_config(path_or_dict) -> dict:
         return dict(path_or_dict)
     if hasattr(path_or_dict, "to_dict"):
         return path_or_dict.to_dict()
-    path = os.path.join(path_or_dict, "config.json") if os.path.isdir(path_or_dict) \
-        else path_or_dict
+    path = (os.path.join(path_or_dict, "config.json") if os.path.isdir(path_or_dict)
+        else path_or_dict)
     with open(path, encoding="utf-8") as fh:
         return json.load(fh)
 

@@ -33,8 +33,8 @@ class PolicyTrainer:
     """The policy (and optional frozen reference) on this rank, built from ``hf_path``."""
 
     def __init__(self, cfg: Config, hf_path: str):
-        from megatron.core.distributed import DistributedDataParallel, \
-            DistributedDataParallelConfig
+        from megatron.core.distributed import (DistributedDataParallel,
+            DistributedDataParallelConfig)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         self.cfg = cfg
@@ -83,8 +83,8 @@ class PolicyTrainer:
                                                facts.num_experts)
         self.step = 0
         # the asynchronous pipeline scores stale samples at their own version as well
-        self.versions = WeightVersions(model, cfg.rollout.max_staleness) \
-            if cfg.rollout.max_staleness > 0 else None
+        self.versions = (WeightVersions(model, cfg.rollout.max_staleness)
+            if cfg.rollout.max_staleness > 0 else None)
         self.guard_skipped_total = 0
         self.generator = torch.Generator().manual_seed(t.seed)
         self.loss = PolicyLoss(cfg.algorithm, self.generator)

@@ -104,8 +104,8 @@ class ReplayController:
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None,
                             default_compute_topk=None):
             r.calls += 1
-            if self._mode == "replay" and self._expected_rows is not None \
-                    and scores.shape[0] != self._expected_rows:
+            if (self._mode == "replay" and self._expected_rows is not None
+                    and scores.shape[0] != self._expected_rows):
                 raise RuntimeError(f"routing replay: layer {r.layer} routes {scores.shape[0]} "
                                    f"tokens but the replay tensor has {self._expected_rows} "
                                    f"rows (packing, padding or parallel slicing differ from the "

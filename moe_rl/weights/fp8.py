@@ -154,7 +154,7 @@ def write_dequantised_checkpoint(src: str, dst: str, dtype: torch.dtype) -> str:
     for name, t in raw.items():
         if name.endswith(SCALE_SUFFIX):
             continue
-        scale = raw.get(name[:-len("weight")] + SCALE_SUFFIX) if name.endswith(".weight") \
-            else None
+        scale = (raw.get(name[:-len("weight")] + SCALE_SUFFIX) if name.endswith(".weight")
+            else None)
         tensors[name] = (dequantize_blockwise(t, scale) if scale is not None else t).to(dtype)
     return _write(tensors, src, dst, lambda c: c.pop("quantization_config", None))

@@ -164,8 +164,8 @@ class _Names:
         }
         if self.spec.arch == "deepseek_v3":
             a = p + "self_attn."
-            q_norm, kv_norm = ("copy", [a + "q_a_layernorm.weight"]), \
-                ("copy", [a + "kv_a_layernorm.weight"])
+            q_norm, kv_norm = (("copy", [a + "q_a_layernorm.weight"]),
+                ("copy", [a + "kv_a_layernorm.weight"]))
             table.update({   # MLA (local spec names; TE fuses the norms into the up projections)
                 "self_attention.linear_q_proj.weight": ("copy", [a + "q_proj.weight"]),
                 "self_attention.linear_q_down_proj.weight": ("copy", [a + "q_a_proj.weight"]),
@@ -340,8 +340,8 @@ class _Exporter:
         kind = _sharding(name)
         is_expert = ".local_experts." in name
         value = param.detach()
-        shards = _collect(value, self.tp_group, self.everywhere) if kind != "replicated" \
-            else [value]
+        shards = (_collect(value, self.tp_group, self.everywhere) if kind != "replicated"
+            else [value])
         if is_expert and self.ep_group is not None:
             # every rank enters the expert gather (a TP rank > 0 sends its own copy, unused)
             full = tp_merge(shards, kind) if shards is not None else value
@@ -436,8 +436,8 @@ def save_hf_checkpoint(tensors, spec: ModelSpec, out_dir: str, source_dir: str |
     for fname in os.listdir(out_dir):   # a previous export's shards must not linger
         if fname.endswith(".safetensors") or fname == INDEX_FILE:
             os.remove(os.path.join(out_dir, fname))
-    buckets = hf_buckets(sorted(tensors.items()), shard_bytes) if isinstance(tensors, dict) \
-        else tensors
+    buckets = (hf_buckets(sorted(tensors.items()), shard_bytes) if isinstance(tensors, dict)
+        else tensors)
     shards: list[tuple[str, list[str]]] = []
     total = 0
     by_dtype: dict[torch.dtype, int] = {}   # elements of the unquantised weights per dtype
@@ -446,8 +446,8 @@ def save_hf_checkpoint(tensors, spec: ModelSpec, out_dir: str, source_dir: str |
         if not bucket:
             continue
         for k, v in bucket:
-            if v.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-                    and not k.endswith("scale_inv"):
+            if (v.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                    and not k.endswith("scale_inv")):
                 by_dtype[v.dtype] = by_dtype.get(v.dtype, 0) + v.numel()
         tmp = os.path.join(out_dir, f".shard-{len(shards)}.tmp")
         save_file(dict(bucket), tmp, metadata={"format": "pt"})
@@ -468,8 +468,8 @@ def save_hf_checkpoint(tensors, spec: ModelSpec, out_dir: str, source_dir: str |
         os.replace(tmp, os.path.join(out_dir, INDEX_FILE))
     config = dict(spec.hf_config)
     if by_dtype:   # the dtype the weights are in (what SGLang's --dtype auto serves)
-        config["dtype" if "torch_dtype" not in config else "torch_dtype"] = \
-            str(max(by_dtype, key=by_dtype.get)).removeprefix("torch.")
+        key = "dtype" if "torch_dtype" not in config else "torch_dtype"
+        config[key] = str(max(by_dtype, key=by_dtype.get)).removeprefix("torch.")
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2, sort_keys=True)
     if source_dir:

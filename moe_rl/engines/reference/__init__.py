@@ -25,14 +25,14 @@ def server_command(cfg: Config, host: str, port: int, gpus: list[int], index: in
                    model_path: str) -> tuple[list[str], dict[str, str]]:
     """(argv, environment moe_rl sets) of server ``index`` (seeded ``trainer.seed + index``)."""
     r = cfg.rollout
-    return reference_argv(model_path, host, port, dtype=r.engine_dtype,
+    return (reference_argv(model_path, host, port, dtype=r.engine_dtype,
                           seed=cfg.trainer.seed + index, api_key=r.api_key,
                           return_routed_experts=requests_routing(cfg),
                           sampling_mask_max_tokens=r.sampling_mask_max_tokens,
                           deterministic_inference=r.sglang.deterministic_inference,
                           # FP8 arrives as an FP8 checkpoint; MXFP4 is quantised at every load
-                          quantization="mxfp4" if r.quantization == "mxfp4" else "none"), \
-        dict(REFERENCE_ENV)
+                          quantization="mxfp4" if r.quantization == "mxfp4" else "none"),
+        dict(REFERENCE_ENV))
 
 
 def port_span(cfg: Config) -> int:

@@ -365,8 +365,8 @@ class ReferenceEngine:
             self.model = model
             # transformers 5.24 renamed the KV cache argument `cache` (`past_key_values`, which
             # 5.19-5.23 take, warns there and goes in 5.40)
-            self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters \
-                else "past_key_values"
+            self._cache_arg = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                else "past_key_values")
             self.prefix_cache.flush()   # stored KV belongs to the old weights
             self.model_path = model_path
             self.vocab_size = int(hf["vocab_size"])
@@ -518,9 +518,9 @@ class ReferenceEngine:
                 raise RequestError(f"names: {name!r} is sent twice in this update")
             seen.add(name)
             want_shape, want_dtype = self.checkpoint_spec[name]
-            if not isinstance(shape, list) or any(
-                    not isinstance(d, int) or isinstance(d, bool) for d in shape) or \
-                    shape != want_shape:
+            if (not isinstance(shape, list) or any(
+                    not isinstance(d, int) or isinstance(d, bool) for d in shape) or
+                    shape != want_shape):
                 raise RequestError(f"shapes: {name}: announced {shape!r}, the served model's "
                                    f"is {want_shape}")
             try:
@@ -557,8 +557,8 @@ class ReferenceEngine:
                        for k, t in receive_tensors(self.groups[group_name], names, dtypes,
                                                    shapes).items()}   # as SGLang loads them
             bad = sorted(k for k, t in tensors.items() if not torch.isfinite(t.float()).all())
-            missing = sorted(set(self.checkpoint_spec) - set(tensors) - set(self._staged)) \
-                if flush_cache else []
+            missing = (sorted(set(self.checkpoint_spec) - set(tensors) - set(self._staged))
+                if flush_cache else [])
             if bad or missing:
                 self._staged = {}
                 raise RequestError(f"update_weights_from_distributed: refused, the served "
@@ -579,8 +579,8 @@ class ReferenceEngine:
         try:
             save_file(tensors, os.path.join(target, "model.safetensors"))
             for fname in os.listdir(self.model_path):
-                if fname.endswith(".json") and fname != "model.safetensors.index.json" or \
-                        fname.endswith(".jinja"):
+                if (fname.endswith(".json") and fname != "model.safetensors.index.json" or
+                        fname.endswith(".jinja")):
                     shutil.copy2(os.path.join(self.model_path, fname), target)
             self.load(target)
         except Exception:

@@ -80,8 +80,8 @@ def apply_fp8(model: nn.Module, exact: dict[str, torch.Tensor] | None = None) ->
                 module.fp8_weight = weight(f"{name}.weight", module.weight)
                 module.forward = types.MethodType(_linear_forward, module)
                 count += 1
-            elif isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and \
-                    isinstance(getattr(module, "down_proj", None), nn.Parameter):
+            elif (isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and
+                    isinstance(getattr(module, "down_proj", None), nn.Parameter)):
                 gate_up, down = [], []
                 for e, (gu, dn) in enumerate(zip(module.gate_up_proj, module.down_proj)):
                     pair = (f"{name}.{e}.gate_proj.weight", f"{name}.{e}.up_proj.weight")

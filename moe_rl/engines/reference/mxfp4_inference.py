@@ -20,8 +20,8 @@ def apply_mxfp4(model: nn.Module) -> int:
             if is_quantised_linear(name, module):
                 module.weight.copy_(mxfp4_round_trip(module.weight))
                 count += 1
-            elif isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and \
-                    isinstance(getattr(module, "down_proj", None), nn.Parameter):
+            elif (isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and
+                    isinstance(getattr(module, "down_proj", None), nn.Parameter)):
                 for param in (module.gate_up_proj, module.down_proj):   # [E, out, in]
                     param.copy_(mxfp4_round_trip(param))
                 count += 2 * module.gate_up_proj.shape[0]

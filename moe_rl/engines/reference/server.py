@@ -190,8 +190,8 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter, limits: Limits = 
     for seq, params, rid, ids_lp, start in zip(seqs, parsed, rids, listed_per, starts):
         _token_list(seq, "input_ids")
         for copy in range(params.n):   # n > 1: n samples of this prompt, in a row
-            seeded = params if params.n == 1 or params.sampling_seed is None else \
-                dataclasses.replace(params, sampling_seed=params.sampling_seed + copy)
+            seeded = (params if params.n == 1 or params.sampling_seed is None else
+                dataclasses.replace(params, sampling_seed=params.sampling_seed + copy))
             req = Request(input_ids=seq, params=seeded,
                           rid=(f"{rid}-{copy}" if rid and params.n > 1 else rid)
                           or f"ref-{next(counter)}",

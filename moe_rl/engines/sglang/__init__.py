@@ -29,8 +29,8 @@ def port_span(cfg: Config) -> int:
     """Ports one server takes from its own: 1, or with ``--enable-dp-attention`` the
     :data:`DP_ATTENTION_PORT_SPAN` that SGLang derives from it (servers on one node are spaced
     by this, or the second cannot bind)."""
-    return DP_ATTENTION_PORT_SPAN if "--enable-dp-attention" in cfg.rollout.sglang.extra_args \
-        else 1
+    return (DP_ATTENTION_PORT_SPAN if "--enable-dp-attention" in cfg.rollout.sglang.extra_args
+        else 1)
 
 
 def describe(cfg: Config) -> str:

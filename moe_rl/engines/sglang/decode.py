@@ -132,8 +132,8 @@ def decode_listed_logprobs(resp: dict, n_tokens: int, ids: list[int]) -> torch.T
         if not isinstance(row, list):
             raise ResponseError(f"{field}[{t + 1}]: expected a list of (logprob, token_id, text)")
         for item in row:
-            if not isinstance(item, (list, tuple)) or len(item) < 2 or item[1] not in col \
-                    or isinstance(item[0], bool) or not isinstance(item[0], (int, float)):
+            if (not isinstance(item, (list, tuple)) or len(item) < 2 or item[1] not in col
+                    or isinstance(item[0], bool) or not isinstance(item[0], (int, float))):
                 raise ResponseError(f"{field}[{t + 1}]: unexpected entry {item!r}")
             out[t, col[item[1]]] = float(item[0])
     if torch.isnan(out).any():

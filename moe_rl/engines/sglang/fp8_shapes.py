@@ -40,8 +40,8 @@ def _partitions(hf: dict, tp: int, ep: int) -> list[tuple[str, int, bool]]:
         inter = int(hf["intermediate_size"])
         out.append((f"the dense MLP's gate/up partition (intermediate_size {inter} / tp_size)",
                     inter // tp, True))
-    shared = int(hf.get("n_shared_experts") or 0) * moe_inter or \
-        int(hf.get("shared_expert_intermediate_size") or 0)
+    shared = (int(hf.get("n_shared_experts") or 0) * moe_inter or
+        int(hf.get("shared_expert_intermediate_size") or 0))
     if experts and shared:
         out.append((f"the shared experts' gate/up partition ({shared} / tp_size)",
                     shared // tp, True))

@@ -113,8 +113,8 @@ class ServerPool:
             if pending:
                 await asyncio.wait([asyncio.shield(t) for t in pending],
                                    return_when=asyncio.FIRST_COMPLETED)
-        live = [s for s in self.servers if s.alive and s.url not in avoid] or \
-               [s for s in self.servers if s.alive]
+        live = ([s for s in self.servers if s.alive and s.url not in avoid] or
+               [s for s in self.servers if s.alive])
         if not live:
             raise EngineHTTPError("no live engine server (all marked dead)")
         return min(live, key=lambda s: (s.in_flight, random.random()))
