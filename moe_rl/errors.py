@@ -6,6 +6,10 @@ class UserError(Exception):
     """Input the user gave is refused; the message names it and what was expected."""
 
 
+class ConfigError(UserError, ValueError):
+    """A configuration problem, with the dotted key it concerns."""
+
+
 def first_line(exc: BaseException) -> str:
     """``exc``'s message cut to its first line (a library's multi-line error in one line)."""
     return (str(exc).strip().splitlines() or [""])[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_rl.families import family
+
 
 @dataclass(frozen=True)
 class MoEShape:
@@ -40,9 +42,6 @@ class MoEShape:
         return cls(n_layers, moe, topk, n_exp, hf.get("vocab_size"))
 
 
-SUPPORTED = ("qwen3_moe", "mixtral", "deepseek_v3")
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """What the trainer and the weight mapping need to know about a model of a supported
@@ -58,9 +57,7 @@ class ModelSpec:
 
 def model_spec(hf: dict) -> ModelSpec:
     """Check the architecture and collect its facts."""
-    arch = hf.get("model_type")
-    if arch not in SUPPORTED:
-        raise ValueError(f"model_type: {arch!r} is not supported; supported: {SUPPORTED}")
+    arch = family(hf.get("model_type")).MODEL_TYPE   # refuses an unsupported one
     facts = MoEShape.from_hf(hf)
     return ModelSpec(arch, hf, facts, int(hf["vocab_size"]), int(hf["hidden_size"]),
                      int(hf["num_hidden_layers"]), bool(hf.get("tie_word_embeddings", False)))

@@ -4,11 +4,15 @@ import ast
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "moe_rl"
 
 # lowest first; a unit may import only units of lower layers
 LAYERS = [
-    {"errors", "moe_shape", "shipped", "plugins", "leftovers", "launch_tools"},
+    {"errors", "shipped", "plugins", "leftovers", "launch_tools"},
+    {"families"},
+    {"moe_shape"},
     {"types", "config", "report", "metrics_log"},
     {"packing", "data", "rewards", "weights", "algo", "run_dir", "wandb_log"},
     {"envs", "models", "engines", "sample_log"},
@@ -165,3 +169,33 @@ def test_statements_continue_in_parentheses_not_backslashes():
              for n in _backslash_continuations(path.read_text())]
     assert found == []
     assert _backslash_continuations('x = 1 + \\\n    2\ny = """a \\\nb"""\n') == [1]
+
+
+FAMILY_BRANCH = re.compile(r"\b(arch|model_type|architecture)\b[\"')\]]*\s*(==|!=|not in|in)\s")
+FAMILY_INTERFACE = ("MODEL_TYPE", "MULTI_LATENT_ATTENTION", "TINY", "HF_MOE_BLOCK", "HF_EXPERT",
+                    "megatron_settings", "rotary", "hf_attention_names", "fp8_head_dim",
+                    "fp8_moe_intermediate", "fp8_dense_mlp")
+TINY_INTERFACE = ("tiny_init_fields", "check_tiny_init", "tiny_hf_config")
+
+
+def test_no_model_family_branch_outside_the_family_modules():
+    """What differs between Qwen3-MoE, Mixtral and DeepSeek-V3 lives in moe_rl/families/ (one
+    module each, found by model_type); nowhere else compares a model type."""
+    found = [f"{module}:{n}: {line.strip()}" for path, module in _modules()
+             if not module.startswith("moe_rl.families")
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if FAMILY_BRANCH.search(line)]
+    assert found == []
+    assert FAMILY_BRANCH.search('if spec.arch == "deepseek_v3":')
+    assert FAMILY_BRANCH.search('if hf.get("model_type") in MLA:')
+
+
+def test_every_family_module_has_the_whole_interface():
+    from moe_rl.families import FAMILIES, TINY_FAMILIES, family
+    for model_type, module in FAMILIES.items():
+        assert module.MODEL_TYPE == model_type
+        wanted = FAMILY_INTERFACE + (TINY_INTERFACE if module.TINY else ())
+        assert [a for a in wanted if not hasattr(module, a)] == [], model_type
+    assert set(TINY_FAMILIES) == {"qwen3_moe", "deepseek_v3"}
+    with pytest.raises(ValueError, match="model_type: 'gpt_oss' is not supported"):
+        family("gpt_oss")

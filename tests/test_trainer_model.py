@@ -97,7 +97,7 @@ def test_round_trip_and_equivalence_with_transformers(tmp_path, cfg, old):
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 48, (n,), generator=g) for n in (40, 29)]   # rotary shows at length
     P = [5, 4]
-    from moe_rl.trainer.model_builder import rope_settings
+    from moe_rl.families.rope import rope_settings
     assert rope_settings(conf)[0] == cfg["rope_theta"]
     samples = []
     for ids, p in zip(seqs, P):
@@ -289,7 +289,7 @@ def test_local_indices_select_this_stage_layers(tmp_path):
 
 
 def test_scaled_rotary_is_refused_naming_the_field():
-    from moe_rl.trainer.model_builder import rope_settings
+    from moe_rl.families.rope import rope_settings
     assert rope_settings({"rope_theta": 5e5}) == (5e5, 1.0)
     assert rope_settings({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == \
         (1e6, 1.0)

@@ -7,7 +7,7 @@ import difflib
 
 from moe_rl.config.model_facts import (facts_context, model_moe_facts,
                                        response_cap)
-from moe_rl.config.init_model import check_deepseek_init
+from moe_rl.families import family
 from moe_rl.config.fields import ConfigError
 from moe_rl.config.schema import CORRECTIONS, Config
 from moe_rl.moe_shape import MoEShape
@@ -20,11 +20,7 @@ def check_model_init(cfg: Config) -> None:
     if init.num_experts_per_tok > init.num_experts:
         raise ConfigError(f"model.init.num_experts_per_tok: {init.num_experts_per_tok} exceeds "
                           f"model.init.num_experts = {init.num_experts}")
-    if init.architecture == "qwen3_moe" and init.num_attention_heads % init.num_key_value_heads:
-        raise ConfigError("model.init.num_key_value_heads: must divide model.init."
-                          f"num_attention_heads ({init.num_attention_heads})")
-    if init.architecture == "deepseek_v3":
-        check_deepseek_init(init)
+    family(init.architecture).check_tiny_init(init)
 
 def engine_avg_refusal(cfg: Config, vocab_size: int | None) -> None:
     """engine_avg pi_old at temperature T != 1 without the sampling mask needs the engine's raw

@@ -1,16 +1,12 @@
-"""How the schema declares a key: a field with its default, one-line meaning and range; the
-error every configuration refusal raises; a section as a plain dict."""
+"""How the schema declares a key: a field with its default, one-line meaning and range; a
+section as a plain dict. Every configuration refusal raises :class:`ConfigError`."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
 from typing import Any
 
-from moe_rl.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration problem, with the dotted key it concerns."""
+from moe_rl.errors import ConfigError  # noqa: F401  (the config package's error)
 
 
 def _rng(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,

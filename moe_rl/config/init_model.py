@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moe_rl.config.fields import ConfigError, _f, _rng, _sub, as_dict
+from moe_rl.config.fields import _f, _rng, _sub, as_dict
+from moe_rl.families import TINY_FAMILIES, family
 
 
 
@@ -33,7 +34,7 @@ class DeepseekInitConfig:
 @dataclass
 class ModelInitConfig:
     """Shape of the tiny model written by ``moe-rl init-model`` (Qwen3-MoE or DeepSeek-V3)."""
-    architecture: Literal["qwen3_moe", "deepseek_v3"] = _f(
+    architecture: Literal[TINY_FAMILIES] = _f(
         "qwen3_moe", "qwen3_moe, or deepseek_v3 (MLA, sigmoid router with expert bias, "
         "group-limited top-k, shared experts; shaped further by model.init.deepseek)")
     hidden_size: int = _f(64, "hidden size", **_rng(1))
@@ -62,31 +63,4 @@ def init_hf_fields(init: ModelInitConfig) -> dict:
     fields = as_dict(init)
     deepseek = fields.pop("deepseek")
     fields["model_type"] = fields.pop("architecture")
-    if init.architecture == "deepseek_v3":
-        deepseek.pop("expert_bias_std")
-        for key in ("num_key_value_heads", "head_dim", "decoder_sparse_step"):
-            fields.pop(key)
-        fields.update(deepseek, n_routed_experts=fields.pop("num_experts"))
-    return fields
-
-
-def check_deepseek_init(init: ModelInitConfig) -> None:
-    """model.init.deepseek: a DeepSeek-V3 shape both transformers and megatron-core build."""
-    d = init.deepseek
-    if d.qk_rope_head_dim % 2:
-        raise ConfigError(f"model.init.deepseek.qk_rope_head_dim: must be even, got "
-                          f"{d.qk_rope_head_dim}")
-    if init.num_experts % d.n_group:
-        raise ConfigError(f"model.init.deepseek.n_group: {d.n_group} must divide "
-                          f"model.init.num_experts ({init.num_experts})")
-    if d.topk_group > d.n_group:
-        raise ConfigError(f"model.init.deepseek.topk_group: {d.topk_group} exceeds n_group "
-                          f"({d.n_group})")
-    if d.topk_group < d.n_group and init.num_experts_per_tok != 2 * d.topk_group:
-        raise ConfigError(f"model.init.deepseek.topk_group: group-limited routing needs "
-                          f"num_experts_per_tok = 2 x topk_group (both transformers and "
-                          f"megatron-core rank a group by its best experts), got "
-                          f"{init.num_experts_per_tok} and {d.topk_group}")
-    if d.first_k_dense_replace >= init.num_hidden_layers:
-        raise ConfigError(f"model.init.deepseek.first_k_dense_replace: {d.first_k_dense_replace} "
-                          f"leaves no MoE layer of {init.num_hidden_layers}")
+    return family(init.architecture).tiny_init_fields(fields, deepseek)

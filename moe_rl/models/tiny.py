@@ -6,6 +6,7 @@ import os
 import string
 
 from moe_rl.config import ModelInitConfig, init_hf_fields
+from moe_rl.families import family
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 CHARSET = (string.digits + string.ascii_letters + " +-*/=().,:;!?'\"#%&<>[]_\n" + "\\{}")
@@ -44,14 +45,7 @@ def _hf_config(init: ModelInitConfig, tokenizer):
     arch = fields.pop("model_type")
     common = dict(vocab_size=padded_vocab_size(len(tokenizer)), bos_token_id=None,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    if arch == "deepseek_v3":
-        fields["rope_parameters"] = {"rope_type": "default",
-                                     "rope_theta": fields.pop("rope_theta")}
-        return transformers.DeepseekV3Config(
-            **common, num_key_value_heads=init.num_attention_heads, num_nextn_predict_layers=0,
-            topk_method="noaux_tc", rope_interleave=True, **fields)
-    return transformers.Qwen3MoeConfig(**common, mlp_only_layers=[], output_router_logits=False,
-                                       router_aux_loss_coef=0.0, **fields)
+    return family(arch).tiny_hf_config(transformers, common, fields, init)
 
 
 def write_tiny_model(init: ModelInitConfig, out_dir: str) -> str:

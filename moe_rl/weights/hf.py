@@ -21,6 +21,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moe_rl.families import family
 from moe_rl.moe_shape import ModelSpec
 
 
@@ -108,23 +109,14 @@ def _sharding(local_name: str) -> str:
 # name mapping
 
 class _Names:
-    """HF tensor names for one architecture."""
+    """HF tensor names of one model (its family's table, :mod:`moe_rl.families`)."""
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
-        if spec.arch == "qwen3_moe":
-            self.moe, self.router = "mlp", "mlp.gate.weight"
-            self.expert = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                           "mlp.experts.{e}.down_proj.weight")
-        elif spec.arch == "deepseek_v3":
-            self.moe, self.router = "mlp", "mlp.gate.weight"
-            self.expert = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                           "mlp.experts.{e}.down_proj.weight")
-        else:  # mixtral
-            self.moe, self.router = "block_sparse_moe", "block_sparse_moe.gate.weight"
-            self.expert = ("block_sparse_moe.experts.{e}.w1.weight",
-                           "block_sparse_moe.experts.{e}.w3.weight",
-                           "block_sparse_moe.experts.{e}.w2.weight")
+        self.family = family(spec.arch)
+        self.moe = self.family.HF_MOE_BLOCK
+        self.router = self.moe + ".gate.weight"
+        self.expert = self.family.HF_EXPERT
 
     def hf_parts(self, name: str, layer_of: dict[int, int], ep_rank: int, e_local: int
                  ) -> tuple[str, list[str]]:
@@ -162,27 +154,7 @@ class _Names:
             "mlp.linear_fc1.weight": ("cat", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
             "mlp.linear_fc2.weight": ("copy", [p + "mlp.down_proj.weight"]),
         }
-        if self.spec.arch == "deepseek_v3":
-            a = p + "self_attn."
-            q_norm, kv_norm = (("copy", [a + "q_a_layernorm.weight"]),
-                ("copy", [a + "kv_a_layernorm.weight"]))
-            table.update({   # MLA (local spec names; TE fuses the norms into the up projections)
-                "self_attention.linear_q_proj.weight": ("copy", [a + "q_proj.weight"]),
-                "self_attention.linear_q_down_proj.weight": ("copy", [a + "q_a_proj.weight"]),
-                "self_attention.q_layernorm.weight": q_norm,
-                "self_attention.linear_q_up_proj.layer_norm_weight": q_norm,
-                "self_attention.linear_q_up_proj.weight": ("copy", [a + "q_b_proj.weight"]),
-                "self_attention.linear_kv_down_proj.weight":
-                    ("copy", [a + "kv_a_proj_with_mqa.weight"]),
-                "self_attention.kv_layernorm.weight": kv_norm,
-                "self_attention.linear_kv_up_proj.layer_norm_weight": kv_norm,
-                "self_attention.linear_kv_up_proj.weight": ("copy", [a + "kv_b_proj.weight"]),
-                "mlp.shared_experts.linear_fc1.weight":
-                    ("cat", [p + "mlp.shared_experts.gate_proj.weight",
-                             p + "mlp.shared_experts.up_proj.weight"]),
-                "mlp.shared_experts.linear_fc2.weight":
-                    ("copy", [p + "mlp.shared_experts.down_proj.weight"]),
-            })
+        table.update(self.family.hf_attention_names(p))
         if rest not in table:
             raise KeyError(f"no Hugging Face tensor for megatron parameter {name!r}")
         return table[rest]

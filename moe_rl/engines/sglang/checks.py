@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from moe_rl.config import Config, ConfigError
 from moe_rl.config.model_facts import model_hf_fields
-
-
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+from moe_rl.families import FAMILIES
 
 
 def check_gpus(cfg: Config) -> None:
@@ -36,7 +34,8 @@ def check_gpus(cfg: Config) -> None:
                               f"with {why}")
     hf = model_hf_fields(cfg.model)
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if hf.get("model_type") in MLA_MODEL_TYPES and rope.get("rope_type") != "deepseek_yarn":
+    fam = FAMILIES.get(hf.get("model_type"))
+    if fam is not None and fam.MULTI_LATENT_ATTENTION and rope.get("rope_type") != "deepseek_yarn":
         raise ConfigError(f"model.path: SGLang on CPU (rollout.sglang.device=cpu) serves MLA "
                           f"models ({hf.get('model_type')}) only with deepseek_yarn rotary "
                           f"scaling (its CPU rotary embedding asserts it, "

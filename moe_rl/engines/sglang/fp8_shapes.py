@@ -6,6 +6,8 @@ input partition (o_proj, down_proj) too when TP > 1; and each expert's intermedi
 SGLang refuse to load; moe_rl says so at config time, with the numbers."""
 from __future__ import annotations
 
+from moe_rl.families import family
+
 BLOCK = 128
 
 
@@ -13,11 +15,10 @@ def _partitions(hf: dict, tp: int, ep: int) -> list[tuple[str, int, bool]]:
     """(what, size per partition, whether SGLang checks it at this TP) for every FP8 linear
     family of the model ``hf`` (a HF config.json dict)."""
     out = []
-    model_type = hf.get("model_type", "")
+    fam = family(hf.get("model_type"))
     heads = int(hf.get("num_attention_heads") or 0)
-    if heads and model_type != "deepseek_v3":   # MLA's projections are not merged this way
-        head_dim = int(hf["hidden_size"] // heads if model_type == "mixtral"   # SGLang's rule
-                       else hf.get("head_dim") or hf["hidden_size"] // heads)
+    head_dim = fam.fp8_head_dim(hf, heads) if heads else None
+    if head_dim is not None:   # (MLA's projections are not merged this way)
         kv = int(hf.get("num_key_value_heads") or heads)
         out += [("the query partition of the merged QKV projection (num_attention_heads / "
                  "tp_size x head_dim)", heads // tp * head_dim, True),
@@ -27,16 +28,12 @@ def _partitions(hf: dict, tp: int, ep: int) -> list[tuple[str, int, bool]]:
                  heads * head_dim // tp, tp > 1)]
     experts = int(hf.get("num_experts") or hf.get("n_routed_experts")
                   or hf.get("num_local_experts") or 0)
-    moe_inter = int(hf.get("moe_intermediate_size") or
-                    (hf.get("intermediate_size") if model_type == "mixtral" else 0) or 0)
+    moe_inter = fam.fp8_moe_intermediate(hf)
     if experts and moe_inter:
         moe_tp = max(1, tp // ep)
         out.append((f"each expert's intermediate partition (moe_intermediate_size {moe_inter} / "
                     f"(tp_size / ep_size) = {moe_tp})", moe_inter // moe_tp, True))
-    dense = model_type != "mixtral" and (
-        not experts or hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step") or 1) > 1
-        or int(hf.get("first_k_dense_replace") or 0) > 0)
-    if dense and hf.get("intermediate_size"):
+    if fam.fp8_dense_mlp(hf, experts) and hf.get("intermediate_size"):
         inter = int(hf["intermediate_size"])
         out.append((f"the dense MLP's gate/up partition (intermediate_size {inter} / tp_size)",
                     inter // tp, True))

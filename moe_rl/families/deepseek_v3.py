@@ -1,0 +1,175 @@
+"""DeepSeek-V3 (and Moonlight-style models of its layout): Multi-head Latent Attention, a
+sigmoid router with expert bias and group-limited top-k, shared experts, leading dense layers
+(``first_k_dense_replace``)."""
+from __future__ import annotations
+
+from moe_rl.errors import ConfigError
+from moe_rl.families.rope import rope_table
+
+MODEL_TYPE = "deepseek_v3"
+MULTI_LATENT_ATTENTION = True
+TINY = True
+HF_MOE_BLOCK = "mlp"
+HF_EXPERT = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+             "mlp.experts.{e}.down_proj.weight")
+
+
+def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
+    """MLATransformerConfig settings of this family: MLA, the router, the shared experts."""
+    hf = spec.hf_config
+    moe_ffn = int(hf["moe_intermediate_size"])
+    return dict(ffn_hidden_size=int(hf.get("intermediate_size") or moe_ffn),
+                moe_ffn_hidden_size=moe_ffn, moe_router_pre_softmax=False,
+                qk_layernorm=True,   # MLA's q_a_layernorm / kv_a_layernorm
+                **_mla_and_router(spec, sizes, bias_update_rate))
+
+
+def rotary(hf: dict) -> dict:
+    return dict(position_embedding_type="none")   # MLA applies its own rotary embedding
+
+
+def mla_rope_settings(hf: dict) -> dict:
+    """MLATransformerConfig rotary settings of a DeepSeek-V3 config: default RoPE or YaRN (factor,
+    original context, beta fast/slow, mscale, mscale_all_dim); other scalings are refused."""
+    params, scaling = rope_table(hf)
+    table = {**scaling, **params}
+    kind = table.get("rope_type", table.get("type", "default"))
+    theta = float(table.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind in ("default", None):
+        return dict(rope_type="rope", rotary_base=theta, rotary_scaling_factor=1.0,
+                    mscale_all_dim=0.0)
+    if kind != "yarn":
+        raise ValueError(f"rope_parameters.rope_type: {kind!r} is not supported for DeepSeek-V3 "
+                         f"(megatron-core's MLA builds 'default' and 'yarn')")
+    return dict(rope_type="yarn", rotary_base=theta,
+                rotary_scaling_factor=float(table["factor"]),
+                original_max_position_embeddings=int(table.get(
+                    "original_max_position_embeddings") or hf["max_position_embeddings"]),
+                beta_fast=float(table.get("beta_fast") or 32.0),
+                beta_slow=float(table.get("beta_slow") or 1.0),
+                mscale=float(table.get("mscale") or 1.0),
+                mscale_all_dim=float(table.get("mscale_all_dim") or 0.0))
+
+
+def _mla_and_router(spec, sizes, bias_update_rate: float) -> dict:
+    """The MLA and router settings of a DeepSeek-V3 config; what megatron-core cannot compute
+    the same way is refused naming the field."""
+    hf = spec.hf_config
+    refuse = {
+        "attention_bias": (bool(hf.get("attention_bias")), "attention biases are not built"),
+        "rope_interleave": (hf.get("rope_interleave", True) is False,
+                            "megatron-core's MLA rotates interleaved pairs only"),
+        "scoring_func": (hf.get("scoring_func", "sigmoid") != "sigmoid",
+                         "only the sigmoid router is built"),
+        "topk_method": (hf.get("topk_method", "noaux_tc") != "noaux_tc",
+                        "only 'noaux_tc' (biased, group-limited) selection is built"),
+        "norm_topk_prob": (not hf.get("norm_topk_prob", True) and spec.facts.topk > 1,
+                           "megatron-core always renormalises the sigmoid top-k gates"),
+        "hidden_act": (hf.get("hidden_act", "silu") != "silu", "only SiLU experts are built"),
+    }
+    for key, (bad, why) in refuse.items():
+        if bad:
+            raise ValueError(f"{key}: {hf.get(key)!r} is not supported for DeepSeek-V3: {why}")
+    if sizes.tensor > 1:
+        raise ValueError("trainer.tensor_parallel: > 1 is not supported for DeepSeek-V3 (MLA) "
+                         "models yet; use expert and data parallelism")
+    n_exp, topk = spec.facts.num_experts, spec.facts.topk
+    groups, group_topk = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    if groups > 1 and n_exp % groups:
+        raise ValueError(f"n_group: {groups} does not divide n_routed_experts {n_exp}")
+    limited = 1 < groups and group_topk < groups
+    if limited and (topk % group_topk or topk // group_topk != 2 or n_exp // groups < 2):
+        # transformers ranks a group by its top-2 scores, megatron-core by its top-(k/groups)
+        raise ValueError(f"topk_group: group-limited routing needs num_experts_per_tok / "
+                         f"topk_group == 2 (both rank a group by its two best experts); got "
+                         f"{topk} / {group_topk}")
+    shared = int(hf.get("n_shared_experts") or 0)
+    moe_ffn = int(hf["moe_intermediate_size"])
+    return dict(
+        multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=int(hf["kv_lora_rank"]), qk_head_dim=int(hf["qk_nope_head_dim"]),
+        qk_pos_emb_head_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
+        kv_channels=int(hf["v_head_dim"]), **mla_rope_settings(hf),
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=float(bias_update_rate),
+        moe_router_num_groups=groups if limited else None,
+        moe_router_group_topk=group_topk if limited else None,
+        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+        moe_router_dtype="fp32",
+        moe_shared_expert_intermediate_size=moe_ffn * shared if shared else None)
+
+
+def hf_attention_names(prefix: str) -> dict:
+    """MLA's rows of the megatron -> HF name table (local spec names; TE fuses the norms into
+    the up projections). ``prefix``: the layer's ``model.layers.{i}.``."""
+    a = prefix + "self_attn."
+    q_norm = ("copy", [a + "q_a_layernorm.weight"])
+    kv_norm = ("copy", [a + "kv_a_layernorm.weight"])
+    return {
+        "self_attention.linear_q_proj.weight": ("copy", [a + "q_proj.weight"]),
+        "self_attention.linear_q_down_proj.weight": ("copy", [a + "q_a_proj.weight"]),
+        "self_attention.q_layernorm.weight": q_norm,
+        "self_attention.linear_q_up_proj.layer_norm_weight": q_norm,
+        "self_attention.linear_q_up_proj.weight": ("copy", [a + "q_b_proj.weight"]),
+        "self_attention.linear_kv_down_proj.weight": ("copy", [a + "kv_a_proj_with_mqa.weight"]),
+        "self_attention.kv_layernorm.weight": kv_norm,
+        "self_attention.linear_kv_up_proj.layer_norm_weight": kv_norm,
+        "self_attention.linear_kv_up_proj.weight": ("copy", [a + "kv_b_proj.weight"]),
+        "mlp.shared_experts.linear_fc1.weight":
+            ("cat", [prefix + "mlp.shared_experts.gate_proj.weight",
+                     prefix + "mlp.shared_experts.up_proj.weight"]),
+        "mlp.shared_experts.linear_fc2.weight":
+            ("copy", [prefix + "mlp.shared_experts.down_proj.weight"]),
+    }
+
+
+def fp8_head_dim(hf: dict, heads: int) -> int | None:
+    return None   # MLA's projections are not merged into one QKV
+
+
+def fp8_moe_intermediate(hf: dict) -> int:
+    return int(hf.get("moe_intermediate_size") or 0)
+
+
+def fp8_dense_mlp(hf: dict, experts: int) -> bool:
+    return not experts or int(hf.get("first_k_dense_replace") or 0) > 0
+
+
+def tiny_init_fields(fields: dict, extra: dict) -> dict:
+    """The ``model.init`` fields under DeepSeek-V3's config.json names, with its section
+    ``extra`` (``model.init.deepseek``)."""
+    extra = dict(extra)
+    extra.pop("expert_bias_std")
+    for key in ("num_key_value_heads", "head_dim", "decoder_sparse_step"):
+        fields.pop(key)
+    fields.update(extra, n_routed_experts=fields.pop("num_experts"))
+    return fields
+
+
+def check_tiny_init(init) -> None:
+    """model.init.deepseek: a DeepSeek-V3 shape both transformers and megatron-core build."""
+    d = init.deepseek
+    if d.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.init.deepseek.qk_rope_head_dim: must be even, got "
+                          f"{d.qk_rope_head_dim}")
+    if init.num_experts % d.n_group:
+        raise ConfigError(f"model.init.deepseek.n_group: {d.n_group} must divide "
+                          f"model.init.num_experts ({init.num_experts})")
+    if d.topk_group > d.n_group:
+        raise ConfigError(f"model.init.deepseek.topk_group: {d.topk_group} exceeds n_group "
+                          f"({d.n_group})")
+    if d.topk_group < d.n_group and init.num_experts_per_tok != 2 * d.topk_group:
+        raise ConfigError(f"model.init.deepseek.topk_group: group-limited routing needs "
+                          f"num_experts_per_tok = 2 x topk_group (both transformers and "
+                          f"megatron-core rank a group by its best experts), got "
+                          f"{init.num_experts_per_tok} and {d.topk_group}")
+    if d.first_k_dense_replace >= init.num_hidden_layers:
+        raise ConfigError(f"model.init.deepseek.first_k_dense_replace: {d.first_k_dense_replace} "
+                          f"leaves no MoE layer of {init.num_hidden_layers}")
+
+
+def tiny_hf_config(transformers, common: dict, fields: dict, init):
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")}
+    return transformers.DeepseekV3Config(
+        **common, num_key_value_heads=init.num_attention_heads, num_nextn_predict_layers=0,
+        topk_method="noaux_tc", rope_interleave=True, **fields)

@@ -1,0 +1,38 @@
+"""Mixtral: softmax over all experts, top-k, renormalised; every layer MoE; no q/k norm; the
+experts under ``block_sparse_moe`` (w1 gate, w3 up, w2 down)."""
+from __future__ import annotations
+
+from moe_rl.families.rope import gpt_rotary
+
+MODEL_TYPE = "mixtral"
+MULTI_LATENT_ATTENTION = False
+TINY = False
+HF_MOE_BLOCK = "block_sparse_moe"
+HF_EXPERT = ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
+             "block_sparse_moe.experts.{e}.w2.weight")
+
+
+def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
+    ffn = int(spec.hf_config["intermediate_size"])
+    return dict(ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, moe_router_pre_softmax=False,
+                qk_layernorm=False)
+
+
+def rotary(hf: dict) -> dict:
+    return gpt_rotary(hf)
+
+
+def hf_attention_names(prefix: str) -> dict:
+    return {}
+
+
+def fp8_head_dim(hf: dict, heads: int) -> int | None:
+    return int(hf["hidden_size"] // heads)   # SGLang's rule for Mixtral
+
+
+def fp8_moe_intermediate(hf: dict) -> int:
+    return int(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0)
+
+
+def fp8_dense_mlp(hf: dict, experts: int) -> bool:
+    return False
