@@ -317,88 +317,6 @@ class RolloutWorker:
         self.engine.check_health()
         return True
 
-    def _generate_groups(self, indices: list[int], extra: list[int], seed: int) -> tuple:
-        """The step's prompt groups, rewards scored. Without dynamic sampling: the groups of
-        ``indices``. With it: groups whose rewards are all equal are dropped and as many more
-        prompts as are missing are taken from ``extra`` (in order; at most
-        ``rollout.max_oversample``), until ``len(indices)`` informative groups are there; when
-        ``extra`` runs out first, the batch is filled up with dropped groups (their advantages
-        are zero). With ``data.environment`` the groups are multi-turn trajectories (a dropped
-        trajectory leaves its group smaller). Returns (samples renumbered group-major, counts,
-        seconds of reward scoring not hidden behind generation, the first environment error or
-        None)."""
-        import time
-        from moe_rl.rewards.functions import score_samples
-        from moe_rl.rollout.trajectories import TrajectoryStats, generate_samples
-        cfg, inp = self.cfg, self.inputs
-        per, r = cfg.rollout.n_samples_per_prompt, cfg.rollout
-        cap = r.prompts_per_step if r.max_oversample is None else r.max_oversample
-        extra = list(extra)[:cap] if r.dynamic_sampling else []
-        informative, uniform = [], []
-        queue, generated, tokens, reward_s = list(indices), 0, 0, 0.0
-        stats = TrajectoryStats()
-        while queue:
-            first = generated
-            gids = list(range(first, first + len(queue)))
-            if inp.environment is None:   # each group's rewards while the others generate
-                generated_at = [time.perf_counter()]
-
-                async def scored(group, queue=queue):
-                    for s in group:
-                        s.metadata["prompt_index"] = queue[s.sample_id // per]
-                    return await score_samples(group, inp.tokenizer, inp.prompts, inp.reward)
-
-                samples = generate_samples(
-                    self.engine, [inp.prompts[i].ids for i in queue], per, self.sampling,
-                    seed=seed + first * per, group_ids=gids, on_group=scored,
-                    progress=lambda _: generated_at.__setitem__(0, time.perf_counter()))
-                reward_s += time.perf_counter() - generated_at[0]   # the part not hidden
-            else:   # an environment gives its trajectories' rewards
-                samples = self._trajectories(queue, per, seed + first * per, gids, stats)
-                for s in samples:
-                    s.metadata["prompt_index"] = queue[s.sample_id // per]
-            generated += len(queue)
-            tokens += sum(int(s.loss_mask.sum()) for s in samples)   # model tokens
-            by_group: dict[int, list] = {g: [] for g in gids}
-            for s in samples:
-                by_group[s.group_id].append(s)
-            for group in by_group.values():
-                if not group:   # every trajectory of the prompt was dropped
-                    continue
-                equal = len({s.reward for s in group}) == 1
-                (uniform if r.dynamic_sampling and equal else informative).append(group)
-            missing = len(indices) - len(informative)
-            queue, extra = extra[:max(missing, 0)], extra[max(missing, 0):]
-        filled = max(len(indices) - len(informative), 0)
-        chosen = informative[:len(indices)] + uniform[:filled]
-        out = []
-        for g, group in enumerate(chosen):
-            for s in group:
-                s.group_id, s.sample_id = g, len(out)
-                out.append(s)
-        counts = {"rollout/generated_groups": float(generated),
-                  "rollout/dropped_groups": float(generated - len(chosen)),
-                  "rollout/filled_groups": float(filled if r.dynamic_sampling else 0),
-                  "rollout/generated_tokens": float(tokens)}
-        if inp.environment is not None:
-            counts.update(stats.metrics())
-        return out, counts, reward_s, stats.first_error
-
-    def _trajectories(self, queue: list[int], per: int, seed: int, gids: list[int],
-                      stats) -> list:
-        """``per`` multi-turn trajectories of each prompt of ``queue`` with the environment
-        (their counts added to ``stats``)."""
-        from moe_rl.config import response_cap
-        from moe_rl.rollout.trajectories import TrajectoryLimits, rollout_trajectories
-        inp, r = self.inputs, self.cfg.rollout
-        limits = TrajectoryLimits(r.max_turns, response_cap(self.cfg),
-                                  self.cfg.data.environment_timeout_s)
-        samples, _ = rollout_trajectories(
-            self.engine, lambda: inp.environment(inp.tokenizer), [inp.prompts[i] for i in queue],
-            per, self.sampling, limits, self.engine.layout.vocab_size, group_ids=gids, seed=seed,
-            stats=stats)
-        return samples
-
     def check_serving(self, version: int, step: int) -> None:
         """The pipeline's invariant, checked before a batch is generated (see
         :func:`check_served_version`)."""
@@ -421,7 +339,10 @@ class RolloutWorker:
         timing = {}
         t0 = time.perf_counter()
         errors_before, timeouts_before = inp.reward.errors, inp.reward.timeouts
-        samples, counts, reward_s, env_error = self._generate_groups(indices, extra, seed)
+        from moe_rl.rollout.groups import build_groups
+        groups = build_groups(self.engine, cfg, inp, self.sampling, indices, extra, seed)
+        samples, counts, reward_s = groups.samples, groups.counts, groups.reward_s
+        env_error = groups.first_env_error
         timing["timing/rollout_s"] = time.perf_counter() - t0 - reward_s
         timing["timing/reward_s"] = reward_s
         errors = inp.reward.errors - errors_before   # scored 0 (timed-out samples are gone)
