@@ -4,14 +4,14 @@ sigmoid router with expert bias and group-limited top-k, shared experts, leading
 from __future__ import annotations
 
 from moe_rl.errors import ConfigError
+from moe_rl.families.names import GATED_MLP_EXPERTS
 from moe_rl.families.rope import rope_table
 
 MODEL_TYPE = "deepseek_v3"
 MULTI_LATENT_ATTENTION = True
 TINY = True
 HF_MOE_BLOCK = "mlp"
-HF_EXPERT = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-             "mlp.experts.{e}.down_proj.weight")
+HF_EXPERT = GATED_MLP_EXPERTS
 
 
 def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:

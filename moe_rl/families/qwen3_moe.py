@@ -4,14 +4,14 @@ renormalised unless ``norm_topk_prob`` is false, q/k RMSNorm, ``mlp_only_layers`
 from __future__ import annotations
 
 from moe_rl.errors import ConfigError
+from moe_rl.families.names import GATED_MLP_EXPERTS
 from moe_rl.families.rope import gpt_rotary
 
 MODEL_TYPE = "qwen3_moe"
 MULTI_LATENT_ATTENTION = False
 TINY = True
 HF_MOE_BLOCK = "mlp"
-HF_EXPERT = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-             "mlp.experts.{e}.down_proj.weight")
+HF_EXPERT = GATED_MLP_EXPERTS
 
 
 def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
