@@ -36,6 +36,3 @@ def gpt_rotary(hf: dict) -> dict:
     if theta != int(theta):
         raise ValueError(f"rope_theta: megatron-core takes an integer rotary base, got {theta}")
     return dict(position_embedding_type="rope", rotary_base=int(theta), rotary_percent=fraction)
-
-
-STANDARD_ATTENTION_NAMES: dict = {}   # no rows beyond the shared q/k/v/o table
