@@ -21,6 +21,19 @@ def _log_ratio(lp: torch.Tensor, lp_old: torch.Tensor, log_scale: torch.Tensor |
     return lp - lp_old + log_scale.detach().to(lp.dtype)
 
 
+def _sequence_inputs(loss: str, lp: torch.Tensor, lp_old: torch.Tensor,
+                     advantages: torch.Tensor, mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """A sequence-level loss's checked inputs: shapes, one advantage per sequence, and the
+    log-probs in the compute dtype."""
+    check_same_shape(lp=lp, lp_old=lp_old, mask=mask)
+    if advantages.dim() != 1:
+        raise ValueError(f"advantages: {loss} needs one advantage per sequence [B], got "
+                         f"{list(advantages.shape)}")
+    dtype = compute_dtype(lp, lp_old, advantages)
+    return lp.to(dtype), lp_old.to(dtype), dtype
+
+
 def ppo_clip_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, clip_low: float, clip_high: float,
                   dual_clip_c: float | None = None, log_scale: torch.Tensor | None = None
@@ -67,12 +80,7 @@ def gspo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor, 
     Returns the per-token loss [B, T] and metrics (clip_frac = fraction of sequences clipped,
     gspo/seq_ratio_mean).
     """
-    check_same_shape(lp=lp, lp_old=lp_old, mask=mask)
-    if advantages.dim() != 1:
-        raise ValueError(f"advantages: GSPO needs one advantage per sequence [B], got "
-                         f"{list(advantages.shape)}")
-    dtype = compute_dtype(lp, lp_old, advantages)
-    lp, lp_old = lp.to(dtype), lp_old.to(dtype)
+    lp, lp_old, dtype = _sequence_inputs("GSPO", lp, lp_old, advantages, mask)
     log_s = masked_seq_mean(_log_ratio(lp, lp_old, log_scale), mask).clamp(max=GSPO_LOG_CAP)
     log_tok = log_s.detach()[:, None] + lp - lp.detach()
     beyond = (log_s.detach() >= GSPO_LOG_CAP)[:, None]   # capped sequences carry no gradient
@@ -102,12 +110,7 @@ def gmpo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor, 
     gradient the sequence objective's. ``log r`` clamped to +-20, in float32 (float64 for
     float64 inputs). Returns the per-token loss [B, T] and metrics (clip_frac = masked tokens
     clipped, gmpo/seq_ratio_mean)."""
-    check_same_shape(lp=lp, lp_old=lp_old, mask=mask)
-    if advantages.dim() != 1:
-        raise ValueError(f"advantages: GMPO needs one advantage per sequence [B], got "
-                         f"{list(advantages.shape)}")
-    dtype = compute_dtype(lp, lp_old, advantages)
-    lp, lp_old = lp.to(dtype), lp_old.to(dtype)
+    lp, lp_old, dtype = _sequence_inputs("GMPO", lp, lp_old, advantages, mask)
     log_r = _log_ratio(lp, lp_old, log_scale).clamp(-EXP_CLAMP, EXP_CLAMP)
     sign = torch.sign(broadcast_to_tokens(advantages.to(dtype), lp))
     bounded = log_r.clamp(-clip_low, clip_high)
