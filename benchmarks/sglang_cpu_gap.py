@@ -62,12 +62,12 @@ def _cfg(model_dir: str, dtype: str = "float32", trainer_dtype: str = "float32",
 
 
 def _server(model_dir: str, dtype: str, log: str):
-    from moe_rl.engines.factory import server_command, server_process
+    from moe_rl.engines.factory import engine_kind
     from moe_rl.trainer.parallel import free_port
     cfg = _cfg(model_dir, dtype, replay="r3", keep_sampling_mask=True)
     port = free_port()
-    argv, env = server_command(cfg, "127.0.0.1", port, [], 0, model_dir)
-    return server_process(cfg, argv, env, "127.0.0.1", port, log).start(600)
+    argv, env = engine_kind(cfg).server_command("127.0.0.1", port, [], 0, model_dir)
+    return engine_kind(cfg).server_process(argv, env, "127.0.0.1", port, log).start(600)
 
 
 def _engine(url: str, layout, mask: bool):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 
-from moe_rl.engines.factory import engine_description
+from moe_rl.engines.factory import engine_kind
 
 
 def _mean(history: list[dict], key: str, rows: slice = slice(None)) -> float:
@@ -59,7 +59,7 @@ def replay_summary(history: list[dict], cfg) -> str:
     over the run's steps."""
     r = cfg.rollout
     engine = f"{r.quantization} " if r.quantization != "none" else ""
-    lines = [f"engine: {engine}{engine_description(cfg)}; trainer: {cfg.model.dtype}"]
+    lines = [f"engine: {engine}{engine_kind(cfg).describe()}; trainer: {cfg.model.dtype}"]
     if cfg.algorithm.replay == "r3":
         lines.append(f"  without replay the trainer's own routers would have agreed with the "
                      f"engine on {100 * _mean(history, 'routing/agreement'):.2f}% of (token, "

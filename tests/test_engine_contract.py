@@ -13,7 +13,7 @@ import torch
 
 from moe_rl.config import ModelInitConfig, config_from_dict
 from moe_rl.engines.base import Engine, EngineSession, SamplingConfig
-from moe_rl.engines.factory import connect, server_command, server_process
+from moe_rl.engines.factory import engine_kind
 from moe_rl.engines.sglang.pool import ServerPool
 from moe_rl.engines.sglang.weights import broadcast_tensors, close_group, open_group
 from moe_rl.models.tiny import write_tiny_model
@@ -52,16 +52,17 @@ class Started:
             "model": {"path": model}, "cluster": {"gpus_per_node": gpus},
             "rollout": engine, "algorithm": {"replay": "r3", "keep_sampling_mask": True}})
         self.procs = []
+        engine_type = engine_kind(self.cfg)
         for i in range(2):
-            argv, env = server_command(self.cfg, "127.0.0.1", free_port(), [0] if gpus else [],
-                                       i, model)
+            argv, env = engine_type.server_command("127.0.0.1", free_port(),
+                                                   [0] if gpus else [], i, model)
             port = int(argv[argv.index("--port") + 1])
-            proc = server_process(self.cfg, argv, env, "127.0.0.1", port,
-                                  str(logs / f"server{i}.log"))
+            proc = engine_type.server_process(argv, env, "127.0.0.1", port,
+                                              str(logs / f"server{i}.log"))
             self.procs.append(proc.start(300))
         shape = MoEShape.from_hf(json.loads(open(f"{model}/config.json").read()))
-        self.engine: Engine = connect(self.cfg, [p.url for p in self.procs], shape,
-                                      [p.restart for p in self.procs])
+        self.engine: Engine = engine_type.connect([p.url for p in self.procs], shape,
+                                                  [p.restart for p in self.procs])
 
     def stop(self):
         for p in self.procs:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_rl.config import ModelInitConfig, config_from_dict
-from moe_rl.engines.factory import server_command, server_process
+from moe_rl.engines.factory import engine_kind
 from moe_rl.engines.reference.engine import kept_set
 from moe_rl.engines.reference.launcher import ReferenceServer
 from moe_rl.engines.sglang.decode import decode_routing
@@ -77,10 +77,11 @@ class Pair:
                         "sglang": {"device": "cpu", "python": python}},
             "algorithm": {"replay": "r3", "keep_sampling_mask": True}})
         port = free_port()
-        argv, env = server_command(cfg, "127.0.0.1", port, [], 0, self.model)
+        sglang = engine_kind(cfg)
+        argv, env = sglang.server_command("127.0.0.1", port, [], 0, self.model)
         try:
-            self.sgl = server_process(cfg, argv, env, "127.0.0.1", port,
-                                      str(base / "sglang.log")).start(300)
+            self.sgl = sglang.server_process(argv, env, "127.0.0.1", port,
+                                             str(base / "sglang.log")).start(300)
         except BaseException:
             self.ref.stop()
             raise

@@ -199,3 +199,25 @@ def test_every_family_module_has_the_whole_interface():
     assert set(TINY_FAMILIES) == {"qwen3_moe", "deepseek_v3"}
     with pytest.raises(ValueError, match="model_type: 'gpt_oss' is not supported"):
         family("gpt_oss")
+
+
+def test_an_engine_kind_is_one_object_and_the_driver_never_speaks_to_engines_for_weights():
+    """Each ``rollout.engine`` value is one EngineKind (its package's ``KIND``), complete (no
+    abstract method left); the orchestration builds no receiver or sender itself: the trainer
+    ranks hold their sender, and the driver's in-memory sync calls the trainers once."""
+    import inspect
+    import typing
+    from moe_rl.config import config_from_dict, schema
+    from moe_rl.engines.base import EngineKind
+    from moe_rl.engines.factory import KINDS, engine_kind
+    names = typing.get_args(typing.get_type_hints(schema.RolloutConfig)["engine"])
+    assert set(KINDS) == set(names)
+    for name, kind in KINDS.items():
+        assert issubclass(kind, EngineKind) and not inspect.isabstract(kind), name
+    cfg = config_from_dict({})
+    assert type(engine_kind(cfg)) is KINDS[cfg.rollout.engine]
+    assert all(kind(cfg).weight_ranks_per_server() >= 1 for kind in KINDS.values())
+    weight_sync = (ROOT / "orchestration" / "weight_sync.py").read_text()
+    assert weight_sync.count("self.trainers.send_weights(") == 1
+    orchestration = "".join(p.read_text() for p in (ROOT / "orchestration").glob("*.py"))
+    assert not re.search(r"announce_bucket|receive_tensors|join_group|open_group", orchestration)

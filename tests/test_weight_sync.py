@@ -118,6 +118,106 @@ def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
     assert list(scratch.iterdir()) == []
 
 
+@pytest.mark.multiproc
+def test_the_kinds_distributed_sender_reopens_and_aborts(tmp_path):
+    """The sender the engine kind gives a trainer rank for ``weight_sync: distributed``: it
+    opens its group with both servers, sends in buckets as a version (the servers serve it),
+    reopens under a new name (the servers leave the old group) and sends again; a refused
+    bucket is raised after the stream, and abort closes the open session."""
+    from moe_rl.config import config_from_dict
+    from moe_rl.engines.factory import engine_kind
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_tiny_model(ModelInitConfig(seed=1), a)
+    write_tiny_model(ModelInitConfig(seed=2), b)
+    layout = MoEShape.from_hf(json.load(open(f"{a}/config.json")))
+    procs = [ReferenceServer(a, free_port()).start() for _ in range(2)]
+    ref = ReferenceServer(b, free_port()).start()
+    try:
+        kind = engine_kind(config_from_dict({"model": {"path": a},
+                                             "cluster": {"weight_sync": "distributed"}}))
+        urls = [p.url for p in procs]
+        sender, engine = kind.sender(urls, 0), kind.connect(urls, layout)
+        assert not sender.opened and not sender.everywhere
+        named = sorted(load_file(f"{b}/model.safetensors").items())
+        half = len(named) // 2
+        buckets = [(named[:half], False), ([], False), (named[half:], True)]
+        for version in (7, 8):
+            sender.open("127.0.0.1", free_port())
+            assert sender.opened and sender.group_name == f"moe_rl_weights_{version - 7}"
+            assert sender.send(iter(buckets), version) == len(named)
+            assert engine.weight_versions() == [str(version)] * 2
+        assert_serves_like(engine, ref.url, layout, [[6, 7, 68, 12, 72]])
+        wrong = [(n, t.to(torch.float64)) for n, t in named[:1]]   # not the served dtype
+        with pytest.raises(EngineHTTPError):
+            sender.send(iter([(wrong, False)]), 9)
+        sender.abort()   # the session the refused bucket left open
+        sender.abort()   # nothing open: no error
+        assert engine.weight_versions() == ["8", "8"]
+    finally:
+        for p in procs + [ref]:
+            p.stop()
+
+
+class _Remote:
+    """A Ray actor method stand-in: ``.remote(...)`` records the call and returns its value."""
+
+    def __init__(self, calls: list, name: str, result=None):
+        self.calls, self.name, self.result = calls, name, result
+
+    def remote(self, *args):
+        self.calls.append((self.name, args))
+        return self.result() if callable(self.result) else self.result
+
+
+def test_the_drivers_in_memory_sync_is_one_call_to_the_trainers(monkeypatch):
+    """The driver's in-memory sync: a health check, one call to the trainers (which reopen
+    their transport when a server restarted since it was opened), the version check. A sync
+    that fails midway is redone from disk and the transport reopened at the next."""
+    import types
+    import ray
+    from moe_rl.orchestration import weight_sync
+    monkeypatch.setattr(ray, "get", lambda x: x)
+    calls, stale, failing = [], [False], [False]
+
+    def send_weights(version, reopen):
+        calls.append(("send_weights", (version, reopen)))
+        if failing[0]:
+            raise RuntimeError("server 1 died")
+
+    rollout = types.SimpleNamespace(**{name: _Remote(calls, name, result) for name, result in [
+        ("urls", ["u0", "u1"]), ("set_weight_source", None), ("health", True),
+        ("take_group_stale", lambda: stale[0]), ("set_version", None),
+        ("update_weights", None)]})
+    trainers = types.SimpleNamespace(
+        actors=["a0"], send_weights=send_weights, export=lambda path: None,
+        connect_engines=lambda urls, sources: calls.append(("connect", (urls, sources))),
+        abort_weight_update=lambda: calls.append(("abort", ())))
+    cfg = types.SimpleNamespace(cluster=types.SimpleNamespace(weight_sync="distributed"))
+    plan = types.SimpleNamespace(tensor_sources=None)
+    sync = weight_sync.weight_sync_for(cfg, plan, trainers, rollout, "/nonexistent")
+    assert calls == [("urls", ()), ("connect", (["u0", "u1"], None)),
+                     ("set_weight_source", (["a0"], "/nonexistent"))]
+    del calls[:]
+    sync.sync(1)
+    assert calls == [("health", ()), ("take_group_stale", ()), ("send_weights", (1, False)),
+                     ("set_version", (1,))]
+    stale[0] = True   # a server restarted since
+    del calls[:]
+    sync.sync(2)
+    assert ("send_weights", (2, True)) in calls
+    stale[0], failing[0] = False, True
+    monkeypatch.setattr(sync, "_sync_disk", lambda v: calls.append(("disk", (v,))))
+    del calls[:]
+    sync.sync(3)
+    assert [c[0] for c in calls] == ["health", "take_group_stale", "send_weights", "health",
+                                     "abort", "disk"]
+    assert sync.recoveries == 1
+    failing[0] = False
+    del calls[:]
+    sync.sync(4)
+    assert ("send_weights", (4, True)) in calls and ("set_version", (4,)) in calls
+
+
 def test_request_bodies():
     named = [("x", torch.zeros(2, 3, dtype=torch.bfloat16)), ("y", torch.zeros(4))]
     body = update_request(named, 7, "g")
@@ -317,22 +417,18 @@ def test_only_the_ranks_a_server_reads_share_their_tensors(monkeypatch, rank):
     it); rank 0 hands server s the payloads of ``sources[s]``."""
     import types
     import moe_rl.weights.serialize as serialize
-    from moe_rl.orchestration.workers import TrainerWorker
+    from moe_rl.engines.sglang.sender import TensorSender
     sources = [[0, 1], [3, 4]]
     serialised, received = [], []
     monkeypatch.setattr(serialize, "serialize_named_tensors",
                         lambda named: serialised.append(named) or f"payload{rank}")
     monkeypatch.setattr(serialize, "gather_strings", lambda text: (
         [f"payload{r}" if r in (0, 1, 3, 4) else "" for r in range(6)] if rank == 0 else None))
-    trainer = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(rollout=types.SimpleNamespace(quantization="none")),
-        hf_buckets=lambda everywhere: iter([([("w", torch.zeros(2))], True)]))
     receiver = types.SimpleNamespace(
         receive_tensors=lambda payloads, version, last: received.append(payloads),
-        end=lambda: None)
-    worker = types.SimpleNamespace(rank=rank, trainer=trainer, receiver=receiver,
-                                   _begin_session=lambda: None)
-    sent = TrainerWorker.__ray_actor_class__.push_weights_tensor(worker, sources, 3)
+        begin=lambda: None, end=lambda: None)
+    sender = TensorSender(receiver, rank, fp8=False, sources=sources)
+    sent = sender.send(iter([([("w", torch.zeros(2))], True)]), 3)
     assert len(serialised) == (1 if rank == 0 else 0)
     if rank == 0:
         assert sent == 1 and received == [[["payload0", "payload1"], ["payload3", "payload4"]]]

@@ -377,7 +377,7 @@ ENGINE_PACKAGE = "moe_rl.engines.{}"
 
 def check_engine(cfg: Config) -> None:
     """The refusals of the engine ``rollout.engine`` names, which live beside that engine
-    (``moe_rl.engines.<name>.check_config``); its package is found by name, as a reward
-    function is, so the configuration does not depend on the engines."""
+    (``moe_rl.engines.<name>.KIND``'s ``check_config``); its package is found by name, as a
+    reward function is, so the configuration does not depend on the engines."""
     import importlib
-    importlib.import_module(ENGINE_PACKAGE.format(cfg.rollout.engine)).check_config(cfg)
+    importlib.import_module(ENGINE_PACKAGE.format(cfg.rollout.engine)).KIND(cfg).check_config()

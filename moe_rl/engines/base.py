@@ -5,6 +5,11 @@ rewards, engine_avg scoring) and the weight sync ask of an inference engine, whi
   to one server when a trajectory needs its prefix cache; score finished samples with ``n``
   passes; take new weights through its :class:`WeightReceiver`; release and resume memory
   (colocated training); flush caches; health; the weight version each server serves.
+- :class:`WeightSender`: a trainer rank's side of an in-memory weight update (open the
+  transport, send named tensors by bucket with a version, abort), one class per transport.
+- :class:`EngineKind`: one kind of engine (``rollout.engine``) as one object: how many GPUs,
+  ports and weight-group ranks a server takes, its command line and process, the configurations
+  it refuses, and its engine, receiver and sender over running servers.
 - :class:`Turn`: one generation decoded (ids, rollout log-probs, routing rows, kept sets, weight
   version). :class:`ResponseError` when an engine's answer cannot become one.
 
@@ -14,11 +19,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, TypeVar
 
 import torch
 
+from moe_rl.engines.process import CommandServer
 from moe_rl.moe_shape import MoEShape
+
+if TYPE_CHECKING:
+    from moe_rl.config import Config
 
 T = TypeVar("T")
 
@@ -128,6 +137,37 @@ class WeightReceiver(ABC):
         GPUs it shares with the trainer)."""
 
 
+Bucket = list[tuple[str, torch.Tensor]]   # HF-named tensors sent together
+
+
+class WeightSender(ABC):
+    """A trainer rank's side of an in-memory weight update, one class per transport. Every
+    trainer rank calls :meth:`send` together (a collective over the trainer's ranks); rank 0
+    talks to the servers through their :class:`WeightReceiver`."""
+
+    everywhere: bool = False   # every rank streams whole buckets (else rank 0 alone holds them)
+
+    @property
+    def opened(self) -> bool:
+        """Whether the transport is ready to send (a transport without a group always is)."""
+        return True
+
+    def open(self, address: str, port: int) -> None:
+        """Rank 0: (re)build the transport with every server, meeting at ``address:port``
+        (nothing to build by default)."""
+
+    @abstractmethod
+    def send(self, buckets: Iterable[tuple[Bucket, bool]], version: int) -> int:
+        """Collective: hand every server ``buckets`` ((tensors, last bucket) in order) as weight
+        ``version``; returns the tensors sent (counted on rank 0). A failure is raised after
+        the stream ended, so no rank is left waiting in a collective."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """After a failed update: close whatever update the servers still have open (a
+        restarted server has none)."""
+
+
 class Engine(ABC):
     """An inference engine of one or more servers, as the rollout and the weight sync use it."""
 
@@ -170,3 +210,65 @@ class Engine(ABC):
     @abstractmethod
     def weight_versions(self) -> list[str]:
         """The weight version each server serves."""
+
+
+class EngineKind(ABC):
+    """One kind of engine (``rollout.engine``) under one configuration: what a server takes
+    (GPUs, ports, weight-group ranks), its command line and supervised process, what the kind
+    refuses, and its :class:`Engine`, :class:`WeightReceiver` and :class:`WeightSender` over
+    running servers."""
+
+    inherits_socket: bool = False   # the server serves on the socket its parent bound
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The engine in words, with the dtype it serves where moe_rl sets it."""
+
+    @abstractmethod
+    def gpus_per_server(self) -> int:
+        """GPUs one server uses (0 on CPU)."""
+
+    def port_span(self) -> int:
+        """Ports from its own up that one server binds (servers on a node are this far
+        apart)."""
+        return 1
+
+    def weight_ranks_per_server(self) -> int:
+        """Ranks one server takes in the weight-update group."""
+        return 1
+
+    def check_config(self) -> None:
+        """Refuse (ConfigError, naming the key) what this kind cannot run; nothing by
+        default."""
+
+    @abstractmethod
+    def server_command(self, host: str, port: int, gpus: list[int], index: int,
+                       model_path: str) -> tuple[list[str], dict[str, str]]:
+        """(argv, environment moe_rl sets) of server ``index`` on ``host:port``."""
+
+    def server_process(self, argv: list[str], env: dict[str, str], host: str, port: int,
+                       log_path: str | None = None) -> CommandServer:
+        """The supervised process of one server started from ``argv`` / ``env``."""
+        return CommandServer(argv, env, host, port, inherits_socket=self.inherits_socket,
+                             api_key=self.cfg.rollout.api_key, log_path=log_path)
+
+    @abstractmethod
+    def connect(self, urls: list[str], layout: MoEShape,
+                restarters: list[Callable[[], None] | None] | None = None) -> Engine:
+        """The engine over the servers at ``urls``; ``restarters[i]`` brings server i back
+        when it dies."""
+
+    @abstractmethod
+    def receiver(self, urls: list[str]) -> WeightReceiver:
+        """The weight receiver of the servers at ``urls`` alone (one restarted server, or the
+        trainer's side of a sync)."""
+
+    @abstractmethod
+    def sender(self, urls: list[str], rank: int,
+               sources: list[list[int]] | None = None) -> WeightSender:
+        """Trainer rank ``rank``'s sender to the servers at ``urls`` for
+        ``cluster.weight_sync`` (``sources[s][j]``: the trainer rank that feeds server s's
+        tensor-parallel rank j, for the colocated tensor path)."""

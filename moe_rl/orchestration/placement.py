@@ -25,8 +25,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from moe_rl.config import Config, ConfigError
-from moe_rl.engines.factory import (gpus_per_server, port_span, server_command,
-    weight_ranks_per_server)
+from moe_rl.engines.factory import engine_kind
 
 LOOPBACK_HOSTS = ("localhost",)
 
@@ -111,7 +110,8 @@ def engine_host(cfg: Config, nodes: int, node_address: str) -> str:
 def engine_command(cfg: Config, proc: PlannedProcess, model_path: str
                    ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment moe_rl sets) of engine ``proc`` at its host and port."""
-    return server_command(cfg, proc.host, proc.port, proc.gpus, proc.index, model_path)
+    return engine_kind(cfg).server_command(proc.host, proc.port, proc.gpus, proc.index,
+                                            model_path)
 
 
 def _spread(count: int, nodes: int) -> list[int]:
@@ -123,7 +123,7 @@ def _gpu_layout(cfg: Config, nodes: int, G: int
                 ) -> tuple[list[PlannedProcess], list[int], list[list[int]]]:
     """GPU runs: the trainer ranks, and each engine server's node and GPUs (see the rules)."""
     c, r = cfg.cluster, cfg.rollout
-    E = gpus_per_server(cfg)
+    E = engine_kind(cfg).gpus_per_server()
     if c.trainer_workers > nodes * G:
         raise ConfigError(f"cluster.trainer_workers: {c.trainer_workers} ranks need as many "
                           f"GPUs; the cluster has {nodes} x {G} (cluster.num_nodes x "
@@ -180,7 +180,7 @@ def make_plan(cfg: Config, nodes: int | None = None, gpus_per_node: int | None =
         k = on_node.get(node, 0)
         on_node[node] = k + 1
         procs.append(PlannedProcess("engine", s, node, gpus,
-                                    port=r.base_port + k * port_span(cfg)))
+                                    port=r.base_port + k * engine_kind(cfg).port_span()))
     procs.append(PlannedProcess("rollout", 0, 0, []))
     for p in procs:
         res = ray_resources(cfg, p)
@@ -217,7 +217,7 @@ def tensor_sources(cfg: Config, plan: Plan) -> list[list[int]] | None:
     out = []
     for server in plan.of("engine"):
         ranks = []
-        for j, gpu in enumerate(server.gpus[:weight_ranks_per_server(cfg)]):
+        for j, gpu in enumerate(server.gpus[:engine_kind(cfg).weight_ranks_per_server()]):
             if (server.node, gpu) not in on_gpu:
                 raise ConfigError(f"cluster.weight_sync: 'tensor' needs a trainer rank on the GPU "
                                   f"of every SGLang TP rank; server {server.index}'s TP rank {j} "
@@ -233,7 +233,7 @@ def weight_group_plan(cfg: Config, plan: Plan) -> dict | None:
     0, server s's TP rank j is rank ``1 + s * ranks_per_server + j``."""
     if cfg.cluster.weight_sync != "distributed":
         return None
-    per = weight_ranks_per_server(cfg)
+    per = engine_kind(cfg).weight_ranks_per_server()
     t0 = plan.of("trainer")[0]
     ranks = [{"rank": 0, "process": t0.name, "node": t0.node, "gpu": (t0.gpus or [None])[0]}]
     for e in plan.of("engine"):

@@ -129,6 +129,20 @@ class Trainers:
         """A HF checkpoint of the policy (``use_ema``: its exponential moving average)."""
         ray.get([a.export_hf.remote(out_dir, use_ema) for a in self.actors])
 
+    def connect_engines(self, urls: list[str], sources: list[list[int]] | None) -> None:
+        """Every rank's weight sender to the servers at ``urls`` (in-memory weight sync)."""
+        ray.get([a.connect_engines.remote(urls, sources, self.single_node)
+                 for a in self.actors])
+
+    def send_weights(self, version: int, reopen: bool = False) -> int:
+        """The policy to every server as weight ``version`` (the ranks send together; see
+        TrainerWorker.send_weights); returns the tensors sent."""
+        return ray.get([a.send_weights.remote(version, reopen) for a in self.actors])[0]
+
+    def abort_weight_update(self) -> None:
+        """After a failed update: close what the servers still have open."""
+        ray.get(self.actors[0].abort_weight_update.remote())
+
     def save(self, path: str) -> None:
         ray.get([a.save.remote(path) for a in self.actors])
 

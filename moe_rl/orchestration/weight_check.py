@@ -23,7 +23,7 @@ import ray
 import torch
 
 from moe_rl.config import Config
-from moe_rl.engines.factory import engine_description
+from moe_rl.engines.factory import engine_kind
 from moe_rl.orchestration.failures import RunFailed
 from moe_rl.types import RolloutBatch
 
@@ -75,7 +75,7 @@ class WeightCheck:
         agree = m.get("weights/probe_routing_agreement")
         return RunFailed(
             f"weight check: after syncing version {version} ({self.cfg.cluster.weight_sync}) and "
-            f"again after reloading it from disk, the engine ({engine_description(self.cfg)}) "
+            f"again after reloading it from disk, the engine ({engine_kind(self.cfg).describe()}) "
             f"disagrees with the trainer on the probe: k3 {m['weights/probe_k3']:.3g} (limit "
             f"{self.limit:.3g}: {self.cfg.rollout.weight_check_factor:g} x the start's "
             f"{self.baseline:.3g}, at least rollout.weight_check_floor="

@@ -65,110 +65,30 @@ class TrainerWorker:
         self.trainer.export_hf(out_dir, use_ema=use_ema)
         return out_dir
 
-    def connect_engines(self, urls: list[str]) -> None:
-        """The engine servers this rank sends weights to (its sender's receiver)."""
-        from moe_rl.engines.factory import weight_receiver
-        self.engine_urls = list(urls)
-        self.receiver = weight_receiver(self.trainer.cfg, self.engine_urls)
+    def connect_engines(self, urls: list[str], sources: list[list[int]] | None,
+                        single_node: bool) -> None:
+        """This rank's weight sender to the engine servers at ``urls`` (the transport of
+        ``cluster.weight_sync``; ``sources``: the plan's tensor sources); ``single_node``: the
+        transport meets on loopback."""
+        from moe_rl.engines.factory import engine_kind
+        self.sender = engine_kind(self.trainer.cfg).sender(urls, self.rank, sources)
+        self.single_node = single_node
 
-    def open_weight_group(self, backend: str, address: str, port: int, world: int,
-                          group_name: str, timeout_s: float, previous: str | None = None
-                          ) -> None:
-        """Rank 0 builds the weight-update group with the engines: it has them join (leaving
-        ``previous``) while it creates its end, replacing the group it had."""
-        from concurrent.futures import ThreadPoolExecutor
-        from moe_rl.engines.sglang.weights import close_group, open_group
-        if getattr(self, "weight_group", None) is not None:
-            close_group(self.weight_group)
-            self.weight_group = None
-        self.group_name = group_name
-        with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(self.receiver.join_group, address, port, group_name, backend,
-                                 previous)
-            try:
-                self.weight_group = open_group(backend, address, port, 0, world, group_name,
-                                               timeout_s=timeout_s)
-            finally:
-                joined.result()
-
-    def stream_weights_distributed(self, version: int) -> int:
-        """Distributed sync (collective over the trainer ranks): the policy streams in buckets
-        of ``cluster.weight_sync_bucket_mb``; rank 0 opens the engines' weight-update session,
-        announces each bucket to every server (``flush_cache`` on the last) while it broadcasts
-        its tensors, and closes the session. A failure is raised after the stream ended, so the
-        other ranks are never left in a collective. Returns the tensors sent."""
-        from concurrent.futures import ThreadPoolExecutor
-        from moe_rl.engines.sglang.weights import broadcast_tensors
-        from moe_rl.weights.fp8 import quantise_named
-        fp8 = self.trainer.cfg.rollout.quantization == "fp8"
-        sent, failure = 0, None
-        if self.rank == 0:   # a refusal still lets this rank take part in the stream
-            failure = self._begin_session()
-        with ThreadPoolExecutor(1) as pool:
-            for bucket, last in self.trainer.hf_buckets():
-                if self.rank != 0 or failure is not None or not bucket:
-                    continue
-                if fp8:   # the engines serve block-wise FP8: send E4M3 weights and their scales
-                    bucket = quantise_named(bucket)
-                answer = pool.submit(self.receiver.announce_bucket, bucket, version,
-                                     self.group_name, last)
-                try:
-                    broadcast_tensors(self.weight_group, bucket, answer)
-                    answer.result()
-                    sent += len(bucket)
-                except Exception as exc:   # finish the stream (collectives), then report
-                    failure = exc
-        if failure is not None:
-            raise failure
-        if self.rank == 0:
-            self.receiver.end()
-        return sent
-
-    def push_weights_tensor(self, sources: list[list[int]], version: int) -> int:
-        """Colocated SGLang: hand the weights to every server as CUDA tensors (collective), in
-        buckets of ``cluster.weight_sync_bucket_mb``. Server s's TP rank j takes the payload
-        of trainer rank ``sources[s][j]`` (the plan's: the rank on that TP rank's GPU); only
-        those ranks serialise (torch keeps a shared CUDA block alive until a consumer releases
-        it: a payload no server opens would hold a model copy per sync). Rank 0 gathers the
-        payloads and hands each server its TP ranks' ones inside a weight-update session,
-        keeping its tensors alive until the servers answered. Returns the tensors sent."""
-        from moe_rl.weights.fp8 import quantise_named
-        from moe_rl.weights.serialize import gather_strings, serialize_named_tensors
-        sent, failure = 0, None
-        if self.rank == 0:   # SGLang loads tensor updates only inside a session
-            failure = self._begin_session()
-        fp8 = self.trainer.cfg.rollout.quantization == "fp8"
-        consumed = self.rank in {r for ranks in sources for r in ranks}
-        for bucket, last in self.trainer.hf_buckets(everywhere=True):
-            payloads = gather_strings(serialize_named_tensors(
-                quantise_named(bucket) if fp8 else bucket) if consumed else "")
-            if self.rank != 0 or failure is not None:
-                continue
-            try:
-                self.receiver.receive_tensors([[payloads[r] for r in ranks] for ranks in sources],
-                                              version, last)
-                sent += len(bucket)
-            except Exception as exc:   # finish the stream (collectives), then report
-                failure = exc
-        if self.rank == 0:
-            if failure is not None:
-                raise failure
-            self.receiver.end()
-        return sent
-
-    def _begin_session(self) -> Exception | None:
-        """Open the engines' weight-update session; the error instead of raising it, so rank 0
-        still takes part in the stream's collectives (the other ranks wait in them)."""
-        try:
-            self.receiver.begin()
-        except Exception as exc:
-            return exc
-        return None
+    def send_weights(self, version: int, reopen: bool = False) -> int:
+        """Collective over the trainer ranks: the policy to every server as weight ``version``,
+        in buckets of ``cluster.weight_sync_bucket_mb``. Rank 0 first (re)opens the transport
+        when it has none or ``reopen`` (a server restarted, or the last update failed). Returns
+        the tensors sent."""
+        if self.rank == 0 and (reopen or not self.sender.opened):
+            # one node: the servers are local, the group stays on loopback
+            address = "127.0.0.1" if self.single_node else self.node_ip()
+            self.sender.open(address, self.free_port(address))
+        return self.sender.send(self.trainer.hf_buckets(everywhere=self.sender.everywhere),
+                                version)
 
     def abort_weight_update(self) -> None:
-        """After a failed sync: close whatever sessions are open (a restarted server has
-        none)."""
-        self.receiver.end(missing_ok=True)
+        """After a failed update: close whatever the servers still have open."""
+        self.sender.abort()
 
     def save(self, path: str) -> None:
         self.trainer.save_checkpoint(path)
@@ -196,7 +116,7 @@ class EngineHost:
 
     def __init__(self, cfg_tree: dict, planned: dict, nodes: int, model_path: str,
                  log_path: str):
-        from moe_rl.engines.factory import server_process
+        from moe_rl.engines.factory import engine_kind
         from moe_rl.engines.process import bind_first_free
         from moe_rl.orchestration.placement import PlannedProcess, engine_command, engine_host
         cfg = config_from_dict(cfg_tree)
@@ -208,7 +128,8 @@ class EngineHost:
         proc.port = self.sock.getsockname()[1]
         proc.argv, proc.env = engine_command(cfg, proc, model_path)
         self.planned = proc
-        self.server = server_process(cfg, proc.argv, proc.env, proc.host, proc.port, log_path)
+        self.server = engine_kind(cfg).server_process(proc.argv, proc.env, proc.host, proc.port,
+                                                      log_path)
 
     def placed(self) -> dict:
         """The process as placed (its address and the port it holds)."""
@@ -254,8 +175,9 @@ class RolloutWorker:
 
     def __init__(self, cfg_tree: dict, hosts: list):
         from moe_rl.engines.base import SamplingConfig
-        from moe_rl.engines.factory import connect, weight_receiver
+        from moe_rl.engines.factory import engine_kind
         cfg = config_from_dict(cfg_tree)
+        kind = engine_kind(cfg)
         self.cfg = cfg
         r = cfg.rollout
         self.hosts = hosts   # EngineHost actors, servers started (the driver placed them)
@@ -274,11 +196,11 @@ class RolloutWorker:
                 ray.get(host.restart.remote())
                 path = self._weights_for_restart()
                 if path is not None:   # a restarted server serves the current weights again
-                    weight_receiver(cfg, [url]).load_from_disk(path, self.version)
+                    kind.receiver([url]).load_from_disk(path, self.version)
             return restart
 
-        self.engine = connect(cfg, self.server_urls, shape,
-                              [restarter(h, u) for h, u in zip(hosts, self.server_urls)])
+        self.engine = kind.connect(self.server_urls, shape,
+                                   [restarter(h, u) for h, u in zip(hosts, self.server_urls)])
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
         self.inputs = load_run_inputs(cfg)   # tokenizer, prompts, reward function
         self.eval_scorer = None   # eval.reward (made at the first evaluation)

@@ -1,0 +1,89 @@
+"""The engine kinds whose servers speak SGLang's HTTP protocol (SGLang itself, and the CPU
+reference engine, which imitates it): their engine, weight receiver and weight senders over
+running servers (:class:`SGLangProtocolKind`); and SGLang's own kind (:class:`SGLangKind`)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from moe_rl.config import ConfigError
+from moe_rl.engines.base import EngineKind
+from moe_rl.engines.needs import requests_routing, requests_sampling_mask
+from moe_rl.engines.sglang.checks import check_config
+from moe_rl.engines.sglang.client import SGLangEngine, SGLangWeightReceiver
+from moe_rl.engines.sglang.launcher import sglang_argv, sglang_env
+from moe_rl.engines.sglang.pool import ServerPool
+from moe_rl.engines.sglang.sender import DistributedSender, TensorSender
+from moe_rl.moe_shape import MoEShape
+
+# SGLang 0.5.23 under --enable-dp-attention on one node also binds port+233 (its ZMQ_TCP_PORT_DELTA)
+# and port+234..port+239 (server_args.py:728,818-846)
+DP_ATTENTION_PORT_SPAN = 233 + 7
+
+
+class SGLangProtocolKind(EngineKind):
+    """An engine kind whose servers speak SGLang's protocol: one client, receiver and sender
+    set serves them all."""
+
+    def _pool_factory(self, urls: list[str], restarters=None) -> Callable[[], ServerPool]:
+        r = self.cfg.rollout
+        return lambda: ServerPool(urls, api_key=r.api_key, timeout=r.request_timeout_s,
+                                  max_retries=r.max_retries, concurrency=r.concurrency,
+                                  restarters=restarters, health_timeout=r.health_timeout_s)
+
+    def connect(self, urls, layout: MoEShape, restarters=None) -> SGLangEngine:
+        return SGLangEngine(self._pool_factory(urls, restarters), layout,
+                            need_routing=requests_routing(self.cfg),
+                            need_mask=requests_sampling_mask(self.cfg),
+                            ranks_per_server=self.weight_ranks_per_server())
+
+    def receiver(self, urls) -> SGLangWeightReceiver:
+        return SGLangWeightReceiver(self._pool_factory(urls), self.weight_ranks_per_server())
+
+    def sender(self, urls, rank, sources=None):
+        c, r = self.cfg.cluster, self.cfg.rollout
+        fp8 = r.quantization == "fp8"
+        if c.weight_sync == "distributed":
+            return DistributedSender(self.receiver(urls), rank, fp8,
+                                     backend="nccl" if c.gpus_per_node > 0 else "gloo",
+                                     world=1 + len(urls) * self.weight_ranks_per_server(),
+                                     timeout_s=r.request_timeout_s)
+        if c.weight_sync == "tensor":
+            return TensorSender(self.receiver(urls), rank, fp8, sources)
+        raise ConfigError(f"cluster.weight_sync: {c.weight_sync!r} has no in-memory sender; "
+                          "expected 'distributed' or 'tensor'")
+
+
+class SGLangKind(SGLangProtocolKind):
+    """SGLang servers, on GPUs or on CPU (from `moe-rl sglang-cpu-env`'s environment); SGLang
+    binds its port itself."""
+
+    def describe(self) -> str:
+        """With the dtype moe_rl sets on CPU; on GPUs the checkpoint's."""
+        g = self.cfg.rollout.sglang
+        return (f"{self.cfg.rollout.engine_dtype} SGLang on cpu" if g.device == "cpu"
+                else "SGLang on GPUs")
+
+    def gpus_per_server(self) -> int:
+        """tp_size x dp_size (tp_size with DP attention); none on CPU."""
+        g = self.cfg.rollout.sglang
+        if g.device == "cpu":
+            return 0
+        dp = 1 if "--enable-dp-attention" in g.extra_args else g.dp_size
+        return g.tp_size * dp
+
+    def port_span(self) -> int:
+        """1, or with ``--enable-dp-attention`` the :data:`DP_ATTENTION_PORT_SPAN` that SGLang
+        derives from it (servers on one node are spaced by this, or the second cannot bind)."""
+        return (DP_ATTENTION_PORT_SPAN
+                if "--enable-dp-attention" in self.cfg.rollout.sglang.extra_args else 1)
+
+    def weight_ranks_per_server(self) -> int:
+        """One per TP rank."""
+        return self.cfg.rollout.sglang.tp_size
+
+    def check_config(self) -> None:
+        check_config(self.cfg)
+
+    def server_command(self, host, port, gpus, index, model_path):
+        return (sglang_argv(self.cfg, model_path, host, port),
+                sglang_env(list(gpus), self.cfg.rollout.sglang.device))
