@@ -41,7 +41,9 @@ class GroupStepAdam(torch.optim.Optimizer):
     Engine's FusedAdam does; megatron takes it in place of TE's when it is installed as
     ``megatron.core.optimizer.Adam``."""
 
-    def __init__(self, params, lr, weight_decay, betas, eps, adam_w_mode=True):
+    def __init__(self, params, lr, weight_decay, betas, eps, adam_w_mode=True, capturable=False):
+        if capturable:   # megatron-core 0.17+ passes optimizer_cuda_graph here, as TE takes it
+            raise ValueError("capturable: CUDA-graph capture is not imitated")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
                                       adam_w_mode=adam_w_mode))
 

@@ -42,10 +42,17 @@ def _run(world, *args):
 
 
 def _plain(path):
-    from megatron.core import dist_checkpointing
-    from moe_rl.trainer.parallel import init_distributed
-    init_distributed()   # one process reads every shard
-    return dist_checkpointing.load_plain_tensors(os.path.join(path, "dist"))
+    """Every tensor of a saved distributed checkpoint, whole, read by torch's own checkpoint
+    reader in this one process (megatron-core 0.19.2's ``load_plain_tensors`` fails under
+    torch 2.15, whose tensor metadata gained ``strides``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    reader = dcp.FileSystemReader(os.path.join(path, "dist"))
+    plain = {k: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in reader.read_metadata().state_dict_metadata.items()
+             if isinstance(m, TensorStorageMetadata)}
+    dcp.load(plain, storage_reader=reader, no_dist=True)
+    return plain
 
 
 @pytest.mark.multiproc

@@ -221,3 +221,20 @@ def test_an_engine_kind_is_one_object_and_the_driver_never_speaks_to_engines_for
     assert weight_sync.count("self.trainers.send_weights(") == 1
     orchestration = "".join(p.read_text() for p in (ROOT / "orchestration").glob("*.py"))
     assert not re.search(r"announce_bucket|receive_tensors|join_group|open_group", orchestration)
+
+
+def test_the_schemas_algorithm_choices_are_the_registries_keys():
+    """algorithm.loss, .advantage, .aggregation, .kl.estimator and .corrections offer exactly
+    what the algorithm library registers (one entry per choice: a new loss is one function and
+    one registry line, and the schema's choice, which this test then demands)."""
+    import typing
+    from moe_rl import algo
+    from moe_rl.config import schema
+    hints = typing.get_type_hints(schema.AlgorithmConfig)
+    choices = {name: set(typing.get_args(hints[name])) for name in
+               ("loss", "advantage", "aggregation")}
+    assert choices == {"loss": set(algo.POLICY_LOSSES), "advantage": set(algo.ADVANTAGES),
+                       "aggregation": set(algo.AGGREGATIONS)}
+    kl = typing.get_type_hints(hints["kl"])
+    assert set(typing.get_args(kl["estimator"])) == set(algo.KL_ESTIMATORS)
+    assert set(schema.CORRECTIONS) == set(algo.CORRECTIONS)

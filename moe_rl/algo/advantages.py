@@ -3,7 +3,27 @@ from __future__ import annotations
 
 import torch
 
-ADVANTAGES = ("grpo", "drgrpo", "rloo")
+
+def _drgrpo(r: torch.Tensor, inv: torch.Tensor, count: torch.Tensor, total: torch.Tensor,
+            eps: float) -> torch.Tensor:
+    """R_i - mean_g R."""
+    return r - (total / count)[inv]
+
+
+def _grpo(r, inv, count, total, eps):
+    """(R_i - mean_g R) / (std_g R + eps), std with Bessel's correction."""
+    adv = _drgrpo(r, inv, count, total, eps)
+    sq = torch.zeros_like(total).index_add_(0, inv, adv * adv)
+    return adv / ((sq / (count - 1).clamp_min(1)).sqrt()[inv] + eps)
+
+
+def _rloo(r, inv, count, total, eps):
+    """R_i - mean_{j != i} R_j."""
+    return r - (total[inv] - r) / (count[inv] - 1).clamp_min(1)
+
+
+# algorithm.advantage's choices: (rewards, group index, group sizes, group sums, eps) -> [N]
+ADVANTAGES = {"grpo": _grpo, "drgrpo": _drgrpo, "rloo": _rloo}
 
 
 def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, method: str = "grpo",
@@ -16,7 +36,8 @@ def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, method: s
     A group of one sample has no baseline and gets advantage 0 under every method.
     """
     if method not in ADVANTAGES:
-        raise ValueError(f"advantage method: expected one of {ADVANTAGES}, got {method!r}")
+        raise ValueError(f"advantage method: expected one of {tuple(ADVANTAGES)}, got "
+                         f"{method!r}")
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
         raise ValueError(f"rewards and group_ids: expected two 1-D tensors of equal length, got "
                          f"{list(rewards.shape)} and {list(group_ids.shape)}")
@@ -28,15 +49,5 @@ def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, method: s
     n_groups = int(inv.max()) + 1 if inv.numel() else 0
     count = torch.zeros(n_groups, dtype=dtype).index_add_(0, inv, torch.ones_like(r))
     total = torch.zeros(n_groups, dtype=dtype).index_add_(0, inv, r)
-    n = count[inv]
-    single = n < 2
-    if method == "rloo":
-        adv = r - (total[inv] - r) / (n - 1).clamp_min(1)
-    else:
-        mean = (total / count)[inv]
-        adv = r - mean
-        if method == "grpo":
-            sq = torch.zeros(n_groups, dtype=dtype).index_add_(0, inv, adv * adv)
-            std = (sq / (count - 1).clamp_min(1)).sqrt()[inv]
-            adv = adv / (std + eps)
-    return torch.where(single, torch.zeros_like(adv), adv)
+    adv = ADVANTAGES[method](r, inv, count, total, eps)
+    return torch.where(count[inv] < 2, torch.zeros_like(adv), adv)

@@ -8,6 +8,7 @@ import torch
 
 from moe_rl.algo.common import (EXP_CLAMP, broadcast_to_tokens, check_same_shape, compute_dtype,
                                masked_mean, masked_seq_mean)
+from moe_rl.config import DPPO_DEFAULT_DELTA
 
 GSPO_LOG_CAP = 10.0   # GSPO: the sequence and token log-ratios are capped at 10 (as verl)
 
@@ -179,6 +180,36 @@ def dppo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
         metrics = {"clip_frac": float(masked_mean(outside.to(dtype), mask)),
                    "dppo/divergence_mean": float(div[finite].mean()) if finite.any() else 0.0}
     return -adv * scale * ratio, metrics
+
+
+def _ppo(lp, lp_old, adv, keep, a, log_scale):
+    return ppo_clip_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high, a.dual_clip_c,
+                         log_scale=log_scale)
+
+
+def _gspo(lp, lp_old, adv, keep, a, log_scale):
+    return gspo_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high, log_scale=log_scale)
+
+
+def _gmpo(lp, lp_old, adv, keep, a, log_scale):
+    return gmpo_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high, log_scale=log_scale)
+
+
+def _dppo(divergence: str):
+    """DPPO with ``divergence``; its trust region (``algorithm.dppo``) defaults per divergence.
+    It takes no router-shift scale (the configuration refuses the pair)."""
+    def loss(lp, lp_old, adv, keep, a, log_scale):
+        d, default = a.dppo, DPPO_DEFAULT_DELTA[f"dppo_{divergence}"]
+        return dppo_loss(lp, lp_old, adv, keep, divergence,
+                         default if d.delta_low is None else d.delta_low,
+                         default if d.delta_high is None else d.delta_high, d.ratio_cap)
+    return loss
+
+
+# algorithm.loss's choices: (lp, lp_old, advantages, keep, AlgorithmConfig, log-ratio scale or
+# None) -> (per-token loss, metrics)
+POLICY_LOSSES = {"ppo": _ppo, "gspo": _gspo, "gmpo": _gmpo, "dppo_tv": _dppo("tv"),
+                 "dppo_kl": _dppo("kl")}
 
 
 def _token_covariance(lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor

@@ -372,12 +372,13 @@ def validate(cfg: Config) -> None:
     check_engine(cfg)
 
 
-ENGINE_PACKAGE = "moe_rl.engines.{}"
+ENGINE_CHECKS = "moe_rl.engines.{}.checks"
 
 
 def check_engine(cfg: Config) -> None:
     """The refusals of the engine ``rollout.engine`` names, which live beside that engine
-    (``moe_rl.engines.<name>.KIND``'s ``check_config``); its package is found by name, as a
-    reward function is, so the configuration does not depend on the engines."""
+    (``moe_rl.engines.<name>.checks.check_config``, which the engine kind applies too); the
+    module is found by name, as a reward function is, so the configuration does not depend on
+    the engines (nor imports what they need)."""
     import importlib
-    importlib.import_module(ENGINE_PACKAGE.format(cfg.rollout.engine)).KIND(cfg).check_config()
+    importlib.import_module(ENGINE_CHECKS.format(cfg.rollout.engine)).check_config(cfg)

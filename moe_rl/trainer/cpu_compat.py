@@ -17,6 +17,9 @@
    any that is not ``torch.cuda.{Float,Half,BFloat16}Tensor``; optimizer.py:671-700 in 0.16.1).
 7. ``torch.cuda.synchronize`` does nothing (``dist_checkpointing``'s writer waits for device
    copies with it; on CPU there are none).
+8. ``torch.cuda.current_stream`` returns a stream that waits for nothing (megatron-core 0.19's
+   DDP asks for it before every gradient reduction, to wait for CUDA-graph events,
+   param_and_grad_buffer.py:632; on CPU there are none).
 """
 from __future__ import annotations
 
@@ -50,6 +53,20 @@ def define_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+class _NoStream:
+    """The current stream on CPU: nothing runs asynchronously, so there is nothing to wait
+    for."""
+
+    def wait_event(self, event) -> None:
+        """Nothing to wait for."""
+
+    def wait_stream(self, stream) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
 def apply_cpu_shims() -> bool:
     """Install the shims once when CUDA is absent; returns whether they are active. Shim 3
     applies on every device."""
@@ -61,6 +78,7 @@ def apply_cpu_shims() -> bool:
         return True
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
     from megatron.core.tensor_parallel import random as tp_random
     tp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
     tp_random._get_cuda_rng_state = lambda *a, **k: None

@@ -5,6 +5,8 @@ megatron-core 0.16 builds MLA's core attention with separate key and value head 
 ``DotProductAttention`` takes neither and shapes its output as ``kv_channels`` per head. And
 without Transformer Engine installed, the MLA module still believes TE is present (megatron's
 extension module imports with a stand-in), so its ``isinstance(..., TELinear)`` check fails.
+From 0.17 on, MLA pads the values of packed rows to the query/key width; the output follows the
+width of the values it is given.
 :func:`use_local_mla` fixes both for a block spec built with ``use_transformer_engine=False``.
 """
 from __future__ import annotations
@@ -29,6 +31,15 @@ class LocalMLACoreAttention(PackedLocalAttention):
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         if v_channels is not None:   # the output is [s, b, heads_per_partition * v_channels]
             self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        """The output is as wide as the values given: megatron-core 0.17+ pads MLA's values to
+        the query/key width on packed rows (and trims the output after)."""
+        self.hidden_size_per_partition = self.num_attention_heads_per_partition * value.shape[-1]
+        return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                               attention_bias=attention_bias,
+                               packed_seq_params=packed_seq_params)
 
 
 def use_local_mla(block_spec) -> None:

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.algo import (CorrectionInputs, Normalisers, aggregate, apply_corrections, clip_cov,
-                         clip_cov_select, dppo_loss, gmpo_loss, gspo_loss, kl_cov_loss,
-                         kl_cov_select, kl_estimate, ppo_clip_loss, router_shift_metrics)
-from moe_rl.config import DPPO_DEFAULT_DELTA, AlgorithmConfig
+from moe_rl.algo import (POLICY_LOSSES, CorrectionInputs, Normalisers, aggregate,
+                         apply_corrections, clip_cov, clip_cov_select, kl_cov_loss, kl_cov_select,
+                         kl_estimate, router_shift_metrics)
+from moe_rl.config import AlgorithmConfig
 
 GROUP_CORRECTIONS = ("metropolis", "snis")
 
@@ -92,19 +92,8 @@ class PolicyLoss:
         if e.method == "kl_cov":   # replaces the clipped surrogate
             loss_tok, lm = kl_cov_loss(lp, lp_old, adv, keep, ratio=e.kl_cov_ratio,
                                        coef=e.kl_cov_coef, chosen=x.chosen)
-        elif a.loss in ("gspo", "gmpo"):
-            ratio_loss = gspo_loss if a.loss == "gspo" else gmpo_loss
-            loss_tok, lm = ratio_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high,
-                                      log_scale=x.log_ratio_scale)
-        elif a.loss in DPPO_DEFAULT_DELTA:
-            d, default = a.dppo, DPPO_DEFAULT_DELTA[a.loss]
-            loss_tok, lm = dppo_loss(lp, lp_old, adv, keep, a.loss.removeprefix("dppo_"),
-                                     default if d.delta_low is None else d.delta_low,
-                                     default if d.delta_high is None else d.delta_high,
-                                     d.ratio_cap)
         else:
-            loss_tok, lm = ppo_clip_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high,
-                                         a.dual_clip_c, log_scale=x.log_ratio_scale)
+            loss_tok, lm = POLICY_LOSSES[a.loss](lp, lp_old, adv, keep, a, x.log_ratio_scale)
         if x.log_ratio_scale is not None:
             lm.update(router_shift_metrics(x.log_ratio_scale.exp(), keep, a.router_shift.floor))
         loss_tok = loss_tok * weights.to(loss_tok.dtype)

@@ -92,13 +92,17 @@ def te_available() -> bool:
 
 def layer_spec(config):
     """Per-layer decoder block spec (dense and MoE layers as ``moe_layer_freq`` says): Transformer
-    Engine modules when TE is importable and CUDA present, local modules otherwise."""
+    Engine modules when TE is importable and CUDA present, local modules otherwise; MLA without
+    query LoRA with the checkpoint's query projection (:mod:`moe_rl.trainer.mla_query`)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from moe_rl.trainer.mla_query import use_hf_query_projection
     use_te = te_available()
     block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                              normalization="RMSNorm")
     if not use_te:
         use_local_attention(block, config.multi_latent_attention)
+    if config.multi_latent_attention and config.q_lora_rank is None:
+        use_hf_query_projection(block)
     return block
 
 

@@ -53,8 +53,127 @@ class StepBatch:
                                              # the experts pi_old activated (router shift)
 
 
+class PiOldPass:
+    """pi_old: the policy's log-probs and entropy, routed as the plan routes pi_old; beside each
+    forward, the routing agreement with the engine (samples at the current version, and the
+    stale ones' lag), the router log-scores at the experts pi_old activated (router shift) and
+    the routing it chose, which the update replays (R2)."""
+
+    def __init__(self, passes: StepPasses, samples: list[Sample], step: int, width: int):
+        self.passes, self.samples, self.step = passes, samples, step
+        self.route = passes.routes.pi_old
+        self.lp = torch.zeros(len(samples), width)
+        self.entropy = torch.zeros_like(self.lp)
+        self.router_old: torch.Tensor | None = None   # [N, R_max, L, K] (router shift)
+        self.agree_rows: list[dict] = []   # routing agreement at the samples' own versions
+        self.lag_rows: list[dict] = []     # stale samples against the current version
+        self.scores = passes.cfg.algorithm.router_shift.enabled
+        # R2 (and the router shift routing freely) keep what pi_old chose, per sample
+        self.capture = passes.routes.update_replays_pi_old or (
+            self.scores and passes.routes.update is Route.OFF)
+        self.chosen: dict[int, torch.Tensor] = {}
+
+    def dummy(self) -> None:
+        p = self.passes
+        p.fw.dummy_forward(p.model, p.replay)
+
+    def forward(self, mb: MicroBatch) -> None:
+        p, rows = self.passes, mb.sample_indices
+        lp, e = p.fw.forward(p.model, p.replay, mb, self.route,
+                             collect_own=mb.routing is not None, router_scores=self.scores)
+        width = int(mb.response_lens.max())
+        if self.scores:
+            old = response_rows(micro_batch_rows(p.replay.router_scores(), mb, p.fw,
+                                                 p.cfg.trainer.sequence_parallel), mb)
+            if self.router_old is None:
+                self.router_old = old.new_zeros((len(self.samples), self.lp.shape[1],
+                                                 *old.shape[2:]))
+            self.router_old[rows, :width] = old
+        self.lp[rows, :width] = mb.to_response_padded(lp.float())
+        self.entropy[rows, :width] = mb.to_response_padded(e.float())
+        if mb.routing is not None:   # fresh samples: same version; stale ones: the lag
+            fresh = torch.tensor([p.versions is None or self.samples[i].weight_version >= self.step
+                                  for i in rows])
+            same, lag = p._agreement_rows(mb, self.route, fresh)
+            self.agree_rows.append(same)
+            self.lag_rows.append(lag)
+        if self.capture:
+            self.chosen.update(p._per_sample_routing(self.samples, mb))
+
+    def replay_samples(self) -> list[Sample]:
+        """The samples with the routing the update replays (R2) or reads the router shift at
+        (replay off): what pi_old chose; else the samples as they came."""
+        if not self.capture:
+            return self.samples
+        return [dataclasses.replace(s, routing=self.chosen[i]) for i, s in enumerate(self.samples)]
+
+
+class ReferencePass:
+    """The frozen reference's log-probs (KL), routed as the plan routes the reference."""
+
+    def __init__(self, passes: StepPasses, n: int, width: int):
+        self.passes = passes
+        self.lp = torch.zeros(n, width)
+
+    def dummy(self) -> None:
+        p = self.passes
+        p.fw.dummy_forward(p.ref_model, p.ref_replay)
+
+    def forward(self, mb: MicroBatch) -> None:
+        p = self.passes
+        route = ReplayPlan.for_batch(p.routes.reference, mb.routing is not None)
+        lp, _ = p.fw.forward(p.ref_model, p.ref_replay, mb, route)
+        self.lp[mb.sample_indices, :int(mb.response_lens.max())] = mb.to_response_padded(
+            lp.float())
+
+
+class OwnVersionPass:
+    """The asynchronous pipeline's same-version score: each sample generated from an older
+    weight version is scored again by the trainer with that version's weights (R3 replays its
+    routing, as the plan routes ``own_version``), so ``mismatch/*`` compares engine and trainer
+    at one version and ``staleness/*`` shows the policy lag. A sample whose version is no
+    longer held (older than ``rollout.max_staleness``) is left out. Every rank walks the same
+    versions with aligned micro-batches (expert-parallel collectives)."""
+
+    def __init__(self, passes: StepPasses):
+        self.passes = passes
+
+    def run(self, samples: list[Sample], lp_tr: torch.Tensor, step: int,
+            agree_rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log-probs at each sample's version, scored [N], stale [N]); the routing agreement
+        of these forwards is appended to ``agree_rows``."""
+        p = self.passes
+        lp_same = lp_tr.clone()
+        versions = [s.weight_version for s in samples]
+        stale = torch.tensor([v < step for v in versions], dtype=torch.bool)
+        scored = torch.tensor([v == step or (v < step and p.versions.has(v))
+                               for v in versions], dtype=torch.bool)
+        for v in range(step - p.cfg.rollout.max_staleness, step):
+            rows = [i for i, u in enumerate(versions) if u == v] if p.versions.has(v) else []
+            if not dp_max(len(rows)):
+                continue
+            with contextlib.ExitStack() as stack:
+                if rows:
+                    stack.enter_context(p.versions.weights_of(v))
+                for mb in p.fw.aligned(p.fw.micro_batches(samples, rows)):
+                    if mb is None:
+                        p.fw.dummy_forward(p.model, p.replay)
+                        continue
+                    route = ReplayPlan.for_batch(p.routes.own_version, mb.routing is not None)
+                    lp, _ = p.fw.forward(p.model, p.replay, mb, route,
+                                         collect_own=mb.routing is not None)
+                    if mb.routing is not None:
+                        agree_rows.append(p._agreement_rows(
+                            mb, route, torch.ones(len(mb.sample_indices), dtype=torch.bool))[0])
+                    width = int(mb.response_lens.max())
+                    lp_same[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
+        return lp_same, scored, stale
+
+
 class StepPasses:
-    """The step's no-grad passes over the policy (and the reference, when KL is on)."""
+    """The step's no-grad passes over the policy (and the reference, when KL is on): one
+    object per pass (:class:`PiOldPass`, :class:`ReferencePass`, :class:`OwnVersionPass`),
+    then the batch-wide loss inputs."""
 
     def __init__(self, cfg: Config, fw: Forwarder, model, replay: ReplayController,
                  ref_model, ref_replay: ReplayController | None, routes: ReplayPlan,
@@ -66,85 +185,40 @@ class StepPasses:
         self.vocab_size, self.moe_shape = vocab_size, moe_shape
         self.notes: list[dict] = []   # the last step's sample notes (for samples.jsonl)
 
-    def run(self, samples: list[Sample], step: int) -> tuple[StepBatch, dict[str, float]]:
-        """The passes of step ``step`` on this rank's ``samples``: pi_old / reference passes,
-        advantages, corrections and the step's metrics."""
-        a = self.cfg.algorithm
+    def _check(self, samples: list[Sample]) -> None:
         for s in samples:
             s.validate(self.vocab_size, self.moe_shape if s.routing is not None else None)
-        if a.replay == "r3" and any(s.routing is None for s in samples):
+        if self.routes.replays_engine and any(s.routing is None for s in samples):
             raise ValueError("algorithm.replay=r3 but a sample has no routing: start SGLang with "
                              "--enable-return-routed-experts (the reference engine always "
                              "returns it when asked)")
-        n = len(samples)
+
+    def run(self, samples: list[Sample], step: int) -> tuple[StepBatch, dict[str, float]]:
+        """The passes of step ``step`` on this rank's ``samples``: each micro-batch through
+        pi_old's pass and the reference's, stale samples at their own versions, then
+        advantages, corrections and the step's metrics."""
+        self._check(samples)
         mask = pad_rows([s.loss_mask for s in samples], dtype=torch.bool)
         lp_roll = pad_rows([s.rollout_logprobs for s in samples])
-        lp_tr = torch.zeros_like(lp_roll)
-        ent = torch.zeros_like(lp_roll)
-        lp_ref = torch.zeros_like(lp_roll) if self.ref_model is not None else None
-        metrics: dict[str, float] = {}
-        agree_rows: list[dict] = []   # routing agreement at the samples' own versions
-        lag_rows: list[dict] = []     # stale samples against the current version
-        r2_routing: dict[int, torch.Tensor] = {}
-        shift = a.router_shift.enabled
-        keep_own = a.replay == "r2" or (shift and a.replay == "off")
-        router_old = None
+        pi_old = PiOldPass(self, samples, step, lp_roll.shape[1])
+        ref = ReferencePass(self, len(samples), lp_roll.shape[1]) if self.ref_model else None
+        per_batch = [pi_old] + ([ref] if ref is not None else [])
         self.model.eval()
-        for mb in self.fw.aligned(self.fw.micro_batches(samples, list(range(n)))):
-            if mb is None:
-                self.fw.dummy_forward(self.model, self.replay)
-                if self.ref_model is not None:
-                    self.fw.dummy_forward(self.ref_model, self.ref_replay)
-                continue
-            lp, e = self.fw.forward(self.model, self.replay, mb, self.routes.pi_old,
-                                    collect_own=mb.routing is not None, router_scores=shift)
-            rows = mb.sample_indices
-            width = int(mb.response_lens.max())
-            if shift:
-                old = response_rows(micro_batch_rows(self.replay.router_scores(), mb, self.fw,
-                                                     self.cfg.trainer.sequence_parallel), mb)
-                if router_old is None:
-                    router_old = old.new_zeros((n, lp_roll.shape[1], *old.shape[2:]))
-                router_old[rows, :width] = old
-            lp_tr[rows, :width] = mb.to_response_padded(lp.float())
-            ent[rows, :width] = mb.to_response_padded(e.float())
-            if mb.routing is not None:   # fresh samples: same version; stale ones: the lag
-                fresh = torch.tensor([self.versions is None or samples[i].weight_version >= step
-                                      for i in mb.sample_indices])
-                same, lag = self._agreement_rows(mb, self.routes.pi_old, fresh)
-                agree_rows.append(same)
-                lag_rows.append(lag)
-            if keep_own:
-                r2_routing.update(self._per_sample_routing(samples, mb))
-            if self.ref_model is not None:
-                lr_, _ = self.fw.forward(self.ref_model, self.ref_replay, mb, ReplayPlan.for_batch(
-                    self.routes.reference, mb.routing is not None))
-                lp_ref[rows, :width] = mb.to_response_padded(lr_.float())
+        for mb in self.fw.aligned(self.fw.micro_batches(samples, list(range(len(samples))))):
+            for one in per_batch:
+                one.dummy() if mb is None else one.forward(mb)
+        metrics: dict[str, float] = {}
         lp_same = scored = stale = None
         if self.versions is not None:
-            lp_same, scored, stale = self._score_at_own_versions(samples, lp_tr, step,
-                                                                 agree_rows)
+            lp_same, scored, stale = OwnVersionPass(self).run(samples, pi_old.lp, step,
+                                                              pi_old.agree_rows)
             metrics.update({k.replace("routing/", "staleness/routing_"): v for k, v in
-                            self._agreement_metrics(lag_rows).items()
+                            self._agreement_metrics(pi_old.lag_rows).items()
                             if k in ("routing/agreement", "routing/token_differs_frac")})
-        metrics.update(self._agreement_metrics(agree_rows))
-        passes = None
-        if samples and all(s.pass_logprobs is not None for s in samples):
-            passes = torch.stack([pad_rows([s.pass_logprobs[j] for s in samples])
-                                  for j in range(samples[0].pass_logprobs.shape[0])])
-        has_mass = bool(samples) and all(s.kept_logmass is not None for s in samples)
-        kept = self._kept(samples)
-        local = StepRows(
-            mask=mask, lp_roll=lp_roll, lp_tr=lp_tr, entropy=ent,
-            rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
-            groups=torch.tensor([s.group_id for s in samples], dtype=torch.long),
-            weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
-            sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
-            lp_ref=lp_ref, passes=passes, lp_same=lp_same, same_scored=scored, stale=stale,
-            kept_logmass=pad_rows([s.kept_logmass for s in samples]) if has_mass else None,
-            kept_sizes=pad_rows(kept, dtype=torch.long) if kept is not None else None)
+        metrics.update(self._agreement_metrics(pi_old.agree_rows))
+        local = self._rows(samples, mask, lp_roll, pi_old, ref, lp_same, scored, stale)
         rows_all, mine = gather_rows(local, dp_group())
-        inputs = step_inputs(a, rows_all, deferred=self.loss.live,
+        inputs = step_inputs(self.cfg.algorithm, rows_all, deferred=self.loss.live,
                              generator=self.loss.generator)
         metrics.update(inputs.metrics)
         self.notes = sample_notes(rows_all, inputs, self.cfg.logging.samples_per_step)
@@ -152,16 +226,32 @@ class StepPasses:
             lag = (step - rows_all.weight_versions).clamp(min=0).double()
             metrics["rollout/staleness_mean"] = float(lag.mean())
             metrics["rollout/staleness_max"] = float(lag.max())
-        replay_samples = samples
-        if keep_own:   # the update replays (R2), or reads the router shift at, per sample, what
-                       # the pi_old pass chose
-            replay_samples = [dataclasses.replace(s, routing=r2_routing[i])
-                              for i, s in enumerate(samples)]
         own = lambda t: None if t is None else t[mine]   # noqa: E731  (this rank's rows)
         return StepBatch(samples, own(rows_all.mask), own(rows_all.lp_roll),
                          own(rows_all.lp_tr), own(rows_all.entropy), own(inputs.lp_old),
                          own(rows_all.lp_ref), own(inputs.weights), own(inputs.keep),
-                         own(inputs.advantages), replay_samples, router_old), metrics
+                         own(inputs.advantages), pi_old.replay_samples(),
+                         pi_old.router_old), metrics
+
+    def _rows(self, samples: list[Sample], mask: torch.Tensor, lp_roll: torch.Tensor,
+              pi_old: PiOldPass, ref: ReferencePass | None, lp_same, scored, stale) -> StepRows:
+        """This rank's rows of the step: the samples' own fields and the passes' results."""
+        passes = None
+        if samples and all(s.pass_logprobs is not None for s in samples):
+            passes = torch.stack([pad_rows([s.pass_logprobs[j] for s in samples])
+                                  for j in range(samples[0].pass_logprobs.shape[0])])
+        has_mass = bool(samples) and all(s.kept_logmass is not None for s in samples)
+        kept = self._kept(samples)
+        return StepRows(
+            mask=mask, lp_roll=lp_roll, lp_tr=pi_old.lp, entropy=pi_old.entropy,
+            rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+            groups=torch.tensor([s.group_id for s in samples], dtype=torch.long),
+            weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
+            sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
+            lp_ref=ref.lp if ref is not None else None, passes=passes, lp_same=lp_same,
+            same_scored=scored, stale=stale,
+            kept_logmass=pad_rows([s.kept_logmass for s in samples]) if has_mass else None,
+            kept_sizes=pad_rows(kept, dtype=torch.long) if kept is not None else None)
 
     def probe(self, samples: list[Sample]) -> list[tuple[list[float], list | None]]:
         """The weight check's trainer side (``rollout.weight_check``): per probe sample, the
@@ -203,43 +293,6 @@ class StepPasses:
             out.append({"w": float(rows.sum()),
                         **self.replay.agreement(engine, rows, trainer=trainer)})
         return out[0], out[1]
-
-    def _score_at_own_versions(self, samples: list[Sample], lp_tr: torch.Tensor, step: int,
-                               agree_rows: list[dict]
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The asynchronous pipeline's same-version score: each sample generated from an older
-        weight version is scored again by the trainer with that version's weights (R3 replays
-        its routing), so ``mismatch/*`` compares engine and trainer at one version and
-        ``staleness/*`` shows the policy lag; the routing agreement of those forwards is
-        appended to ``agree_rows``. Returns (log-probs at the sample's version,
-        scored [N], stale [N]); a sample whose version is no longer held (older than
-        ``rollout.max_staleness``) is left out of both. Every rank walks the same versions
-        with aligned micro-batches (expert-parallel collectives)."""
-        lp_same = lp_tr.clone()
-        versions = [s.weight_version for s in samples]
-        stale = torch.tensor([v < step for v in versions], dtype=torch.bool)
-        scored = torch.tensor([v == step or (v < step and self.versions.has(v))
-                               for v in versions], dtype=torch.bool)
-        for v in range(step - self.cfg.rollout.max_staleness, step):
-            rows = [i for i, u in enumerate(versions) if u == v] if self.versions.has(v) else []
-            if not dp_max(len(rows)):
-                continue
-            with contextlib.ExitStack() as stack:
-                if rows:
-                    stack.enter_context(self.versions.weights_of(v))
-                for mb in self.fw.aligned(self.fw.micro_batches(samples, rows)):
-                    if mb is None:
-                        self.fw.dummy_forward(self.model, self.replay)
-                        continue
-                    route = ReplayPlan.for_batch(self.routes.own_version, mb.routing is not None)
-                    lp, _ = self.fw.forward(self.model, self.replay, mb, route,
-                                            collect_own=mb.routing is not None)
-                    if mb.routing is not None:
-                        agree_rows.append(self._agreement_rows(
-                            mb, route, torch.ones(len(mb.sample_indices), dtype=torch.bool))[0])
-                    width = int(mb.response_lens.max())
-                    lp_same[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
-        return lp_same, scored, stale
 
     def _agreement_metrics(self, agree_rows: list[dict]) -> dict[str, float]:
         """routing/agreement (+ per layer) over the whole batch: position-weighted sums

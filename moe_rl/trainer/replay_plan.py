@@ -38,6 +38,16 @@ class ReplayPlan:
                    own_version=Route.REPLAY if r3 else Route.RECORD,
                    update=Route.OFF if algorithm.replay == "off" else Route.REPLAY)
 
+    @property
+    def replays_engine(self) -> bool:
+        """Whether pi_old replays the engine's routing (R3): every sample must carry it."""
+        return self.pi_old is Route.REPLAY
+
+    @property
+    def update_replays_pi_old(self) -> bool:
+        """Whether the update replays the routing the pi_old pass recorded (R2)."""
+        return self.pi_old is Route.RECORD and self.update is Route.REPLAY
+
     @staticmethod
     def for_batch(route: Route, has_routing: bool) -> Route:
         """``route`` for a micro-batch; a replay without routing to replay runs free."""

@@ -3,8 +3,8 @@
 and senders."""
 from __future__ import annotations
 
-from moe_rl.config import ConfigError
 from moe_rl.engines.needs import requests_routing
+from moe_rl.engines.reference.checks import check_config
 from moe_rl.engines.reference.launcher import REFERENCE_ENV, reference_argv
 from moe_rl.engines.sglang.kind import SGLangProtocolKind
 
@@ -22,11 +22,7 @@ class ReferenceKind(SGLangProtocolKind):
         return 0
 
     def check_config(self) -> None:
-        """What the reference engine cannot do: take CUDA tensors (weight_sync tensor)."""
-        if self.cfg.cluster.weight_sync == "tensor":
-            raise ConfigError("cluster.weight_sync: 'tensor' hands CUDA tensors to SGLang on the "
-                              "same GPUs: it needs cluster.colocate=true, rollout.engine=sglang "
-                              "and GPUs; use 'distributed' or 'disk' otherwise")
+        check_config(self.cfg)
 
     def server_command(self, host, port, gpus, index, model_path):
         """Server ``index`` is seeded ``trainer.seed + index``."""

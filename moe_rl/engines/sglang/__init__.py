@@ -2,9 +2,5 @@
 kind (:mod:`.kind`), their launch command (:mod:`.launcher`), the HTTP client (:mod:`.client`,
 :mod:`.pool`, :mod:`.decode`), the weight-update dialect (:mod:`.weights`) and the trainer's
 senders (:mod:`.sender`), the CPU environment and its shims (:mod:`.cpu_environment`,
-:mod:`.cpu_shims`) and what SGLang refuses (:mod:`.checks`)."""
-from __future__ import annotations
-
-from moe_rl.engines.sglang.kind import SGLangKind as KIND
-
-__all__ = ["KIND"]
+:mod:`.cpu_shims`) and what SGLang refuses (:mod:`.checks`, read when a configuration is
+loaded, so it imports nothing heavy)."""
