@@ -12,7 +12,23 @@ SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
-.PHONY: setup test test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster docs demo demo-sglang bench study clean
+# the newest upstream: megatron-core 0.19 needs Python 3.12, where PyPI's torch is a CUDA build
+# (it runs on CPU; ~6.5 GB installed); the other dependencies resolve to their newest releases
+# within setup.py's ranges
+# a pyenv-installed 3.12 where there is one (its shim refuses outside `pyenv local`), else PATH's
+PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+UPSTREAM_VENV ?= .venv-upstream
+UPSTREAM_PY := $(UPSTREAM_VENV)/bin/python
+UPSTREAM_STAMP := $(UPSTREAM_VENV)/.installed
+UPSTREAM_PINS := megatron-core==0.19.2 torch==2.15.0 transformers==5.24.0 ray==2.60.0
+# the trainer, checkpoints, DeepSeek-V3, packing / context parallel, parallel ranks, bf16, and
+# the loop tests marked `upstream` (R3 + GSPO through `moe-rl train`)
+UPSTREAM_TESTS := tests/test_trainer_step.py tests/test_trainer_model.py \
+	tests/test_trainer_parallel.py tests/test_checkpoint.py tests/test_checkpoint_reshard.py \
+	tests/test_deepseek_v3.py tests/test_packed_sequences.py tests/test_context_parallel.py \
+	tests/test_bf16_trainer.py
+
+.PHONY: setup test test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster test-upstream docs demo demo-sglang bench study clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -58,6 +74,17 @@ test-contract: $(STAMP) $(SGLANG_STAMP)
 test-sglang: $(STAMP) $(SGLANG_STAMP)
 	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m "sglang and not slow" $(PYTEST_ARGS) $(DURATIONS) tests
 
+# this machine's pip configuration caps torch at the release on its disk (for Python 3.11):
+# the upstream environment reads no pip configuration
+$(UPSTREAM_STAMP): setup.py
+	test -x $(UPSTREAM_PY) || $(PY312) -m venv $(UPSTREAM_VENV)
+	PIP_CONFIG_FILE=/dev/null $(UPSTREAM_PY) -m pip install --quiet --upgrade pip
+	PIP_CONFIG_FILE=/dev/null $(UPSTREAM_PY) -m pip install --quiet -e ".[test]" $(UPSTREAM_PINS)
+	touch $(UPSTREAM_STAMP)
+
+test-upstream: $(UPSTREAM_STAMP)
+	$(UPSTREAM_PY) -m pytest -q -m "not slow and (not loop or upstream)" $(PYTEST_ARGS) $(DURATIONS) $(UPSTREAM_TESTS)
+
 test-slow: $(STAMP) $(SGLANG_STAMP)
 	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m "slow" $(PYTEST_ARGS) tests
 
@@ -91,4 +118,4 @@ study: $(STAMP)
 	$(PY) benchmarks/dose_response.py
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) $(UPSTREAM_VENV) build *.egg-info

@@ -18,9 +18,12 @@ setup(
     # pins, transformers 5.19.0 and tokenizers 0.23.2, must fit for the [sglang] extra); the
     # upper bound stops before a release that may remove what moe_rl calls (megatron-core
     # changes its API between minor releases; transformers removes `past_key_values` in 5.40).
+    # megatron-core 0.17+ needs Python 3.12: pip resolves 0.16.x on 3.11 and 0.19.x on 3.12,
+    # both tested (`make test`, `make test-upstream`); from 0.17 on it imports triton.
     install_requires=[
         "torch>=2.6,<3",
-        "megatron-core>=0.16,<0.17",
+        "megatron-core>=0.16,<0.20",
+        "triton>=3.2,<4; python_version >= '3.12' and sys_platform == 'linux'",
         "transformers>=5.19,<5.40",
         "tokenizers>=0.22,<0.24",
         "safetensors>=0.4,<1",

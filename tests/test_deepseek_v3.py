@@ -339,6 +339,43 @@ def test_cpu_twin_config_trains_through_the_loop_with_r3_and_converts(tmp_path):
     assert all(abs(r["mismatch/k3"]) < 1e-6 for r in _rows(tmp_path / "run"))
 
 
+@pytest.mark.loop
+@pytest.mark.e2e
+@pytest.mark.upstream
+def test_a_deepseek_v3_without_query_lora_trains_with_r3_and_gspo(tmp_path):
+    """A Moonlight-style DeepSeek-V3 (``q_lora_rank: null``: the query projection reads the
+    layer's normalised input, no norm of its own) through `moe-rl init-model` and `moe-rl
+    train` with R3 and GSPO, disk sync: megatron-core builds it (0.17+ with the checkpoint's
+    query projection, see moe_rl/trainer/mla_query.py), loads its HF weights, and the float32
+    engine equals the trainer at every step (routing agreement 1, k3 ~0); the query projection
+    learns (a supervised warm start, then RL) and is served back under its HF name."""
+    import subprocess
+    import sys
+    from tests.conftest import ROOT, train_cli
+    no_lora = "model.init.deepseek.q_lora_rank=null"
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "deepseek_tiny_cpu.yaml"), "--out",
+                    str(tmp_path / "model"), no_lora], check=True, capture_output=True,
+                   timeout=120)
+    start = load_file(tmp_path / "model" / "model.safetensors")
+    assert "model.layers.0.self_attn.q_proj.weight" in start
+    assert not any("q_a_" in k for k in start)
+    train_cli(tmp_path, 2, no_lora, "algorithm.loss=gspo",
+              "algorithm.aggregation=seq-mean-token-mean", "algorithm.clip_low=3e-4",
+              "algorithm.clip_high=4e-4", "algorithm.corrections=[]",
+              "cluster.weight_sync=disk", config="deepseek_tiny_cpu.yaml")
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["routing/agreement"] == 1.0
+        assert abs(r["mismatch/k3"]) < 1e-6 and r["mismatch/abs_diff_max"] < 1e-4
+    final = load_file(tmp_path / "run" / "final_hf" / "model.safetensors")
+    assert final.keys() == start.keys()
+    assert not torch.equal(start["model.layers.1.self_attn.q_proj.weight"],
+                           final["model.layers.1.self_attn.q_proj.weight"])   # warm start, RL
+    assert any(r["grad_norm"] > 0 for r in rows)
+
+
 def test_convert_round_trip_through_the_cli_is_bit_identical(tmp_path):
     """`moe-rl convert --to megatron` then `--to hf`: every tensor of the DeepSeek-V3
     checkpoint (MLA projections, shared experts, expert bias) comes back bit-identical."""
@@ -419,3 +456,31 @@ def test_expert_parallel_2_matches_one_process(tmp_path):
         assert torch.allclose(out["lp"], ref, atol=1e-5), (out["lp"] - ref).abs().max()
         assert out["exported"].keys() == original.keys()
         assert all(torch.equal(out["exported"][k], v) for k, v in original.items())
+
+
+def test_packing_an_mla_model_warns_where_neither_megatron_nor_te_handles_its_head_sizes(
+        monkeypatch):
+    """Packed rows of MLA (query/key head 24, value head 16) on Transformer Engine's spec: a
+    warning naming trainer.pack_sequences when megatron-core does not pad the values itself
+    (0.16.1) and TE is older than 2.20; none with TE 2.20, with a megatron that pads, unpacked,
+    or with equal head sizes."""
+    import importlib.metadata
+    import types
+    import megatron.core.transformer.multi_latent_attention as mla
+    from moe_rl.trainer import model_builder
+    monkeypatch.setattr(model_builder, "te_available", lambda: True)
+    te = ["2.19.0"]
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: te[0])
+    monkeypatch.delattr(mla, "_prepare_mla_core_attention_value", raising=False)
+    config = types.SimpleNamespace(multi_latent_attention=True, qk_head_dim=16,
+                                   qk_pos_emb_head_dim=8, v_head_dim=16)
+    warning = model_builder.mla_packing_warning(config, packed=True)
+    assert warning.startswith("trainer.pack_sequences:") and "Transformer Engine 2.19.0" in warning
+    assert model_builder.mla_packing_warning(config, packed=False) is None
+    equal = types.SimpleNamespace(**{**vars(config), "v_head_dim": 24})
+    assert model_builder.mla_packing_warning(equal, packed=True) is None
+    te[0] = "2.20.0.dev0+abc"
+    assert model_builder.mla_packing_warning(config, packed=True) is None
+    te[0] = "2.19.0"
+    monkeypatch.setattr(mla, "_prepare_mla_core_attention_value", lambda *a: None, raising=False)
+    assert model_builder.mla_packing_warning(config, packed=True) is None

@@ -274,6 +274,7 @@ def test_an_engine_killed_between_phases_comes_back_with_the_current_weights(tmp
 
 @pytest.mark.loop
 @pytest.mark.e2e
+@pytest.mark.slow   # 66 s: in `make test-slow`; engine determinism stays in `make test`
 def test_two_deterministic_runs_are_bit_identical(tmp_path):
     """Same config, deterministic inference: every logged value of every step is equal (the
     reference engine's batch composition, the only run-to-run difference, is taken out)."""

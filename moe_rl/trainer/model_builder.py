@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,37 @@ def layer_spec(config):
     if config.multi_latent_attention and config.q_lora_rank is None:
         use_hf_query_projection(block)
     return block
+
+
+TE_THD_UNEQUAL_HEAD_DIMS = (2, 20)   # the first Transformer Engine release seen attending packed
+                                     # (THD) rows whose query/key and value head sizes differ
+
+
+def mla_packing_warning(config, packed: bool) -> str | None:
+    """What to tell a user who packs sequences (``trainer.pack_sequences``) of an MLA model whose
+    query/key and value head sizes differ on Transformer Engine's spec when neither megatron-core
+    pads the values itself (from 0.17 on; 0.16.1 lacks it, Megatron-LM PR #3003) nor the
+    installed Transformer Engine is a release known to accept the two sizes on packed rows
+    (TE's choice of attention backend can be read only on a GPU, so its version is the test).
+    None when none of that applies."""
+    if not (packed and config.multi_latent_attention and te_available()):
+        return None
+    qk = config.qk_head_dim + config.qk_pos_emb_head_dim
+    if qk == config.v_head_dim:
+        return None
+    import megatron.core.transformer.multi_latent_attention as mla
+    if hasattr(mla, "_prepare_mla_core_attention_value"):   # megatron pads V on packed rows
+        return None
+    from importlib.metadata import version
+    te = version("transformer_engine")
+    if tuple(int(x) for x in re.findall(r"\d+", te)[:2]) >= TE_THD_UNEQUAL_HEAD_DIMS:
+        return None
+    return (f"trainer.pack_sequences: this MLA model's packed rows need attention with query/key "
+            f"head size {qk} and value head size {config.v_head_dim}; this megatron-core does "
+            f"not pad the values itself and Transformer Engine {te} may choose a backend that "
+            f"refuses them (2.20 accepts them). If the first step fails in attention, set "
+            f"trainer.pack_sequences=false or install Transformer Engine >= 2.20 or "
+            f"megatron-core >= 0.17 (Python 3.12)")
 
 
 def use_local_attention(block, mla: bool) -> None:

@@ -10,6 +10,8 @@ step's metrics.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from moe_rl.algo import collapse_guard
@@ -17,7 +19,7 @@ from moe_rl.config import Config
 from moe_rl.trainer.cpu_compat import cuda_absent, cuda_factories_on_cpu
 from moe_rl.trainer.forwarder import Forwarder
 from moe_rl.trainer.loss import PolicyLoss
-from moe_rl.trainer.model_builder import build_model
+from moe_rl.trainer.model_builder import build_model, mla_packing_warning
 from moe_rl.trainer.parallel import ParallelSizes
 from moe_rl.trainer.passes import StepBatch, StepPasses
 from moe_rl.trainer.replay import ReplayController
@@ -48,6 +50,9 @@ class PolicyTrainer:
                                        recompute=t.recompute_activations,
                                        expert_bias_update_rate=t.expert_bias_update_rate)
         load_hf_into_megatron(model, self.spec, hf_path)
+        risk = mla_packing_warning(model.config, t.pack_sequences)
+        if risk is not None:
+            print(f"warning: {risk}", file=sys.stderr, flush=True)
         facts = self.spec.facts
         self.moe_shape = facts
         self.replay = ReplayController(model, facts.moe_layers, facts.topk, facts.num_experts,
