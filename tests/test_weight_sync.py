@@ -142,7 +142,10 @@ def test_the_kinds_distributed_sender_reopens_and_aborts(tmp_path):
         half = len(named) // 2
         buckets = [(named[:half], False), ([], False), (named[half:], True)]
         for version in (7, 8):
-            sender.open("127.0.0.1", free_port())
+            port = free_port()
+            said = sender.open("127.0.0.1", port)
+            assert said == (f"weight-update group moe_rl_weights_{version - 7}: gloo at "
+                            f"127.0.0.1:{port}, 3 ranks")
             assert sender.opened and sender.group_name == f"moe_rl_weights_{version - 7}"
             assert sender.send(iter(buckets), version) == len(named)
             assert engine.weight_versions() == [str(version)] * 2
@@ -169,10 +172,11 @@ class _Remote:
         return self.result() if callable(self.result) else self.result
 
 
-def test_the_drivers_in_memory_sync_is_one_call_to_the_trainers(monkeypatch):
+def test_the_drivers_in_memory_sync_is_one_call_to_the_trainers(monkeypatch, capsys):
     """The driver's in-memory sync: a health check, one call to the trainers (which reopen
     their transport when a server restarted since it was opened), the version check. A sync
-    that fails midway is redone from disk and the transport reopened at the next."""
+    that fails midway is redone from disk and the transport reopened at the next; a transport
+    opened is named in the driver's log."""
     import types
     import ray
     from moe_rl.orchestration import weight_sync
@@ -183,6 +187,7 @@ def test_the_drivers_in_memory_sync_is_one_call_to_the_trainers(monkeypatch):
         calls.append(("send_weights", (version, reopen)))
         if failing[0]:
             raise RuntimeError("server 1 died")
+        return {"sent": 3, "opened": "weight-update group g" if reopen else None}
 
     rollout = types.SimpleNamespace(**{name: _Remote(calls, name, result) for name, result in [
         ("urls", ["u0", "u1"]), ("set_weight_source", None), ("health", True),
@@ -203,8 +208,10 @@ def test_the_drivers_in_memory_sync_is_one_call_to_the_trainers(monkeypatch):
                      ("set_version", (1,))]
     stale[0] = True   # a server restarted since
     del calls[:]
+    capsys.readouterr()
     sync.sync(2)
     assert ("send_weights", (2, True)) in calls
+    assert capsys.readouterr().out == "weight-update group g\n"   # the run's log says so
     stale[0], failing[0] = False, True
     monkeypatch.setattr(sync, "_sync_disk", lambda v: calls.append(("disk", (v,))))
     del calls[:]

@@ -152,9 +152,11 @@ class WeightSender(ABC):
         """Whether the transport is ready to send (a transport without a group always is)."""
         return True
 
-    def open(self, address: str, port: int) -> None:
-        """Rank 0: (re)build the transport with every server, meeting at ``address:port``
-        (nothing to build by default)."""
+    def open(self, address: str, port: int) -> str | None:
+        """Rank 0: (re)build the transport with every server, meeting at ``address:port``;
+        returns what was built, in words for the run's log (None: nothing to build, the
+        default)."""
+        return None
 
     @abstractmethod
     def send(self, buckets: Iterable[tuple[Bucket, bool]], version: int) -> int:

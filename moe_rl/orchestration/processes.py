@@ -134,9 +134,10 @@ class Trainers:
         ray.get([a.connect_engines.remote(urls, sources, self.single_node)
                  for a in self.actors])
 
-    def send_weights(self, version: int, reopen: bool = False) -> int:
+    def send_weights(self, version: int, reopen: bool = False) -> dict:
         """The policy to every server as weight ``version`` (the ranks send together; see
-        TrainerWorker.send_weights); returns the tensors sent."""
+        TrainerWorker.send_weights); rank 0's answer: the tensors sent, the transport it
+        opened (None when it opened none)."""
         return ray.get([a.send_weights.remote(version, reopen) for a in self.actors])[0]
 
     def abort_weight_update(self) -> None:

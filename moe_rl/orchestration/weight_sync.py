@@ -111,7 +111,9 @@ class InMemorySync(DiskSync):
         if self.check is not None:   # the trainer holds this version's weights now
             self.check.record_trainer(version)
         try:
-            self.trainers.send_weights(version, reopen)
+            opened = self.trainers.send_weights(version, reopen)["opened"]
+            if opened is not None:
+                print(opened, flush=True)
             self._reopen = False
             ray.get(self.rollout.set_version.remote(version))
         except Exception as exc:   # a server died midway: redo this version from disk

@@ -74,17 +74,19 @@ class TrainerWorker:
         self.sender = engine_kind(self.trainer.cfg).sender(urls, self.rank, sources)
         self.single_node = single_node
 
-    def send_weights(self, version: int, reopen: bool = False) -> int:
+    def send_weights(self, version: int, reopen: bool = False) -> dict:
         """Collective over the trainer ranks: the policy to every server as weight ``version``,
         in buckets of ``cluster.weight_sync_bucket_mb``. Rank 0 first (re)opens the transport
-        when it has none or ``reopen`` (a server restarted, or the last update failed). Returns
-        the tensors sent."""
+        when it has none or ``reopen`` (a server restarted, or the last update failed).
+        Returns the tensors sent and, when it opened one, the transport in words."""
+        opened = None
         if self.rank == 0 and (reopen or not self.sender.opened):
             # one node: the servers are local, the group stays on loopback
             address = "127.0.0.1" if self.single_node else self.node_ip()
-            self.sender.open(address, self.free_port(address))
-        return self.sender.send(self.trainer.hf_buckets(everywhere=self.sender.everywhere),
+            opened = self.sender.open(address, self.free_port(address))
+        sent = self.sender.send(self.trainer.hf_buckets(everywhere=self.sender.everywhere),
                                 version)
+        return {"sent": sent, "opened": opened}
 
     def abort_weight_update(self) -> None:
         """After a failed update: close whatever the servers still have open."""

@@ -64,7 +64,7 @@ class DistributedSender(_SessionSender):
     def opened(self) -> bool:
         return self.rank != 0 or self.group is not None
 
-    def open(self, address: str, port: int) -> None:
+    def open(self, address: str, port: int) -> str:
         """Replace the group: the servers leave the previous one and join the new one while
         rank 0 creates its end."""
         if self.group is not None:
@@ -72,8 +72,6 @@ class DistributedSender(_SessionSender):
             self.group = None
         previous, self.group_name = self.group_name, f"moe_rl_weights_{self.groups_built}"
         self.groups_built += 1
-        print(f"weight-update group {self.group_name}: {self.backend} at {address}:{port}, "
-              f"{self.world} ranks", flush=True)
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(self.receiver.join_group, address, port, self.group_name,
                                  self.backend, previous)
@@ -82,6 +80,8 @@ class DistributedSender(_SessionSender):
                                         self.group_name, timeout_s=self.timeout_s)
             finally:
                 joined.result()
+        return (f"weight-update group {self.group_name}: {self.backend} at {address}:{port}, "
+                f"{self.world} ranks")
 
     def send(self, buckets: Iterable[tuple[Bucket, bool]], version: int) -> int:
         """Every rank takes part in streaming the buckets; rank 0 announces each to every
