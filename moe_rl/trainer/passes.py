@@ -201,7 +201,8 @@ class StepPasses:
         mask = pad_rows([s.loss_mask for s in samples], dtype=torch.bool)
         lp_roll = pad_rows([s.rollout_logprobs for s in samples])
         pi_old = PiOldPass(self, samples, step, lp_roll.shape[1])
-        ref = ReferencePass(self, len(samples), lp_roll.shape[1]) if self.ref_model else None
+        ref = (ReferencePass(self, len(samples), lp_roll.shape[1])
+               if self.ref_model is not None else None)
         per_batch = [pi_old] + ([ref] if ref is not None else [])
         self.model.eval()
         for mb in self.fw.aligned(self.fw.micro_batches(samples, list(range(len(samples))))):
