@@ -58,6 +58,11 @@ class Sample:
     weight_version: int = 0
     sample_id: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    # partial rollouts: the weight version that sampled each response token (None: every token
+    # ``weight_version``'s) and, for each later version's segment, the routing of the positions
+    # before it as that version's prefill computed them (what the segment's tokens attended to)
+    token_versions: torch.Tensor | None = None
+    segment_routing: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = torch.as_tensor(self.prompt_ids, dtype=torch.int32)
@@ -74,6 +79,8 @@ class Sample:
             self.sampling_mask_ids = torch.as_tensor(self.sampling_mask_ids, dtype=torch.int32)
         if self.kept_logmass is not None:
             self.kept_logmass = torch.as_tensor(self.kept_logmass, dtype=torch.float32)
+        if self.token_versions is not None:
+            self.token_versions = torch.as_tensor(self.token_versions, dtype=torch.int64)
         self.reward = float(self.reward)
         self.validate()
 
@@ -90,6 +97,57 @@ class Sample:
     def routed_positions(self) -> int:
         """Positions the engine ran through the model: prompt + response - 1."""
         return self.prompt_len + self.response_len - 1
+
+    def versions(self) -> torch.Tensor:
+        """The weight version that sampled each response token [R]."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return torch.full((self.response_len,), self.weight_version, dtype=torch.int64)
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(version, first, end) of each run of response tokens one weight version sampled,
+        in order (one for a sample that no weight update interrupted)."""
+        v = self.versions().tolist()
+        out = []
+        for j, u in enumerate(v):
+            if out and out[-1][0] == u:
+                out[-1][2] = j + 1
+            else:
+                out.append([u, j, j + 1])
+        return [tuple(x) for x in out]
+
+    def routing_of_segment(self, k: int) -> torch.Tensor | None:
+        """The routing that reproduces segment ``k``'s tokens at its own version: the positions
+        before it as its version's prefill routed them, then the rows recorded while it was
+        sampled (later rows do not reach its tokens)."""
+        if self.routing is None or k == 0:
+            return self.routing
+        start = self.prompt_len + self.segments()[k][1] - 1
+        return torch.cat([self.segment_routing[k - 1], self.routing[start:]])
+
+    def segment_view(self, k: int) -> "Sample":
+        """The sample cut after segment ``k``, routed as :meth:`routing_of_segment` and marked
+        one version throughout: scoring it at segment ``k``'s weights reproduces that segment's
+        tokens as the engine sampled them (the tokens before it are scored too, and ignored)."""
+        version, _, end = self.segments()[k]
+        P = self.prompt_len
+        mask = None
+        if self.sampling_mask_offsets is not None:
+            mask = self.sampling_mask_offsets[:end + 1]
+        routing = self.routing_of_segment(k)
+        return Sample(prompt_ids=self.prompt_ids, response_ids=self.response_ids[:end],
+                      rollout_logprobs=self.rollout_logprobs[:end],
+                      loss_mask=self.loss_mask[:end],
+                      pass_logprobs=None if self.pass_logprobs is None
+                      else self.pass_logprobs[:, :end],
+                      routing=None if routing is None else routing[:P + end - 1],
+                      sampling_mask_offsets=mask,
+                      sampling_mask_ids=None if mask is None
+                      else self.sampling_mask_ids[:int(mask[-1])],
+                      kept_logmass=None if self.kept_logmass is None
+                      else self.kept_logmass[:end],
+                      reward=self.reward, group_id=self.group_id, weight_version=version,
+                      sample_id=self.sample_id, metadata=self.metadata)
 
     def _fail(self, field_name: str, what: str) -> RecordError:
         return RecordError(f"sample {self.sample_id}: {field_name}: {what}")
@@ -132,6 +190,36 @@ class Sample:
             self._check_logprobs("kept_logmass", self.kept_logmass, (R,))
         if not math.isfinite(self.reward):
             raise self._fail("reward", f"expected a finite number, got {self.reward}")
+        if self.token_versions is not None:
+            self._check_token_versions()
+
+    def _check_token_versions(self) -> None:
+        v = self.token_versions
+        if v.dim() != 1 or v.numel() != self.response_len:
+            raise self._fail("token_versions", f"expected {self.response_len} entries (one per "
+                                               f"response token), got {list(v.shape)}")
+        if bool((v[1:] < v[:-1]).any()):
+            raise self._fail("token_versions", "expected non-decreasing versions (a response "
+                                               "continues under newer weights only)")
+        if int(v[0]) != self.weight_version:
+            raise self._fail("token_versions", f"the first token's version {int(v[0])} must be "
+                                               f"the sample's weight_version {self.weight_version}")
+        starts = [first for _, first, _ in self.segments()[1:]]
+        if self.routing is None:
+            if self.segment_routing:
+                raise self._fail("segment_routing", "given without routing")
+            return
+        rows = self.segment_routing or []
+        if len(rows) != len(starts):
+            raise self._fail("segment_routing", f"expected one routing block per later "
+                                                f"version's segment ({len(starts)}), got "
+                                                f"{len(rows)}")
+        for k, (block, first) in enumerate(zip(rows, starts)):
+            want = (self.prompt_len + first - 1, *self.routing.shape[1:])
+            if tuple(block.shape) != want or block.dtype != self.routing.dtype:
+                raise self._fail("segment_routing", f"block {k}: expected shape {list(want)} "
+                                                    f"and dtype {self.routing.dtype}, got "
+                                                    f"{list(block.shape)} {block.dtype}")
 
     def _check_logprobs(self, name: str, lp: torch.Tensor, shape: tuple | None) -> None:
         if shape is not None and tuple(lp.shape) != shape:
@@ -252,6 +340,22 @@ def _check_boundaries(entries: list, t: dict) -> None:
                               f"lengths add up to {total}")
 
 
+def _token_versions(segments, R: int) -> tuple[torch.Tensor, list[int]]:
+    """The per-token versions of a header's ``segments`` ([version, first, end] runs covering
+    the R response tokens in order), and the first token of every segment after the first."""
+    try:
+        runs = [(int(v), int(a), int(b)) for v, a, b in segments]
+    except (TypeError, ValueError):
+        raise RecordError("rollout batch: header: segments must be [version, first, end] "
+                          "integer triples") from None
+    if [a for _, a, _ in runs] != [0] + [b for _, _, b in runs[:-1]] or runs[-1][2] != R or any(
+            b <= a for _, a, b in runs):
+        raise RecordError(f"rollout batch: header: segments {runs} do not cover the {R} "
+                          f"response tokens in order")
+    versions = torch.cat([torch.full((b - a,), v, dtype=torch.int64) for v, a, b in runs])
+    return versions, [a for _, a, _ in runs[1:]]
+
+
 @dataclass
 class RolloutBatch:
     """A list of samples with validation and pickle-free binary serialisation."""
@@ -289,6 +393,7 @@ class RolloutBatch:
                               f"passes, got {sorted(n_passes)}")
         pass_parts, prompt_blocks, resp_parts, mask_len_parts, mask_id_parts = [], [], [], [], []
         logmass_parts: list[torch.Tensor] = []
+        seg_parts: list[torch.Tensor] = []
         block_of_group: dict[int, list[tuple[int, torch.Tensor]]] = {}
         rdtypes = {s.routing.dtype for s in ss if s.routing is not None}
         if len(rdtypes) > 1:
@@ -300,6 +405,9 @@ class RolloutBatch:
                      "has_passes": s.pass_logprobs is not None, "prompt_block": -1,
                      "has_mask": s.sampling_mask_offsets is not None,
                      "has_logmass": s.kept_logmass is not None}
+            if s.token_versions is not None:   # runs of one version: [version, first, end]
+                entry["segments"] = [list(x) for x in s.segments()]
+                seg_parts.extend(s.segment_routing or [])
             if s.pass_logprobs is not None:
                 pass_parts.append(s.pass_logprobs)
             if s.kept_logmass is not None:
@@ -332,6 +440,8 @@ class RolloutBatch:
             tensors["routing_prompt"] = torch.cat(prompt_blocks).contiguous()
             tensors["routing_prompt_offsets"] = _offsets([b.shape[0] for b in prompt_blocks])
             tensors["routing_response"] = _cat(resp_parts, rd, (L, K)).contiguous()
+        if seg_parts:
+            tensors["segment_routing"] = torch.cat(seg_parts).contiguous()
         if mask_len_parts:
             tensors["mask_lengths"] = torch.cat(mask_len_parts)
             tensors["mask_ids"] = _cat(mask_id_parts, torch.int32)
@@ -355,7 +465,7 @@ class RolloutBatch:
             raise RecordError(f"rollout batch: corrupt payload: {exc}") from None
         _check_boundaries(entries, t)
         out = []
-        p_off = r_off = pass_off = rr_off = m_off = mid_off = lm_off = 0
+        p_off = r_off = pass_off = rr_off = m_off = mid_off = lm_off = sr_off = 0
         for e in entries:
             P, R = e["prompt_len"], e["response_len"]
             kw: dict[str, Any] = {}
@@ -383,11 +493,21 @@ class RolloutBatch:
                 kw["sampling_mask_ids"] = t["mask_ids"][mid_off:mid_off + n]
                 m_off += R
                 mid_off += n
+            if e.get("segments"):
+                kw["token_versions"], blocks = _token_versions(e["segments"], R)
+                if e["prompt_block"] >= 0 and blocks:
+                    kw["segment_routing"] = []
+                    for first in blocks:
+                        n = P + first - 1
+                        kw["segment_routing"].append(t["segment_routing"][sr_off:sr_off + n])
+                        sr_off += n
             p_off += P
             r_off += R
             s = Sample(reward=e["reward"], group_id=e["group_id"],
                        weight_version=e["weight_version"], sample_id=e["sample_id"],
-                       metadata=e["metadata"], **{k: v.clone() for k, v in kw.items()})
+                       metadata=e["metadata"],
+                       **{k: [b.clone() for b in v] if isinstance(v, list) else v.clone()
+                          for k, v in kw.items()})
             s.validate(vocab_size, moe_shape)
             out.append(s)
         return cls(out)

@@ -149,8 +149,8 @@ def test_sample_notes_name_the_first_samples_and_their_largest_mismatch():
     first = sample_notes(rows, inputs, k=3, top=2)[2]   # (1, 0): the padded position 3 skipped
     assert [t["position"] for t in first["largest_mismatch"]] == [2, 0]
     rows.lp_same = lp_roll.clone()   # the trainer at the sample's version equals the engine
-    rows.same_scored = torch.tensor([True, False, False])
-    rows.stale = torch.tensor([True, False, False])
+    rows.same_scored = torch.tensor([True, False, False])[:, None].expand(3, 4)
+    rows.stale = torch.tensor([True, False, False])[:, None].expand(3, 4)
     first = sample_notes(rows, inputs, k=3, top=1)[2]
     assert first["largest_mismatch"][0]["trainer_logprob"] == first["largest_mismatch"][0][
         "engine_logprob"]

@@ -74,6 +74,13 @@ class Turn:
     weight_version: int
     finish_reason: dict
     cached_tokens: int
+    token_versions: list[int] | None = None   # per generated token, when an update landed
+                                              # during the request (SGLang's weight_versions)
+
+    @property
+    def aborted(self) -> bool:
+        """Stopped by an abort before it finished (what it generated is kept)."""
+        return self.finish_reason.get("type") == "abort"
 
 
 class EngineSession(ABC):
@@ -92,6 +99,11 @@ class EngineSession(ABC):
         (None: of every position, the engine's default);
         ``server`` pins the request to that server (a trajectory's turns share its prefix
         cache), None sends it to the least-loaded one."""
+
+    @abstractmethod
+    async def abort_all(self) -> None:
+        """Stop every request in flight on every server: each answers with what it generated so
+        far, finish_reason ``abort`` (SGLang's ``/abort_request`` with ``abort_all``)."""
 
     @abstractmethod
     async def routing(self, input_ids: list[int], start: int, *, server: int) -> torch.Tensor:

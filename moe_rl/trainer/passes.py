@@ -20,7 +20,8 @@ from moe_rl.trainer.loss import PolicyLoss
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.trainer.replay_plan import ReplayPlan, Route
 from moe_rl.trainer.router_rows import micro_batch_rows, response_rows
-from moe_rl.trainer.step import StepRows, gather_rows, sample_notes, step_inputs
+from moe_rl.trainer.step import (StepRows, gather_rows, sample_notes, step_inputs,
+                                 version_metrics)
 from moe_rl.trainer.versions import WeightVersions
 from moe_rl.types import Sample, compact_routing
 
@@ -128,34 +129,43 @@ class ReferencePass:
 
 
 class OwnVersionPass:
-    """The asynchronous pipeline's same-version score: each sample generated from an older
-    weight version is scored again by the trainer with that version's weights (R3 replays its
-    routing, as the plan routes ``own_version``), so ``mismatch/*`` compares engine and trainer
-    at one version and ``staleness/*`` shows the policy lag. A sample whose version is no
-    longer held (older than ``rollout.max_staleness``) is left out. Every rank walks the same
-    versions with aligned micro-batches (expert-parallel collectives)."""
+    """The asynchronous pipeline's same-version score, token by token: every response token
+    sampled by an older weight version is scored again by the trainer with that version's
+    weights, so ``mismatch/*`` compares engine and trainer at one version and ``staleness/*``
+    shows the policy lag. A response that a weight update interrupted (partial rollouts) is
+    scored segment by segment: each version's tokens at that version, routed as that version's
+    engine routed them (:meth:`Sample.segment_view`; R3 replays it, as the plan routes
+    ``own_version``). Tokens whose version is no longer held (older than
+    ``rollout.max_staleness``) are left out. Every rank walks the same versions with aligned
+    micro-batches (expert-parallel collectives)."""
 
     def __init__(self, passes: StepPasses):
         self.passes = passes
 
     def run(self, samples: list[Sample], lp_tr: torch.Tensor, step: int,
             agree_rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(log-probs at each sample's version, scored [N], stale [N]); the routing agreement
-        of these forwards is appended to ``agree_rows``."""
+        """(log-probs at each token's version [N, R], scored [N, R], stale [N, R]); the routing
+        agreement of these forwards is appended to ``agree_rows``."""
         p = self.passes
         lp_same = lp_tr.clone()
-        versions = [s.weight_version for s in samples]
-        stale = torch.tensor([v < step for v in versions], dtype=torch.bool)
-        scored = torch.tensor([v == step or (v < step and p.versions.has(v))
-                               for v in versions], dtype=torch.bool)
-        for v in range(step - p.cfg.rollout.max_staleness, step):
-            rows = [i for i, u in enumerate(versions) if u == v] if p.versions.has(v) else []
-            if not dp_max(len(rows)):
+        versions = token_versions(samples, lp_tr.shape[1], step)
+        held = lambda v: v == step or p.versions.has(v)   # noqa: E731
+        scored = torch.zeros_like(versions, dtype=torch.bool)
+        for v in versions.unique().tolist():
+            scored |= (versions == v) & held(v)
+        for v in range(step - p.cfg.rollout.max_staleness, step + 1):
+            # pi_old already scored, exactly, the samples wholly at the current version
+            jobs = [(i, k, first, end) for i, s in enumerate(samples)
+                    for k, (u, first, end) in enumerate(s.segments())
+                    if u == v and (v < step or first > 0 or end < s.response_len)
+                    ] if held(v) else []
+            if not dp_max(len(jobs)):
                 continue
+            views = [samples[i].segment_view(k) for i, k, _, _ in jobs]
             with contextlib.ExitStack() as stack:
-                if rows:
+                if jobs and v < step:
                     stack.enter_context(p.versions.weights_of(v))
-                for mb in p.fw.aligned(p.fw.micro_batches(samples, rows)):
+                for mb in p.fw.aligned(p.fw.micro_batches(views, list(range(len(views))))):
                     if mb is None:
                         p.fw.dummy_forward(p.model, p.replay)
                         continue
@@ -165,9 +175,19 @@ class OwnVersionPass:
                     if mb.routing is not None:
                         agree_rows.append(p._agreement_rows(
                             mb, route, torch.ones(len(mb.sample_indices), dtype=torch.bool))[0])
-                    width = int(mb.response_lens.max())
-                    lp_same[mb.sample_indices, :width] = mb.to_response_padded(lp.float())
-        return lp_same, scored, stale
+                    padded = mb.to_response_padded(lp.float())
+                    for row, j in enumerate(mb.sample_indices):
+                        i, _, first, end = jobs[j]
+                        lp_same[i, first:end] = padded[row, first:end]
+        return lp_same, scored, versions < step
+
+
+def token_versions(samples: list[Sample], width: int, step: int) -> torch.Tensor:
+    """[N, width] the weight version that sampled each response token (padding: ``step``)."""
+    out = torch.full((len(samples), width), step, dtype=torch.long)
+    for i, s in enumerate(samples):
+        out[i, :s.response_len] = s.versions()
+    return out
 
 
 class StepPasses:
@@ -224,9 +244,7 @@ class StepPasses:
         metrics.update(inputs.metrics)
         self.notes = sample_notes(rows_all, inputs, self.cfg.logging.samples_per_step)
         if self.versions is not None and rows_all.weight_versions.numel():
-            lag = (step - rows_all.weight_versions).clamp(min=0).double()
-            metrics["rollout/staleness_mean"] = float(lag.mean())
-            metrics["rollout/staleness_max"] = float(lag.max())
+            metrics.update(version_metrics(rows_all, step))
         own = lambda t: None if t is None else t[mine]   # noqa: E731  (this rank's rows)
         return StepBatch(samples, own(rows_all.mask), own(rows_all.lp_roll),
                          own(rows_all.lp_tr), own(rows_all.entropy), own(inputs.lp_old),
@@ -251,6 +269,8 @@ class StepPasses:
             sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
             lp_ref=ref.lp if ref is not None else None, passes=passes, lp_same=lp_same,
             same_scored=scored, stale=stale,
+            token_versions=None if self.versions is None
+            else token_versions(samples, mask.shape[1], -1),
             kept_logmass=pad_rows([s.kept_logmass for s in samples]) if has_mass else None,
             kept_sizes=pad_rows(kept, dtype=torch.long) if kept is not None else None)
 

@@ -31,14 +31,16 @@ class StepRows:
     kept_logmass: torch.Tensor | None = None
     kept_sizes: torch.Tensor | None = None   # kept-set size per token (0 = none)
     lp_same: torch.Tensor | None = None      # asynchronous pipeline: the trainer's log-probs
-    same_scored: torch.Tensor | None = None  # at the sample's own weight version ([N] bool:
-    stale: torch.Tensor | None = None        # that version was held), [N] bool: an older one
+    same_scored: torch.Tensor | None = None  # at each token's own weight version ([N, R] bool:
+    stale: torch.Tensor | None = None        # that version was held), [N, R] bool: an older one
+    token_versions: torch.Tensor | None = None   # [N, R] the version that sampled each token
+                                                 # (padding -1)
 
 
 ROW_DTYPES = {"mask": torch.bool, "groups": torch.long, "weight_versions": torch.long,
               "sample_ids": torch.long, "kept_sizes": torch.long, "same_scored": torch.bool,
-              "stale": torch.bool}
-PER_SAMPLE = ("rewards", "groups", "weight_versions", "sample_ids", "same_scored", "stale")
+              "stale": torch.bool, "token_versions": torch.long}
+PER_SAMPLE = ("rewards", "groups", "weight_versions", "sample_ids")
 
 
 @dataclass
@@ -58,12 +60,28 @@ def engine_and_lag_metrics(rows: StepRows) -> dict[str, float]:
     mask = rows.mask
     if rows.lp_same is None:
         return mismatch_metrics(rows.lp_tr, rows.lp_roll, mask)
-    scored = mask & rows.same_scored[:, None]
+    scored = mask & rows.same_scored
     out = mismatch_metrics(rows.lp_same, rows.lp_roll, scored)
-    lag = mismatch_metrics(rows.lp_tr, rows.lp_same, scored & rows.stale[:, None])
+    lag = mismatch_metrics(rows.lp_tr, rows.lp_same, scored & rows.stale)
     if lag:
         out.update({"staleness/k1": lag["mismatch/k1"], "staleness/k3": lag["mismatch/k3"]})
-    out["staleness/unscored_samples"] = float((~rows.same_scored).sum())
+    out["staleness/unscored_samples"] = float((mask & ~rows.same_scored).any(1).sum())
+    return out
+
+
+def version_metrics(rows: StepRows, step: int) -> dict[str, float]:
+    """How old the batch's weights are at step ``step``: per sample (its oldest token), per
+    response token, and the fraction of samples a weight update interrupted (partial
+    rollouts: tokens of more than one version)."""
+    lag = (step - rows.weight_versions).clamp(min=0).double()
+    out = {"rollout/staleness_mean": float(lag.mean()), "rollout/staleness_max": float(lag.max())}
+    if rows.token_versions is not None:
+        tokens = rows.token_versions >= 0
+        token_lag = (step - rows.token_versions[tokens]).clamp(min=0).double()
+        out["rollout/token_version_lag_mean"] = float(token_lag.mean())
+        out["rollout/token_version_lag_max"] = float(token_lag.max())
+        newest = rows.token_versions.max(1).values
+        out["rollout/partial_frac"] = float((newest > rows.weight_versions).double().mean())
     return out
 
 
@@ -119,8 +137,8 @@ def sample_notes(rows: StepRows, inputs: StepInputs, k: int, top: int = 3) -> li
     for i in order:
         mask = rows.mask[i]
         trainer = rows.lp_tr[i]
-        if rows.lp_same is not None and bool(rows.same_scored[i]):
-            trainer = rows.lp_same[i]
+        if rows.lp_same is not None:   # each token at its own version where it was held
+            trainer = torch.where(rows.same_scored[i], rows.lp_same[i], trainer)
         gap = (trainer.double() - rows.lp_roll[i].double()).abs().masked_fill(~mask, -1.0)
         worst = gap.topk(min(top, int(mask.sum()))).indices.tolist() if mask.any() else []
         notes.append({

@@ -79,6 +79,8 @@ class Request:
 
 
 SAMPLING_LOGPROBS_MODES = ("selected", "support")
+ABORTED = {"type": "abort", "message": "Abort request"}   # SGLang's finish_reason of an abort
+ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 
 
 def _num(value, name, kind=float, lo=None, hi=None, lo_open=False):
@@ -610,13 +612,14 @@ class ReferenceEngine:
         return sum(row.reserved for row in self.running)
 
     @torch.no_grad()
-    def step(self, admit: list[tuple[Request, object]], drop: set[int] = frozenset()
-             ) -> list[tuple[object, dict | Exception]]:
+    def step(self, admit: list[tuple[Request, object]], drop: set[int] = frozenset(),
+             abort=None) -> list[tuple[object, dict | Exception]]:
         """One scheduling iteration (continuous batching, as SGLang): forget the running rows
-        whose handle id is in ``drop`` (their client left), prefill ``admit`` (request, handle)
-        pairs and sample their first token, then decode one token for every running row. Returns
-        (handle, response or exception) of every request that finished; a request that fails
-        (in its sampling) fails alone."""
+        whose handle id is in ``drop`` (their client left), finish the running requests
+        ``abort(request)`` names with what they generated (finish_reason abort, as SGLang's
+        /abort_request), prefill ``admit`` (request, handle) pairs and sample their first token,
+        then decode one token for every running row. Returns (handle, response or exception) of
+        every request that finished; a request that fails (in its sampling) fails alone."""
         with self.lock:
             if self.model is None:
                 err = RequestError("the engine's memory is released: POST "
@@ -630,6 +633,13 @@ class ReferenceEngine:
                                   if id(r.handle) not in drop])
                 self.batches = [b for b in self.batches if b.rows]
             done: list = []
+            if abort is not None:
+                for batch in self.batches:
+                    for row in batch.rows:
+                        if abort(row.req):
+                            row.finish = ABORTED
+                    batch.select(self._collect(batch, done))
+                self.batches = [b for b in self.batches if b.rows]
             try:
                 if admit:
                     self._prefill(admit, done)
@@ -834,6 +844,13 @@ class ReferenceEngine:
         s["mask_lp"].append(kept_lp.tolist() if r.sampling_logprobs_mode == "support"
                             else float(kept_lp[choice]))
         return tok
+
+    def aborted_response(self, r: Request) -> dict:
+        """SGLang's answer to a request aborted before it ran: nothing generated."""
+        return {"text": "", "output_ids": [],
+                "meta_info": {"id": r.rid, "finish_reason": ABORTED_WAITING,
+                              "prompt_tokens": len(r.input_ids), "completion_tokens": 0,
+                              "cached_tokens": 0, "weight_version": self.weight_version}}
 
     def _response(self, row: "_Row") -> dict:
         r, s = row.req, row.state

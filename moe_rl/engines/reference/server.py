@@ -247,6 +247,25 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
             room -= need
         return admit
 
+    aborts: list = []   # /abort_request calls not yet applied: a predicate each
+    live: dict[int, Request] = {}   # the requests of the calls being answered, by id
+
+    def take_aborts():
+        """The predicate of the aborts asked since the last iteration (None: none); waiting
+        requests it names are answered now, with nothing generated."""
+        if not aborts:
+            return None
+        asked = list(aborts)
+        aborts.clear()
+        match = lambda req: any(a(req) for a in asked)   # noqa: E731
+        while not queue.empty():
+            waiting.append(queue.get_nowait())
+        for item in [w for w in waiting if match(w[0])]:
+            waiting.remove(item)
+            if not item[1].done():
+                item[1].set_result(engine.aborted_response(item[0]))
+        return match
+
     async def worker():
         loop = asyncio.get_running_loop()
         while True:
@@ -254,11 +273,12 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
                 waiting.append(await queue.get())
             while not queue.empty():
                 waiting.append(queue.get_nowait())
+            abort = take_aborts()
             admit = admissions()
             gone = {id(r.handle) for r in engine.running if r.handle.done()}
             if not admit and not engine.running:   # only cancelled requests were waiting
                 continue
-            finished = await loop.run_in_executor(None, engine.step, admit, gone)
+            finished = await loop.run_in_executor(None, engine.step, admit, gone, abort)
             for fut, result in finished:
                 if fut.done():
                     continue
@@ -339,6 +359,8 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
         futures = []
         for r in reqs:
             fut = loop.create_future()
+            live[id(r)] = r
+            fut.add_done_callback(lambda _, key=id(r): live.pop(key, None))
             queue.put_nowait((r, fut))
             futures.append(fut)
         gathered = asyncio.gather(*futures)
@@ -394,6 +416,23 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
             ("/begin_weight_update", engine.begin_weight_update, "session open", True),
             ("/end_weight_update", engine.end_weight_update, "session closed", True)):
         control_endpoint(path, action, done, exclusive)
+
+    @app.post("/abort_request")
+    async def abort_request(request: HTTPRequest):
+        """SGLang's: every request whose id starts with ``rid`` (all with ``abort_all``) stops
+        and answers with what it generated so far, finish_reason ``abort``."""
+        b = await _json_object(request)
+        if not isinstance(b, dict):
+            return b
+        rid, everything = b.get("rid") or "", b.get("abort_all", False)
+        if not isinstance(everything, bool) or not isinstance(rid, str):
+            return JSONResponse({"success": False, "message": "abort_all: expected a boolean "
+                                 "and rid a string"}, status_code=400)
+        if everything or rid:   # SGLang ignores an empty rid without abort_all; a request
+            asked = {i for i, req in live.items()   # that comes after it is not aborted
+                     if everything or str(req.rid).startswith(rid)}
+            aborts.append(lambda req: id(req) in asked)
+        return Response(status_code=200)
 
     @app.post("/init_weights_update_group")
     async def init_group(request: HTTPRequest):

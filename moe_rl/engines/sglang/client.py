@@ -72,6 +72,9 @@ class SGLangSession(EngineSession):
         return decode_turn(resp, len(input_ids), e.layout, need_routing=e.need_routing,
                            need_mask=e.need_mask, routing_start=routing_from or 0)
 
+    async def abort_all(self) -> None:
+        await broadcast_tolerant(self.pool, "/abort_request", {"abort_all": True})
+
     async def routing(self, input_ids: list[int], start: int, *, server: int) -> torch.Tensor:
         self.engine.check_ids(input_ids)
         body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0},

@@ -89,6 +89,10 @@ def decode_turn(resp: dict, input_len: int, layout: MoEShape, *, need_routing: b
     does not fit."""
     meta = resp.get("meta_info") or {}
     out = resp.get("output_ids")
+    finish = meta.get("finish_reason") or {}
+    finish = finish if isinstance(finish, dict) else {"type": str(finish)}
+    if out == [] and finish.get("type") == "abort":   # aborted before it ran
+        return Turn([], torch.zeros(0), None, None, None, None, _version(meta), finish, 0)
     if not isinstance(out, list) or not out:
         raise ResponseError(f"output_ids: expected a non-empty list (request {meta.get('id')})")
     R = len(out)
@@ -105,17 +109,47 @@ def decode_turn(resp: dict, input_len: int, layout: MoEShape, *, need_routing: b
         kept_lp = decode_sampling_logprobs(meta.get("output_token_sampling_logprobs"), R)
         logmass = (lp - kept_lp).clamp(max=0.0)   # log of the kept set's full-vocabulary mass
         lp = kept_lp
-    try:
-        version = int(meta.get("weight_version"))
-    except (TypeError, ValueError):
-        version = 0
     cached = meta.get("cached_tokens", 0)
     if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached <= input_len:
         raise ResponseError(f"cached_tokens: expected an integer in [0, {input_len}], got "
                             f"{cached!r}")
-    finish = meta.get("finish_reason") or {}
-    return Turn(out, lp, routing, offsets, ids, logmass, version,
-                finish if isinstance(finish, dict) else {"type": str(finish)}, cached)
+    per_token = decode_weight_versions(meta.get("weight_versions"), R)
+    version = _version(meta) if per_token is None else per_token[0]
+    return Turn(out, lp, routing, offsets, ids, logmass, version, finish, cached, per_token)
+
+
+def _version(meta: dict) -> int:
+    """The response's weight version (moe_rl names versions by integers; 0 otherwise)."""
+    try:
+        return int(meta.get("weight_version"))
+    except (TypeError, ValueError):
+        return 0
+
+
+def decode_weight_versions(spans, n_tokens: int) -> list[int] | None:
+    """SGLang's ``weight_versions`` ([{version, start, end}] over the output tokens, present when
+    a weight update landed while the request ran) -> the version of each of the ``n_tokens``
+    tokens; None when absent or one version throughout."""
+    if spans is None:
+        return None
+    field = "weight_versions"
+    if not isinstance(spans, list) or not spans:
+        raise ResponseError(f"{field}: expected a non-empty list of spans, got {spans!r}")
+    out: list[int] = []
+    for k, span in enumerate(spans):
+        try:
+            version, start, end = int(span["version"]), span["start"], span["end"]
+        except (TypeError, KeyError, ValueError):
+            raise ResponseError(f"{field}[{k}]: expected {{version (an integer), start, end}}, "
+                                f"got {span!r}") from None
+        if start != len(out) or not isinstance(end, int) or end < start:
+            raise ResponseError(f"{field}[{k}]: span [{start}, {end}) does not continue the "
+                                f"spans before it (at {len(out)})")
+        out += [version] * (end - start)
+    if len(out) != n_tokens or out != sorted(out):
+        raise ResponseError(f"{field}: spans cover {len(out)} tokens in non-decreasing versions "
+                            f"expected, the response has {n_tokens}")
+    return None if len(set(out)) == 1 else out
 
 
 def decode_listed_logprobs(resp: dict, n_tokens: int, ids: list[int]) -> torch.Tensor:
