@@ -257,6 +257,23 @@ def check_async(cfg: Config) -> None:
                           f"pre-update policy), and the corrections act on the lag")
 
 
+def check_partial(cfg: Config) -> None:
+    """Partial rollouts (rollout.partial)."""
+    r = cfg.rollout
+    if not r.partial:
+        return
+    if r.max_staleness < 1:
+        raise ConfigError("rollout.partial: a response continued under the next weights is "
+                          "trained one version after its first tokens; set "
+                          "rollout.max_staleness >= 1 (it bounds every token's lag)")
+    if cfg.data.environment is not None:
+        raise ConfigError("rollout.partial: multi-turn trajectories (data.environment) are not "
+                          "continued across weight updates; set rollout.partial=false")
+    if r.dynamic_sampling:
+        raise ConfigError("rollout.partial: dynamic sampling is not combined with partial "
+                          "rollouts; set rollout.dynamic_sampling=false or partial=false")
+
+
 def check_ranks(cfg: Config) -> None:
     """The trainer ranks split into model-parallel groups, each data-parallel rank with prompts."""
     r, t = cfg.rollout, cfg.trainer
@@ -364,6 +381,7 @@ def validate(cfg: Config) -> None:
     check_weight_sync(cfg)
     check_model_parallel(cfg, facts)
     check_async(cfg)
+    check_partial(cfg)
     check_ranks(cfg)
     check_data(cfg)
     check_rewards(cfg)

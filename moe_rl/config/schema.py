@@ -61,6 +61,19 @@ class RolloutConfig:
     max_staleness: int = _f(0, "asynchronous pipeline: the rollout generates the next batches "
                             "while the trainer trains, from weights at most this many versions "
                             "old (0 = the synchronous loop)", **_rng(0))
+    partial: bool = _f(False, "partial rollouts: a step stops generating once it has "
+                       "prompts_per_step complete groups; the responses in flight are aborted, "
+                       "kept with each token's weight version, and continued under the next "
+                       "weights (needs max_staleness >= 1, which then bounds every token's lag)")
+    partial_extra_groups: int | None = _f(None, "partial rollouts: groups started beyond the "
+                                          "first step's, so the engines hold more work than "
+                                          "one step needs (null = prompts_per_step)", **_rng(0))
+    partial_stale: Literal["drop", "mask"] = _f(
+        "drop", "partial rollouts: a response holding a token more than max_staleness versions "
+        "old restarts from its prompt (drop) or keeps that token out of the loss (mask)")
+    partial_mask_offpolicy: bool = _f(False, "partial rollouts: only the tokens of each "
+                                      "response's newest weight version count in the loss "
+                                      "(slime's --mask-offpolicy-in-partial-rollout)")
     dynamic_sampling: bool = _f(False, "drop prompt groups whose rewards are all equal and "
                                 "generate more until the step has prompts_per_step informative "
                                 "groups (DAPO)")

@@ -146,7 +146,11 @@ class RolloutPipeline:
     """The rollout side of the loop: with ``rollout.max_staleness`` k = 0, each step's batch is
     generated when the step starts (the synchronous loop); with k >= 1 the batches of the next
     steps are generated while the trainer trains, each from the weights of its launch, at most
-    k versions older than the step that trains on it.
+    k versions older than the step that trains on it. With partial rollouts
+    (``rollout.partial``) the pipeline launches at most k - 1 steps ahead: one version of the
+    bound is left to the responses continued from the step before (every token is at most k
+    versions old when trained); the first batch also starts ``partial_extra_groups`` more
+    groups.
 
     Versions, named once: training step s trains on the batch of step s and its update makes
     weight version s + 1 (version 0: the starting weights, after the warm start if any); the
@@ -164,20 +168,24 @@ class RolloutPipeline:
     def __init__(self, cfg: Config, rollout, sampler, n_shards: int, start_step: int):
         self.cfg, self.rollout, self.sampler, self.n_shards = cfg, rollout, sampler, n_shards
         self.next_step = start_step
+        self.started = False   # partial rollouts: the first batch also starts the extra groups
         self.pending: list[tuple[int, dict, list]] = []   # (step, sampler state before, refs)
 
     def launch(self, version: int) -> None:
         """Start generating every batch the staleness bound allows, with the engines at weight
         ``version``: the steps up to ``version + max_staleness`` (and the trainer's steps)."""
         r, steps = self.cfg.rollout, self.cfg.trainer.steps
-        while self.next_step < steps and self.next_step - version <= r.max_staleness:
+        ahead = r.max_staleness - 1 if r.partial else r.max_staleness
+        while self.next_step < steps and self.next_step - version <= ahead:
             state = self.sampler.state_dict()
             indices = self.sampler.next_batch()
             extra = []
-            if r.dynamic_sampling:
-                cap = r.prompts_per_step if r.max_oversample is None else r.max_oversample
+            if r.dynamic_sampling or (r.partial and not self.started):
+                cap = (r.max_oversample if r.dynamic_sampling else r.partial_extra_groups)
+                cap = r.prompts_per_step if cap is None else cap
                 extra = [i for _ in range(-(-cap // r.prompts_per_step))
                          for i in self.sampler.next_batch()][:cap]
+            self.started = True
             t = self.next_step
             refs = self.rollout.collect.options(num_returns=self.n_shards + 1).remote(
                 indices, t, version, self.cfg.trainer.seed * 100_003 + t * 10_007,

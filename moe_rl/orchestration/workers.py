@@ -207,6 +207,10 @@ class RolloutWorker:
         self.inputs = load_run_inputs(cfg)   # tokenizer, prompts, reward function
         self.eval_scorer = None   # eval.reward (made at the first evaluation)
         self.started_versions = set(self.engine.weight_versions())   # version 0, unsynced
+        self.partial = None   # rollout.partial: the responses in flight between steps
+        if r.partial:
+            from moe_rl.rollout.partial import partial_rollout
+            self.partial = partial_rollout(cfg, self.engine)
 
     def _served(self, path: str) -> str:
         return served_checkpoint(self.cfg, path)
@@ -263,8 +267,14 @@ class RolloutWorker:
         timing = {}
         t0 = time.perf_counter()
         errors_before, timeouts_before = inp.reward.errors, inp.reward.timeouts
-        from moe_rl.rollout.groups import build_groups
-        groups = build_groups(self.engine, cfg, inp, self.sampling, indices, extra, seed)
+        if self.partial is not None:   # extra: groups started beyond this step's
+            from moe_rl.rollout.partial import score_with
+            groups = self.partial.collect(self.engine, inp.prompts, list(indices) + list(extra),
+                                          cfg.rollout.n_samples_per_prompt, self.sampling, step,
+                                          seed, cfg.rollout.prompts_per_step, score_with(inp))
+        else:
+            from moe_rl.rollout.groups import build_groups
+            groups = build_groups(self.engine, cfg, inp, self.sampling, indices, extra, seed)
         samples, counts, reward_s = groups.samples, groups.counts, groups.reward_s
         env_error = groups.first_env_error
         timing["timing/rollout_s"] = time.perf_counter() - t0 - reward_s

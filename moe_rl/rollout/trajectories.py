@@ -100,7 +100,8 @@ class _Trajectory:
         self.kept_ids: list[torch.Tensor] = []
         self.logmass: list[torch.Tensor] = []
         self.routing: torch.Tensor | None = None   # rows of positions 0 .. received-1
-        self.versions: set[int] = set()
+        self.token_versions: list[int] = []   # per response token (observations: the turn's)
+        self.segment_routing: list[torch.Tensor] = []   # per later version (partial rollouts)
 
     @property
     def received(self) -> int:
@@ -115,10 +116,11 @@ class _Trajectory:
             self.kept_lens.append(turn.kept_offsets[1:] - turn.kept_offsets[:-1])
             self.kept_ids.append(turn.kept_ids)
             self.logmass.append(turn.kept_logmass)
-        self.versions.add(turn.weight_version)
+        self.token_versions += turn.token_versions or [turn.weight_version] * n
 
     def add_observation(self, obs: list[int], need_mask: bool) -> None:
         n = len(obs)
+        self.token_versions += [self.token_versions[-1]] * n
         self.ids += obs
         self.lp.append(torch.zeros(n))
         self.loss.append(torch.zeros(n, dtype=torch.bool))
@@ -134,11 +136,15 @@ class _Trajectory:
             offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64)
             offsets[1:] = torch.cumsum(lens, 0)
             ids, logmass = torch.cat(self.kept_ids), torch.cat(self.logmass)
+        several = len(set(self.token_versions)) > 1
         return Sample(prompt_ids=self.prompt, response_ids=self.ids,
                       rollout_logprobs=torch.cat(self.lp), loss_mask=torch.cat(self.loss),
                       routing=self.routing, sampling_mask_offsets=offsets,
                       sampling_mask_ids=ids, kept_logmass=logmass,
-                      weight_version=min(self.versions), **kw)
+                      weight_version=self.token_versions[0],
+                      token_versions=self.token_versions if several else None,
+                      segment_routing=(self.segment_routing if several and self.routing
+                                       is not None else None), **kw)
 
 
 def sample_of_turn(prompt_ids: list[int], turn: Turn, *, group_id: int, sample_id: int,
