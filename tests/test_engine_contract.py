@@ -3,6 +3,7 @@ the CPU reference engine always, SGLang where it is installed and a GPU is prese
 implementation is started through the factory the run uses (its command line, its server
 process, ``connect``), and judged on what the rollout and the weight sync rely on."""
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -132,6 +133,47 @@ def test_pinned_turns_share_their_servers_prefix_and_routing_can_be_fetched_agai
     async def cold(session: EngineSession):
         return await session.generate_turn(prompt, SAMPLING, seed=1, server=1)
     assert eng.run(cold).cached_tokens == 0        # the flush dropped the prefix
+
+
+def test_an_abort_returns_what_each_request_generated_and_a_continuation_finishes_it(started):
+    """Partial rollouts' engine side (SGLang's /abort_request with abort_all): requests in flight
+    answer at once with the tokens they generated, each with its log-prob, kept set and the
+    routing of every position it ran; a request sent after the abort is not touched; the
+    prefix sent again continues to the cap."""
+    eng = started.engine
+    long = SamplingConfig(temperature=1.0, top_k=8, max_new_tokens=200)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+    async def interrupted(session: EngineSession):
+        jobs = [asyncio.ensure_future(session.generate_turn(p, long, seed=i, server=i))
+                for i, p in enumerate(prompts)]
+        await asyncio.sleep(0.2)   # some tokens generated, far from the cap
+        while not all(j.done() for j in jobs):
+            await session.abort_all()
+            await asyncio.wait(jobs, timeout=0.2)
+        after = await session.generate_turn(prompts[0], SAMPLING, seed=9)
+        return [j.result() for j in jobs], after
+    turns, after = eng.run(interrupted)
+    assert not after.aborted and len(after.output_ids) >= 1   # the abort did not outlive itself
+    assert any(t.aborted and t.output_ids for t in turns), [t.finish_reason for t in turns]
+    layout = eng.layout
+    for prompt, t in zip(prompts, turns):
+        R = len(t.output_ids)
+        assert R < long.max_new_tokens or not t.aborted
+        if not R:
+            continue
+        assert t.logprobs.shape == (R,) and (t.logprobs <= 0).all()
+        assert t.routing.shape == (len(prompt) + R - 1, len(layout.moe_layers), layout.topk)
+        assert t.kept_offsets.shape == (R + 1,) and t.token_versions is None
+    prompt, t = next((p, t) for p, t in zip(prompts, turns) if t.aborted and t.output_ids)
+    prefix = prompt + t.output_ids
+    rest = dataclasses.replace(long, max_new_tokens=long.max_new_tokens - len(t.output_ids))
+
+    async def continued(session: EngineSession):
+        return await session.generate_turn(prefix, rest, seed=11)
+    more = eng.run(continued)
+    assert not more.aborted and len(t.output_ids) + len(more.output_ids) <= long.max_new_tokens
+    assert more.routing.shape[0] == len(prefix) + len(more.output_ids) - 1
 
 
 def test_scoring_passes_give_the_rollout_distribution(started):

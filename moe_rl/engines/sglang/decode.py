@@ -127,29 +127,38 @@ def _version(meta: dict) -> int:
 
 
 def decode_weight_versions(spans, n_tokens: int) -> list[int] | None:
-    """SGLang's ``weight_versions`` ([{version, start, end}] over the output tokens, present when
-    a weight update landed while the request ran) -> the version of each of the ``n_tokens``
-    tokens; None when absent or one version throughout."""
+    """SGLang's ``weight_versions`` ([{version, start, end}] over the output tokens; SGLang
+    0.5.23 sends it with every finished request) -> the version of each of the ``n_tokens``
+    tokens when a weight update landed while the request ran; None when absent or one version
+    throughout (``weight_version`` says which)."""
     if spans is None:
         return None
     field = "weight_versions"
     if not isinstance(spans, list) or not spans:
         raise ResponseError(f"{field}: expected a non-empty list of spans, got {spans!r}")
-    out: list[int] = []
+    runs, covered = [], 0
     for k, span in enumerate(spans):
-        try:
-            version, start, end = int(span["version"]), span["start"], span["end"]
-        except (TypeError, KeyError, ValueError):
-            raise ResponseError(f"{field}[{k}]: expected {{version (an integer), start, end}}, "
-                                f"got {span!r}") from None
-        if start != len(out) or not isinstance(end, int) or end < start:
+        if not isinstance(span, dict) or not {"version", "start", "end"} <= span.keys():
+            raise ResponseError(f"{field}[{k}]: expected {{version, start, end}}, got {span!r}")
+        start, end = span["start"], span["end"]
+        if start != covered or isinstance(end, bool) or not isinstance(end, int) or end < start:
             raise ResponseError(f"{field}[{k}]: span [{start}, {end}) does not continue the "
-                                f"spans before it (at {len(out)})")
-        out += [version] * (end - start)
-    if len(out) != n_tokens or out != sorted(out):
-        raise ResponseError(f"{field}: spans cover {len(out)} tokens in non-decreasing versions "
-                            f"expected, the response has {n_tokens}")
-    return None if len(set(out)) == 1 else out
+                                f"spans before it (at {covered})")
+        runs.append((str(span["version"]), end - start))
+        covered = end
+    if covered != n_tokens:
+        raise ResponseError(f"{field}: spans cover {covered} tokens, the response has "
+                            f"{n_tokens}")
+    if len({v for v, _ in runs}) == 1:
+        return None
+    try:
+        out = [int(v) for v, n in runs for _ in range(n)]
+    except ValueError:
+        raise ResponseError(f"{field}: versions {[v for v, _ in runs]} are not the integers "
+                            f"moe_rl names weight versions by") from None
+    if out != sorted(out):
+        raise ResponseError(f"{field}: versions {[v for v, _ in runs]} go backwards")
+    return out
 
 
 def decode_listed_logprobs(resp: dict, n_tokens: int, ids: list[int]) -> torch.Tensor:
