@@ -38,3 +38,13 @@ def trained_run(tmp_path_factory):
                    check=True, capture_output=True, timeout=120)
     train_cli(base, 3, "algorithm.corrections=[icepop,seq_mis]", "trainer.export_hf_interval=2")
     return base
+
+
+@pytest.fixture(scope="module")
+def parallel_state():
+    """megatron's process groups for a one-process trainer (a module's own fixture of this name
+    takes precedence)."""
+    from moe_rl.trainer.parallel import init_distributed, init_model_parallel
+    init_distributed()
+    init_model_parallel()
+    yield

@@ -14,7 +14,6 @@ from moe_rl.engines.sglang.decode import decode_turn, decode_weight_versions
 from moe_rl.engines.base import ResponseError
 from moe_rl.moe_shape import MoEShape
 from moe_rl.rollout.partial import PartialRollout
-from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.types import RecordError, RolloutBatch, Sample, compact_routing
 from tests.conftest import ROOT, train_cli
 from tests.helpers import engine_samples, write_tiny_qwen
@@ -124,13 +123,6 @@ def test_sglang_weight_version_spans_and_an_abort_before_running_decode():
         "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
         "weight_version": "2"}}, 3, layout, need_routing=True, need_mask=True)
     assert turn.aborted and turn.output_ids == [] and turn.weight_version == 2
-
-
-@pytest.fixture(scope="module")
-def parallel_state():
-    init_distributed()
-    init_model_parallel()
-    yield
 
 
 @pytest.mark.parametrize("replay", ["r3", "off"])

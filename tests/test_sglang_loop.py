@@ -3,7 +3,7 @@
 engine and a float32 trainer on the same weights every mismatch metric is ~0 (k3 <= 1e-9),
 routing agrees everywhere, and no correction removes anything, over a covering set of options;
 multi-turn agentic runs replay routing across turns from SGLang's radix cache; the asynchronous
-pipeline at staleness 1; no kernel of the stand-in sgl_kernel is called in any run; a one-node
+pipeline at staleness 1; partial rollouts across weight versions; no kernel of the stand-in sgl_kernel is called in any run; a one-node
 run keeps the weight-update group on 127.0.0.1."""
 from __future__ import annotations
 
@@ -160,6 +160,25 @@ def test_async_staleness_one_and_the_group_on_loopback(model_dir, tmp_path):
         assert m["routing/agreement"] == 1.0
     groups = [line for line in res.stdout.splitlines() if line.startswith("weight-update group")]
     assert groups and all(" gloo at 127.0.0.1:" in line for line in groups), groups
+    no_kernel_called(run)
+
+
+def test_partial_rollouts_continue_responses_across_versions_on_sglang(model_dir, tmp_path):
+    """rollout.partial on the real SGLang: each step ends by aborting the responses still
+    generating (SGLang's /abort_request), which continue from their prefix under the next
+    weights; every segment compares with the trainer at its own version (R3, the kept set):
+    k3 ~0 and agreement 1.0 at every step, every token at most 2 versions old."""
+    run = tmp_path / "run"
+    _, rows = _train(CONFIG, model_dir, run, "rollout.partial=true", "rollout.max_staleness=2",
+                     "trainer.sft_warmup_steps=0", "rollout.max_new_tokens=24",
+                     "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
+                     "rollout.top_k=20", steps=4)
+    assert sum(m["rollout/partial_aborted"] for m in rows) > 0
+    assert max(m["rollout/partial_frac"] for m in rows) > 0.0
+    for m in rows:
+        check_real_engine("partial", m)
+        assert m["staleness/unscored_samples"] == 0.0
+        assert m["rollout/token_version_lag_max"] <= 2.0
     no_kernel_called(run)
 
 
