@@ -418,6 +418,24 @@ def test_agentic_config_trains_with_r3(agentic_model, tmp_path):
     assert rows[0]["rollout/turns_mean"] > 1.3    # the warm start taught the call format
 
 
+@pytest.mark.loop
+def test_agentic_config_trains_with_partial_rollouts(agentic_model, tmp_path):
+    """Partial rollouts on multi-turn trajectories through `moe-rl train` (R3, k = 2): a turn
+    the step's abort cut continues under the next weights, the environment given the whole
+    turn; every segment compares with the trainer at its own version."""
+    res, rows = _train(agentic_model, tmp_path / "run", "trainer.sft_warmup_steps=60",
+                       "rollout.partial=true", "rollout.max_staleness=2",
+                       "rollout.partial_extra_groups=6", "rollout.max_new_tokens=24",
+                       "rollout.max_response_tokens=44", steps=4)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert max(m["rollout/turns_mean"] for m in rows) > 1.0
+    assert sum(m["rollout/partial_aborted"] for m in rows) > 0
+    assert max(m["rollout/partial_frac"] for m in rows) > 0.0
+    for m in rows:
+        assert m["rollout/env_errors"] == 0.0 and m["staleness/unscored_samples"] == 0.0
+        assert m["routing/agreement"] == 1.0 and abs(m["mismatch/k3"]) < 1e-6, m
+
+
 TWO_TURN_ENV = '''
 from moe_rl.envs import EnvStep
 

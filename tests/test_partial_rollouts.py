@@ -13,7 +13,10 @@ from moe_rl.engines.base import SamplingConfig, Turn
 from moe_rl.engines.sglang.decode import decode_turn, decode_weight_versions
 from moe_rl.engines.base import ResponseError
 from moe_rl.moe_shape import MoEShape
+from moe_rl.data.prompts import PromptRecord
+from moe_rl.envs import EnvStep
 from moe_rl.rollout.partial import PartialRollout
+from moe_rl.rollout.trajectories import TrajectoryLimits
 from moe_rl.types import RecordError, RolloutBatch, Sample, compact_routing
 from tests.conftest import ROOT, train_cli
 from tests.helpers import engine_samples, write_tiny_qwen
@@ -184,19 +187,20 @@ class ScriptedSession:
         e = self.engine
         e.requests.append((list(input_ids), sampling.max_new_tokens))
         want = e.lengths[input_ids[0]] - (len(input_ids) - e.prompt_len)
+        tick = e.tick[input_ids[0]] if isinstance(e.tick, dict) else e.tick
         out = []
         while len(out) < min(want, sampling.max_new_tokens):
             if self.aborted.is_set():
                 break
             out.append(len(input_ids) + len(out))
-            await asyncio.sleep(e.tick)
+            await asyncio.sleep(tick)
         finish = ({"type": "abort"} if len(out) < min(want, sampling.max_new_tokens)
                   else {"type": "stop"})
         n = len(input_ids) + len(out) - 1
-        routing = torch.arange(n)[:, None, None].expand(n, 1, 1).to(torch.uint8) % 7 + \
-            e.version * 16
+        routing = (torch.arange(n)[:, None, None].expand(n, 1, 1).to(torch.uint8) % 7 +
+                   e.version * 16)[routing_from or 0:]
         return Turn(out, torch.full((len(out),), -0.5), routing if out else None, None, None,
-                    None, e.version, finish, 0)
+                    None, e.version, finish, len(input_ids))   # the whole prefix cached
 
     async def abort_all(self):
         self.aborted.set()
@@ -290,6 +294,57 @@ def test_a_response_past_the_staleness_bound_is_restarted_or_masked():
             assert third.counts["rollout/partial_masked_tokens"] == float((~expect).sum())
 
 
+class TurnsEnv:
+    """Two model turns: the first answered with the observation [3, 3], the second ends the
+    trajectory with reward 1; every action it was given is kept."""
+    stop_token_ids = ()
+    seen: list = []
+
+    def __init__(self, tokenizer=None):
+        self.turn = 0
+
+    def reset(self, prompt):
+        self.turn = 0
+
+    def step(self, action_ids, finish_reason):
+        TurnsEnv.seen.append(list(action_ids))
+        self.turn += 1
+        if self.turn == 1:
+            return EnvStep(observation_ids=[3, 3])
+        return EnvStep(reward=1.0, done=True)
+
+
+def test_a_multi_turn_trajectory_is_continued_mid_turn_under_the_next_version():
+    """An abort in the middle of a model turn keeps what the turn generated; at the next
+    version the turn continues from its prefix (the environment is given the whole turn, once),
+    the observation follows out of the loss, and the trajectory's tokens carry both versions,
+    version 1's prefix routing kept apart."""
+    TurnsEnv.seen = []
+    prompts = [PromptRecord("", [i, 1, 2], None) for i in range(2)]
+    engine = ScriptedEngine({0: 10**6, 1: 10**6}, prompt_len=3, tick={0: 0.0005, 1: 0.004})
+    sampling = SamplingConfig(max_new_tokens=6)
+    rollout = PartialRollout(max_new_tokens=30, max_staleness=2, stale="drop",
+                             mask_offpolicy=False, need_routing=True, need_mask=False,
+                             environment=TurnsEnv, limits=TrajectoryLimits(3, 30),
+                             vocab_size=64)
+    async def environment_reward(samples):
+        return samples
+    first = rollout.collect(engine, prompts, [0, 1], 1, sampling, 0, 0, 1, environment_reward)
+    assert [s.metadata["prompt_index"] for s in first.samples] == [0]
+    assert first.counts["rollout/partial_aborted"] == 1.0
+    assert first.counts["rollout/turns_mean"] == 2.0
+    engine.version, engine.tick = 1, 0.0
+    second = rollout.collect(engine, prompts, [], 1, sampling, 1, 5, 1, environment_reward)
+    (s,) = second.samples
+    assert s.metadata["prompt_index"] == 1 and s.reward == 1.0 and s.metadata["turns"] == 2
+    assert s.loss_mask.tolist() == [True] * 6 + [False] * 2 + [True] * 6
+    (v0, a, b), (v1, c, d) = s.segments()
+    assert (v0, a, v1, d) == (0, 0, 1, 14) and 0 < b == c < 6
+    assert [len(x) for x in TurnsEnv.seen] == [6, 6, 6, 6]   # whole turns, once each
+    assert s.segment_routing[0].shape[0] == 3 + b - 1 and (s.segment_routing[0] >= 16).all()
+    assert (s.routing[:3 + b - 1] < 16).all() and (s.routing[3 + b - 1:] >= 16).all()
+
+
 def test_partial_rollout_settings_are_checked():
     cfg = str(ROOT / "configs" / "tiny_cpu.yaml")
     with pytest.raises(ConfigError, match="rollout.max_staleness >= 1"):
@@ -300,9 +355,6 @@ def test_partial_rollout_settings_are_checked():
     with pytest.raises(ConfigError, match="rollout.partial_stale"):
         load_config(cfg, ["rollout.partial=true", "rollout.max_staleness=1",
                           "rollout.partial_stale=keep"])
-    multi = str(ROOT / "configs" / "tiny_agentic_cpu.yaml")
-    with pytest.raises(ConfigError, match="multi-turn"):
-        load_config(multi, ["rollout.partial=true", "rollout.max_staleness=1"])
 
 
 def _metrics(run_dir):

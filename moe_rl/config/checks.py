@@ -266,9 +266,6 @@ def check_partial(cfg: Config) -> None:
         raise ConfigError("rollout.partial: a response continued under the next weights is "
                           "trained one version after its first tokens; set "
                           "rollout.max_staleness >= 1 (it bounds every token's lag)")
-    if cfg.data.environment is not None:
-        raise ConfigError("rollout.partial: multi-turn trajectories (data.environment) are not "
-                          "continued across weight updates; set rollout.partial=false")
     if r.dynamic_sampling:
         raise ConfigError("rollout.partial: dynamic sampling is not combined with partial "
                           "rollouts; set rollout.dynamic_sampling=false or partial=false")

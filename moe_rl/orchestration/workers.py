@@ -210,7 +210,7 @@ class RolloutWorker:
         self.partial = None   # rollout.partial: the responses in flight between steps
         if r.partial:
             from moe_rl.rollout.partial import partial_rollout
-            self.partial = partial_rollout(cfg, self.engine)
+            self.partial = partial_rollout(cfg, self.engine, self.inputs)
 
     def _served(self, path: str) -> str:
         return served_checkpoint(self.cfg, path)

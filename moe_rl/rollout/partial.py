@@ -24,10 +24,15 @@ tokens of each response's newest version in the loss (slime's
 first also ``partial_extra_groups`` more, so the engines always hold more work than one step
 needs.
 
+Multi-turn trajectories (``data.environment``) are continued the same way, in the middle of a
+model turn: the turn's tokens so far are kept, the continuation asks for the rest of the turn,
+and the environment is given the whole turn once (:class:`moe_rl.rollout.trajectories.Episode`
+holds the environment and where the turn began between steps).
+
 A checkpoint saves no partial response: a resumed run starts without them (the groups in flight
 are dropped, their prompts not drawn again this epoch), counted in ``rollout/partial_in_flight``
-of the last step before the save. Multi-turn trajectories and dynamic sampling are not continued
-across updates (the configuration refuses them together).
+of the last step before the save. Dynamic sampling is not combined with partial rollouts (the
+configuration refuses it).
 """
 from __future__ import annotations
 
@@ -39,10 +44,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_rl.engines.base import Engine, EngineSession, ResponseError, SamplingConfig, Turn
+from moe_rl.config import response_cap
+from moe_rl.engines.base import Engine, EngineSession, SamplingConfig
+from moe_rl.envs import EnvError
 from moe_rl.rewards.functions import score_samples
 from moe_rl.rollout.groups import StepGroups
-from moe_rl.rollout.trajectories import _Trajectory
+from moe_rl.rollout.trajectories import (Episode, TrajectoryLimits, TrajectoryStats, env_call,
+                                         Trajectory, keep_turn)
 from moe_rl.types import Sample
 
 ABORT_REPEAT_S = 0.2   # how often the abort is sent again while requests are still answering
@@ -51,12 +59,15 @@ CONTINUATION_SEED = 1_000_003   # a continuation's sampling seed moves by this p
 
 @dataclass
 class _Response:
-    """One response of a group, generated over one or more requests."""
-    traj: _Trajectory
+    """One response of a group, generated over one or more requests (a multi-turn trajectory:
+    its :class:`Episode`, made at its first request)."""
+    traj: Trajectory
     seed: int
     server: int
     requests: int = 0
     finish: dict | None = None   # the engine's finish_reason once it finished
+    episode: Episode | None = None
+    failed: bool = False         # its environment failed: dropped from its group
 
     @property
     def done(self) -> bool:
@@ -100,6 +111,9 @@ class PartialRollout:
     mask_offpolicy: bool
     need_routing: bool
     need_mask: bool
+    environment: object = None   # data.environment's factory (multi-turn), if any
+    limits: TrajectoryLimits | None = None
+    vocab_size: int = 0
     groups: list[_Group] = field(default_factory=list)
     _order: itertools.count = field(default_factory=itertools.count)
 
@@ -110,14 +124,16 @@ class PartialRollout:
         in flight continue and ``per`` responses to each prompt of ``indices`` (records of
         ``prompts``) start, seeded from ``seed``; the rest stay in flight. ``score(samples)``
         is the reward (an async function returning the samples it scored)."""
-        counts = PartialCounts()
+        counts, stats = PartialCounts(), TrajectoryStats()
         self._expire(step, counts)
         for g, i in enumerate(indices):
             order = next(self._order)
             self.groups.append(_Group(i, order, [
-                _Response(_Trajectory(prompts[i].ids), seed + (g * per + j) * 7919,
+                _Response(Trajectory(prompts[i].ids), seed + (g * per + j) * 7919,
                           order * per + j) for j in range(per)]))
-        engine.run(lambda session: self._generate(session, sampling, wanted, score, counts))
+        engine.run(lambda session: self._generate(session, engine, prompts, sampling, wanted,
+                                                  score, counts, stats))
+        self.groups = [g for g in self.groups if g.samples != []]   # every response failed
         complete = sorted((g for g in self.groups if g.samples is not None),
                           key=lambda g: g.order)[:wanted]
         self.groups = [g for g in self.groups if g not in complete]
@@ -125,13 +141,17 @@ class PartialRollout:
         samples = []
         for gid, g in enumerate(complete):
             for s in g.samples:
+                if self.environment is not None:
+                    stats.count(s)
                 counts.masked_tokens += self._mask(s, step)
                 s.group_id, s.sample_id = gid, len(samples)
                 samples.append(s)
         step_counts = {"rollout/generated_groups": float(len(indices)),
                        "rollout/dropped_groups": 0.0, "rollout/filled_groups": 0.0,
                        "rollout/generated_tokens": float(counts.tokens), **counts.metrics()}
-        return StepGroups(samples, step_counts, counts.score_s)
+        if self.environment is not None:
+            step_counts.update(stats.metrics())
+        return StepGroups(samples, step_counts, counts.score_s, stats.first_error)
 
     def _expire(self, step: int, counts: PartialCounts) -> None:
         """``partial_stale: drop``: restart every response holding a token older than the
@@ -142,7 +162,8 @@ class PartialRollout:
         for g in self.groups:
             for r in g.responses:
                 if r.traj.token_versions and r.traj.token_versions[0] < oldest:
-                    r.traj, r.finish, r.requests = _Trajectory(r.traj.prompt), None, 0
+                    r.traj, r.finish, r.requests = Trajectory(r.traj.prompt), None, 0
+                    r.episode = None
                     g.samples = None
                     counts.dropped += 1
 
@@ -159,14 +180,17 @@ class PartialRollout:
         s.loss_mask = s.loss_mask & keep
         return removed
 
-    async def _generate(self, session: EngineSession, sampling: SamplingConfig, wanted: int,
-                        score, counts: PartialCounts) -> None:
+    async def _generate(self, session: EngineSession, engine: Engine, prompts,
+                        sampling: SamplingConfig, wanted: int, score, counts: PartialCounts,
+                        stats: TrajectoryStats) -> None:
         """Continue every unfinished response; once ``wanted`` groups are complete (scored),
-        abort what is still generating (again every ``ABORT_REPEAT_S`` until all answered)."""
+        abort what is still generating (again every ``ABORT_REPEAT_S`` until all answered).
+        When ``wanted`` groups already finished in earlier steps (more groups finished than
+        a step takes), they train and no request is sent."""
         enough = asyncio.Event()
 
         def check() -> None:
-            if sum(g.samples is not None for g in self.groups) >= wanted:
+            if sum(bool(g.samples) for g in self.groups) >= wanted:
                 enough.set()
 
         async def respond(r: _Response) -> None:
@@ -175,27 +199,56 @@ class PartialRollout:
                 if left <= 0:
                     r.finish = {"type": "length", "length": self.max_new_tokens}
                     break
+                ids = r.traj.prompt + r.traj.ids
                 turn = await session.generate_turn(
-                    r.traj.prompt + r.traj.ids,
-                    dataclasses.replace(sampling, max_new_tokens=left),
+                    ids, dataclasses.replace(sampling, max_new_tokens=left),
                     seed=r.seed + CONTINUATION_SEED * r.requests, server=r.server)
                 r.requests += 1
                 counts.tokens += len(turn.output_ids)
-                self._merge(r.traj, turn)
+                await keep_turn(session, r.server, r.traj, ids, turn, 0, self.need_routing)
                 if turn.aborted:
                     counts.aborted += 1
                     return
                 r.finish = turn.finish_reason
 
+        async def run_episode(g: _Group, r: _Response) -> None:
+            before = len(r.traj.ids)
+            try:
+                if r.episode is None:
+                    env = await env_call("environment", self.environment,
+                                          timeout_s=self.limits.env_timeout_s)
+                    r.episode = Episode(engine, env, prompts[g.prompt_index], sampling,
+                                        self.limits, r.seed, self.vocab_size, r.server)
+                    r.traj = r.episode.traj
+                finished = await r.episode.advance(session, fresh=r.requests > 0)
+            except EnvError as exc:
+                stats.dropped(exc)
+                r.failed, r.finish = True, {"type": "env_error"}
+                return
+            finally:
+                r.requests += 1
+                counts.tokens += len(r.traj.ids) - before
+            if finished:
+                r.finish = {"type": "done"}
+            else:
+                counts.aborted += 1
+
         async def group(g: _Group) -> None:
-            await asyncio.gather(*(respond(r) for r in g.responses if not r.done))
+            pending = [r for r in g.responses if not r.done]
+            if self.environment is None:
+                await asyncio.gather(*(respond(r) for r in pending))
+            else:
+                await asyncio.gather(*(run_episode(g, r) for r in pending))
             if g.done and g.samples is None:
                 t0 = time.perf_counter()
-                g.samples = list(await score([self._sample(g, r) for r in g.responses]))
+                made = [self._sample(g, r) for r in g.responses if not r.failed]
+                g.samples = list(await score(made)) if made else []
                 counts.score_s += time.perf_counter() - t0
                 check()
 
         check()
+        if enough.is_set():   # enough groups finished before: they train, nothing starts
+            return
         work = asyncio.ensure_future(asyncio.gather(*(group(g) for g in self.groups
                                                       if g.samples is None)))
         stop = asyncio.ensure_future(enough.wait())
@@ -206,44 +259,36 @@ class PartialRollout:
         stop.cancel()
         work.result()
 
-    def _merge(self, traj: _Trajectory, turn: Turn) -> None:
-        """Append ``turn`` (the generation after ``traj``'s prompt and tokens so far, routed
-        from position 0) to ``traj``: the rows of positions already held stay as recorded; a
-        new version's rows of them are kept as that segment's prefix routing."""
-        if not turn.output_ids:   # aborted before it ran
-            return
-        if turn.token_versions is not None and self.need_routing:
-            raise ResponseError("weight_versions: a weight update landed while the request ran; "
-                                "moe_rl aborts requests before it updates weights, so their "
-                                "routing cannot be told apart by version")
-        if self.need_routing:
-            rows, held = turn.routing, traj.received
-            if traj.routing is None:
-                traj.routing = rows
-            else:
-                if turn.weight_version != traj.token_versions[-1]:
-                    traj.segment_routing.append(rows[:held])
-                traj.routing = torch.cat([traj.routing, rows[held:]])
-        traj.add_model(turn)
-
     def _sample(self, g: _Group, r: _Response) -> Sample:
-        s = r.traj.sample(self.need_mask, group_id=g.order,
-                          sample_id=g.responses.index(r),
-                          metadata={"finish_reason": r.finish.get("type", ""),
-                                    "prompt_index": g.prompt_index, "requests": r.requests})
+        meta = {"prompt_index": g.prompt_index, "requests": r.requests}
+        if r.episode is not None:
+            s = r.episode.sample(group_id=g.order, sample_id=g.responses.index(r),
+                                 metadata=meta)
+        else:
+            s = r.traj.sample(self.need_mask, group_id=g.order, sample_id=g.responses.index(r),
+                              metadata={"finish_reason": r.finish.get("type", ""), **meta})
         s.validate()
         return s
 
 
-def partial_rollout(cfg, engine: Engine) -> PartialRollout:
-    """The configuration's :class:`PartialRollout` over ``engine``."""
+def partial_rollout(cfg, engine: Engine, inputs) -> PartialRollout:
+    """The configuration's :class:`PartialRollout` over ``engine`` (``inputs``: the run's
+    tokenizer and environment)."""
     r = cfg.rollout
-    return PartialRollout(r.max_new_tokens, r.max_staleness, r.partial_stale,
-                          r.partial_mask_offpolicy, engine.need_routing, engine.need_mask)
+    environment = limits = None
+    if inputs.environment is not None:
+        environment = lambda: inputs.environment(inputs.tokenizer)   # noqa: E731
+        limits = TrajectoryLimits(r.max_turns, response_cap(cfg), cfg.data.environment_timeout_s)
+    return PartialRollout(response_cap(cfg), r.max_staleness, r.partial_stale,
+                          r.partial_mask_offpolicy, engine.need_routing, engine.need_mask,
+                          environment, limits, engine.layout.vocab_size)
 
 
 def score_with(inputs):
-    """The reward of a group's samples, for :meth:`PartialRollout.collect`."""
+    """The reward of a group's samples, for :meth:`PartialRollout.collect` (a multi-turn
+    trajectory's comes from its environment)."""
     async def score(samples: list[Sample]) -> list[Sample]:
+        if inputs.environment is not None:
+            return samples
         return await score_samples(samples, inputs.tokenizer, inputs.prompts, inputs.reward)
     return score

@@ -54,7 +54,7 @@ class EnvTimeout(EnvError):
     """An environment call did not return within ``env_timeout_s``."""
 
 
-async def _env_call(what: str, fn, *args, timeout_s: float):
+async def env_call(what: str, fn, *args, timeout_s: float):
     """``fn(*args)`` of the environment on a thread of its own, bounded; EnvError (EnvTimeout
     past the bound) names the call."""
     try:
@@ -78,6 +78,25 @@ class TrajectoryStats:
     routing_refetches: int = 0
     first_error: str | None = None
 
+    def count(self, s: Sample) -> None:
+        """Add the finished trajectory ``s`` (its loss mask as the rollout made it)."""
+        self.trajectories += 1
+        self.turns += s.metadata["turns"]
+        self.truncated += s.metadata["truncated"]
+        self.routing_refetches += s.metadata["routing_refetches"]
+        self.observation_tokens += int((~s.loss_mask).sum())
+        self.response_tokens += s.response_len
+
+    def dropped(self, exc: EnvError) -> None:
+        """Count a trajectory dropped on ``exc``; the first reason is kept and logged."""
+        if isinstance(exc, EnvTimeout):
+            self.env_timeouts += 1
+        else:
+            self.env_errors += 1
+        if self.first_error is None:
+            self.first_error = str(exc)
+            log.warning("environment failed, trajectory dropped: %s", exc)
+
     def metrics(self) -> dict[str, float]:
         n = max(self.trajectories, 1)
         return {"rollout/turns_mean": self.turns / n,
@@ -88,7 +107,7 @@ class TrajectoryStats:
                 "rollout/truncated_frac": self.truncated / n}
 
 
-class _Trajectory:
+class Trajectory:
     """The growing response of one trajectory."""
 
     def __init__(self, prompt: list[int]):
@@ -150,7 +169,7 @@ class _Trajectory:
 def sample_of_turn(prompt_ids: list[int], turn: Turn, *, group_id: int, sample_id: int,
                    metadata: dict | None = None) -> Sample:
     """A single-turn sample: the one-turn trajectory of ``turn`` after ``prompt_ids``."""
-    traj = _Trajectory(prompt_ids)
+    traj = Trajectory(prompt_ids)
     traj.routing = turn.routing
     traj.add_model(turn)
     return traj.sample(turn.kept_offsets is not None, group_id=group_id, sample_id=sample_id,
@@ -189,7 +208,7 @@ def generate_samples(engine: Engine, prompts: list[list[int]], n: int,
 
 
 async def _refetch_routing(session: EngineSession, server: int, ids: list[int], turn: Turn,
-                           traj: _Trajectory, new_rows: torch.Tensor) -> torch.Tensor:
+                           traj: Trajectory, new_rows: torch.Tensor) -> torch.Tensor:
     """The routing of positions ``turn.cached_tokens ..`` of ``ids`` as the engine holds it after
     a turn that recomputed already received positions; checked against ``new_rows`` (the turn's
     rows of the positions from ``traj.received``), which it returns a second time."""
@@ -203,54 +222,124 @@ async def _refetch_routing(session: EngineSession, server: int, ids: list[int], 
     return rows
 
 
+class Episode:
+    """One multi-turn trajectory as it runs: its environment, the response so far and where the
+    turn in progress began, so a turn an abort stopped (partial rollouts) continues later from
+    its prefix, possibly under newer weights."""
+
+    def __init__(self, engine: Engine, env, record, sampling: SamplingConfig,
+                 limits: TrajectoryLimits, seed: int | None, vocab_size: int, server: int):
+        self.engine, self.env, self.record = engine, env, record
+        self.sampling, self.limits, self.seed = sampling, limits, seed
+        self.vocab_size, self.server = vocab_size, server
+        self.traj = Trajectory(record.ids)
+        self.stop = tuple(getattr(env, "stop_token_ids", ()) or ())
+        self.turns = self.requests = self.refetches = 0
+        self.reward, self.truncated = None, False
+        self.turn_start: int | None = None   # response index where the turn in progress began
+        self.started = False
+
+    async def advance(self, session: EngineSession, fresh: bool = False) -> bool:
+        """Run turns on ``session`` until the trajectory ends (True) or a turn is aborted
+        (False: what it generated is kept; the next call continues that turn). ``fresh``: the
+        engines may serve newer weights since the last request, so the first asks for every
+        position's routing (:func:`keep_turn`)."""
+        traj, limits = self.traj, self.limits
+        if not self.started:
+            await env_call("reset", self.env.reset, self.record, timeout_s=limits.env_timeout_s)
+            self.started = True
+        while True:
+            if self.turn_start is None:
+                self.turn_start = len(traj.ids)
+            ids = traj.prompt + traj.ids
+            cap = min(self.sampling.max_new_tokens - (len(traj.ids) - self.turn_start),
+                      limits.max_response_tokens - len(traj.ids))
+            params = dataclasses.replace(self.sampling, max_new_tokens=cap,
+                                         stop_token_ids=self.stop)
+            start = 0 if fresh else traj.received
+            fresh = False
+            turn = await session.generate_turn(
+                ids, params, seed=None if self.seed is None else self.seed + self.requests,
+                routing_from=start, server=self.server)
+            self.requests += 1
+            self.refetches += await keep_turn(session, self.server, traj, ids, turn, start,
+                                              self.engine.need_routing)
+            if turn.aborted:
+                return False
+            self.turns += 1
+            output = traj.ids[self.turn_start:]
+            self.turn_start = None
+            result = await env_call("step", self.env.step, output, dict(turn.finish_reason),
+                                     timeout_s=limits.env_timeout_s)
+            result = check_step(result, self.vocab_size)
+            if result.done or result.truncated:
+                self.reward, self.truncated = result.reward, result.truncated and not result.done
+                return True
+            obs = result.observation_ids
+            if (self.turns >= limits.max_turns
+                    or len(traj.ids) + len(obs) >= limits.max_response_tokens):
+                self.truncated = True
+                return True
+            traj.add_observation(obs, self.engine.need_mask)
+
+    def sample(self, **sample_kw) -> Sample:
+        """The finished trajectory as a sample (its turns, truncation and routing follow-ups
+        in its metadata: :meth:`TrajectoryStats.count`)."""
+        s = self.traj.sample(self.engine.need_mask,
+                             reward=0.0 if self.reward is None else self.reward, **sample_kw)
+        s.metadata.update(turns=self.turns, truncated=self.truncated,
+                          routing_refetches=self.refetches)
+        return s
+
+
+async def keep_turn(session: EngineSession, server: int | None, traj: Trajectory,
+                    ids: list[int], turn: Turn, start: int, need_routing: bool) -> int:
+    """Append ``turn`` (generated after ``ids`` = ``traj``'s prompt and tokens, routed from
+    position ``start``) to ``traj``; returns the routing follow-ups it took (0 or 1).
+
+    Routing: the rows already held stay (each token's routing as sampled). Asked from position
+    0 (``start`` 0, a continuation that may run under new weights), the turn's rows of the held
+    positions are, under a new version, that version's prefix routing (kept apart, for its
+    segment); under the same version, the positions the engine recomputed take the recomputed
+    rows (the KV later tokens attend to). Asked from the held positions on, a turn that
+    recomputed some of them is followed by a routing request (:func:`_refetch_routing`)."""
+    if not turn.output_ids:   # aborted before it ran
+        return 0
+    refetched = 0
+    if need_routing:
+        rows, held = turn.routing, traj.received
+        if start == 0 and traj.routing is not None:
+            if turn.token_versions is not None or turn.weight_version != traj.token_versions[-1]:
+                if turn.token_versions is not None:
+                    raise ResponseError("weight_versions: a weight update landed while the "
+                                        "request ran; moe_rl aborts requests before it updates "
+                                        "weights, so their routing cannot be told apart")
+                traj.segment_routing.append(rows[:held])
+            elif turn.cached_tokens < held:
+                traj.routing = torch.cat([traj.routing[:turn.cached_tokens],
+                                          rows[turn.cached_tokens:held]])
+                refetched = 1
+            rows = rows[held:]
+        elif turn.cached_tokens < held:   # earlier positions were recomputed
+            rows = await _refetch_routing(session, server, ids + turn.output_ids, turn, traj,
+                                          rows)
+            traj.routing = traj.routing[:turn.cached_tokens]
+            refetched = 1
+        traj.routing = rows if traj.routing is None else torch.cat([traj.routing, rows])
+    traj.add_model(turn)
+    return refetched
+
+
 async def run_trajectory(engine: Engine, session: EngineSession, server: int, env, record,
                          sampling: SamplingConfig, limits: TrajectoryLimits, seed: int | None,
                          vocab_size: int, stats: TrajectoryStats, **sample_kw) -> Sample:
     """One trajectory of ``env`` from prompt ``record``, every turn on ``server``; EnvError
-    when the environment fails or answers badly."""
-    need_routing, need_mask = engine.need_routing, engine.need_mask
-    traj = _Trajectory(record.ids)
-    stop = tuple(getattr(env, "stop_token_ids", ()) or ())
-    await _env_call("reset", env.reset, record, timeout_s=limits.env_timeout_s)
-    turns, reward, truncated, refetches = 0, None, False, 0
-    while True:
-        ids = traj.prompt + traj.ids
-        budget = limits.max_response_tokens - len(traj.ids)
-        params = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens,
-                                                                  budget),
-                                     stop_token_ids=stop)
-        turn = await session.generate_turn(ids, params,
-                                           seed=None if seed is None else seed + turns,
-                                           routing_from=traj.received, server=server)
-        turns += 1
-        if need_routing:
-            rows = turn.routing
-            if turn.cached_tokens < traj.received:   # earlier positions were recomputed
-                rows = await _refetch_routing(session, server, ids + turn.output_ids, turn,
-                                              traj, rows)
-                traj.routing = traj.routing[:turn.cached_tokens]
-                refetches += 1
-            traj.routing = rows if traj.routing is None else torch.cat([traj.routing, rows])
-        traj.add_model(turn)
-        result = await _env_call("step", env.step, list(turn.output_ids),
-                                 dict(turn.finish_reason), timeout_s=limits.env_timeout_s)
-        result = check_step(result, vocab_size)
-        if result.done or result.truncated:
-            reward, truncated = result.reward, result.truncated and not result.done
-            break
-        obs = result.observation_ids
-        if turns >= limits.max_turns or len(traj.ids) + len(obs) >= limits.max_response_tokens:
-            truncated = True
-            break
-        traj.add_observation(obs, need_mask)
-    stats.trajectories += 1
-    stats.turns += turns
-    stats.truncated += truncated
-    stats.routing_refetches += refetches
-    stats.observation_tokens += sum(int((~m).sum()) for m in traj.loss)
-    stats.response_tokens += len(traj.ids)
-    s = traj.sample(need_mask, reward=0.0 if reward is None else reward, **sample_kw)
-    s.metadata.update(turns=turns, truncated=truncated, routing_refetches=refetches)
+    when the environment fails or answers badly. A turn aborted from outside is continued."""
+    episode = Episode(engine, env, record, sampling, limits, seed, vocab_size, server)
+    while not await episode.advance(session):
+        pass
+    s = episode.sample(**sample_kw)
+    stats.count(s)
     return s
 
 
@@ -267,25 +356,16 @@ def rollout_trajectories(engine: Engine, env_factory, records: list, n: int,
     stats = stats if stats is not None else TrajectoryStats()
     jobs = [(i, j) for i in range(len(records)) for j in range(n)]
 
-    def dropped(exc: EnvError) -> None:
-        if isinstance(exc, EnvTimeout):
-            stats.env_timeouts += 1
-        else:
-            stats.env_errors += 1
-        if stats.first_error is None:
-            stats.first_error = str(exc)
-            log.warning("environment failed, trajectory dropped: %s", exc)
-
     async def one(session: EngineSession, k: int, i: int):
         server = k % session.num_servers   # every turn on the same server
         try:
-            env = await _env_call("environment", env_factory, timeout_s=limits.env_timeout_s)
+            env = await env_call("environment", env_factory, timeout_s=limits.env_timeout_s)
             return await run_trajectory(
                 engine, session, server, env, records[i], sampling, limits,
                 None if seed is None else seed + k * limits.max_turns, vocab_size, stats,
                 group_id=group_ids[i], sample_id=k)
         except EnvError as exc:
-            dropped(exc)
+            stats.dropped(exc)
             return None
 
     async def all_jobs(session: EngineSession):
