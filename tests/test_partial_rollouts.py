@@ -14,12 +14,12 @@ from moe_rl.engines.sglang.decode import decode_turn, decode_weight_versions
 from moe_rl.engines.base import ResponseError
 from moe_rl.moe_shape import MoEShape
 from moe_rl.data.prompts import PromptRecord
-from moe_rl.envs import EnvStep
 from moe_rl.rollout.partial import PartialRollout
 from moe_rl.rollout.trajectories import TrajectoryLimits
 from moe_rl.types import RecordError, RolloutBatch, Sample, compact_routing
 from tests.conftest import ROOT, train_cli
 from tests.helpers import engine_samples, write_tiny_qwen
+from tests.test_multi_turn import _TwoTurnEnv
 
 
 def segmented_sample(models: list, versions: list[int], prompt: torch.Tensor,
@@ -294,38 +294,18 @@ def test_a_response_past_the_staleness_bound_is_restarted_or_masked():
             assert third.counts["rollout/partial_masked_tokens"] == float((~expect).sum())
 
 
-class TurnsEnv:
-    """Two model turns: the first answered with the observation [3, 3], the second ends the
-    trajectory with reward 1; every action it was given is kept."""
-    stop_token_ids = ()
-    seen: list = []
-
-    def __init__(self, tokenizer=None):
-        self.turn = 0
-
-    def reset(self, prompt):
-        self.turn = 0
-
-    def step(self, action_ids, finish_reason):
-        TurnsEnv.seen.append(list(action_ids))
-        self.turn += 1
-        if self.turn == 1:
-            return EnvStep(observation_ids=[3, 3])
-        return EnvStep(reward=1.0, done=True)
-
-
 def test_a_multi_turn_trajectory_is_continued_mid_turn_under_the_next_version():
     """An abort in the middle of a model turn keeps what the turn generated; at the next
     version the turn continues from its prefix (the environment is given the whole turn, once),
     the observation follows out of the loss, and the trajectory's tokens carry both versions,
     version 1's prefix routing kept apart."""
-    TurnsEnv.seen = []
+    _TwoTurnEnv.seen = []
     prompts = [PromptRecord("", [i, 1, 2], None) for i in range(2)]
     engine = ScriptedEngine({0: 10**6, 1: 10**6}, prompt_len=3, tick={0: 0.0005, 1: 0.004})
     sampling = SamplingConfig(max_new_tokens=6)
     rollout = PartialRollout(max_new_tokens=30, max_staleness=2, stale="drop",
                              mask_offpolicy=False, need_routing=True, need_mask=False,
-                             environment=TurnsEnv, limits=TrajectoryLimits(3, 30),
+                             environment=_TwoTurnEnv, limits=TrajectoryLimits(3, 30),
                              vocab_size=64)
     async def environment_reward(samples):
         return samples
@@ -337,10 +317,10 @@ def test_a_multi_turn_trajectory_is_continued_mid_turn_under_the_next_version():
     second = rollout.collect(engine, prompts, [], 1, sampling, 1, 5, 1, environment_reward)
     (s,) = second.samples
     assert s.metadata["prompt_index"] == 1 and s.reward == 1.0 and s.metadata["turns"] == 2
-    assert s.loss_mask.tolist() == [True] * 6 + [False] * 2 + [True] * 6
+    assert s.loss_mask.tolist() == [True] * 6 + [False] * 3 + [True] * 6
     (v0, a, b), (v1, c, d) = s.segments()
-    assert (v0, a, v1, d) == (0, 0, 1, 14) and 0 < b == c < 6
-    assert [len(x) for x in TurnsEnv.seen] == [6, 6, 6, 6]   # whole turns, once each
+    assert (v0, a, v1, d) == (0, 0, 1, 15) and 0 < b == c < 6
+    assert [len(x) for x in _TwoTurnEnv.seen] == [6, 6, 6, 6]   # whole turns, once each
     assert s.segment_routing[0].shape[0] == 3 + b - 1 and (s.segment_routing[0] >= 16).all()
     assert (s.routing[:3 + b - 1] < 16).all() and (s.routing[3 + b - 1:] >= 16).all()
 
