@@ -172,7 +172,9 @@ def test_partial_rollouts_continue_responses_across_versions_on_sglang(model_dir
     _, rows = _train(CONFIG, model_dir, run, "rollout.partial=true", "rollout.max_staleness=2",
                      "trainer.sft_warmup_steps=0", "rollout.max_new_tokens=24",
                      "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
-                     "rollout.top_k=20", steps=4)
+                     "rollout.top_k=20", "rollout.partial_extra_groups=6",
+                     # 4 requests at a time: the groups finish one after another, not together
+                     'rollout.sglang.extra_args=[--max-running-requests, "4"]', steps=4)
     assert sum(m["rollout/partial_aborted"] for m in rows) > 0
     assert max(m["rollout/partial_frac"] for m in rows) > 0.0
     for m in rows:
