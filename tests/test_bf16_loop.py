@@ -156,3 +156,22 @@ def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_c
         assert all(v == v for v in r.values() if isinstance(v, float))
     cfg = json.loads((tmp_path / "run" / "final_hf" / "config.json").read_text())
     assert cfg["dtype"] == "bfloat16"
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+def test_bf16_partial_rollouts(tmp_path, model_dir):
+    """Partial rollouts in the GPU configs' precision (bfloat16 engine and policy, fp32 master
+    weights): responses span weight versions, each segment scored at its own version (R3 with
+    the kept set); the same-version mismatch stays at bf16's level and nothing goes unscored."""
+    work = _workdir(tmp_path, model_dir, "run")
+    train_cli(work, 6, *BF16, "rollout.partial=true", "rollout.max_staleness=2",
+              "rollout.max_new_tokens=40", "algorithm.keep_sampling_mask=true",
+              "rollout.top_k=20")
+    rows = _rows(work)
+    assert max(r["rollout/partial_frac"] for r in rows) > 0.0
+    for r in rows:
+        assert 0 <= r["mismatch/k3"] < 1e-3 and r["routing/agreement"] > 0.95, r
+        assert r["staleness/unscored_samples"] == 0.0
+        assert r["rollout/token_version_lag_max"] <= 2.0
+        assert all(v == v for v in r.values() if isinstance(v, float))
