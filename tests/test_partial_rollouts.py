@@ -195,7 +195,8 @@ class ScriptedSession:
             out.append(len(input_ids) + len(out))
             await asyncio.sleep(tick)
         finish = ({"type": "abort"} if len(out) < min(want, sampling.max_new_tokens)
-                  else {"type": "stop"})
+                  or e.abort_at_cap else {"type": "stop"})
+        e.abort_at_cap = False
         n = len(input_ids) + len(out) - 1
         routing = (torch.arange(n)[:, None, None].expand(n, 1, 1).to(torch.uint8) % 7 +
                    e.version * 16)[routing_from or 0:]
@@ -212,6 +213,7 @@ class ScriptedEngine:
     def __init__(self, lengths: dict[int, int], prompt_len: int, tick: float = 0.002):
         self.lengths, self.prompt_len, self.tick = lengths, prompt_len, tick
         self.version, self.requests = 0, []
+        self.abort_at_cap = False   # the next answer says abort though it reached its cap
 
     def run(self, fn):
         return asyncio.run(fn(ScriptedSession(self)))
@@ -301,7 +303,7 @@ def test_a_multi_turn_trajectory_is_continued_mid_turn_under_the_next_version():
     version 1's prefix routing kept apart."""
     _TwoTurnEnv.seen = []
     prompts = [PromptRecord("", [i, 1, 2], None) for i in range(2)]
-    engine = ScriptedEngine({0: 10**6, 1: 10**6}, prompt_len=3, tick={0: 0.0005, 1: 0.004})
+    engine = ScriptedEngine({0: 10**6, 1: 10**6}, prompt_len=3, tick={0: 0.0005, 1: 0.02})
     sampling = SamplingConfig(max_new_tokens=6)
     rollout = PartialRollout(max_new_tokens=30, max_staleness=2, stale="drop",
                              mask_offpolicy=False, need_routing=True, need_mask=False,
@@ -323,6 +325,36 @@ def test_a_multi_turn_trajectory_is_continued_mid_turn_under_the_next_version():
     assert [len(x) for x in _TwoTurnEnv.seen] == [6, 6, 6, 6]   # whole turns, once each
     assert s.segment_routing[0].shape[0] == 3 + b - 1 and (s.segment_routing[0] >= 16).all()
     assert (s.routing[:3 + b - 1] < 16).all() and (s.routing[3 + b - 1:] >= 16).all()
+
+
+def test_a_turn_whose_abort_came_with_its_last_token_goes_to_the_environment_whole():
+    """An abort that answers just as a turn reached its cap: the next step sends no request
+    for that turn (nothing is left of it) and gives the environment the whole turn; the
+    observation after it, first computed under the next version, opens that version's
+    segment."""
+    _TwoTurnEnv.seen = []
+    engine = ScriptedEngine({0: 10**6}, prompt_len=3, tick=0.0)
+    engine.abort_at_cap = True
+    rollout = PartialRollout(max_new_tokens=30, max_staleness=2, stale="drop",
+                             mask_offpolicy=False, need_routing=True, need_mask=False,
+                             environment=_TwoTurnEnv, limits=TrajectoryLimits(3, 30),
+                             vocab_size=64)
+
+    async def environment_reward(samples):
+        return samples
+    prompts = [PromptRecord("", [0, 1, 2], None)]
+    first = rollout.collect(engine, prompts, [0], 1, SamplingConfig(max_new_tokens=6), 0, 0, 1,
+                            environment_reward)
+    assert first.samples == [] and first.counts["rollout/partial_aborted"] == 1.0
+    engine.version = 1
+    (s,) = rollout.collect(engine, prompts, [], 1, SamplingConfig(max_new_tokens=6), 1, 0, 1,
+                           environment_reward).samples
+    assert [len(a) for a in _TwoTurnEnv.seen] == [6, 6] and s.response_len == 6 + 3 + 6
+    # the observation was first computed under version 1: it opens version 1's segment, whose
+    # prefix routing is what version 0 had computed before it
+    assert s.versions().tolist() == [0] * 6 + [1] * 9
+    assert s.segment_routing[0].shape[0] == 3 + 6 - 1 and (s.segment_routing[0] >= 16).all()
+    assert all(cap > 0 for _, cap in engine.requests) and len(engine.requests) == 2
 
 
 def test_partial_rollout_settings_are_checked():

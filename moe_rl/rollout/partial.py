@@ -57,7 +57,7 @@ ABORT_REPEAT_S = 0.2   # how often the abort is sent again while requests are st
 CONTINUATION_SEED = 1_000_003   # a continuation's sampling seed moves by this per request
 
 
-@dataclass
+@dataclass(eq=False)
 class _Response:
     """One response of a group, generated over one or more requests (a multi-turn trajectory:
     its :class:`Episode`, made at its first request)."""
@@ -74,7 +74,7 @@ class _Response:
         return self.finish is not None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Group:
     """The responses to one prompt; scored once all have finished."""
     prompt_index: int
@@ -216,7 +216,7 @@ class PartialRollout:
             try:
                 if r.episode is None:
                     env = await env_call("environment", self.environment,
-                                          timeout_s=self.limits.env_timeout_s)
+                                         timeout_s=self.limits.env_timeout_s)
                     r.episode = Episode(engine, env, prompts[g.prompt_index], sampling,
                                         self.limits, r.seed, self.vocab_size, r.server)
                     r.traj = r.episode.traj

@@ -119,8 +119,10 @@ class Trajectory:
         self.kept_ids: list[torch.Tensor] = []
         self.logmass: list[torch.Tensor] = []
         self.routing: torch.Tensor | None = None   # rows of positions 0 .. received-1
-        self.token_versions: list[int] = []   # per response token (observations: the turn's)
+        self.token_versions: list[int] = []   # per response token (observations: the version
+                                              # that prefilled them, the model turn's till then)
         self.segment_routing: list[torch.Tensor] = []   # per later version (partial rollouts)
+        self.model_end = 0   # response tokens up to the last model token
 
     @property
     def received(self) -> int:
@@ -136,6 +138,7 @@ class Trajectory:
             self.kept_ids.append(turn.kept_ids)
             self.logmass.append(turn.kept_logmass)
         self.token_versions += turn.token_versions or [turn.weight_version] * n
+        self.model_end = len(self.ids)
 
     def add_observation(self, obs: list[int], need_mask: bool) -> None:
         n = len(obs)
@@ -254,23 +257,26 @@ class Episode:
             ids = traj.prompt + traj.ids
             cap = min(self.sampling.max_new_tokens - (len(traj.ids) - self.turn_start),
                       limits.max_response_tokens - len(traj.ids))
-            params = dataclasses.replace(self.sampling, max_new_tokens=cap,
-                                         stop_token_ids=self.stop)
-            start = 0 if fresh else traj.received
-            fresh = False
-            turn = await session.generate_turn(
-                ids, params, seed=None if self.seed is None else self.seed + self.requests,
-                routing_from=start, server=self.server)
-            self.requests += 1
-            self.refetches += await keep_turn(session, self.server, traj, ids, turn, start,
-                                              self.engine.need_routing)
-            if turn.aborted:
-                return False
+            finish = {"type": "length", "length": self.sampling.max_new_tokens}
+            if cap > 0:   # else an abort answered just as the turn reached its cap
+                params = dataclasses.replace(self.sampling, max_new_tokens=cap,
+                                             stop_token_ids=self.stop)
+                start = 0 if fresh else traj.received
+                fresh = False
+                turn = await session.generate_turn(
+                    ids, params, seed=None if self.seed is None else self.seed + self.requests,
+                    routing_from=start, server=self.server)
+                self.requests += 1
+                self.refetches += await keep_turn(session, self.server, traj, ids, turn, start,
+                                                  self.engine.need_routing)
+                if turn.aborted:
+                    return False
+                finish = turn.finish_reason
             self.turns += 1
             output = traj.ids[self.turn_start:]
             self.turn_start = None
-            result = await env_call("step", self.env.step, output, dict(turn.finish_reason),
-                                     timeout_s=limits.env_timeout_s)
+            result = await env_call("step", self.env.step, output, dict(finish),
+                                    timeout_s=limits.env_timeout_s)
             result = check_step(result, self.vocab_size)
             if result.done or result.truncated:
                 self.reward, self.truncated = result.reward, result.truncated and not result.done
@@ -300,8 +306,9 @@ async def keep_turn(session: EngineSession, server: int | None, traj: Trajectory
     Routing: the rows already held stay (each token's routing as sampled). Asked from position
     0 (``start`` 0, a continuation that may run under new weights), the turn's rows of the held
     positions are, under a new version, that version's prefix routing (kept apart, for its
-    segment); under the same version, the positions the engine recomputed take the recomputed
-    rows (the KV later tokens attend to). Asked from the held positions on, a turn that
+    segment, which opens with the observation tokens the request prefilled first, if any);
+    under the same version, the positions the engine recomputed take the recomputed rows (the
+    KV later tokens attend to). Asked from the held positions on, a turn that
     recomputed some of them is followed by a routing request (:func:`_refetch_routing`)."""
     if not turn.output_ids:   # aborted before it ran
         return 0
@@ -314,6 +321,10 @@ async def keep_turn(session: EngineSession, server: int | None, traj: Trajectory
                     raise ResponseError("weight_versions: a weight update landed while the "
                                         "request ran; moe_rl aborts requests before it updates "
                                         "weights, so their routing cannot be told apart")
+                # the observation after the last model turn was first computed now: its
+                # tokens open the new version's segment, whose prefix is what the old one held
+                traj.token_versions[traj.model_end:] = [turn.weight_version] * (
+                    len(traj.ids) - traj.model_end)
                 traj.segment_routing.append(rows[:held])
             elif turn.cached_tokens < held:
                 traj.routing = torch.cat([traj.routing[:turn.cached_tokens],
