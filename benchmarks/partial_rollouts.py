@@ -9,11 +9,14 @@ supervised warm start the response lengths are long-tailed as in ``long_sequence
 
 Arms (same seeds): ``sync`` (max_staleness 1 without partial rollouts: batches launched one step
 ahead) against ``partial`` (max_staleness 2 with partial rollouts: also launched one step ahead,
-one version left to the continued responses); and ``k0`` (the synchronous loop) against
-``partial_k1`` (partial rollouts, nothing launched ahead). Per run: RL steps per hour (RL steps
+one version left to the continued responses), ``partial_mask`` (the same, a response past the
+bound kept with its old tokens out of the loss instead of restarted) and ``partial_mask_e2``
+(that with 2 extra groups in flight instead of 4); and ``k0`` (the synchronous loop) against
+``partial_k1`` (partial rollouts, nothing launched ahead). ``--arms`` runs a subset (the report
+shows the pairs it holds). Per run: RL steps per hour (RL steps
 / summed ``timing/step_s``), generated tokens per second, mean reward of the first and last 20
 steps, the partial figures. Writes benchmarks/results/partial_rollouts.{json,md}.
-Usage: python benchmarks/partial_rollouts.py [--steps 60] [--seeds 3]
+Usage: python benchmarks/partial_rollouts.py [--steps 60] [--seeds 3] [--arms sync partial ...]
 """
 from __future__ import annotations
 
@@ -34,11 +37,16 @@ MEDIAN, SIGMA, SIZE, CAP = 6, 0.8, 200, 64
 COMMON = ["logging.progress=false", "trainer.export_hf=false", "data.source=jsonl",
           "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=8",
           f"rollout.max_new_tokens={CAP}", "trainer.sft_warmup_steps=30"]
+PARTIAL = ["rollout.max_staleness=2", "rollout.partial=true"]
 ARMS = {"sync": ["rollout.max_staleness=1"],
-        "partial": ["rollout.max_staleness=2", "rollout.partial=true"],
+        "partial": PARTIAL,
         "k0": ["rollout.max_staleness=0"],
-        "partial_k1": ["rollout.max_staleness=1", "rollout.partial=true"]}
-PAIRS = (("partial", "sync"), ("partial_k1", "k0"))
+        "partial_k1": ["rollout.max_staleness=1", "rollout.partial=true"],
+        "partial_mask": PARTIAL + ["rollout.partial_stale=mask"],
+        "partial_mask_e2": PARTIAL + ["rollout.partial_stale=mask",
+                                      "rollout.partial_extra_groups=2"]}
+PAIRS = (("partial", "sync"), ("partial_k1", "k0"), ("partial_mask", "sync"),
+         ("partial_mask_e2", "sync"))
 
 
 def lengths(n: int, seed: int = 0) -> list[int]:
@@ -90,20 +98,25 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def report(results: dict, steps: int, seeds: int, ns: list[int]) -> str:
+    arms = sorted({k.rsplit("_s", 1)[0] for k in results}, key=list(ARMS).index)
+    chosen = "" if arms == list(ARMS) else " --arms " + " ".join(arms)
     lines = ["# Partial rollouts on a long-tailed task (CPU, 2 cores)", "",
              f"{steps} RL steps per run after a {COMMON[-1].split('=')[1]}-step supervised warm "
-             f"start; `python benchmarks/partial_rollouts.py --steps {steps} --seeds {seeds}`. "
+             f"start; `python benchmarks/partial_rollouts.py --steps {steps} --seeds {seeds}"
+             f"{chosen}`. "
              f"Answer lengths: median {int(np.median(ns))}, longest {max(ns)} "
              f"(log-normal, sigma {SIGMA}); responses capped at {CAP} tokens.", "",
              "RL steps per hour, ratio to the same pipeline without partial rollouts (per seed, "
              "then the mean):", ""]
     for arm, base in PAIRS:
+        if arm not in arms or base not in arms:
+            continue
         ratios = [results[f"{arm}_s{s}"]["steps_per_hour"] / results[f"{base}_s{s}"]
                   ["steps_per_hour"] for s in range(seeds)]
         lines.append(f"- {arm} vs {base}: " + ", ".join(f"{r:.2f}x" for r in ratios) +
                      f"; mean **{np.mean(ratios):.2f}x**")
     lines += ["", "Mean reward of the last 20 steps over seeds:", ""]
-    for arm in ARMS:
+    for arm in arms:
         last = [results[f"{arm}_s{s}"]["reward_last20"] for s in range(seeds)]
         lines.append(f"- {arm}: mean {np.mean(last):.3f}, min {min(last):.3f}, "
                      f"max {max(last):.3f}")
@@ -144,9 +157,8 @@ def main() -> None:
     (RESULTS / "partial_rollouts.json").write_text(json.dumps(
         {"steps": args.steps, "seeds": args.seeds, "median": MEDIAN, "sigma": SIGMA, "cap": CAP,
          "runs": results}, indent=1))
-    if set(args.arms) == set(ARMS):
-        (RESULTS / "partial_rollouts.md").write_text(report(results, args.steps, args.seeds, ns))
-        print((RESULTS / "partial_rollouts.md").read_text())
+    (RESULTS / "partial_rollouts.md").write_text(report(results, args.steps, args.seeds, ns))
+    print((RESULTS / "partial_rollouts.md").read_text())
 
 
 if __name__ == "__main__":

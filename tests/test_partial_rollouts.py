@@ -406,3 +406,20 @@ def test_train_with_partial_rollouts_keeps_every_segment_exact_and_resumes(tmp_p
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4, 5]
     assert resumed[4]["rollout/partial_frac"] == 0.0   # nothing carried over the restart
     assert all(abs(r["mismatch/k3"]) < 1e-6 for r in resumed[4:])
+
+
+def test_the_benchmark_task_is_long_tailed_and_its_report_pairs_the_arms():
+    """benchmarks/partial_rollouts.py: answer lengths with the median MEDIAN and the longest 10x
+    it; the report gives each pair's per-seed ratio of RL steps per hour and its mean."""
+    import statistics
+    from benchmarks.partial_rollouts import MEDIAN, lengths, report
+    ns = lengths(200)
+    assert statistics.median(ns) == MEDIAN and max(ns) == 10 * MEDIAN
+    run = {"steps_per_hour": 100.0, "tokens_per_s": 1.0, "response_len_mean": 5.0,
+           "partial_frac": 0.0, "token_lag_mean": 0.0, "partial_dropped": 0.0,
+           "mismatch_k3_max": 0.0, "reward_first20": 0.1, "reward_last20": 0.2}
+    results = {"sync_s0": run, "sync_s1": run, "partial_s0": {**run, "steps_per_hour": 150.0},
+               "partial_s1": {**run, "steps_per_hour": 110.0}}
+    text = report(results, 60, 2, ns)
+    assert "- partial vs sync: 1.50x, 1.10x; mean **1.30x**" in text
+    assert "--arms sync partial" in text and "partial_k1" not in text
