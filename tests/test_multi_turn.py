@@ -420,11 +420,13 @@ def test_agentic_config_trains_with_r3(agentic_model, tmp_path):
 
 @pytest.mark.loop
 def test_agentic_config_trains_with_partial_rollouts(agentic_model, tmp_path):
-    """Partial rollouts on multi-turn trajectories through `moe-rl train` (R3, k = 2): a turn
-    the step's abort cut continues under the next weights, the environment given the whole
-    turn; every segment compares with the trainer at its own version."""
+    """Partial rollouts on multi-turn trajectories through `moe-rl train` (R3, k = 2, old tokens
+    masked rather than restarted, only each response's newest version in the loss): a turn the
+    step's abort cut continues under the next weights, the environment given the whole turn;
+    every segment compares with the trainer at its own version."""
     res, rows = _train(agentic_model, tmp_path / "run", "trainer.sft_warmup_steps=60",
                        "rollout.partial=true", "rollout.max_staleness=2",
+                       "rollout.partial_stale=mask", "rollout.partial_mask_offpolicy=true",
                        "rollout.partial_extra_groups=6", "rollout.max_new_tokens=24",
                        "rollout.max_response_tokens=44", steps=4)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -432,8 +434,10 @@ def test_agentic_config_trains_with_partial_rollouts(agentic_model, tmp_path):
     assert sum(m["rollout/partial_aborted"] for m in rows) > 0
     assert max(m["rollout/partial_frac"] for m in rows) > 0.0
     for m in rows:
-        assert m["rollout/env_errors"] == 0.0 and m["staleness/unscored_samples"] == 0.0
+        assert m["rollout/env_errors"] == 0.0 and m["rollout/partial_dropped"] == 0.0
         assert m["routing/agreement"] == 1.0 and abs(m["mismatch/k3"]) < 1e-6, m
+        if m["rollout/partial_frac"] > 0:   # the older segments are out of the loss
+            assert m["rollout/partial_masked_tokens"] > 0
 
 
 TWO_TURN_ENV = '''
