@@ -90,7 +90,7 @@ class _Group:
 @dataclass
 class PartialCounts:
     """One step's partial-rollout figures (``rollout/partial_*``)."""
-    aborted: int = 0         # responses stopped in flight this step
+    aborted: int = 0         # responses stopped in flight (or before their next request)
     dropped: int = 0         # responses restarted: they held a token past the staleness bound
     masked_tokens: int = 0   # tokens kept out of the loss (staleness mask, off-policy mask)
     in_flight: int = 0       # groups left for the next steps
@@ -184,7 +184,8 @@ class PartialRollout:
                         sampling: SamplingConfig, wanted: int, score, counts: PartialCounts,
                         stats: TrajectoryStats) -> None:
         """Continue every unfinished response; once ``wanted`` groups are complete (scored),
-        abort what is still generating (again every ``ABORT_REPEAT_S`` until all answered).
+        abort what is still generating (again every ``ABORT_REPEAT_S`` until all answered) and
+        send no new request (a multi-turn trajectory between two turns waits there).
         When ``wanted`` groups already finished in earlier steps (more groups finished than
         a step takes), they train and no request is sent."""
         enough = asyncio.Event()
@@ -195,6 +196,9 @@ class PartialRollout:
 
         async def respond(r: _Response) -> None:
             while not r.done:
+                if enough.is_set():   # the step has its groups: no new request
+                    counts.aborted += 1
+                    return
                 left = self.max_new_tokens - len(r.traj.ids)
                 if left <= 0:
                     r.finish = {"type": "length", "length": self.max_new_tokens}
@@ -220,7 +224,8 @@ class PartialRollout:
                     r.episode = Episode(engine, env, prompts[g.prompt_index], sampling,
                                         self.limits, r.seed, self.vocab_size, r.server)
                     r.traj = r.episode.traj
-                finished = await r.episode.advance(session, fresh=r.requests > 0)
+                finished = await r.episode.advance(session, fresh=r.requests > 0,
+                                                   stop=enough)
             except EnvError as exc:
                 stats.dropped(exc)
                 r.failed, r.finish = True, {"type": "env_error"}

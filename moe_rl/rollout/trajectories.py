@@ -242,11 +242,12 @@ class Episode:
         self.turn_start: int | None = None   # response index where the turn in progress began
         self.started = False
 
-    async def advance(self, session: EngineSession, fresh: bool = False) -> bool:
-        """Run turns on ``session`` until the trajectory ends (True) or a turn is aborted
-        (False: what it generated is kept; the next call continues that turn). ``fresh``: the
-        engines may serve newer weights since the last request, so the first asks for every
-        position's routing (:func:`keep_turn`)."""
+    async def advance(self, session: EngineSession, fresh: bool = False,
+                      stop: asyncio.Event | None = None) -> bool:
+        """Run turns on ``session`` until the trajectory ends (True) or a turn is aborted, or
+        ``stop`` is set before a request (False: what it generated is kept; the next call
+        continues that turn). ``fresh``: the engines may serve newer weights since the last
+        request, so the first asks for every position's routing (:func:`keep_turn`)."""
         traj, limits = self.traj, self.limits
         if not self.started:
             await env_call("reset", self.env.reset, self.record, timeout_s=limits.env_timeout_s)
@@ -254,6 +255,8 @@ class Episode:
         while True:
             if self.turn_start is None:
                 self.turn_start = len(traj.ids)
+            if stop is not None and stop.is_set():
+                return False
             ids = traj.prompt + traj.ids
             cap = min(self.sampling.max_new_tokens - (len(traj.ids) - self.turn_start),
                       limits.max_response_tokens - len(traj.ids))
