@@ -296,6 +296,18 @@ def test_a_response_past_the_staleness_bound_is_restarted_or_masked():
             assert third.counts["rollout/partial_masked_tokens"] == float((~expect).sum())
 
 
+def _two_turn_rollout() -> PartialRollout:
+    """Partial rollouts of :class:`_TwoTurnEnv` trajectories (6-token turns, k = 2)."""
+    return PartialRollout(max_new_tokens=30, max_staleness=2, stale="drop", mask_offpolicy=False,
+                          need_routing=True, need_mask=False, environment=_TwoTurnEnv,
+                          limits=TrajectoryLimits(3, 30), vocab_size=64)
+
+
+async def _environment_reward(samples):
+    """A multi-turn trajectory's reward is the environment's."""
+    return samples
+
+
 def test_a_multi_turn_trajectory_is_continued_mid_turn_under_the_next_version():
     """An abort in the middle of a model turn keeps what the turn generated; at the next
     version the turn continues from its prefix (the environment is given the whole turn, once),
@@ -305,18 +317,13 @@ def test_a_multi_turn_trajectory_is_continued_mid_turn_under_the_next_version():
     prompts = [PromptRecord("", [i, 1, 2], None) for i in range(2)]
     engine = ScriptedEngine({0: 10**6, 1: 10**6}, prompt_len=3, tick={0: 0.0005, 1: 0.02})
     sampling = SamplingConfig(max_new_tokens=6)
-    rollout = PartialRollout(max_new_tokens=30, max_staleness=2, stale="drop",
-                             mask_offpolicy=False, need_routing=True, need_mask=False,
-                             environment=_TwoTurnEnv, limits=TrajectoryLimits(3, 30),
-                             vocab_size=64)
-    async def environment_reward(samples):
-        return samples
-    first = rollout.collect(engine, prompts, [0, 1], 1, sampling, 0, 0, 1, environment_reward)
+    rollout = _two_turn_rollout()
+    first = rollout.collect(engine, prompts, [0, 1], 1, sampling, 0, 0, 1, _environment_reward)
     assert [s.metadata["prompt_index"] for s in first.samples] == [0]
     assert first.counts["rollout/partial_aborted"] == 1.0
     assert first.counts["rollout/turns_mean"] == 2.0
     engine.version, engine.tick = 1, 0.0
-    second = rollout.collect(engine, prompts, [], 1, sampling, 1, 5, 1, environment_reward)
+    second = rollout.collect(engine, prompts, [], 1, sampling, 1, 5, 1, _environment_reward)
     (s,) = second.samples
     assert s.metadata["prompt_index"] == 1 and s.reward == 1.0 and s.metadata["turns"] == 2
     assert s.loss_mask.tolist() == [True] * 6 + [False] * 3 + [True] * 6
@@ -335,20 +342,14 @@ def test_a_turn_whose_abort_came_with_its_last_token_goes_to_the_environment_who
     _TwoTurnEnv.seen = []
     engine = ScriptedEngine({0: 10**6}, prompt_len=3, tick=0.0)
     engine.abort_at_cap = True
-    rollout = PartialRollout(max_new_tokens=30, max_staleness=2, stale="drop",
-                             mask_offpolicy=False, need_routing=True, need_mask=False,
-                             environment=_TwoTurnEnv, limits=TrajectoryLimits(3, 30),
-                             vocab_size=64)
-
-    async def environment_reward(samples):
-        return samples
+    rollout = _two_turn_rollout()
     prompts = [PromptRecord("", [0, 1, 2], None)]
     first = rollout.collect(engine, prompts, [0], 1, SamplingConfig(max_new_tokens=6), 0, 0, 1,
-                            environment_reward)
+                            _environment_reward)
     assert first.samples == [] and first.counts["rollout/partial_aborted"] == 1.0
     engine.version = 1
     (s,) = rollout.collect(engine, prompts, [], 1, SamplingConfig(max_new_tokens=6), 1, 0, 1,
-                           environment_reward).samples
+                           _environment_reward).samples
     assert [len(a) for a in _TwoTurnEnv.seen] == [6, 6] and s.response_len == 6 + 3 + 6
     # the observation was first computed under version 1: it opens version 1's segment, whose
     # prefix routing is what version 0 had computed before it
