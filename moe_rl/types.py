@@ -107,14 +107,11 @@ class Sample:
     def segments(self) -> list[tuple[int, int, int]]:
         """(version, first, end) of each run of response tokens one weight version sampled,
         in order (one for a sample that no weight update interrupted)."""
-        v = self.versions().tolist()
-        out = []
-        for j, u in enumerate(v):
-            if out and out[-1][0] == u:
-                out[-1][2] = j + 1
-            else:
-                out.append([u, j, j + 1])
-        return [tuple(x) for x in out]
+        if self.token_versions is None:
+            return [(self.weight_version, 0, self.response_len)]
+        v = self.token_versions
+        bounds = [0] + ((v[1:] != v[:-1]).nonzero().flatten() + 1).tolist() + [v.numel()]
+        return [(int(v[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def routing_of_segment(self, k: int) -> torch.Tensor | None:
         """The routing that reproduces segment ``k``'s tokens at its own version: the positions
