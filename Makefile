@@ -7,6 +7,10 @@ TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 # the slowest tests of each target in its log (what to move to test-slow when CI grows)
 DURATIONS := --durations=10
+# two pytest-xdist workers, each test module whole on one of them (its module fixtures made
+# once): a loop test spends much of its time waiting on process start-up, which the other
+# worker fills. XDIST= runs one process (a debugger, -x).
+XDIST ?= -n 2 --dist loadfile
 
 SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
@@ -23,12 +27,12 @@ UPSTREAM_STAMP := $(UPSTREAM_VENV)/.installed
 UPSTREAM_PINS := megatron-core==0.19.2 torch==2.15.0 transformers==5.24.0 ray==2.60.0
 # the trainer, checkpoints, DeepSeek-V3, packing / context parallel, parallel ranks, bf16, and
 # the loop tests marked `upstream` (R3 + GSPO through `moe-rl train`)
-UPSTREAM_TESTS := tests/test_trainer_step.py tests/test_trainer_model.py \
-	tests/test_trainer_parallel.py tests/test_checkpoint.py tests/test_checkpoint_reshard.py \
-	tests/test_deepseek_v3.py tests/test_packed_sequences.py tests/test_context_parallel.py \
-	tests/test_bf16_trainer.py
+UPSTREAM_TESTS := tests/trainer/test_step.py tests/trainer/test_model.py \
+	tests/trainer/test_parallel.py tests/orchestration/test_checkpoint.py tests/trainer/test_checkpoint_reshard.py \
+	tests/families/test_deepseek_v3.py tests/trainer/test_packed_sequences.py tests/trainer/test_context_parallel.py \
+	tests/trainer/test_bf16.py
 
-.PHONY: setup test test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster test-upstream docs demo demo-sglang bench study clean
+.PHONY: coverage setup test test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster test-upstream docs demo demo-sglang bench study clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -41,11 +45,11 @@ $(STAMP): setup.py
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not contract and not multinode and not loop and not cluster and not sglang" $(PYTEST_ARGS) $(DURATIONS) tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not contract and not multinode and not loop and not cluster and not sglang" $(PYTEST_ARGS) $(DURATIONS) tests
 
 # the training loop end to end through `moe-rl train` / `moe-rl demo` (every option's user path)
 test-loop: $(STAMP)
-	$(PY) -m pytest -q -m "loop and not slow and not sglang" $(PYTEST_ARGS) $(DURATIONS) tests
+	$(PY) -m pytest -q $(XDIST) -m "loop and not slow and not sglang" $(PYTEST_ARGS) $(DURATIONS) tests
 
 # a run placed on Ray's multi-node test cluster (several raylets on this machine)
 test-multinode: $(STAMP)
@@ -58,7 +62,7 @@ test-cluster: $(STAMP)
 	@test "$$(id -u)" = 0 || { echo "make test-cluster needs root (network namespaces, a bridge, slurmd)"; exit 1; }
 	command -v slurmctld >/dev/null && command -v munged >/dev/null || \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SLURM_PACKAGES); }
-	$(PY) -m pytest -q -s -m cluster $(PYTEST_ARGS) tests/test_slurm_cluster.py
+	$(PY) -m pytest -q -s -m cluster $(PYTEST_ARGS) tests/launch/test_slurm_cluster.py
 
 # SGLang's own environment for CPU (`moe-rl sglang-cpu-env`: the CPU torch, the pinned SGLang
 # without its GPU dependencies, its light dependencies, the import-time shims); the contract
@@ -72,7 +76,7 @@ test-contract: $(STAMP) $(SGLANG_STAMP)
 
 # the real SGLang serving on CPU: its shims, the engine contract, the loop through `moe-rl train`
 test-sglang: $(STAMP) $(SGLANG_STAMP)
-	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m "sglang and not slow" $(PYTEST_ARGS) $(DURATIONS) tests
+	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q $(XDIST) -m "sglang and not slow" $(PYTEST_ARGS) $(DURATIONS) tests
 
 # this machine's pip configuration caps torch at the release on its disk (for Python 3.11):
 # the upstream environment reads no pip configuration
@@ -83,10 +87,10 @@ $(UPSTREAM_STAMP): setup.py
 	touch $(UPSTREAM_STAMP)
 
 test-upstream: $(UPSTREAM_STAMP)
-	$(UPSTREAM_PY) -m pytest -q -m "not slow and (not loop or upstream)" $(PYTEST_ARGS) $(DURATIONS) $(UPSTREAM_TESTS)
+	$(UPSTREAM_PY) -m pytest -q $(XDIST) -m "not slow and (not loop or upstream)" $(PYTEST_ARGS) $(DURATIONS) $(UPSTREAM_TESTS)
 
 test-slow: $(STAMP) $(SGLANG_STAMP)
-	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m "slow" $(PYTEST_ARGS) tests
+	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q $(XDIST) -m "slow" $(PYTEST_ARGS) $(DURATIONS) tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not contract and not sglang" $(PYTEST_ARGS) tests
@@ -116,6 +120,11 @@ bench: $(STAMP) $(SGLANG_STAMP)
 # the dose-response study alone (about an hour on 2 cores): benchmarks/results/dose_response.*
 study: $(STAMP)
 	$(PY) benchmarks/dose_response.py
+
+# line coverage of moe_rl/ by all of .ci/run (subprocesses and Ray actors included) and by
+# `make test` alone, with every test's duration: .coverage-data/ (summary.txt, ci.log)
+coverage:
+	bash .ci/coverage.sh
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) $(UPSTREAM_VENV) build *.egg-info

@@ -2,9 +2,19 @@
 transformers itself (log-probs and routing), as an engine would return them."""
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
 import pytest
 import torch
 
+from moe_rl.envs import EnvStep
 from moe_rl.types import Sample, compact_routing
 
 TINY_QWEN = dict(vocab_size=48, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -113,3 +123,144 @@ def sample_from_response(resp: dict, prompt: list[int], layout, *, need_routing:
     turn = decode_turn(resp, len(prompt), layout, need_routing=need_routing,
                        need_mask=need_mask)
     return sample_of_turn(prompt, turn, group_id=group_id, sample_id=sample_id)
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def train_cli(workdir, steps, *extra, resume=False, config="tiny_cpu.yaml"):
+    """`moe-rl train` of the tiny CPU config (or ``config`` of configs/) in ``workdir`` (model in workdir/model, run in
+    workdir/run): SFT warm start, checkpoints every 2 steps; returns the finished process.
+    ``rollout.base_port`` is held busy by another socket all along: the engine must skip it."""
+    from moe_rl.engines.process import bind_port
+    from moe_rl.trainer.parallel import free_port
+    with bind_port("127.0.0.1", free_port()) as busy:
+        cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+               str(ROOT / "configs" / config), f"model.path={workdir / 'model'}",
+               f"logging.dir={workdir / 'run'}", f"trainer.steps={steps}",
+               "trainer.sft_warmup_steps=2", "trainer.save_interval=2", "logging.progress=false",
+               f"rollout.base_port={busy.getsockname()[1]}", "rollout.prompts_per_step=4",
+               "rollout.n_samples_per_prompt=4", *extra]
+        if resume:
+            cmd.append("--resume")
+        res = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return res
+
+
+class FakeTrainers:
+    """Writes the trainer directory's shape: shards in dist/, one small file per rank."""
+    def __init__(self, ranks=2, fail=False):
+        self.ranks, self.fail = ranks, fail
+
+    def save(self, path):
+        os.makedirs(os.path.join(path, "dist"))
+        for r in range(self.ranks):
+            with open(os.path.join(path, "dist", f"__{r}_0.distcp"), "wb") as fh:
+                fh.write(os.urandom(5000 + r))
+            with open(os.path.join(path, f"rank{r}.pt"), "wb") as fh:
+                fh.write(os.urandom(1000 + r))
+        if self.fail:
+            raise OSError(28, "No space left on device")
+
+
+class RewardServer:
+    """A reward service on 127.0.0.1 whose answer ``behave(body, call) -> (status, bytes)``
+    the test chooses; it records every request body and its headers."""
+
+    def __init__(self, behave):
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                outer.headers.append(dict(self.headers))
+                status, payload = behave(body, len(outer.requests))
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/reward"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def train_tiny(tmp_path, steps: int, samples: int, *overrides):
+    """`moe-rl train` of a fresh tiny model in ``tmp_path`` (its modules importable) with
+    ``overrides``; returns the finished process and the metrics rows."""
+    import os
+    import subprocess
+    import sys
+    from moe_rl.trainer.parallel import free_port
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
+                   check=True, capture_output=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+         str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
+         f"logging.dir={tmp_path / 'run'}", f"trainer.steps={steps}",
+         "trainer.sft_warmup_steps=0", "logging.progress=false",
+         f"rollout.base_port={free_port()}", "rollout.prompts_per_step=4",
+         f"rollout.n_samples_per_prompt={samples}", *overrides],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return res, rows
+
+
+class TwoTurnEnv:
+    """Answers the first turn with a fixed observation, ends after the second (reward 1);
+    optionally flushes the server's prefix cache between the turns."""
+    stop_token_ids = ()
+    flush_url: str | None = None
+    seen: list = []
+
+    def __init__(self, tokenizer=None):
+        self.turn = 0
+
+    def reset(self, prompt):
+        self.turn = 0
+
+    def step(self, action_ids, finish_reason):
+        self.seen.append(list(action_ids))
+        self.turn += 1
+        if self.turn == 1:
+            if self.flush_url:
+                httpx.post(self.flush_url + "/flush_cache").raise_for_status()
+            return EnvStep(observation_ids=[10, 11, 12])
+        return EnvStep(reward=1.0, done=True)
+
+
+def fake_cuda_ipc(monkeypatch):
+    """No GPU here: tensors count as CUDA ones and torch's CUDA reduction is replaced by one
+    returning the argument layout torch gives a CUDA tensor (device index 0)."""
+    import torch.multiprocessing.reductions as reductions
+    import moe_rl.weights.serialize as ws
+
+    def reduce(t):
+        return reductions.rebuild_cuda_tensor, (
+            torch.Tensor, t.size(), t.stride(), 0, torch.UntypedStorage, t.dtype, 0,
+            b"ipc-handle", t.numel() * t.element_size(), 0, False, b"ref-handle", 0,
+            b"event-handle", True)
+    monkeypatch.setattr(ws, "is_ipc_tensor", lambda t: True)
+    monkeypatch.setattr(ws, "_torch_reduce_tensor", lambda: reduce)
+    monkeypatch.setattr(ws, "_device_uuid", lambda i: f"GPU-uuid-{i}")
+
+
+def on_sglang() -> tuple[str, ...]:
+    """The overrides that put a run on the real SGLang on CPU."""
+    return ("rollout.engine=sglang", "rollout.sglang.device=cpu",
+            f"rollout.sglang.python={sglang_cpu_python()}")

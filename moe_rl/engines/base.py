@@ -13,7 +13,7 @@ rewards, engine_avg scoring) and the weight sync ask of an inference engine, whi
 - :class:`Turn`: one generation decoded (ids, rollout log-probs, routing rows, kept sets, weight
   version). :class:`ResponseError` when an engine's answer cannot become one.
 
-Every implementation passes ``tests/test_engine_contract.py``.
+Every implementation passes ``tests/engines/test_contract.py``.
 """
 from __future__ import annotations
 

@@ -86,9 +86,18 @@ class Trainers:
         self.actors = [TrainerWorker.options(**reservation.options(p)).remote(
             tree, p.index, len(ranks), address, port, p.gpus[0] if p.gpus else None)
             for p in ranks]
-        # tensor- and context-parallel ranks of one data-parallel rank share its samples
-        self.data_ranks = ray.get([a.data_parallel_rank.remote() for a in self.actors])
-        self.n_data = max(self.data_ranks) + 1
+        # tensor- and context-parallel ranks of one data-parallel rank share its samples; the
+        # answer comes once every rank has built its model (ready())
+        self._data_ranks = [a.data_parallel_rank.remote() for a in self.actors]
+        self.data_ranks: list[int] = []
+        self.n_data = 0
+
+    def ready(self) -> None:
+        """Wait until every rank has built its model (the actors build it in their constructor,
+        while the driver goes on placing the engines)."""
+        if not self.data_ranks:
+            self.data_ranks = ray.get(self._data_ranks)
+            self.n_data = max(self.data_ranks) + 1
 
     def unreachable(self, timeout_s: float = 30.0) -> str | None:
         """The first rank that is gone or does not answer within ``timeout_s`` (after a peer's

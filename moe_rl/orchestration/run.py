@@ -110,11 +110,14 @@ class Run:
         the trainer and the engines, and the weight check's start."""
         cfg = self.cfg
         self.trainers = Trainers(cfg, self.plan, self.reservation)
+        if cfg.cluster.colocate:   # the servers size their memory with the trainer's in place
+            self.trainers.ready()
         # FP8 rollouts: the engines serve the block-wise FP8 checkpoint of the weights
         served = served_checkpoint(cfg, cfg.model.path, os.path.join(self.dir, "fp8_start"))
         self.plan = at_addresses(self.plan, cfg, self.reservation.addresses, served)
         self.hosts = place_engines(cfg, self.plan, self.reservation, served,
                                    os.path.join(self.dir, "logs"))
+        self.trainers.ready()   # built meanwhile (apart from colocated engines)
         write_plan(self.plan, self.reservation, os.path.join(self.dir, "plan.json"),
                    self.trainers.addresses())
         self.rollout = start_rollout_worker(cfg, self.plan, self.reservation, self.hosts)

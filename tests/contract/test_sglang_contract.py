@@ -5,7 +5,6 @@ weight-update group, the FP8 checkpoint's quantization_config and the kept set.
 These run under `make test-contract`, which builds SGLang's own environment (the pinned wheel
 and its light dependencies, `moe-rl sglang-cpu-env`) and points MOE_RL_SGLANG_PYTHON at
 its interpreter; the judge (tests/contract/sglang_judge.py) runs there, moe_rl here."""
-import base64
 import itertools
 import json
 import os
@@ -203,7 +202,7 @@ def recorded_requests(tmp_path_factory):
             4, "moe_rl_weights_1", last=True)
         # the tensor sync's payloads are the trainer ranks' (CUDA IPC handles, faked here)
         from moe_rl.weights.serialize import serialize_named_tensors
-        from tests.test_weight_sync import fake_cuda_ipc
+        from tests.helpers import fake_cuda_ipc
         with pytest.MonkeyPatch.context() as mp:
             fake_cuda_ipc(mp)
             payloads = [serialize_named_tensors([("model.norm.weight", torch.ones(4) * r)])
@@ -270,7 +269,7 @@ def test_every_request_body_is_read_by_sglang_as_meant(recorded_requests, tmp_pa
 
 def test_tensor_sync_payload_is_read_by_sglangs_safe_unpickler(monkeypatch, tmp_path):
     from moe_rl.weights.serialize import serialize_named_tensors
-    from tests.test_weight_sync import fake_cuda_ipc
+    from tests.helpers import fake_cuda_ipc
     fake_cuda_ipc(monkeypatch)
     named = [("model.norm.weight", torch.arange(4.0)),
              ("model.layers.0.mlp.experts.0.down_proj.weight",

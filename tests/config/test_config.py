@@ -1,0 +1,519 @@
+"""Configuration: YAML + overrides, types, ranges and every cross-field error named in the issue."""
+import json
+import pathlib
+
+import pytest
+import yaml
+
+from moe_rl.config import (Config, ConfigError, config_from_dict, dump_config, iter_keys, load_config, parse_override)
+from moe_rl.moe_shape import MoEShape
+
+
+def _err(overrides, path=None):
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_defaults_validate_and_round_trip_through_yaml(tmp_path):
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    f = tmp_path / "c.yaml"
+    f.write_text(dump_config(cfg))
+    again = load_config(f)
+    assert again == cfg
+
+
+def test_yaml_then_overrides_take_precedence(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"trainer": {"lr": 1e-4, "steps": 3},
+                                 "algorithm": {"loss": "gspo", "clip_low": 3e-4,
+                                               "clip_high": 4e-4,
+                                               "aggregation": "seq-mean-token-mean"}}))
+    cfg = load_config(f, ["trainer.steps=7", "algorithm.corrections=[icepop,seq_mis]",
+                          "algorithm.correction.mis_c=3", "trainer.lr=2e-6"])
+    assert cfg.trainer.steps == 7
+    assert cfg.trainer.lr == 2e-6
+    assert cfg.algorithm.loss == "gspo" and cfg.algorithm.clip_high == 4e-4
+    assert cfg.algorithm.corrections == ["icepop", "seq_mis"]
+    assert cfg.algorithm.correction.mis_c == 3.0 and isinstance(cfg.algorithm.correction.mis_c,
+                                                                   float)
+
+
+def test_comma_list_and_null_override():
+    cfg = load_config(None, ["algorithm.corrections=icepop,seq_tis", "algorithm.dual_clip_c=null"])
+    assert cfg.algorithm.corrections == ["icepop", "seq_tis"]
+    assert cfg.algorithm.dual_clip_c is None
+
+
+def test_unknown_key_is_named_with_suggestion():
+    msg = _err(["algorithm.los=gspo"])
+    assert "algorithm.los" in msg and "did you mean 'algorithm.loss'" in msg
+    msg = _err(["trainr.lr=1"])
+    assert "'trainr'" in msg and "did you mean 'trainer'" in msg
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("rollout:\n  temprature: 0.7\n")
+    msg = _err([], f)
+    assert "rollout.temprature" in msg and "rollout.temperature" in msg
+
+
+@pytest.mark.parametrize("override,expect", [
+    ("trainer.lr=abc", "trainer.lr: expected a number"),
+    ("trainer.steps=2.5", "trainer.steps: expected an integer"),
+    ("algorithm.keep_sampling_mask=maybe", "expected a boolean"),
+    ("algorithm.replay=r4", "algorithm.replay: expected one of 'off', 'r2', 'r3'"),
+    ("rollout.engine=sglng", "did you mean 'sglang'"),
+])
+def test_wrong_type(override, expect):
+    assert expect in _err([override])
+
+
+@pytest.mark.parametrize("override,key", [
+    ("rollout.top_p=1.5", "rollout.top_p"),
+    ("rollout.temperature=-1", "rollout.temperature"),
+    ("trainer.lr=0", "trainer.lr"),
+    ("model.init.num_experts=0", "model.init.num_experts"),
+    ("rollout.base_port=70000", "rollout.base_port"),
+])
+def test_out_of_range(override, key):
+    msg = _err([override])
+    assert msg.startswith(key) and "out of range" in msg
+
+
+def test_replay_on_model_without_moe_layers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3", "num_hidden_layers": 2, "vocab_size": 100}))
+    msg = _err([f"model.path={tmp_path}", "algorithm.replay=r3"])
+    assert msg.startswith("algorithm.replay: 'r3' needs a model with MoE layers")
+    assert msg.endswith("has none; set algorithm.replay=off")
+    cfg = load_config(None, [f"model.path={tmp_path}", "algorithm.replay=off"])
+    assert cfg.algorithm.replay == "off"
+
+
+def test_sampling_mask_needs_finite_topk_within_cap():
+    assert "rollout.top_k" in _err(["algorithm.keep_sampling_mask=true"])
+    assert "sampling_mask_max_tokens" in _err(["algorithm.keep_sampling_mask=true",
+                                               "rollout.top_k=5000"])
+    assert "1 < top_k" in _err(["algorithm.keep_sampling_mask=true", "rollout.top_k=1"])
+    cfg = load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.top_k=50"])
+    assert cfg.algorithm.keep_sampling_mask
+
+
+def test_engine_avg_needs_positive_passes():
+    msg = _err(["algorithm.pi_old=engine_avg", "algorithm.pi_old_passes=0"])
+    assert "algorithm.pi_old_passes" in msg and "n >= 1" in msg
+
+
+def test_gspo_needs_positive_clip_ranges():
+    assert "GSPO needs positive clip ranges" in _err(["algorithm.loss=gspo",
+                                                      "algorithm.clip_low=0"])
+    assert "GSPO" in _err(["algorithm.loss=gspo", "algorithm.clip_high=-1e-4"])
+
+
+def test_deepseek_mask_needs_delta():
+    msg = _err(["algorithm.corrections=[opsm]"])
+    assert "algorithm.correction.opsm_delta" in msg
+    cfg = load_config(None, ["algorithm.corrections=[opsm]", "algorithm.correction.opsm_delta=1e-3"])
+    assert cfg.algorithm.correction.opsm_delta == 1e-3
+    assert "algorithm.correction.trm_delta" in _err(["algorithm.corrections=[trm]"])
+    assert "trainer.ema_policy: needs trainer.ema_decay" in _err(["trainer.ema_policy=true"])
+    assert "trainer.ema_start_step: needs" in _err(["trainer.ema_start_step=3"])
+    assert "trainer.micro_batch_size: null needs" in _err(["trainer.micro_batch_size=null"])
+    assert "'log_ratio', 'k2', 'k3'" in _err(["algorithm.corrections=[trm]",
+                                                "algorithm.correction.trm_delta=0.1",
+                                                "algorithm.correction.trm_measure=k4"])
+
+
+def test_unknown_and_duplicate_corrections():
+    assert "did you mean 'seq_mis'" in _err(["algorithm.corrections=[seq_mi]"])
+    assert "listed twice" in _err(["algorithm.corrections=[icepop,icepop]"])
+
+
+def test_other_incompatible_combinations():
+    assert "rollout.sglang.device=cpu" in _err(["rollout.engine=sglang"])  # no GPUs configured
+    assert "trainer.tensor_parallel" in _err(["trainer.tensor_parallel=2"])
+    assert "pipeline schedules" in _err(["trainer.pipeline_parallel=2", "cluster.gpus_per_node=8"])
+    # bf16 training runs on CPU (megatron's mixed-precision optimizer); an EMA policy written into
+    # the float32 master weights needs them whole, which the distributed optimizer (GPUs) is not
+    load_config(None, ["model.dtype=bfloat16", "trainer.ema_decay=0.9", "trainer.ema_policy=true"])
+    assert "set trainer.distributed_optimizer=false" in _err(
+        ["model.dtype=bfloat16", "trainer.ema_decay=0.9", "trainer.ema_policy=true",
+         "cluster.gpus_per_node=1"])
+    assert "trainer.expert_parallel" in _err(["trainer.expert_parallel=3"])
+    assert "algorithm.correction.rs_low" in _err(["algorithm.correction.rs_low=3"])
+    assert "data.path" in _err(["data.source=jsonl"])
+    assert "algorithm.kl.in_reward" in _err(["algorithm.kl.in_reward=true"])
+
+
+def test_sglang_on_cpu_refuses_what_needs_cuda():
+    cpu = ["rollout.engine=sglang", "rollout.sglang.device=cpu"]
+    load_config(None, cpu + ["cluster.weight_sync=distributed"])   # gloo: fine
+    for extra, key in ((["rollout.quantization=fp8"], "rollout.quantization"),
+                       (["rollout.sglang.deterministic_inference=true"],
+                        "rollout.sglang.deterministic_inference"),
+                       (["cluster.colocate=true"], "cluster.colocate")):
+        msg = _err(cpu + extra)
+        assert msg.startswith(f"{key}: SGLang on CPU (rollout.sglang.device=cpu) cannot run"), msg
+    assert _err(cpu + ["cluster.weight_sync=tensor"]).startswith("cluster.weight_sync: 'tensor'")
+    assert "rollout.sglang.max_total_tokens" in _err(cpu + ["rollout.sglang.max_total_tokens=0"])
+    assert "rollout.sglang.device" in _err(["rollout.sglang.device=tpu"])
+    # SGLang's CPU MLA path asserts deepseek_yarn rotary scaling (the tiny DeepSeek-V3 has none)
+    deepseek = str(pathlib.Path(__file__).resolve().parents[2] / "configs" /
+                   "deepseek_tiny_cpu.yaml")
+    msg = _err(cpu + ["model.path=/nonexistent"], deepseek)
+    assert msg.startswith("model.path: SGLang on CPU") and "deepseek_yarn" in msg
+
+
+def test_section_and_value_confusion():
+    assert "is a section" in _err(["trainer=3"])
+    assert "is a value" in _err(["trainer.lr.x=3"])
+    with pytest.raises(ConfigError, match="expected key.sub=value"):
+        parse_override("trainer.lr")
+
+
+def test_config_from_dict_and_key_table():
+    cfg = config_from_dict({"rollout": {"top_k": 20}})
+    assert cfg.rollout.top_k == 20
+    keys = {k for k, *_ in iter_keys()}
+    assert {"algorithm.replay", "algorithm.correction.mis_c", "rollout.sglang.tp_size"} <= keys
+    assert all(doc for *_, doc in iter_keys())
+
+
+def test_moe_facts_from_hf_configs():
+    qwen = {"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+            "decoder_sparse_step": 2, "mlp_only_layers": [3], "vocab_size": 10}
+    f = MoEShape.from_hf(qwen)
+    assert f.moe_layers == (1,) and f.topk == 2 and f.num_experts == 8
+    ds = {"num_hidden_layers": 5, "n_routed_experts": 16, "num_experts_per_tok": 4,
+          "first_k_dense_replace": 2, "moe_layer_freq": 1}
+    assert MoEShape.from_hf(ds).moe_layers == (2, 3, 4)
+    mixtral = {"num_hidden_layers": 3, "num_local_experts": 8, "num_experts_per_tok": 2}
+    assert MoEShape.from_hf(mixtral).moe_layers == (0, 1, 2)
+
+
+def test_every_shipped_config_loads(tmp_path):
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2] / "configs"
+    files = sorted(root.glob("*.yaml"))
+    assert {f.name for f in files} >= {"tiny_cpu.yaml", "qwen3_30b_a3b_r3_gspo.yaml",
+                                        "deepseek_style_r3_grpo.yaml"}
+    for f in files:   # the printed configuration loads back to the same configuration
+        cfg = load_config(f)
+        again = tmp_path / f.name
+        again.write_text(dump_config(cfg))
+        assert load_config(again) == cfg
+        assert dump_config(load_config(again)) == dump_config(cfg)
+    demo = load_config(root / "tiny_cpu.yaml")
+    assert (demo.algorithm.replay, demo.algorithm.loss, demo.algorithm.corrections) == \
+        ("r3", "gspo", ["seq_mis"])
+
+
+def test_the_manual_holds_the_generated_key_table():
+    """docs/configuration.md's table is `moe-rl config --keys`, row for row (regenerate it with
+    that command when a key, default or meaning changes)."""
+    import pathlib
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    want = [f"| `{key}` | {tp} | `{default!r}` | {doc} |" for key, tp, default, doc in iter_keys()]
+    assert rows == want
+
+
+def test_every_shipped_config_resolves_through_the_cli():
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[2]
+    for f in sorted((root / "configs").glob("*.yaml")):
+        res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", "--no-inputs",
+                              "--config", str(f)], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, (f.name, res.stderr[-2000:])
+        assert "algorithm:" in res.stdout
+
+
+def test_engine_avg_at_temperature_needs_the_mask_for_large_vocabularies(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 151936}))
+    base = [f"model.path={tmp_path}", "algorithm.pi_old=engine_avg", "algorithm.pi_old_passes=2",
+            "rollout.temperature=0.7"]
+    with pytest.raises(ConfigError, match="algorithm.pi_old: engine_avg at rollout.temperature"
+                                          "=0.7 .*keep_sampling_mask=true"):
+        load_config(None, base)
+    # exact alternatives are accepted: the kept-set renormalisation, T = 1, or a small vocabulary
+    load_config(None, base + ["algorithm.keep_sampling_mask=true", "rollout.top_k=20"])
+    load_config(None, base[:-1] + ["rollout.temperature=1.0"])
+    load_config(None, base + ["rollout.score_full_vocab_max=200000"])
+
+
+def test_refusals_sglang_and_megatron_would_fail_on():
+    gpu = ["rollout.engine=sglang", "cluster.gpus_per_node=8"]
+    with pytest.raises(ConfigError, match="rollout.min_p: SGLang's deterministic inference"):
+        load_config(None, gpu + ["rollout.sglang.deterministic_inference=true",
+                                 "rollout.min_p=0.05"])
+    with pytest.raises(ConfigError, match="rollout.top_k: 4096 must stay below"):
+        load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.top_k=4096"])
+    load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.top_k=4095"])
+    with pytest.raises(ConfigError, match="trainer.sequence_parallel: megatron-core's MoE"):
+        load_config(None, gpu + ["trainer.tensor_parallel=2"])
+    load_config(None, gpu + ["trainer.tensor_parallel=2", "trainer.sequence_parallel=true",
+                             "cluster.trainer_workers=2"])
+    # context parallelism: ranks in CP groups of 2; packed rows need a row length
+    cfg = load_config(None, gpu + ["trainer.context_parallel=2", "cluster.trainer_workers=2"])
+    assert cfg.trainer.context_parallel == 2
+    with pytest.raises(ConfigError, match="tensor x pipeline x context parallel"):
+        load_config(None, gpu + ["trainer.context_parallel=2"])
+    with pytest.raises(ConfigError, match="trainer.pack_sequences: needs trainer.max_tokens_per"):
+        load_config(None, ["trainer.pack_sequences=true"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.lr=nan", "trainer.lr: expected a finite number"),
+    ("rollout.temperature=1e400", "rollout.temperature: expected a finite number"),
+    ("algorithm.correction.mis_c=.inf", "algorithm.correction.mis_c: expected a finite number"),
+    ("trainer.seed=-1", "trainer.seed: -1 is out of range"),
+    ("trainer.seed=99999999999", "trainer.seed: 99999999999 is out of range"),
+    ("rollout.base_port=65535", "rollout.base_port: servers use ports 65535..65536"),
+    ("logging.dir=''", "logging.dir: expected a directory path"),
+])
+def test_careless_values_are_refused_naming_the_key(override, message):
+    extra = ["rollout.num_servers=2"] if "base_port" in override else []
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        load_config(None, [override] + extra)
+
+
+def test_parallel_layout_and_batch_fit_the_trainer_world(tmp_path):
+    with pytest.raises(ConfigError, match="cluster.trainer_workers: 3 ranks do not split"):
+        load_config(None, ["cluster.trainer_workers=3", "trainer.expert_parallel=2"])
+    with pytest.raises(ConfigError, match="rollout.prompts_per_step: 2 prompt groups cannot"):
+        load_config(None, ["cluster.trainer_workers=4", "rollout.prompts_per_step=2"])
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 90,
+        "max_position_embeddings": 64}))
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens: 64 leaves no room"):
+        load_config(None, [f"model.path={tmp_path}", "rollout.max_new_tokens=64"])
+
+
+def test_config_files_that_are_not_yaml_mappings_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    (tmp_path / "latin1.yaml").write_bytes(b"model:\n  path: caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(tmp_path / "latin1.yaml")
+    (tmp_path / "twice.yaml").write_text("trainer:\n  lr: 1.0e-5\n  lr: 1.0e-3\n")
+    with pytest.raises(ConfigError, match="key 'lr' is given twice"):
+        load_config(tmp_path / "twice.yaml")
+
+
+def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
+    """`moe-rl config` checks what `train` reads (model, tokenizer, reward, data) and both refuse
+    a missing or unloadable one on stderr with exit 2, naming the key, before anything starts."""
+    import pathlib
+    import subprocess
+    import sys
+    from moe_rl.config import ModelInitConfig
+    from moe_rl.models.tiny import write_tiny_model
+    root = pathlib.Path(__file__).resolve().parents[2]
+    model = tmp_path / "model"
+    write_tiny_model(ModelInitConfig(), str(model))
+    base = ["--config", str(root / "configs" / "tiny_cpu.yaml"), f"model.path={model}",
+            f"logging.dir={tmp_path / 'run'}"]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1="}\n{not json\n')
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "1+1="}\n{"prompt": "caf\xe9"}\n')
+    (tmp_path / "deep.jsonl").write_text('{"prompt": "2+2="}\n' + "[" * 200_000
+                                         + "]" * 200_000 + "\n")
+    (tmp_path / "surrogate.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "a\\ud800b"}\n')
+    (tmp_path / "long.jsonl").write_text('{"prompt": "1+1="}\n'
+                                         + json.dumps({"prompt": "9+9=" * 400}) + "\n")
+    (tmp_path / "huge.jsonl").write_text('{"prompt": "1+1="}\n'
+                                         + json.dumps({"prompt": "7" * 1_000_000}) + "\n")
+    (tmp_path / "sigs.py").write_text("def two_args(prompt, response):\n    return 0.0\n"
+                                      "def nothing():\n    return 0.0\n")
+    cases = [([f"model.path={tmp_path / 'nowhere'}"], "model.path: no local HF model"),
+             (["data.reward=no_such_module:score"], "data.reward: cannot load"),
+             (["data.reward=builtins:len_"], "data.reward: cannot load"),
+             (["data.reward=sigs:two_args"], "data.reward: 'sigs:two_args' takes (prompt, "
+              "response), which cannot be called as reward(prompt: str, response: str, answer: "
+              "str | None, metadata: dict) -> float"),
+             (["data.reward=sigs:nothing"], "data.reward: 'sigs:nothing' takes (), which cannot "
+              "be called as reward(prompt"),
+             (["data.source=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"],
+              "data.path: "),
+             (["data.source=jsonl", f"data.path={tmp_path / 'bad.jsonl'}"],
+              "line 2: invalid JSON"),
+             (["data.source=jsonl", f"data.path={tmp_path / 'latin1.jsonl'}"],
+              "latin1.jsonl line 2: not UTF-8 text (byte 0xe9 at column 16)"),
+             (["data.source=jsonl", f"data.path={tmp_path / 'deep.jsonl'}"],
+              "deep.jsonl line 2: JSON nested too deeply to read"),
+             (["data.source=jsonl", f"data.path={tmp_path / 'surrogate.jsonl'}"],
+              "data.prompt_key: row 1 of " + str(tmp_path / "surrogate.jsonl") + ": prompt: not "
+              "valid text: a lone surrogate '\\ud800' at character 1"),
+             # a prompt that cannot fit the context with the response: refused at load, named
+             (["data.source=jsonl", f"data.path={tmp_path / 'long.jsonl'}"],
+              "long.jsonl): 1 prompt(s) too long for the model's context of 256 tokens "
+              "(max_position_embeddings) with rollout.max_new_tokens=4 generated after them "
+              "(at most 252 prompt tokens): row 1 ("),
+             (["eval.sets=[{path: " + str(tmp_path / "long.jsonl") + "}]"],
+              "eval.sets[0] (" + str(tmp_path / "long.jsonl") + "): 1 prompt(s) too long"),
+             # one far too long for any tokenisation to fit: refused before it is tokenised
+             (["data.source=jsonl", f"data.path={tmp_path / 'huge.jsonl'}"],
+              "data.prompt_key: row 1 of " + str(tmp_path / "huge.jsonl") + ": 1000000 "
+              "characters, so at least"),
+             (["eval.sets=[{path: " + str(tmp_path / "huge.jsonl") + "}]"],
+              "eval.sets[0]: data.prompt_key: row 1 of " + str(tmp_path / "huge.jsonl") +
+              ": 1000000 characters, so at least")]
+    for extra, message in cases:
+        for command in ("config", "train"):
+            res = subprocess.run([sys.executable, "-m", "moe_rl.cli", command, *base, *extra],
+                                 capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            assert res.returncode == 2, (command, extra, res.stderr[-1500:])
+            assert message in res.stderr and "Traceback" not in res.stderr, (command, extra)
+    assert not (tmp_path / "run").exists()   # train refused before creating anything
+    ok = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", *base],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "algorithm:" in ok.stdout
+    # a cluster config: the hint is to point model.path at the real checkpoint
+    gpu = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", "--config",
+                          "qwen3_30b_a3b_r3_gspo.yaml", f"model.path={tmp_path / 'nowhere'}"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert gpu.returncode == 2 and "point model.path at your local copy of the model's " \
+        "Hugging Face checkpoint" in gpu.stderr and "init-model --config" not in gpu.stderr
+
+
+def _hf_model(tmp_path, **fields):
+    d = tmp_path / "m"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(fields))
+    return f"model.path={d}"
+
+
+QWEN3_30B = dict(model_type="qwen3_moe", hidden_size=2048, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                 moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                 num_hidden_layers=48, vocab_size=151936, decoder_sparse_step=1,
+                 mlp_only_layers=[], max_position_embeddings=40960)
+SGLANG_FP8 = ["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.quantization=fp8"]
+
+
+def test_mxfp4_is_the_reference_engines_emulation():
+    assert "rollout.quantization: mxfp4 is emulated by the reference engine" in _err(
+        ["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.quantization=mxfp4"])
+    assert load_config(None, ["rollout.quantization=mxfp4"]).rollout.quantization == "mxfp4"
+
+
+def test_fp8_shapes_sglang_refuses_are_refused_at_config_time(tmp_path):
+    """SGLang's block-wise FP8 loader needs every merged-linear partition and each expert's
+    intermediate partition to be a multiple of 128 (hand-worked on Qwen3-30B-A3B's shape)."""
+    from moe_rl.engines.sglang.fp8_shapes import fp8_shape_errors
+    assert fp8_shape_errors(QWEN3_30B, 1, 1) == []
+    assert fp8_shape_errors(QWEN3_30B, 4, 4) == []          # experts whole (768)
+    assert fp8_shape_errors(QWEN3_30B, 2, 1) == []          # 768 / 2 = 384 = 3 x 128
+    errors = fp8_shape_errors(QWEN3_30B, 4, 1)              # 768 / 4 = 192
+    assert len(errors) == 1 and "192" in errors[0] and "moe_intermediate_size 768" in errors[0]
+    model = _hf_model(tmp_path, **QWEN3_30B)
+    msg = _err(SGLANG_FP8 + [model, "rollout.sglang.tp_size=4", "cluster.trainer_workers=4"])
+    assert "rollout.quantization" in msg and "tp_size=4" in msg and "192" in msg
+    load_config(None, SGLANG_FP8 + [model, "rollout.sglang.tp_size=4",
+                                    "rollout.sglang.ep_size=4"])
+    # a merged QKV partition of 64 (head_dim 64 x 1 KV head) refuses even at TP 1
+    small = _hf_model(tmp_path, **{**QWEN3_30B, "head_dim": 64, "num_key_value_heads": 1})
+    assert "key/value partition" in _err(SGLANG_FP8 + [small])
+    # the reference engine emulates FP8 on any shape; SGLang without FP8 loads any shape
+    load_config(None, ["rollout.quantization=fp8"])
+    load_config(None, [small, "rollout.engine=sglang", "cluster.gpus_per_node=8"])
+    # Mixtral: the expert size is intermediate_size
+    mixtral = dict(model_type="mixtral", hidden_size=4096, num_attention_heads=32,
+                   num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+                   num_experts_per_tok=2, num_hidden_layers=32, vocab_size=32000,
+                   max_position_embeddings=4096)
+    assert fp8_shape_errors(mixtral, 8, 1) == []             # 14336 / 8 = 1792 = 14 x 128
+    assert fp8_shape_errors({**mixtral, "intermediate_size": 8256}, 1, 1)   # 8256 % 128 = 64
+
+
+def test_colocated_distributed_sync_on_gpus_is_refused():
+    """NCCL refuses two ranks of one communicator on the same GPU: trainer rank 0 and an SGLang
+    rank would be, with colocated engines and a distributed weight sync."""
+    gpu = ["cluster.gpus_per_node=8", "rollout.engine=sglang", "cluster.colocate=true"]
+    msg = _err(gpu + ["cluster.weight_sync=distributed"])
+    assert "cluster.weight_sync" in msg and "colocate" in msg and "NCCL" in msg
+    load_config(None, gpu + ["cluster.weight_sync=disk"])
+    load_config(None, ["cluster.colocate=true", "cluster.weight_sync=distributed"])   # gloo: fine
+
+
+def test_every_shipped_config_states_its_checkpoint_interval():
+    """A crash never loses a whole run: each shipped config says how often it checkpoints (by
+    steps and by minutes), and the defaults checkpoint periodically too."""
+    import pathlib
+    import yaml
+    from moe_rl.config import TrainerConfig
+    configs = sorted((pathlib.Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert len(configs) >= 5
+    for path in configs:
+        trainer = yaml.safe_load(path.read_text())["trainer"]
+        assert trainer.get("save_interval", 0) > 0 and trainer.get("save_interval_minutes", 0) > 0, \
+            path.name
+    assert TrainerConfig().save_interval > 0 and TrainerConfig().save_interval_minutes > 0
+
+
+def test_readme_and_the_manual_name_the_same_libraries():
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2]
+
+    def table(path):
+        text = path.read_text()
+        start = text.index("| job | library |")
+        return text[start:text.index("\n\n", start)]
+    assert table(root / "README.md") == table(root / "docs" / "libraries.md") \
+        == table(root / "docs" / "index.md")
+
+
+def test_the_manuals_home_page_is_the_readme():
+    """docs/index.md is README.md with its links made relative to docs/ (edit both together)."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    home = (root / "docs" / "index.md").read_text()
+    assert home == readme.replace("](docs/", "](").replace(
+        "The manual is in [`docs/`](index.md), one page per concern",
+        "This manual has one page per concern")
+
+
+def test_context_parallel_without_transformer_engine_is_refused_early(monkeypatch):
+    """CP > 1 runs in Transformer Engine's attention only (megatron's local attention asserts
+    CP == 1 at the first forward): refused by the model builder, where the trainer starts and
+    before anything is built, naming the key and the fix. (Not at config time: the driver may
+    lack TE where the trainer's nodes have it.)"""
+    import importlib.util
+    from moe_rl.trainer import model_builder
+    from moe_rl.trainer.parallel import ParallelSizes
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformer_engine" else real(name, *a))
+    with pytest.raises(ValueError, match=r"trainer.context_parallel: > 1 needs Transformer "
+                                         r"Engine.*install transformer-engine\[pytorch\]"):
+        model_builder.build_model("unused", sizes=ParallelSizes(1, 1, 1, 2))
+
+
+def test_a_data_file_not_under_the_working_directory_is_found_beside_the_config(tmp_path,
+                                                                               monkeypatch):
+    """Relative paths resolve against the working directory; a data file that is not there
+    is taken from the config file's folder (a shipped config's data); other paths never are."""
+    conf = tmp_path / "confs"
+    (conf / "data").mkdir(parents=True)
+    (conf / "data" / "train.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    (conf / "run.yaml").write_text(
+        "data: {source: jsonl, path: data/train.jsonl}\n"
+        "eval: {sets: [{path: data/train.jsonl, name: held}]}\nlogging: {dir: data}\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    cfg = load_config(str(conf / "run.yaml"))
+    assert cfg.data.path == str(conf / "data" / "train.jsonl")
+    assert cfg.eval.sets[0].path == str(conf / "data" / "train.jsonl")
+    assert cfg.logging.dir == str(work / "data")   # not a data file: the working directory
+    (work / "data").mkdir()
+    (work / "data" / "train.jsonl").write_text("{}\n")   # one here wins
+    assert load_config(str(conf / "run.yaml")).data.path == str(work / "data" / "train.jsonl")

@@ -1,0 +1,81 @@
+"""Tiny random HF checkpoints written by transformers itself (Qwen3-MoE, Mixtral-free Qwen
+layout, DeepSeek-V3 with YaRN), and transformers' own forward pass as the reference."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tests.helpers import sharpen
+
+DEEPSEEK = dict(vocab_size=48, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                n_shared_experts=1, n_routed_experts=16, routed_scaling_factor=2.5,
+                kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4, v_head_dim=8,
+                qk_nope_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=4,
+                first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=64,
+                num_nextn_predict_layers=0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+def write_deepseek(path, seed=0, bias_std=0.1, **overrides):
+    """A random DeepseekV3ForCausalLM (non-trivial norms, confident routers, a non-zero expert
+    bias) saved to ``path``; returns the transformers model."""
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**{**DEEPSEEK, **overrides}))
+    sharpen(model)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape) * bias_std)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+def hf_forward(model, ids):
+    """(log-probs [S, V], the routers' choices [S, L_moe, K]) of transformers on ``ids``."""
+    picks = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: picks.append(o[2]))
+             for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    with torch.no_grad():
+        out = model(input_ids=ids[None])
+    for h in hooks:
+        h.remove()
+    return torch.log_softmax(out.logits.float()[0], -1), torch.stack(picks, 1)
+
+
+QWEN = dict(model_type="qwen3_moe", vocab_size=48, hidden_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+            moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+            mlp_only_layers=[1], norm_topk_prob=True, max_position_embeddings=64,
+            rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def write_hf_model(tmp_path, cfg, seed=0, old_rope_layout=False):
+    """A random transformers model of ``cfg`` saved as a HF checkpoint; returns (dir, model).
+    ``old_rope_layout``: config.json rewritten with a top-level ``rope_theta`` and
+    ``rope_scaling: null`` (transformers < 5) instead of ``rope_parameters``."""
+    import transformers
+    torch.manual_seed(seed)
+    if cfg["model_type"] == "qwen3_moe":
+        hf_cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        model = transformers.Qwen3MoeForCausalLM(hf_cfg)
+    else:
+        hf_cfg = transformers.MixtralConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        model = transformers.MixtralForCausalLM(hf_cfg)
+    sharpen(model)
+    model.eval()
+    path = tmp_path / cfg["model_type"]
+    model.save_pretrained(path)
+    if old_rope_layout:
+        conf = json.loads((path / "config.json").read_text())
+        params = conf.pop("rope_parameters")
+        conf.update(rope_theta=params["rope_theta"], rope_scaling=None)
+        (path / "config.json").write_text(json.dumps(conf))
+    return str(path), model

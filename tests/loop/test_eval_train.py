@@ -1,0 +1,173 @@
+"""Evaluation, several weighted training sets, math-verify rewards and the reward service, each
+through `moe-rl train` (and `moe-rl eval`) on the tiny model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, train_cli
+from tests.helpers import train_tiny
+from tests.helpers import RewardServer
+
+pytestmark = pytest.mark.loop
+
+DATA = ROOT / "configs" / "data"
+TRAIN, HELD = DATA / "tiny_math_train.jsonl", DATA / "tiny_math_eval.jsonl"
+EVAL_KEYS = ["data.source=toy", "data.path=null",
+             f"data.sets=[{{path: {TRAIN}, name: math}}, {{path: {HELD}, name: extra, "
+             f"weight: 0.5}}]",
+             f"eval.sets=[{{path: {HELD}, name: held_out}}]", "eval.max_prompts=6",
+             "eval.temperature=0", "eval.n=2", "eval.pass_k=[2]", "eval.interval=1",
+             "eval.at_start=true"]
+
+
+def _rows(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _eval_cli(workdir, out, *source):
+    res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "eval", "--config",
+                          str(ROOT / "configs" / "tiny_math_cpu.yaml"), *source, "--out",
+                          str(out), *EVAL_KEYS], cwd=workdir, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_eval_through_train_resume_and_moe_rl_eval(tmp_path):
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_math_cpu.yaml"), "--out",
+                    str(tmp_path / "model")], check=True, capture_output=True, timeout=120)
+    res = train_cli(tmp_path, 2, *EVAL_KEYS, config="tiny_math_cpu.yaml")
+    rows = _rows(tmp_path / "run")
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2]   # at start, every step (the end included)
+    assert [r["step"] for r in rows if "kind" not in r] == [0, 1]
+    for r in evals:   # greedy: both samples of a prompt agree, so pass@2 = pass@1
+        assert r["eval/held_out/pass@2"] == pytest.approx(r["eval/held_out/pass@1"])
+        assert 0 <= r["eval/held_out/pass@1"] <= 1
+        assert r["eval/held_out/response_len_mean"] > 0
+        assert r["eval/held_out/reward_mean"] == pytest.approx(r["eval/held_out/pass@1"])
+    assert "eval after 2 updates: held_out/reward_mean" in res.stdout
+    assert "  eval: held_out pass@1" in res.stdout   # the run's summary
+    from moe_rl.report import read_scalars
+    tb = read_scalars(str(tmp_path / "run"))
+    assert list(tb["eval/held_out/pass@1"][0]) == [0, 1, 2]
+    # the same evaluation without training, on the exported final policy: the same numbers
+    # (greedy evaluation of the same weights), twice
+    final = _eval_cli(tmp_path, tmp_path / "e1.json", "--hf", str(tmp_path / "run" / "final_hf"))
+    again = _eval_cli(tmp_path, tmp_path / "e2.json", "--checkpoint",
+                      str(tmp_path / "run" / "checkpoints"))
+    for key in ("pass@1", "pass@2", "reward_mean", "response_len_mean", "truncated_frac"):
+        assert final[f"eval/held_out/{key}"] == pytest.approx(evals[-1][f"eval/held_out/{key}"])
+        assert again[f"eval/held_out/{key}"] == final[f"eval/held_out/{key}"]
+    # a resumed run evaluates at the same steps: the step-2 evaluation (its rows are dropped
+    # with the steps after the checkpoint) is repeated, with the same numbers
+    res = train_cli(tmp_path, 3, *EVAL_KEYS, config="tiny_math_cpu.yaml", resume=True)
+    resumed = [r for r in _rows(tmp_path / "run") if r.get("kind") == "eval"]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert resumed[2]["eval/held_out/pass@1"] == evals[2]["eval/held_out/pass@1"]
+    # the summary after the resume covers the whole run: its steps and its first evaluation
+    assert "run finished: 3 RL steps (steps 0-2) in " in res.stdout
+    assert "resumed at step 2" in res.stdout
+    assert f"  eval: held_out pass@1 {evals[0]['eval/held_out/pass@1']:.3f} (after 0 updates) " \
+        f"-> {resumed[3]['eval/held_out/pass@1']:.3f} (after 3)" in res.stdout
+
+
+def test_reward_service_through_train(tmp_path):
+    """Rewards from a service that fails its first request (retried) and answers every third
+    one with garbage, every fifth with strings, booleans and numbers too large for a float, and
+    every seventh past data.reward_service.max_answer_mb (each scored 0, counted): the steps'
+    reward means are the service's answers. The trainer sizes its micro-batches by a token
+    budget in this run."""
+    answered: list[float] = []
+    garbage: list[int] = []
+
+    def behave(body, call):
+        if call == 1:
+            return 503, b"warming up"
+        if call % 3 == 0:
+            garbage.append(len(body["samples"]))
+            return 200, b"<html>oops</html>"
+        if call % 5 == 0:
+            garbage.append(len(body["samples"]))
+            bad = (['"0.5"', "true"] if call % 10 else ["1" + "0" * 400, "false"]) * 2
+            return 200, ('{"rewards": [' + ", ".join(bad[:len(body["samples"])]) + "]}").encode()
+        if call % 7 == 0:
+            garbage.append(len(body["samples"]))
+            return 200, json.dumps({"rewards": [1.0] * len(body["samples"]),
+                                    "pad": "x" * 20_000}).encode()
+        rewards = [len(s["response"]) / 10 + (s["metadata"]["stopped"] is True)
+                   for s in body["samples"]]
+        answered.extend(rewards)
+        return 200, json.dumps({"rewards": rewards}).encode()
+    srv = RewardServer(behave)
+    try:
+        _, rows = train_tiny(tmp_path, 2, 4, f"data.reward_service.url={srv.url}",
+                              "data.reward_service.batch_size=2",
+                              "data.reward_service.max_concurrency=2",
+                              "data.reward_service.max_answer_mb=0.01",
+                              # micro-batches by a token budget, no row cap
+                              "trainer.micro_batch_size=null",
+                              "trainer.max_tokens_per_micro_batch=40")
+    finally:
+        srv.close()
+    assert rows[-1]["reward/errors"] == sum(garbage) > 0
+    total = sum(r["reward/mean"] for r in rows) * 16   # 4 prompts x 4 samples a step
+    assert total == pytest.approx(sum(answered), abs=1e-6)
+    assert all(len(r["samples"]) <= 2 for r in srv.requests)
+    assert all(r["timing/reward_s"] >= 0 for r in rows)
+
+
+BATCHED_REWARDS = """
+from moe_rl.rewards.functions import toy_reward
+
+async def toy_batched(samples):
+    return [toy_reward(s["prompt"], s["response"], s["label"], s["metadata"]) for s in samples]
+
+def contains(samples):
+    return [float(s["label"] in s["response"]) for s in samples]
+"""
+
+
+@pytest.mark.slow   # 60 s: in `make test-slow`; evaluation through `moe-rl train` stays in CI
+def test_evaluation_leaves_training_untouched_in_the_asynchronous_pipeline(tmp_path):
+    """The same run with and without evaluation (rollout.max_staleness=1: each evaluation waits
+    for the weight version it names) trains on the same samples: evaluation draws nothing from
+    the training sampler and changes no engine state the rollouts see. Training rewards from an
+    async batched function, evaluation rewards from eval.reward (a plain batched one)."""
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(3) for b in range(2)))
+    runs = {}
+    for name, extra in (("plain", []), ("eval", [f"eval.sets=[{{path: {held}}}]",
+                                                 "eval.interval=1", "eval.at_start=true",
+                                                 "eval.n=3", "eval.temperature=1.0",
+                                                 "eval.reward=batched_rewards:contains"])):
+        work = tmp_path / name
+        work.mkdir()
+        (work / "batched_rewards.py").write_text(BATCHED_REWARDS)
+        _, rows = train_tiny(work, 3, 4, "rollout.max_staleness=1",
+                              "data.reward=batched_rewards:toy_batched", *extra)
+        runs[name] = rows
+    evals = [r for r in runs["eval"] if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3]
+    assert all(0 <= r["eval/held/pass@1"] <= r["eval/held/pass@3"] <= 1 for r in evals)
+    # eval.reward (0 or 1) scored the evaluation, not the training's toy reward (0.1 steps)
+    assert all(r["eval/held/reward_mean"] == pytest.approx(r["eval/held/pass@1"])
+               for r in evals)
+    assert all(r["reward/errors"] == 0 for r in runs["eval"] if "kind" not in r)
+    # float32 engine = trainer: routing agrees at each sample's own version (stale or not)
+    assert all(r["routing/agreement"] >= 0.999 for r in runs["plain"])
+    assert any("staleness/routing_agreement" in r for r in runs["plain"])
+    train = {name: [{k: v for k, v in r.items() if not k.startswith("timing/")}
+                    for r in rows if "kind" not in r] for name, rows in runs.items()}
+    assert len(train["eval"]) == len(train["plain"]) == 3
+    for with_eval, plain in zip(train["eval"], train["plain"]):
+        same = [k for k in plain if k.startswith(("reward/", "rollout/", "response"))]
+        assert len(same) > 5 and {k: with_eval[k] for k in same} == {k: plain[k] for k in same}
+        # the rest up to the engine's batch-dependent float32 rounding (a few 1e-7)
+        assert with_eval == pytest.approx(plain, rel=1e-4, abs=1e-5)

@@ -1,0 +1,143 @@
+"""The zero-mismatch run set (shared by the reference-engine and the real-SGLang loop tests):
+the option factors, their pairwise covering set, each combination's overrides, `moe-rl train` of
+one combination and the invariant every mismatch metric must hold on identical float32 engine
+and trainer."""
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from moe_rl.trainer.parallel import free_port
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+CONFIG = ROOT / "configs" / "tiny_cpu.yaml"
+
+
+FACTORS = {
+    "temperature": (1.0, 0.7),
+    "sampling": ("full", "top_k", "top_k_top_p_min_p"),
+    "mask": (False, True),
+    "pi_old": ("trainer", "rollout", "engine_avg"),
+    "replay": ("off", "r3"),
+    "loss": ("ppo", "gspo"),
+    "pack": (False, True),
+}
+
+
+SAMPLING = {"full": [], "top_k": ["rollout.top_k=5"],
+            "top_k_top_p_min_p": ["rollout.top_k=6", "rollout.top_p=0.9", "rollout.min_p=0.05"]}
+
+
+CORRECTIONS = ("seq_mis", "icepop", "geo_rs", "trm")
+
+
+def refused(combo: dict) -> bool:
+    """The keep-sampling-mask needs the engine's kept sets, which need a finite top_k."""
+    return combo["mask"] and combo["sampling"] == "full"
+
+
+def all_combos(factors: dict = FACTORS) -> list[dict]:
+    keys = list(factors)
+    return [dict(zip(keys, values)) for values in itertools.product(*factors.values())]
+
+
+def _pairs(combo: dict) -> set:
+    items = sorted(combo.items())
+    return {(a, b) for a, b in itertools.combinations(items, 2)}
+
+
+def covering_set(factors: dict = FACTORS) -> list[dict]:
+    """Greedy pairwise cover of every pair of values that a valid combination can hold."""
+    valid = [c for c in all_combos(factors) if not refused(c)]
+    todo = set().union(*(_pairs(c) for c in valid))
+    chosen = []
+    while todo:
+        best = max(valid, key=lambda c: len(_pairs(c) & todo))
+        chosen.append(best)
+        todo -= _pairs(best)
+    return chosen
+
+
+def name(combo: dict) -> str:
+    return "-".join(f"{v}" for v in combo.values())
+
+
+def overrides(combo: dict) -> list[str]:
+    out = [f"rollout.temperature={combo['temperature']}", *SAMPLING[combo["sampling"]],
+           f"algorithm.keep_sampling_mask={str(combo['mask']).lower()}",
+           f"algorithm.pi_old={combo['pi_old']}", f"algorithm.replay={combo['replay']}",
+           f"algorithm.loss={combo['loss']}", f"algorithm.corrections=[{','.join(CORRECTIONS)}]",
+           "algorithm.correction.trm_delta=1e-3", "algorithm.correction.trm_measure=k3",
+           "rollout.weight_check=true"]
+    if combo["pi_old"] == "engine_avg":
+        out.append(f"algorithm.pi_old_passes={combo.get('passes', 2)}")
+    if "sync" in combo:
+        out.append(f"cluster.weight_sync={combo['sync']}")
+    if combo.get("pack"):   # the step's samples packed in rows of 24 tokens
+        out += ["trainer.pack_sequences=true", "trainer.max_tokens_per_micro_batch=24"]
+    if combo["loss"] == "ppo":
+        out += ["algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
+                "algorithm.aggregation=token-mean"]
+    if combo["loss"] == "gmpo":   # the GMPO paper's log-ratio range
+        out += ["algorithm.clip_low=0.4", "algorithm.clip_high=0.4"]
+    if combo.get("router_shift"):
+        out.append("algorithm.router_shift.enabled=true")
+    return out
+
+
+def train_steps(model: pathlib.Path, run_dir: pathlib.Path, combo: dict,
+                engine: tuple[str, ...] = (), steps: int = 1) -> list[dict]:
+    """``steps`` RL steps of `moe-rl train` with ``combo`` (on the engine ``engine``'s
+    overrides choose); returns each step's metrics."""
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(CONFIG),
+           f"model.path={model}", f"logging.dir={run_dir}", f"trainer.steps={steps}",
+           "trainer.sft_warmup_steps=0", "trainer.export_hf=false",
+           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+           "rollout.max_new_tokens=3", f"rollout.base_port={free_port()}",
+           "logging.progress=false", "logging.tensorboard=false", *overrides(combo), *engine]
+    res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"{name(combo)}\n{res.stderr[-2500:]}"
+    rows = [json.loads(row) for row in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps)), name(combo)
+    return rows
+
+
+def run_all(model: pathlib.Path, base: pathlib.Path, combos: list[dict],
+            engine: tuple[str, ...] = (), steps: int = 1) -> dict[str, list[dict]]:
+    """Two runs at a time (each mostly waits on process start-up)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name(c): pool.submit(train_steps, model, base / name(c), c, engine, steps)
+                   for c in combos}
+        return {k: f.result() for k, f in futures.items()}
+
+
+def check_invariant(combo: dict, m: dict) -> None:
+    label = name(combo)
+    assert abs(m["mismatch/k1"]) < 1e-5, (label, m["mismatch/k1"])
+    assert m["mismatch/k3"] < 1e-6, (label, m["mismatch/k3"])
+    assert m["mismatch/extreme_frac"] == 0.0, label
+    for corr in CORRECTIONS:
+        assert m[f"correction/{corr}/masked_token_frac"] == 0.0, (label, corr)
+        assert m[f"correction/{corr}/masked_seq_frac"] == 0.0, (label, corr)
+    assert m["is/ess"] > 0.999, (label, m["is/ess"])
+    assert m["ratio/first_minibatch_max_dev"] < 1e-5, (label, m["ratio/first_minibatch_max_dev"])
+    assert m["clip_frac"] == 0.0, label
+    assert m["weights/probe_k3"] < 1e-6 and m["weights/check_resyncs"] == 0.0, label
+    assert m["weights/probe_max_abs_diff"] < 1e-4, (label, m["weights/probe_max_abs_diff"])
+    if combo["replay"] != "off" or "weights/probe_routing_agreement" in m:
+        assert m["weights/probe_routing_agreement"] == 1.0, label
+    if combo["mask"]:
+        assert 0.0 < m["mismatch/kept_mass_mean"] <= 1.0, label
+    else:
+        assert "mismatch/kept_mass_mean" not in m, label
+    if combo["pi_old"] == "engine_avg":
+        assert "pi_old/pass_std" in m, label
+    if combo.get("router_shift"):   # one update per rollout: the routers never moved
+        assert m["router_shift/gamma_mean"] == 1.0, (label, m["router_shift/gamma_mean"])
+        assert m["router_shift/shifted_frac"] == 0.0, label

@@ -1,0 +1,240 @@
+"""The package's shape: layers that import only downward (so no cycle), SGLang's HTTP dialect
+only under moe_rl/engines/, and no branch on the engine's name outside it."""
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "moe_rl"
+
+# lowest first; a unit may import only units of lower layers
+LAYERS = [
+    {"errors", "shipped", "plugins", "leftovers", "launch_tools"},
+    {"families"},
+    {"moe_shape"},
+    {"types", "config", "report", "metrics_log"},
+    {"packing", "data", "rewards", "weights", "algo", "run_dir", "wandb_log"},
+    {"envs", "models", "engines", "sample_log"},
+    {"trainer", "rollout", "run_inputs", "run_summary"},
+    {"evaluation"},
+    {"orchestration"},
+    {"commands"},
+    {"cli"},
+]
+LAYER_OF = {u: i for i, units in enumerate(LAYERS) for u in units}
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[1]
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        yield path, ".".join(rel.parts).removesuffix(".__init__")
+
+
+def _imports(tree: ast.AST):
+    """moe_rl modules imported anywhere in ``tree`` (functions and type-only blocks included;
+    ``from moe_rl.a import b`` also names ``moe_rl.a.b``, which may be a module)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+
+
+def test_every_unit_has_a_layer():
+    units = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert units == set(LAYER_OF), f"place these in LAYERS: {units ^ set(LAYER_OF)}"
+
+
+def test_imports_only_go_down():
+    upward = []
+    for path, module in _modules():
+        if module == "moe_rl":
+            continue
+        mine = LAYER_OF[_unit(module)]
+        for target in _imports(ast.parse(path.read_text())):
+            if (not target.startswith("moe_rl.") or _unit(target) not in LAYER_OF
+                    or _unit(target) == _unit(module)):
+                continue
+            if LAYER_OF[_unit(target)] >= mine:
+                upward.append(f"{module} imports {target}")
+    assert upward == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    """Inside functions and type-only blocks alike."""
+    tree = ast.parse("def f():\n    from moe_rl.orchestration.loop import run\n"
+                     "if TYPE_CHECKING:\n    from moe_rl.cli import main\n")
+    assert list(_imports(tree)) == ["moe_rl.orchestration.loop", "moe_rl.orchestration.loop.run",
+                                    "moe_rl.cli", "moe_rl.cli.main"]
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (module -> modules it imports): its strongly connected
+    components of more than one module, or of one that imports itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while comp[-1:] != [v]:
+                comp.append(stack.pop())
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_between_modules():
+    """No module reaches itself through its imports (type-only ones included)."""
+    modules = dict((m, p) for p, m in _modules())
+    graph = {m: {t for t in _imports(ast.parse(p.read_text())) if t in modules and t != m}
+             for m, p in modules.items()}
+    assert _circles(graph) == []
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+SGLANG_DIALECT = re.compile(r"\bhttpx\b|\bfastapi\b|\buvicorn\b|\"/(generate|health|flush_cache|"
+                            r"update_weights_\w+|init_weights_update_group|\w+_weight_update|"
+                            r"(get_)?model_info|\w+_memory_occupation)\"")
+# the one HTTP client outside engines/: the reward service's (its own protocol, not SGLang's)
+OTHER_HTTP = {"moe_rl.rewards.service": re.compile(r"\bhttpx\b")}
+ENGINE_BRANCH = re.compile(r"engine\s*[!=]=\s*[\"']|[\"']sglang[\"']")
+
+
+def test_sglangs_dialect_and_engine_branches_live_in_engines():
+    found = []
+    for path, module in _modules():
+        if module.startswith("moe_rl.engines"):
+            continue
+        text = path.read_text()
+        for pattern in (SGLANG_DIALECT, ENGINE_BRANCH):
+            for m in pattern.finditer(text):
+                if module in OTHER_HTTP and OTHER_HTTP[module].fullmatch(m.group(0)):
+                    continue
+                line = text[:m.start()].count("\n") + 1
+                found.append(f"{path.relative_to(ROOT.parent)}:{line}: {m.group(0)}")
+    # the one place the engine's name is a value: the key's allowed values
+    assert [f.split(":")[0] + ":" + f.split(":", 2)[2] for f in found] == \
+        ["moe_rl/config/schema.py: \"sglang\""]
+
+
+def test_no_function_of_the_top_floor_is_above_radon_c():
+    """The run's lifecycle and the step loop stay in functions a reader can hold: cyclomatic
+    complexity rank C (<= 20) or better everywhere under orchestration/ (radon's grading)."""
+    from radon.complexity import cc_rank, cc_visit
+    worst = []
+    for path in sorted((ROOT / "orchestration").glob("*.py")):
+        for block in cc_visit(path.read_text()):
+            for fn in [block, *getattr(block, "methods", [])]:
+                if not hasattr(fn, "methods") and cc_rank(fn.complexity) > "C":
+                    worst.append(f"{path.name}:{fn.lineno} {fn.name} {cc_rank(fn.complexity)} "
+                                 f"({fn.complexity})")
+    assert worst == []
+
+
+def _backslash_continuations(source: str) -> list[int]:
+    """Line numbers that end in a backslash continuation (not inside a string)."""
+    import io
+    import tokenize
+    in_string = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.STRING or tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
+            in_string.update(range(tok.start[0], tok.end[0]))
+    return [n for n, line in enumerate(source.splitlines(), 1)
+            if line.rstrip().endswith("\\") and n not in in_string]
+
+
+def test_statements_continue_in_parentheses_not_backslashes():
+    found = [f"{path.relative_to(ROOT.parent)}:{n}" for path, _ in _modules()
+             for n in _backslash_continuations(path.read_text())]
+    assert found == []
+    assert _backslash_continuations('x = 1 + \\\n    2\ny = """a \\\nb"""\n') == [1]
+
+
+FAMILY_BRANCH = re.compile(r"\b(arch|model_type|architecture)\b[\"')\]]*\s*(==|!=|not in|in)\s")
+FAMILY_INTERFACE = ("MODEL_TYPE", "MULTI_LATENT_ATTENTION", "TINY", "HF_MOE_BLOCK", "HF_EXPERT",
+                    "megatron_settings", "rotary", "hf_attention_names", "fp8_head_dim",
+                    "fp8_moe_intermediate", "fp8_dense_mlp")
+TINY_INTERFACE = ("tiny_init_fields", "check_tiny_init", "tiny_hf_config")
+
+
+def test_no_model_family_branch_outside_the_family_modules():
+    """What differs between Qwen3-MoE, Mixtral and DeepSeek-V3 lives in moe_rl/families/ (one
+    module each, found by model_type); nowhere else compares a model type."""
+    found = [f"{module}:{n}: {line.strip()}" for path, module in _modules()
+             if not module.startswith("moe_rl.families")
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if FAMILY_BRANCH.search(line)]
+    assert found == []
+    assert FAMILY_BRANCH.search('if spec.arch == "deepseek_v3":')
+    assert FAMILY_BRANCH.search('if hf.get("model_type") in MLA:')
+
+
+def test_every_family_module_has_the_whole_interface():
+    from moe_rl.families import FAMILIES, TINY_FAMILIES, family
+    for model_type, module in FAMILIES.items():
+        assert module.MODEL_TYPE == model_type
+        wanted = FAMILY_INTERFACE + (TINY_INTERFACE if module.TINY else ())
+        assert [a for a in wanted if not hasattr(module, a)] == [], model_type
+    assert set(TINY_FAMILIES) == {"qwen3_moe", "deepseek_v3"}
+    with pytest.raises(ValueError, match="model_type: 'gpt_oss' is not supported"):
+        family("gpt_oss")
+
+
+def test_an_engine_kind_is_one_object_and_the_driver_never_speaks_to_engines_for_weights():
+    """Each ``rollout.engine`` value is one EngineKind (its package's ``KIND``), complete (no
+    abstract method left); the orchestration builds no receiver or sender itself: the trainer
+    ranks hold their sender, and the driver's in-memory sync calls the trainers once."""
+    import inspect
+    import typing
+    from moe_rl.config import config_from_dict, schema
+    from moe_rl.engines.base import EngineKind
+    from moe_rl.engines.factory import KINDS, engine_kind
+    names = typing.get_args(typing.get_type_hints(schema.RolloutConfig)["engine"])
+    assert set(KINDS) == set(names)
+    for name, kind in KINDS.items():
+        assert issubclass(kind, EngineKind) and not inspect.isabstract(kind), name
+    cfg = config_from_dict({})
+    assert type(engine_kind(cfg)) is KINDS[cfg.rollout.engine]
+    assert all(kind(cfg).weight_ranks_per_server() >= 1 for kind in KINDS.values())
+    weight_sync = (ROOT / "orchestration" / "weight_sync.py").read_text()
+    assert weight_sync.count("self.trainers.send_weights(") == 1
+    orchestration = "".join(p.read_text() for p in (ROOT / "orchestration").glob("*.py"))
+    assert not re.search(r"announce_bucket|receive_tensors|join_group|open_group", orchestration)
+
+
+def test_the_schemas_algorithm_choices_are_the_registries_keys():
+    """algorithm.loss, .advantage, .aggregation, .kl.estimator and .corrections offer exactly
+    what the algorithm library registers (one entry per choice: a new loss is one function and
+    one registry line, and the schema's choice, which this test then demands)."""
+    import typing
+    from moe_rl import algo
+    from moe_rl.config import schema
+    hints = typing.get_type_hints(schema.AlgorithmConfig)
+    choices = {name: set(typing.get_args(hints[name])) for name in
+               ("loss", "advantage", "aggregation")}
+    assert choices == {"loss": set(algo.POLICY_LOSSES), "advantage": set(algo.ADVANTAGES),
+                       "aggregation": set(algo.AGGREGATIONS)}
+    kl = typing.get_type_hints(hints["kl"])
+    assert set(typing.get_args(kl["estimator"])) == set(algo.KL_ESTIMATORS)
+    assert set(schema.CORRECTIONS) == set(algo.CORRECTIONS)
