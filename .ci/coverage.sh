@@ -46,6 +46,7 @@ report() {
   } | tee "$dir/summary.txt"
   "$py" -m coverage json --quiet --data-file="$dir/all.combined" -o "$dir/all.json"
   "$py" -m coverage json --quiet --data-file="$dir/test.combined" -o "$dir/test.json"
+  "$py" .ci/suite_report.py "$dir"
 }
 case "${1:-run}" in
   instrument) instrument "$2" ;;

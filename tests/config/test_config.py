@@ -308,9 +308,14 @@ def test_config_files_that_are_not_yaml_mappings_are_named(tmp_path):
         load_config(tmp_path / "twice.yaml")
 
 
-def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
+def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path, monkeypatch, capsys):
     """`moe-rl config` checks what `train` reads (model, tokenizer, reward, data) and both refuse
-    a missing or unloadable one on stderr with exit 2, naming the key, before anything starts."""
+    a missing or unloadable one on stderr with exit 2, naming the key, before anything starts.
+    The first case of each command runs as a process of its own; the others call the CLI's
+    entry point in this process (the same code, without a Python start each)."""
+    from moe_rl.cli import main
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))   # `sigs` as a process started here finds it
     import pathlib
     import subprocess
     import sys
@@ -365,12 +370,16 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path):
              (["eval.sets=[{path: " + str(tmp_path / "huge.jsonl") + "}]"],
               "eval.sets[0]: data.prompt_key: row 1 of " + str(tmp_path / "huge.jsonl") +
               ": 1000000 characters, so at least")]
-    for extra, message in cases:
+    for i, (extra, message) in enumerate(cases):
         for command in ("config", "train"):
-            res = subprocess.run([sys.executable, "-m", "moe_rl.cli", command, *base, *extra],
-                                 capture_output=True, text=True, timeout=120, cwd=tmp_path)
-            assert res.returncode == 2, (command, extra, res.stderr[-1500:])
-            assert message in res.stderr and "Traceback" not in res.stderr, (command, extra)
+            if i == 0:
+                res = subprocess.run([sys.executable, "-m", "moe_rl.cli", command, *base, *extra],
+                                     capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                code, err = res.returncode, res.stderr
+            else:
+                code, err = main([command, *base, *extra]), capsys.readouterr().err
+            assert code == 2, (command, extra, err[-1500:])
+            assert message in err and "Traceback" not in err, (command, extra)
     assert not (tmp_path / "run").exists()   # train refused before creating anything
     ok = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", *base],
                         capture_output=True, text=True, timeout=120)

@@ -186,6 +186,7 @@ def test_a_reward_call_past_its_timeout_loses_the_sample(tmp_path, monkeypatch):
                                         for k in range(10) if (k + 1) % 5]
 
 
+@pytest.mark.loop   # a real run (`moe-rl train`): make test-loop
 @pytest.mark.e2e
 def test_a_hanging_reward_through_moe_rl_train(tmp_path):
     """`moe-rl train` with a reward that never returns on every fifth call: those samples are

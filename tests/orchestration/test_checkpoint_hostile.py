@@ -73,6 +73,7 @@ def _craft_step(step, marker, manifest_too: bool) -> None:
         (step / "manifest.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.loop   # a real run (`moe-rl train`): make test-loop
 @pytest.mark.e2e
 @pytest.mark.parametrize("manifest_too", [False, True], ids=["manifest_kept", "manifest_forged"])
 def test_convert_of_a_checkpoint_with_crafted_metadata_runs_nothing(trained_run, tmp_path,
@@ -94,6 +95,7 @@ def test_convert_of_a_checkpoint_with_crafted_metadata_runs_nothing(trained_run,
     assert expect in res.stdout + res.stderr and ".metadata" in res.stdout + res.stderr
 
 
+@pytest.mark.loop   # a real run (`moe-rl train`): make test-loop
 @pytest.mark.e2e
 def test_resume_from_a_checkpoint_with_crafted_metadata_runs_nothing(trained_run, tmp_path):
     """`moe-rl train --resume` of a run whose latest step carries crafted DCP metadata and a

@@ -526,6 +526,7 @@ def test_failing_environment_is_counted_not_fatal(agentic_model, tmp_path, env_m
     assert "step.observation_ids: token ids must lie in" in res.stderr
 
 
+@pytest.mark.loop   # a real run (`moe-rl train`): make test-loop
 def test_a_hanging_environment_loses_its_trajectory_and_the_run_goes_on(agentic_model, tmp_path,
                                                                       env_module):
     """An environment whose step() never returns: past data.environment_timeout_s its

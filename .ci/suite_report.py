@@ -1,0 +1,61 @@
+"""The figures of one `make coverage` run (.ci/coverage.sh calls it): each target's wall time and
+the total (from the table .ci/run prints), line coverage of moe_rl/ by everything and by
+`make test` alone, and every test's duration per target (pytest's --durations=0 sections).
+Writes DIR/summary.json and DIR/durations.tsv."""
+import json
+import pathlib
+import re
+import sys
+
+
+def target_times(log: str) -> dict:
+    table = log.rsplit("== .ci/run wall time per target (s) ==", 1)[-1]
+    return {name: int(s) for name, s in re.findall(r"^([a-z-]+) (\d+)$", table, re.M)}
+
+
+# a pytest command's marker expression -> its target (for logs of a .ci/run that did not
+# announce its targets)
+MARKERS = {'"not slow and not contract and not multinode and not loop and not cluster and not '
+           'sglang"': "test", '"loop and not slow and not sglang"': "test-loop",
+           "-m multinode": "test-multinode", "-m cluster": "test-cluster",
+           "-m contract": "test-contract", '"sglang and not slow"': "test-sglang",
+           '"not slow and (not loop or upstream)"': "test-upstream"}
+
+
+def durations(log: str) -> list[tuple[str, str, float, str]]:
+    """(target, phase, seconds, test id) of every line in every durations section, the target
+    being the last one .ci/run announced (or whose pytest command ran) before it."""
+    rows, target = [], "?"
+    for line in log.splitlines():
+        start = re.match(r"^\.ci/run target: ([a-z-]+)$", line)
+        if start:
+            target = start.group(1)
+        elif " -m pytest " in line:
+            target = next((t for marker, t in MARKERS.items() if marker in line), target)
+        m = re.match(r"^([0-9.]+)s (setup|call|teardown) +(\S+)", line)
+        if m:
+            rows.append((target, m.group(2), float(m.group(1)), m.group(3)))
+    return rows
+
+
+def percent(report: pathlib.Path) -> float:
+    totals = json.loads(report.read_text())["totals"]
+    return round(totals["percent_covered"], 2)
+
+
+def main(folder: str) -> None:
+    d = pathlib.Path(folder)
+    log = (d / "ci.log").read_text(errors="replace")
+    summary = {"targets_s": target_times(log),
+               "coverage_percent": {"ci_run": percent(d / "all.json"),
+                                    "make_test": percent(d / "test.json")}}
+    summary["total_s"] = summary["targets_s"].pop("total", None)
+    (d / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    rows = sorted(durations(log), key=lambda r: -r[2])
+    (d / "durations.tsv").write_text("target\tphase\tseconds\ttest\n" + "".join(
+        f"{t}\t{p}\t{s:.2f}\t{i}\n" for t, p, s, i in rows))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
