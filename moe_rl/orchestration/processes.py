@@ -80,9 +80,12 @@ class Trainers:
         # the rendezvous lives on rank 0's node: its address, and a port free there
         self.single_node = plan.nodes == 1   # then every rendezvous stays on 127.0.0.1
         address = "127.0.0.1" if plan.nodes == 1 else reservation.addresses[ranks[0].node]
-        port = ray.get(ray.remote(free_port).options(
-            scheduling_strategy=first["scheduling_strategy"], num_cpus=0).remote(
-            "127.0.0.1" if plan.nodes == 1 else address))
+        if plan.nodes == 1 and not cfg.cluster.ray_address:   # the run's own Ray: this node
+            port = free_port("127.0.0.1")
+        else:
+            port = ray.get(ray.remote(free_port).options(
+                scheduling_strategy=first["scheduling_strategy"], num_cpus=0).remote(
+                "127.0.0.1" if plan.nodes == 1 else address))
         self.actors = [TrainerWorker.options(**reservation.options(p)).remote(
             tree, p.index, len(ranks), address, port, p.gpus[0] if p.gpus else None)
             for p in ranks]

@@ -12,6 +12,7 @@ With megatron's distributed optimizer (GPUs) the optimizer writes its own sharde
 from __future__ import annotations
 
 import os
+import queue
 from typing import Iterator
 
 import torch
@@ -133,10 +134,21 @@ def sharded_trainer_state(model, optimizer, ema: dict | None, loading: bool = Fa
     return state
 
 
+def in_process_write_results() -> None:
+    """megatron-core hands a save's write results over a queue that it makes, on the first save
+    of a process, with a spawned multiprocessing Manager: a new Python process (in a Ray actor
+    it re-imports Ray; about 2 s) living as long as the trainer. A synchronous save, the only
+    kind the trainer makes, puts and takes them in this process, so a plain queue serves."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    if getattr(filesystem_async, "_results_queue", False) is None:   # none made yet
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_sharded(path: str, model, optimizer, ema: dict | None) -> None:
     """Write the sharded state to directory ``path`` (collective over every trainer rank)."""
     from megatron.core import dist_checkpointing
     os.makedirs(path, exist_ok=True)
+    in_process_write_results()
     dist_checkpointing.save(sharded_trainer_state(model, optimizer, ema), path)
 
 

@@ -132,6 +132,21 @@ def test_resume_is_bit_identical(tiny, tmp_path, ema_policy):
         assert torch.equal(a, b)
 
 
+def test_a_save_starts_no_process_of_multiprocessing(tiny, tmp_path):
+    """megatron's write results pass through a plain in-process queue: a save leaves no
+    spawned multiprocessing Manager behind (one per trainer process, ~2 s to start)."""
+    import queue
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    path, _ = tiny
+    filesystem_async._results_queue = None    # as in a new trainer process
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    PolicyTrainer(make_cfg(path), path).save_checkpoint(str(tmp_path / "ckpt"))
+    after = {c.pid for c in psutil.Process().children(recursive=True)}
+    assert type(filesystem_async._results_queue) is queue.Queue
+    assert after <= before, [psutil.Process(p).cmdline() for p in after - before]
+
+
 def test_export_hf_matches_trained_weights(tiny, tmp_path):
     import transformers
     path, hf_model = tiny
