@@ -9,8 +9,11 @@ PYTEST_ARGS ?=
 DURATIONS := --durations=10
 # two pytest-xdist workers, each test module whole on one of them (its module fixtures made
 # once): a loop test spends much of its time waiting on process start-up, which the other
-# worker fills. XDIST= runs one process (a debugger, -x).
+# worker fills. XDIST= XDIST_RUNS= run one process (a debugger, -x).
 XDIST ?= -n 2 --dist loadfile
+# the loop targets spread single tests (each run is its own `moe-rl train`); a module whose
+# fixture is costly to make twice (servers, a wheel) stays whole by its xdist_group mark
+XDIST_RUNS ?= -n 2 --dist loadgroup
 
 SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
@@ -49,7 +52,7 @@ test: $(STAMP)
 
 # the training loop end to end through `moe-rl train` / `moe-rl demo` (every option's user path)
 test-loop: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m "loop and not slow and not sglang" $(PYTEST_ARGS) $(DURATIONS) tests
+	$(PY) -m pytest -q $(XDIST_RUNS) -m "loop and not slow and not sglang" $(PYTEST_ARGS) $(DURATIONS) tests
 
 # a run placed on Ray's multi-node test cluster (several raylets on this machine)
 test-multinode: $(STAMP)
@@ -76,7 +79,7 @@ test-contract: $(STAMP) $(SGLANG_STAMP)
 
 # the real SGLang serving on CPU: its shims, the engine contract, the loop through `moe-rl train`
 test-sglang: $(STAMP) $(SGLANG_STAMP)
-	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q $(XDIST) -m "sglang and not slow" $(PYTEST_ARGS) $(DURATIONS) tests
+	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q $(XDIST_RUNS) -m "sglang and not slow" $(PYTEST_ARGS) $(DURATIONS) tests
 
 # this machine's pip configuration caps torch at the release on its disk (for Python 3.11):
 # the upstream environment reads no pip configuration

@@ -23,6 +23,8 @@ from moe_rl.rollout.trajectories import generate_samples
 from moe_rl.trainer.parallel import free_port
 from tests.helpers import sglang_cpu_python
 
+pytestmark = pytest.mark.xdist_group("engine_contract")   # its fixture made once
+
 
 def _available() -> list:
     """The reference engine; real SGLang on CPU (``make test-sglang``: its environment from

@@ -22,7 +22,7 @@ from moe_rl.moe_shape import MoEShape
 from moe_rl.trainer.parallel import free_port
 from tests.helpers import sglang_cpu_python
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.xdist_group("differential")]   # its servers made once
 
 MASKED = {"return_logprob": True, "return_routed_experts": True, "return_sampling_mask": True,
           "sampling_logprobs_mode": "selected"}

@@ -88,17 +88,28 @@ def _zero_mismatch_on_sglang(model_dir, tmp_path, combos):
     return results
 
 
-def test_zero_mismatch_every_option_value_on_sglang(model_dir, tmp_path):
-    """`make test-sglang`: every value of every factor at least once, and the kept set of
-    top-k and of top-k + top-p + min-p each scored with the mask (4 runs)."""
+def every_value_and_both_masks() -> list[dict]:
+    """Every value of every factor at least once, and the kept set of top-k and of top-k +
+    top-p + min-p each scored with the mask (4 runs)."""
     combos = every_value_once(FACTORS)
     for sampling in ("top_k", "top_k_top_p_min_p"):
         if not any(c["mask"] and c["sampling"] == sampling for c in combos):
             combos.append(next(c for c in covering_set(FACTORS)
                                if c["mask"] and c["sampling"] == sampling))
+    return combos
+
+
+def test_the_runs_hold_every_value_and_both_masks_in_four():
+    combos = every_value_and_both_masks()
     assert len(combos) <= 4
-    results = _zero_mismatch_on_sglang(model_dir, tmp_path, combos)
-    assert len(results) == len(combos)
+    assert all(any(c[k] == v for c in combos) for k, values in FACTORS.items() for v in values)
+
+
+@pytest.mark.parametrize("combo", every_value_and_both_masks(), ids=name)   # xdist spreads them
+def test_zero_mismatch_every_option_value_on_sglang(model_dir, tmp_path, combo):
+    """`make test-sglang`: one run of the set above, two steps."""
+    results = _zero_mismatch_on_sglang(model_dir, tmp_path, [combo])
+    assert len(results[name(combo)]) == 2
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ import pytest
 from moe_rl.trainer.parallel import free_port
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.xdist_group("wheel")   # its fixture made once
+
 
 def _sources(dest: pathlib.Path) -> None:
     """The project's files (tracked, or new and not ignored) copied to ``dest``: the wheel is

@@ -17,7 +17,8 @@ import pytest
 
 from moe_rl.config import ConfigError, load_config
 from tests.loop.zero_mismatch import (CONFIG, _pairs, all_combos, check_invariant, covering_set,
-                                      name, overrides, refused, run_all)
+                                      name, overrides, refused, run_all,
+                                      train_steps)
 
 
 @pytest.fixture(scope="module")
@@ -44,33 +45,32 @@ def test_refused_combinations_name_the_reason(combo):
 @pytest.mark.loop
 @pytest.mark.e2e
 @pytest.mark.multiproc
-def test_zero_mismatch_covering_set(model_dir, tmp_path):
-    combos = covering_set()
-    results = run_all(model_dir, tmp_path, combos)
-    for combo in combos:
-        check_invariant(combo, results[name(combo)][0])
+@pytest.mark.parametrize("combo", covering_set(), ids=name)   # one run each: xdist spreads them
+def test_zero_mismatch_covering_set(model_dir, tmp_path, combo):
+    check_invariant(combo, train_steps(model_dir, tmp_path / name(combo), combo)[0])
+
+
+DPPO_AND_RSPO = [{"temperature": 1.0, "sampling": "top_k", "mask": True, "pi_old": "rollout",
+                  "replay": "r3", "loss": "dppo_tv", "pack": False},
+                 {"temperature": 0.7, "sampling": "full", "mask": False, "pi_old": "trainer",
+                  "replay": "off", "loss": "dppo_kl", "pack": True},
+                 {"temperature": 0.7, "sampling": "top_k", "mask": True, "pi_old": "trainer",
+                  "replay": "r3", "loss": "gmpo", "pack": True, "router_shift": True}]
 
 
 @pytest.mark.loop
 @pytest.mark.e2e
 @pytest.mark.multiproc
-def test_zero_mismatch_dppo_and_rspo(model_dir, tmp_path):
+@pytest.mark.parametrize("combo", DPPO_AND_RSPO, ids=name)
+def test_zero_mismatch_dppo_and_rspo(model_dir, tmp_path, combo):
     """DPPO through `moe-rl train`, with R3 (binary TV, the keep-sampling-mask, pi_old from the
     rollout as its authors recommend) and without (binary KL, packed), and RSPO (GMPO with the
     router-shift weight) under R3: on identical float32 engine and trainer no token leaves the
     trust region, the divergence is ~0 and the router-shift weight is exactly 1."""
-    combos = [{"temperature": 1.0, "sampling": "top_k", "mask": True, "pi_old": "rollout",
-               "replay": "r3", "loss": "dppo_tv", "pack": False},
-              {"temperature": 0.7, "sampling": "full", "mask": False, "pi_old": "trainer",
-               "replay": "off", "loss": "dppo_kl", "pack": True},
-              {"temperature": 0.7, "sampling": "top_k", "mask": True, "pi_old": "trainer",
-               "replay": "r3", "loss": "gmpo", "pack": True, "router_shift": True}]
-    results = run_all(model_dir, tmp_path, combos)
-    for combo in combos:
-        m = results[name(combo)][0]
-        check_invariant(combo, m)
-        if combo["loss"].startswith("dppo"):
-            assert m["dppo/divergence_mean"] < 1e-6, (name(combo), m["dppo/divergence_mean"])
+    m = train_steps(model_dir, tmp_path / name(combo), combo)[0]
+    check_invariant(combo, m)
+    if combo["loss"].startswith("dppo"):
+        assert m["dppo/divergence_mean"] < 1e-6, (name(combo), m["dppo/divergence_mean"])
 
 
 @pytest.mark.slow
