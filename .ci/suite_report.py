@@ -1,7 +1,8 @@
 """The figures of one `make coverage` run (.ci/coverage.sh calls it): each target's wall time and
 the total (from the table .ci/run prints), line coverage of moe_rl/ by everything and by
 `make test` alone, and every test's duration per target (pytest's --durations=0 sections).
-Writes DIR/summary.json and DIR/durations.tsv."""
+Writes DIR/summary.json and DIR/durations.tsv; `compare BEFORE AFTER` prints two summaries as
+a markdown table."""
 import json
 import pathlib
 import re
@@ -57,5 +58,22 @@ def main(folder: str) -> None:
     print(json.dumps(summary, indent=1))
 
 
+def compare(before: str, after: str) -> str:
+    """A markdown table of two summary.json files (per target, total, coverage)."""
+    b, a = (json.loads(pathlib.Path(x).read_text()) for x in (before, after))
+    names = list(dict.fromkeys([*b["targets_s"], *a["targets_s"]]))
+    rows = ["| | before (s) | after (s) |", "|---|---:|---:|"]
+    rows += [f"| {n} | {b['targets_s'].get(n, '')} | {a['targets_s'].get(n, '')} |" for n in names]
+    rows.append(f"| **total** | **{b['total_s']}** | **{a['total_s']}** |")
+    for key, label in (("ci_run", "line coverage of moe_rl/ by .ci/run"),
+                       ("make_test", "line coverage of moe_rl/ by make test")):
+        rows.append(f"| {label} | {b['coverage_percent'][key]} % | "
+                    f"{a['coverage_percent'][key]} % |")
+    return "\n".join(rows) + "\n"
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "compare":
+        print(compare(sys.argv[2], sys.argv[3]), end="")
+    else:
+        main(sys.argv[1])
