@@ -116,39 +116,56 @@ def _train(model, base, name: str, mode: str, check: bool, sync: str = "disk",
     return res, rows
 
 
-@pytest.mark.loop
-@pytest.mark.e2e
-def test_a_wrong_engine_update_is_redone_or_stops_the_run(model, tmp_path):
-    runs = {"once": ("once", True), "always": ("always", True), "unchecked": ("always", False),
-            "distributed": ("once", True, "distributed")}
-    with ThreadPoolExecutor(2) as pool:
-        done = {k: pool.submit(_train, model, tmp_path, k, *v) for k, v in runs.items()}
-        (once, once_rows), (always, always_rows), (unchecked, unchecked_rows), \
-            (broadcast, broadcast_rows) = (done[k].result() for k in runs)
-    # a one-off corruption of version 2: caught when it loads (the sync after step 1),
-    # reloaded from disk, and the run goes on with the probe back at the start's ~0
-    assert once.returncode == 0, once.stderr[-3000:]
+def _redone_once(res, rows):
+    """A one-off corruption of version 2: caught when it loads (the sync after step 1),
+    reloaded from disk, and the run goes on with the probe back at the start's ~0."""
+    assert res.returncode == 0, res.stderr[-3000:]
     assert "weight check: the engines disagree with the trainer after syncing version 2" \
-        in once.stdout
-    assert [r["weights/check_resyncs"] for r in once_rows] == [0.0, 1.0, 1.0, 1.0]
-    assert all(r["weights/probe_k3"] < 1e-6 for r in once_rows)
-    assert all(r["mismatch/k3"] < 1e-6 for r in once_rows)   # no batch sampled wrong
-    # a lasting one: the reload is wrong too, and the run stops in one line naming it
-    assert always.returncode == 1 and "Traceback" not in always.stderr, always.stderr[-3000:]
-    last = always.stderr.strip().splitlines()[-1]
+        in res.stdout
+    assert [r["weights/check_resyncs"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["weights/probe_k3"] < 1e-6 for r in rows)
+    assert all(r["mismatch/k3"] < 1e-6 for r in rows)   # no batch sampled wrong
+
+
+def _stops(res, rows):
+    """A lasting one: the reload is wrong too, and the run stops in one line naming it."""
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("moe-rl train: weight check: after syncing version 2 (disk) and "
                            "again after reloading it from disk, the engine"), last
-    assert "the engine's weights are wrong" in last and len(always_rows) == 1
-    # without the check the same engine trains on: the steps after version 2 sample from
-    # weights the trainer never had
-    assert unchecked.returncode == 0, unchecked.stderr[-3000:]
-    assert unchecked_rows[0]["mismatch/k3"] < 1e-6
-    assert min(r["mismatch/k3"] for r in unchecked_rows[2:]) > 1e-4   # past the check's floor
-    assert not any(k.startswith("weights/") for k in unchecked_rows[0])
-    # the broadcast sync (gloo on CPU) goes wrong the same way: redone from disk, run goes on
-    assert broadcast.returncode == 0, broadcast.stderr[-3000:]
-    assert [r["weights/check_resyncs"] for r in broadcast_rows] == [0.0, 1.0, 1.0, 1.0]
-    assert all(r["mismatch/k3"] < 1e-6 for r in broadcast_rows)
+    assert "the engine's weights are wrong" in last and len(rows) == 1
+
+
+def _unchecked(res, rows):
+    """Without the check the same engine trains on: the steps after version 2 sample from
+    weights the trainer never had."""
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert rows[0]["mismatch/k3"] < 1e-6
+    assert min(r["mismatch/k3"] for r in rows[2:]) > 1e-4   # past the check's floor
+    assert not any(k.startswith("weights/") for k in rows[0])
+
+
+def _broadcast_redone(res, rows):
+    """The broadcast sync (gloo on CPU) goes wrong the same way: redone from disk, run goes
+    on."""
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["weights/check_resyncs"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["mismatch/k3"] < 1e-6 for r in rows)
+
+
+# run name: (corruption, weight check on, weight sync), what must hold
+WRONG_UPDATES = {"once": (("once", True), _redone_once),
+                 "always": (("always", True), _stops),
+                 "unchecked": (("always", False), _unchecked),
+                 "distributed": (("once", True, "distributed"), _broadcast_redone)}
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", list(WRONG_UPDATES))   # one run each: xdist spreads them
+def test_a_wrong_engine_update_is_redone_or_stops_the_run(model, tmp_path, name):
+    args, holds = WRONG_UPDATES[name]
+    holds(*_train(model, tmp_path, name, *args))
 
 
 @pytest.mark.sglang
