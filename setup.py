@@ -42,7 +42,7 @@ setup(
         "math-verify[antlr4-13-2]>=0.9,<0.10",   # data.reward: math
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "pytest-xdist>=3.5,<4",
+        "test": ["pytest>=8,<9", "pytest-timeout>=2.3,<3", "pytest-xdist>=3.5,<4",
                  "filelock>=3.12,<5", "triton>=3.2,<4", "packaging>=23,<27",
                  "wandb>=0.19,<1", "radon>=6,<7"],
         "sglang": ["sglang>=0.5.23,<0.6"],
