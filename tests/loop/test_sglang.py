@@ -108,8 +108,8 @@ def test_the_runs_hold_every_value_and_both_masks_in_four():
 @pytest.mark.parametrize("combo", every_value_and_both_masks(), ids=name)   # xdist spreads them
 def test_zero_mismatch_every_option_value_on_sglang(model_dir, tmp_path, combo):
     """`make test-sglang`: one run of the set above, two steps."""
-    results = _zero_mismatch_on_sglang(model_dir, tmp_path, [combo])
-    assert len(results[name(combo)]) == 2
+    (rows,) = _zero_mismatch_on_sglang(model_dir, tmp_path, [combo]).values()
+    assert len(rows) == 2
 
 
 @pytest.mark.slow
