@@ -39,10 +39,10 @@ report() {
   "$py" -m coverage combine --quiet --keep --data-file="$dir/test.combined" "$dir"/test/.coverage.*
   "$py" -m coverage combine --quiet --keep --data-file="$dir/all.combined" "$dir"/*/.coverage.*
   {
-    echo "# make test alone"
-    "$py" -m coverage report --data-file="$dir/test.combined" | tail -1
-    echo "# everything .ci/run runs"
-    "$py" -m coverage report --data-file="$dir/all.combined" | tail -1
+    echo "line coverage of moe_rl/ by make test alone: $("$py" -m coverage report \
+      --format=total --precision=2 --data-file="$dir/test.combined") %"
+    echo "line coverage of moe_rl/ by everything .ci/run runs: $("$py" -m coverage report \
+      --format=total --precision=2 --data-file="$dir/all.combined") %"
   } | tee "$dir/summary.txt"
   "$py" -m coverage json --quiet --data-file="$dir/all.combined" -o "$dir/all.json"
   "$py" -m coverage json --quiet --data-file="$dir/test.combined" -o "$dir/test.json"
