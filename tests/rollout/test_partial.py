@@ -389,8 +389,11 @@ def test_train_with_partial_rollouts_keeps_every_segment_exact_and_resumes(tmp_p
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
+    # 4 requests at a time, so the groups finish apart and some response is always in flight
+    # when the step has its groups (with every request in one batch, whether one is depends on
+    # how the engine happened to batch them: seen 0 partial responses beside another xdist run)
     opts = ["rollout.partial=true", "rollout.max_staleness=2", "rollout.max_new_tokens=40",
-            "algorithm.keep_sampling_mask=true", "rollout.top_k=20"]
+            "algorithm.keep_sampling_mask=true", "rollout.top_k=20", "rollout.concurrency=4"]
     train_cli(tmp_path, 4, *opts)
     rows = _metrics(tmp_path / "run")
     assert max(r["rollout/partial_frac"] for r in rows) > 0.0
