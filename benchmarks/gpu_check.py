@@ -111,6 +111,153 @@ def check_megatron_cuda(path: str, use_te: bool) -> dict:
             "packed_max_abs_diff": packed_diff, "te_spec": te}
 
 
+# Qwen3-30B-A3B's layer shape (its config.json); the layer count is what fits one GPU
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                 "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+                 "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "norm_topk_prob": True, "vocab_size": 151936,
+                 "max_position_embeddings": 40960, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+                 "tie_word_embeddings": False, "num_hidden_layers": 48}
+# NVIDIA's dense bf16/fp16 tensor-core peak (no sparsity), TFLOP/s, SXM parts
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}
+
+
+def moe_params(hf: dict) -> tuple[int, int]:
+    """(total, active per token) matmul parameters of a Qwen3-MoE shape; the input embedding
+    (a lookup) counts in total only."""
+    h, L, hd = hf["hidden_size"], hf["num_hidden_layers"], hf["head_dim"]
+    q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+    attn = h * q + 2 * h * kv + q * h
+    expert = 3 * h * hf["moe_intermediate_size"]
+    router = h * hf["num_experts"]
+    head = hf["vocab_size"] * h
+    total = L * (attn + router + hf["num_experts"] * expert) + 2 * head
+    active = L * (attn + router + hf["num_experts_per_tok"] * expert) + head
+    return total, active
+
+
+def training_flops_per_token(hf: dict, seq_len: int) -> float:
+    """Model FLOPs of one trained token: 6 x active matmul parameters, plus causal attention's
+    QK^T and AV (2 x S x heads x head_dim per layer forward on average, x3 with backward)."""
+    _, active = moe_params(hf)
+    d_attn = hf["num_attention_heads"] * hf["head_dim"]
+    return 6.0 * active + 6.0 * hf["num_hidden_layers"] * seq_len * d_attn
+
+
+def measure_trainer_throughput(hf: dict, dtype: torch.dtype, *, seq_len: int, micro_batch: int,
+                               steps: int, response_len: int | None = None,
+                               profile: bool = False) -> dict:
+    """Tokens/s of the trainer's forward (moe_rl.trainer.forward, megatron GPTModel + the
+    log-prob kernel) and backward on random-initialised weights, ``steps`` timed after one
+    warm-up; the optimizer step is not included. ``profile``: also the ten kernels that take
+    the most GPU time in one more step (torch.profiler)."""
+    from moe_rl.packing import pack_one
+    from moe_rl.trainer import model_builder
+    from moe_rl.trainer.forward import forward_logprobs
+    from moe_rl.types import Sample
+    model, spec = model_builder.build_model(hf, dtype=dtype)
+    model.train()
+    response_len = response_len or seq_len // 2
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(prompt_ids=torch.randint(0, spec.vocab_size, (seq_len - response_len,),
+                                               generator=g),
+                      response_ids=torch.randint(0, spec.vocab_size, (response_len,),
+                                                 generator=g),
+                      rollout_logprobs=torch.zeros(response_len)) for _ in range(micro_batch)]
+    mb = pack_one(samples, list(range(micro_batch)), pad_token_id=0)
+    cuda = torch.cuda.is_available()
+
+    def step():
+        lp, _ = forward_logprobs(model, mb)
+        lp.float().sum().backward()
+        for p in model.parameters():
+            p.grad = None
+            if hasattr(p, "main_grad"):
+                p.main_grad = None
+
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    tokens = micro_batch * seq_len
+    total, active = moe_params(hf)
+    out = {"layers": hf["num_hidden_layers"], "params_total_b": total / 1e9,
+           "params_active_b": active / 1e9, "seq_len": seq_len, "micro_batch": micro_batch,
+           "s_per_step": seconds, "tokens_per_s": tokens / seconds,
+           "tflops_per_s": training_flops_per_token(hf, seq_len) * tokens / seconds / 1e12}
+    if cuda:
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if profile and cuda:
+        out["top_kernels_ms"] = _profile_step(step)
+    del model
+    return out
+
+
+def _profile_step(step) -> list:
+    """[(kernel, GPU ms, calls)] of the ten kernels taking most GPU time in one ``step()``."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [(e.key, getattr(e, "self_device_time_total", 0) / 1e3, e.count)
+            for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r[1])[:10]
+
+
+def check_trainer_throughput(dtype_name: str, layers: int | None = None,
+                             micro_batch: int = 2, profile: bool = False) -> dict:
+    """The trainer's tokens/s and MFU on a Qwen3-30B-A3B-shaped model: by default the most
+    layers whose weights and gradients take at most 45% of this GPU's memory (the rest holds
+    the activations of 2 x 2048 tokens under megatron's local, unfused attention)."""
+    import gc
+    dtype = getattr(torch, dtype_name)
+    memory = torch.cuda.get_device_properties(0).total_memory
+    one = dict(QWEN3_30B_A3B, num_hidden_layers=1)
+    per_layer = moe_params(one)[0] - moe_params(dict(one, num_hidden_layers=0))[0]
+    fixed = moe_params(dict(one, num_hidden_layers=0))[0]
+    layers = layers or int(min(48, max(1, (memory * 0.45 / 4 - fixed) // per_layer)))
+    try:
+        out = measure_trainer_throughput(dict(QWEN3_30B_A3B, num_hidden_layers=layers), dtype,
+                                         seq_len=2048, micro_batch=micro_batch, steps=3,
+                                         profile=profile)
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(0)
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    out["dtype"] = dtype_name
+    out["mfu"] = out["tflops_per_s"] / peak if peak else None
+    out["peak_tflops"] = peak
+    out["status"] = "pass"
+    return out
+
+
+def check_doctor() -> dict:
+    """`moe-rl doctor` on this node for a one-node run on its GPUs (the reference engine) and
+    for the same run with SGLang (it has to import in this environment)."""
+    out = {}
+    gpus = torch.cuda.device_count()
+    for name, extra in (("reference", []), ("sglang", ["rollout.engine=sglang"])):
+        got = subprocess.run([sys.executable, "-m", "moe_rl.cli", "doctor", "--json",
+                              f"cluster.gpus_per_node={gpus}", *extra], capture_output=True,
+                             text=True, timeout=600, cwd=ROOT)
+        try:
+            found = json.loads(got.stdout)
+        except ValueError:
+            return {"status": "fail", "reason": (got.stdout + got.stderr)[-2000:]}
+        out[name] = {f["check"]: f"{f['status']}: {f['detail']}" for f in found}
+        out[name + "_exit"] = got.returncode
+    out["status"] = "pass" if out["reference_exit"] == 0 else "fail"
+    return out
+
+
 def check_triton_kernel() -> dict:
     from moe_rl_kernels import logprob_entropy, triton_available
     if not triton_available():
@@ -209,6 +356,10 @@ def check_dist_opt_resume(path: str) -> dict:
     from moe_rl.trainer.policy import PolicyTrainer
     from moe_rl.trainer.sharded_state import optimizer_step_count
     from tests.helpers import engine_samples
+    from megatron.core.optimizer import distrib_optimizer
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        return {"status": "skipped", "reason": "megatron-core resumes its distributed optimizer "
+                "only with Transformer Engine or Apex (moe_rl refuses the resume otherwise)"}
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     batches = [engine_samples(hf, n_groups=2, group_size=4, seed=10 + s, max_resp=8)
                for s in range(2)]
@@ -321,6 +472,34 @@ def nccl_receiver(port: int) -> None:
     print(float(got["w"].sum()))
 
 
+def write_report(report: dict) -> None:
+    """benchmarks/results/gpu_check.{json,md}."""
+    (RESULTS / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    lines = ["# GPU check", "", f"CUDA: {report['cuda']}" + (f", {report.get('device')} x "
+                                                             f"{report.get('gpus')}"
+                                                             if report["cuda"] else ""), ""]
+    for name, value in report.items():
+        if isinstance(value, dict):
+            lines.append(f"- {name}: {value.get('status')} "
+                         f"{json.dumps({k: v for k, v in value.items() if k != 'status'})[:300]}")
+    if "note" in report:
+        lines.append(f"- {report['note']}")
+    runs = {k: v for k, v in report.items() if k.startswith("trainer_throughput")
+            and isinstance(v, dict) and "tokens_per_s" in v}
+    if runs:
+        lines += ["", "## Trainer throughput (forward + backward, Qwen3-30B-A3B layer shape, "
+                  "random weights, megatron local spec)", "",
+                  "| run | dtype | layers | params total / active (B) | tokens a step | s/step "
+                  "| tokens/s | TFLOP/s | MFU | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for k, v in runs.items():
+            mfu = f"{100 * v['mfu']:.1f}%" if v.get("mfu") else "n/a"
+            lines.append(f"| {k} | {v['dtype']} | {v['layers']} | {v['params_total_b']:.1f} / "
+                         f"{v['params_active_b']:.2f} | {v['seq_len'] * v['micro_batch']} | "
+                         f"{v['s_per_step']:.2f} | {v['tokens_per_s']:.0f} | "
+                         f"{v['tflops_per_s']:.1f} | {mfu} | {v.get('peak_memory_gib', 0):.0f} |")
+    (RESULTS / "gpu_check.md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     report: dict = {"cuda": torch.cuda.is_available()}
@@ -342,7 +521,8 @@ def main() -> int:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         init_distributed(rank=0, world_size=1)
         init_model_parallel()
-        checks = {"megatron_cuda_local": lambda: check_megatron_cuda(path, use_te=False),
+        checks = {"doctor": check_doctor,
+                  "megatron_cuda_local": lambda: check_megatron_cuda(path, use_te=False),
                   "megatron_cuda_te": lambda: check_megatron_cuda(path, use_te=True),
                   "deepseek_cuda_local": lambda: check_megatron_cuda(deepseek, use_te=False),
                   "deepseek_cuda_te": lambda: check_megatron_cuda(deepseek, use_te=True),
@@ -350,6 +530,11 @@ def main() -> int:
                   "bf16_policy": lambda: check_bf16_policy(path),
                   "bf16_dist_opt_resume": lambda: check_dist_opt_resume(path),
                   "parallel_equivalence": lambda: check_parallel(path),
+                  "trainer_throughput_bf16": lambda: check_trainer_throughput("bfloat16", profile=True),
+                  "trainer_throughput_fp16": lambda: check_trainer_throughput("float16"),
+                  # 4x the tokens a step on 8 layers: the per-expert launches amortised
+                  "trainer_throughput_bf16_8_layers_16k_tokens":
+                      lambda: check_trainer_throughput("bfloat16", layers=8, micro_batch=8),
                   "nccl_weight_sync": check_nccl_sync}
         for name, fn in checks.items():
             try:
@@ -357,17 +542,8 @@ def main() -> int:
             except Exception:   # record the failure and go on with the other checks
                 report[name] = {"status": "fail", "reason": traceback.format_exc()[-2000:]}
             print(name, json.dumps(report[name])[:300], flush=True)
-    (RESULTS / "gpu_check.json").write_text(json.dumps(report, indent=2))
-    lines = ["# GPU check", "", f"CUDA: {report['cuda']}" + (f", {report.get('device')} x "
-                                                             f"{report.get('gpus')}"
-                                                             if report["cuda"] else ""), ""]
-    for name, value in report.items():
-        if isinstance(value, dict):
-            lines.append(f"- {name}: {value.get('status')} "
-                         f"{json.dumps({k: v for k, v in value.items() if k != 'status'})[:300]}")
-    if "note" in report:
-        lines.append(f"- {report['note']}")
-    (RESULTS / "gpu_check.md").write_text("\n".join(lines) + "\n")
+            write_report(report)   # what ran is kept if a later check hangs
+    write_report(report)
     return 0
 
 

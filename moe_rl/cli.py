@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("eval", "evaluate a saved policy (checkpoint or HF model) on the eval.sets"),
     "report": ("report", "plot and summarise runs from their TensorBoard events"),
     "plan": ("plan", "print every process a run would start: node, GPUs, engine command lines"),
+    "doctor": ("doctor", "check this node before a run: torch/CUDA, GPUs, megatron-core, TE, SGLang, NCCL, disk, shared filesystem, ports"),
     "config": ("show_config", "print the resolved configuration, or the table of every key"),
 }
 

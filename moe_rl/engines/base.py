@@ -254,6 +254,11 @@ class EngineKind(ABC):
         """Ranks one server takes in the weight-update group."""
         return 1
 
+    def check_node(self) -> tuple[str, str, str]:
+        """`moe-rl doctor`'s check of this engine's environment on this node: (ok | warn |
+        fail, what was found, the fix). By default the engine runs in moe_rl's own."""
+        return ("ok", f"{self.describe()}: runs in this environment", "")
+
     def check_config(self) -> None:
         """Refuse (ConfigError, naming the key) what this kind cannot run; nothing by
         default."""

@@ -66,3 +66,36 @@ def test_gpu_check_on_cpu_keeps_the_last_gpu_runs_results(tmp_path, monkeypatch)
     (tmp_path / "gpu_check.json").write_text(json.dumps(gpu_run))
     assert gpu_check.main() == 0
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == gpu_run
+
+
+TINY_QWEN3_MOE = dict(gpu_check.QWEN3_30B_A3B, hidden_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                      num_experts=8, num_experts_per_tok=2, vocab_size=512, num_hidden_layers=2)
+
+
+def test_the_parameter_count_behind_mfu_is_the_megatron_models(parallel_state):
+    """moe_params' total equals the matrices of the GPTModel the trainer builds."""
+    from moe_rl.trainer import model_builder
+    model, _ = model_builder.build_model(TINY_QWEN3_MOE)
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    total, active = gpu_check.moe_params(TINY_QWEN3_MOE)
+    assert total == matrices
+    h, e = 64, 8
+    expert = 3 * h * 32
+    assert total - active == 2 * (e - 2) * expert + 512 * h   # idle experts, the embedding
+    assert gpu_check.moe_params(gpu_check.QWEN3_30B_A3B)[0] / 1e9 == pytest.approx(30.5, abs=0.1)
+
+
+def test_training_flops_count_causal_attention_by_hand():
+    hf = dict(TINY_QWEN3_MOE, num_hidden_layers=1)
+    _, active = gpu_check.moe_params(hf)
+    # one layer, S = 10: forward QK^T + AV average 2 * (S / 2) * 64 each; x3 for backward
+    assert gpu_check.training_flops_per_token(hf, 10) == 6 * active + 3 * 2 * (2 * 5 * 64)
+
+
+def test_the_throughput_measurement_runs_the_trainers_forward_and_backward(parallel_state):
+    got = gpu_check.measure_trainer_throughput(TINY_QWEN3_MOE, torch.float32, seq_len=32,
+                                               micro_batch=2, steps=1)
+    assert got["tokens_per_s"] > 0 and got["layers"] == 2
+    flops = gpu_check.training_flops_per_token(TINY_QWEN3_MOE, 32) * 64 / got["s_per_step"]
+    assert got["tflops_per_s"] == pytest.approx(flops / 1e12)

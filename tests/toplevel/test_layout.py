@@ -10,13 +10,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "moe_rl"
 
 # lowest first; a unit may import only units of lower layers
 LAYERS = [
-    {"errors", "shipped", "plugins", "leftovers", "launch_tools"},
+    {"errors", "shipped", "plugins", "leftovers", "launch_tools", "supported_versions"},
     {"families"},
     {"moe_shape"},
     {"types", "config", "report", "metrics_log"},
     {"packing", "data", "rewards", "weights", "algo", "run_dir", "wandb_log"},
     {"envs", "models", "engines", "sample_log"},
-    {"trainer", "rollout", "run_inputs", "run_summary"},
+    {"trainer", "rollout", "run_inputs", "run_summary", "node_checks"},
     {"evaluation"},
     {"orchestration"},
     {"commands"},

@@ -11,6 +11,7 @@ from moe_rl.engines.needs import requests_routing, requests_sampling_mask
 from moe_rl.engines.sglang.checks import check_config
 from moe_rl.engines.sglang.client import SGLangEngine, SGLangWeightReceiver
 from moe_rl.engines.sglang.launcher import sglang_argv, sglang_env
+from moe_rl.engines.sglang.node_check import check_sglang_environment
 from moe_rl.engines.sglang.pool import ServerPool
 from moe_rl.engines.sglang.sender import DistributedSender, TensorSender
 from moe_rl.moe_shape import MoEShape
@@ -83,6 +84,9 @@ class SGLangKind(SGLangProtocolKind):
 
     def check_config(self) -> None:
         check_config(self.cfg)
+
+    def check_node(self) -> tuple[str, str, str]:
+        return check_sglang_environment(self.cfg)
 
     def server_command(self, host, port, gpus, index, model_path):
         return (sglang_argv(self.cfg, model_path, host, port),
