@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import tempfile
+
+from moe_rl.owned_dirs import claim, remove_owned
 
 ENGINE_SCRATCH_PREFIX = "moe_rl_engine_"
 _SCRATCH_NAME = re.compile(re.escape(ENGINE_SCRATCH_PREFIX) + r"(\d+)_")
@@ -26,14 +27,17 @@ def _alive(pid: int) -> bool:
 
 
 def engine_scratch() -> tempfile.TemporaryDirectory:
-    """A scratch directory for one engine process, named after its pid (removed at exit; if the
-    process is killed, :func:`sweep_engine_scratch` removes it at a later start)."""
-    return tempfile.TemporaryDirectory(prefix=f"{ENGINE_SCRATCH_PREFIX}{os.getpid()}_")
+    """A scratch directory for one engine process, named after its pid and marked as moe_rl's
+    (removed at exit; if the process is killed, :func:`sweep_engine_scratch` removes it at a
+    later start)."""
+    scratch = tempfile.TemporaryDirectory(prefix=f"{ENGINE_SCRATCH_PREFIX}{os.getpid()}_")
+    claim(scratch.name)
+    return scratch
 
 
 def sweep_engine_scratch(root: str | None = None) -> list[str]:
-    """Remove the scratch directories under ``root`` (the temp dir) whose owner is dead and
-    that belong to this user; returns the paths removed."""
+    """Remove the scratch directories under ``root`` (the temp dir) whose owner is dead, that
+    belong to this user and that moe_rl marked; returns the paths removed."""
     root = root or tempfile.gettempdir()
     removed = []
     for name in os.listdir(root):
@@ -46,8 +50,8 @@ def sweep_engine_scratch(root: str | None = None) -> list[str]:
                 continue
         except FileNotFoundError:
             continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+        if remove_owned(path):
+            removed.append(path)
     return removed
 
 

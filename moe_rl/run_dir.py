@@ -4,11 +4,13 @@ what it learns, and the demo takes a fresh directory each time."""
 from __future__ import annotations
 
 import os
+import re
 
 import yaml
 
 from moe_rl.config import Config, dump_config
 from moe_rl.errors import UserError
+from moe_rl.owned_dirs import check_claimable
 
 # what a run writes into logging.dir first; any of them means the directory holds a run
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "tb", "checkpoints")
@@ -70,6 +72,7 @@ def prepare(cfg: Config, resume: bool, overwrite: bool) -> None:
         _check_writable_dir(key, path)
     if resume:
         return
+    _check_exports_free(run)
     taken = [p for p in (run,) if holds_run(p)]
     if cfg.trainer.checkpoint_dir and _has_checkpoints(ckpt):
         taken.append(ckpt)
@@ -87,6 +90,27 @@ def prepare(cfg: Config, resume: bool, overwrite: bool) -> None:
         dest = _aside(path)
         os.replace(path, dest)
         print(f"moved the previous run in {path} aside to {dest}", flush=True)
+
+
+# the folders a run exports into under logging.dir (weights/vN, weights/restart, hf/iter_N,
+# final_hf, final_hf_raw): one of these names holding files moe_rl did not write is refused
+# before the run starts, not when the export comes
+_EXPORT_NAME = re.compile(r"(weights/(v\d+|restart)|hf/iter_\d+|final_hf|final_hf_raw)")
+
+
+def _check_exports_free(run: str) -> None:
+    """UserError when a folder a new run would export into holds files moe_rl did not write."""
+    candidates = [os.path.join(run, "final_hf"), os.path.join(run, "final_hf_raw")]
+    for sub in ("weights", "hf"):
+        folder = os.path.join(run, sub)
+        if os.path.isdir(folder):
+            candidates += [os.path.join(folder, n) for n in sorted(os.listdir(folder))]
+    for path in candidates:
+        if _EXPORT_NAME.fullmatch(os.path.relpath(path, run).replace(os.sep, "/")):
+            try:
+                check_claimable(path)
+            except UserError as exc:
+                raise UserError(f"logging.dir: {exc}") from None
 
 
 def _inside(path: str, folder: str) -> bool:

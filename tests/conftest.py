@@ -11,7 +11,8 @@ from tests.helpers import ROOT, train_cli
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
-    """One short real run (3 steps, IcePop then seq-MIS, a HF export at step 2), shared by the
+    """One short real run (3 steps, IcePop then seq-MIS, a HF export at step 2; its logging.dir
+    already holds a user's folder weights/precious), shared by the
     loop, convert and report tests; tests that change it work on a copy. Made once per pytest
     session, by whichever pytest-xdist worker asks first (the others wait on its lock)."""
     from filelock import FileLock
@@ -23,6 +24,9 @@ def trained_run(tmp_path_factory):
         if not (base / "done").exists():
             shutil.rmtree(base, ignore_errors=True)
             base.mkdir()
+            # a user's folder where the disk weight sync exports: the run must leave it whole
+            (base / "run" / "weights" / "precious").mkdir(parents=True)
+            (base / "run" / "weights" / "precious" / "model.bin").write_text("data")
             subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                             str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(base / "model")],
                            check=True, capture_output=True, timeout=120)

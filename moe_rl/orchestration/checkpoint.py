@@ -19,6 +19,7 @@ import sys
 
 from moe_rl.config import Config, dump_config
 from moe_rl.errors import UserError
+from moe_rl.owned_dirs import check_claimable, claim, owned, remove_owned
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -59,8 +60,10 @@ def save(trainers, loop_state: dict, cfg: Config, ckpt_dir: str, step: int) -> s
     CheckpointError saying so (``moe-rl train`` stops with it, exit 2)."""
     final = iteration_dir(ckpt_dir, step)
     tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    remove_owned(tmp)   # a save cut short earlier
+    claim(tmp)
+    if os.path.isdir(final) and not _is_checkpoint(final):
+        check_claimable(final)   # a folder of that name that moe_rl did not write: refused
     try:
         trainers.save(os.path.join(tmp, "trainer"))
         _write_json(os.path.join(tmp, LOOP_STATE), loop_state)
@@ -69,11 +72,11 @@ def save(trainers, loop_state: dict, cfg: Config, ckpt_dir: str, step: int) -> s
             fh.write(dump_config(cfg))
         _write_json(os.path.join(tmp, MANIFEST), {"step": step, "files": _file_records(tmp)})
         replaced = final + ".old"   # a step saved again: set aside, removed once replaced (a
-        shutil.rmtree(replaced, ignore_errors=True)   # kill in between: latest() takes it back)
+        _remove_checkpoint(replaced)   # kill in between: latest() takes it back)
         if os.path.isdir(final):
             os.replace(final, replaced)
         os.replace(tmp, final)
-        shutil.rmtree(replaced, ignore_errors=True)
+        _remove_checkpoint(replaced)
         tracker_tmp = os.path.join(ckpt_dir, TRACKER + ".tmp")
         with open(tracker_tmp, "w", encoding="utf-8") as fh:
             fh.write(f"{step}\n")
@@ -81,13 +84,13 @@ def save(trainers, loop_state: dict, cfg: Config, ckpt_dir: str, step: int) -> s
             os.fsync(fh.fileno())
         os.replace(tracker_tmp, os.path.join(ckpt_dir, TRACKER))
     except Exception as exc:   # from a trainer actor too (its error's last line says what)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_owned(tmp)
         cause = [line for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
         raise CheckpointError(f"saving step {step} to {final} failed: {cause[-1].strip()}; "
                               f"the previous checkpoint ({latest(ckpt_dir) or 'none'}) and "
                               f"the tracker are untouched") from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_owned(tmp)
         raise
     _prune(ckpt_dir, cfg.trainer.keep_checkpoints, step)
     return final
@@ -100,14 +103,27 @@ def _write_json(path: str, value) -> None:
         os.fsync(fh.fileno())
 
 
+def _is_checkpoint(path: str) -> bool:
+    """A folder moe_rl saved: marked when its save began, or (saved before the mark) holding
+    the manifest every save writes."""
+    return owned(path) or os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _remove_checkpoint(path: str) -> None:
+    if _is_checkpoint(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _prune(ckpt_dir: str, keep: int, latest: int) -> None:
+    """Remove the checkpoints before the newest ``keep`` and the leftovers of saves cut short:
+    only folders moe_rl saved (a user's folder of the same name stays)."""
     steps = sorted(int(m.group(1)) for m in map(_ITER.match, os.listdir(ckpt_dir)) if m)
     for s in steps[:-keep] if keep else []:
         if s != latest:
-            shutil.rmtree(iteration_dir(ckpt_dir, s), ignore_errors=True)
+            _remove_checkpoint(iteration_dir(ckpt_dir, s))
     for name in os.listdir(ckpt_dir):   # leftovers of saves interrupted by a crash
         if name.endswith(".tmp") and name.startswith("iter_"):
-            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+            remove_owned(os.path.join(ckpt_dir, name))
 
 
 def _restore_set_aside(ckpt_dir: str) -> None:
@@ -118,10 +134,13 @@ def _restore_set_aside(ckpt_dir: str) -> None:
         if m is None:
             continue
         final = os.path.join(ckpt_dir, name.removesuffix(".old"))
+        aside = os.path.join(ckpt_dir, name)
+        if not _is_checkpoint(aside):
+            continue
         if os.path.isdir(final):
-            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+            shutil.rmtree(aside, ignore_errors=True)
         else:
-            os.replace(os.path.join(ckpt_dir, name), final)
+            os.replace(aside, final)
 
 
 def latest(ckpt_dir: str) -> str | None:

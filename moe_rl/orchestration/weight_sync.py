@@ -11,11 +11,11 @@ restarted; the group is rebuilt at the next sync), so a sync never leaves a serv
 from __future__ import annotations
 
 import os
-import shutil
 
 import ray
 
 from moe_rl.config import Config
+from moe_rl.owned_dirs import remove_owned
 
 
 class DiskSync:
@@ -85,9 +85,10 @@ class DiskSync:
         self._drop_older(version)
 
     def _drop_older(self, version: int) -> None:
+        """Remove the earlier exports: folders this run's exports marked, nothing else."""
         for name in os.listdir(self.weights_dir):
             if name != f"v{version}":
-                shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
+                remove_owned(os.path.join(self.weights_dir, name))
 
 
 class InMemorySync(DiskSync):

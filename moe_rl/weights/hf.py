@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from moe_rl.families import family
 from moe_rl.moe_shape import ModelSpec
+from moe_rl.owned_dirs import claim
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -403,8 +404,9 @@ def save_hf_checkpoint(tensors, spec: ModelSpec, out_dir: str, source_dir: str |
     most ``shard_bytes``), or streamed (bucket, is_last) pairs, each written as one shard as it
     comes: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with
     ``model.safetensors.index.json`` (each file appears whole: written aside, then renamed).
-    The config's dtype says what the weights were written in."""
-    os.makedirs(out_dir, exist_ok=True)
+    The config's dtype says what the weights were written in. ``out_dir`` is new, empty or an
+    earlier export's (marked: :mod:`moe_rl.owned_dirs`); one holding other files is refused."""
+    claim(out_dir)
     for fname in os.listdir(out_dir):   # a previous export's shards must not linger
         if fname.endswith(".safetensors") or fname == INDEX_FILE:
             os.remove(os.path.join(out_dir, fname))

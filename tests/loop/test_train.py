@@ -73,6 +73,19 @@ def test_loop_runs_logs_checkpoints_and_resumes(trained_run, tmp_path):
 
 @pytest.mark.loop
 @pytest.mark.e2e
+def test_a_run_removes_only_the_weight_exports_it_wrote(trained_run):
+    """The disk weight sync drops each earlier export, and nothing else: the user's folder in
+    <logging.dir>/weights/ (there before the run) is whole."""
+    from moe_rl.owned_dirs import owned
+    weights = trained_run / "run" / "weights"
+    assert (weights / "precious" / "model.bin").read_text() == "data"
+    exports = sorted(p.name for p in weights.iterdir() if p.name != "precious")
+    assert len(exports) == 1 and exports[0].startswith("v"), exports
+    assert owned(str(weights / exports[0]))
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
 def test_saved_steps_convert_to_hf_and_exports_every_n_steps(trained_run, tmp_path):
     """`moe-rl convert --to hf --checkpoint`: a run's checkpoint folder converts (its latest
     step: the final policy exactly), so does a named step; trainer.export_hf_interval=2 wrote

@@ -35,12 +35,35 @@ def test_numbered_folders_tracker_and_pruning(tmp_path, cfg):
     assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000003",
                                       "latest_checkpointed_iteration.txt"]
     assert checkpoint.latest(ck).endswith("iter_0000003")
-    # a crash in the middle of a save leaves a .tmp folder: never chosen, removed by the next save
-    os.makedirs(os.path.join(ck, "iter_0000004.tmp"))
+    # a crash in the middle of a save leaves a .tmp folder (marked when the save began): never
+    # chosen, removed by the next save
+    from moe_rl.owned_dirs import claim
+    claim(os.path.join(ck, "iter_0000004.tmp"))
     assert checkpoint.latest(ck).endswith("iter_0000003")
     checkpoint.save(FakeTrainers(), {"step": 5, "sampler": {}}, cfg, ck, 5)
     assert sorted(os.listdir(ck)) == ["iter_0000003", "iter_0000005",
                                       "latest_checkpointed_iteration.txt"]
+
+
+def test_pruning_removes_only_checkpoints_moe_rl_saved(tmp_path, cfg):
+    """Folders named like checkpoints or their leftovers that moe_rl did not write stay; a save
+    onto a step folder moe_rl did not write is refused (UserError) and leaves it whole."""
+    from moe_rl.errors import UserError
+    ck = tmp_path / "ck"
+    for name in ("iter_0000001", "iter_0000002.tmp", "iter_0000003.old"):
+        (ck / name).mkdir(parents=True)
+        (ck / name / "notes.txt").write_text("mine")
+    for step in (4, 5, 6):
+        checkpoint.save(FakeTrainers(), {"step": step, "sampler": {}}, cfg, str(ck), step)
+    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000002.tmp", "iter_0000003.old",
+                                      "iter_0000005", "iter_0000006",
+                                      "latest_checkpointed_iteration.txt"]
+    (ck / "iter_0000007").mkdir()
+    (ck / "iter_0000007" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="iter_0000007: holds files moe_rl did not write"):
+        checkpoint.save(FakeTrainers(), {"step": 7, "sampler": {}}, cfg, str(ck), 7)
+    assert (ck / "iter_0000007" / "notes.txt").read_text() == "mine"
+    assert checkpoint.latest(str(ck)).endswith("iter_0000006")
 
 
 def test_truncated_checkpoint_is_not_chosen_and_is_named(tmp_path, cfg):

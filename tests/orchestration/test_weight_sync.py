@@ -349,9 +349,10 @@ def test_sharded_checkpoint_loads_back(tmp_path):
     write_tiny_model(ModelInitConfig(seed=4), str(src))
     tensors = load_file(str(src / "model.safetensors"))
     spec = model_spec(json.loads((src / "config.json").read_text()))
+    from moe_rl.owned_dirs import claim
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "model.safetensors").write_bytes(b"stale")   # a previous export's file goes
+    claim(str(out))   # a previous export's folder: its stale file goes
+    (out / "model.safetensors").write_bytes(b"stale")
     save_hf_checkpoint(tensors, spec, str(out), source_dir=str(src),
                        shard_bytes=20_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())

@@ -10,7 +10,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "moe_rl"
 
 # lowest first; a unit may import only units of lower layers
 LAYERS = [
-    {"errors", "shipped", "plugins", "leftovers", "launch_tools", "supported_versions"},
+    {"errors", "shipped", "plugins", "launch_tools", "supported_versions"},
+    {"owned_dirs"},
+    {"leftovers"},
     {"families"},
     {"moe_shape"},
     {"types", "config", "report", "metrics_log"},

@@ -23,13 +23,19 @@ def _dead_pid() -> int:
 
 
 def test_sweep_removes_only_scratch_of_dead_owners(tmp_path):
+    """Only folders moe_rl marked: a folder of the same name without the mark stays."""
+    from moe_rl.owned_dirs import claim
     dead = tmp_path / f"{ENGINE_SCRATCH_PREFIX}{_dead_pid()}_abc"
     mine = tmp_path / f"{ENGINE_SCRATCH_PREFIX}{os.getpid()}_def"
     other = tmp_path / "moe_rl_engine_notapid"
+    unmarked = tmp_path / f"{ENGINE_SCRATCH_PREFIX}{_dead_pid()}_users"
     for d in (dead, mine, other):
+        claim(str(d))
+    for d in (dead, mine, other, unmarked):
         (d / "weights_1").mkdir(parents=True)
     assert sweep_engine_scratch(str(tmp_path)) == [str(dead)]
     assert not dead.exists() and mine.exists() and other.exists()
+    assert (unmarked / "weights_1").is_dir()
 
 
 @pytest.mark.e2e

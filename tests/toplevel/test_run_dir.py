@@ -96,3 +96,27 @@ def test_a_logging_dir_that_is_a_file_or_a_dangling_link_is_named(tmp_path):
         for resume in (False, True):
             with pytest.raises(UserError, match=f"logging.dir: {path} {named}"):
                 run_dir.prepare(cfg, resume=resume, overwrite=False)
+
+
+@pytest.mark.parametrize("folder", ["final_hf", "final_hf_raw", "weights/v3", "weights/restart",
+                                    "hf/iter_0000002"])
+def test_a_new_run_refuses_an_export_folder_it_did_not_write(tmp_path, folder):
+    """Before anything starts: the export would overwrite the user's files there."""
+    cfg = _cfg(tmp_path)
+    (tmp_path / "run" / folder).mkdir(parents=True)
+    (tmp_path / "run" / folder / "model.safetensors").write_text("theirs")
+    with pytest.raises(UserError, match=rf"logging.dir: .*{folder}: holds files moe_rl did "
+                                        r"not write \(model.safetensors\)"):
+        run_dir.prepare(cfg, resume=False, overwrite=False)
+    assert (tmp_path / "run" / folder / "model.safetensors").read_text() == "theirs"
+
+
+def test_other_folders_and_moe_rls_own_exports_are_no_obstacle(tmp_path):
+    from moe_rl.owned_dirs import claim
+    cfg = _cfg(tmp_path)
+    (tmp_path / "run" / "weights" / "precious").mkdir(parents=True)
+    (tmp_path / "run" / "weights" / "precious" / "model.bin").write_text("data")
+    claim(str(tmp_path / "run" / "weights" / "v2"))
+    (tmp_path / "run" / "weights" / "v2" / "model.safetensors").write_text("an export")
+    (tmp_path / "run" / "final_hf").mkdir()   # empty
+    run_dir.prepare(cfg, resume=False, overwrite=False)
