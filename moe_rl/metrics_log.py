@@ -20,6 +20,23 @@ def _step_of(line: str) -> int:
         return 1 << 62
 
 
+def lines_before(path: str, start_step: int) -> list[str]:
+    """The JSONL lines of ``path`` whose step comes before ``start_step`` (each with its
+    newline). A line a crash cut short, anywhere (inside a multi-byte character too), or one
+    that is not UTF-8 JSON, is dropped."""
+    with open(path, "rb") as fh:
+        pieces = fh.read().split(b"\n")
+    keep = []
+    for piece in pieces:
+        try:
+            line = piece.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if line.strip() and _step_of(line) < start_step:
+            keep.append(line + "\n")
+    return keep
+
+
 class MetricsLogger:
     """Writes one record per step to TensorBoard (``run_dir/tb``) and ``run_dir/metrics.jsonl``.
 
@@ -38,8 +55,7 @@ class MetricsLogger:
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if jsonl else None
         self.earlier: list[dict] = []
         if self.jsonl_path and os.path.exists(self.jsonl_path):
-            with open(self.jsonl_path, encoding="utf-8") as fh:
-                keep = [line for line in fh if _step_of(line) < start_step]
+            keep = lines_before(self.jsonl_path, start_step)
             with open(self.jsonl_path, "w", encoding="utf-8") as fh:
                 fh.writelines(keep)
             self.earlier = [json.loads(line) for line in keep]

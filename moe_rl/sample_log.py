@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from moe_rl.metrics_log import _step_of
+from moe_rl.metrics_log import lines_before
 from moe_rl.rewards.functions import reward_items
 
 TEXT_CHARS = 4000   # a prompt or response longer than this is cut (its length is kept)
@@ -41,8 +41,7 @@ class SampleLog:
         self.path = os.path.join(run_dir, "samples.jsonl")
         self.cap, self.writer, self.full = int(max_mb * (1 << 20)), writer, False
         if os.path.exists(self.path):
-            with open(self.path, encoding="utf-8") as fh:
-                keep = [line for line in fh if _step_of(line) < start_step]
+            keep = lines_before(self.path, start_step)
             with open(self.path, "w", encoding="utf-8") as fh:
                 fh.writelines(keep)
 

@@ -61,6 +61,11 @@ def test_loop_runs_logs_checkpoints_and_resumes(trained_run, tmp_path):
         assert 1 <= len(worst) <= 3 and all(0 <= t["position"] < r["tokens"] for t in worst)
         assert all(abs(t["engine_logprob"] - t["trainer_logprob"]) < 1e-3 for t in worst)
     assert [e.step for e in acc.Tensors("samples/text_summary")] == [0, 1, 2]
+    # a crash cut both logs inside a multi-byte character (the tail of a step-3 row): the
+    # resume drops the cut line and goes on
+    for name in ("samples.jsonl", "metrics.jsonl"):
+        with open(run / name, "ab") as fh:
+            fh.write('{"step": 3, "prompt": "数'.encode()[:-1])
     # resume: continues at step 3 with the same data order, no duplicated steps
     _train(tmp_path, 5, "algorithm.corrections=[icepop,seq_mis]", resume=True)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,46 @@
+"""The logs a run appends to and re-reads on resume (samples.jsonl, metrics.jsonl) survive a
+tail cut anywhere: every byte offset of the last row, inside multi-byte characters too."""
+import json
+
+import pytest
+
+from moe_rl.metrics_log import MetricsLogger, lines_before
+from moe_rl.sample_log import SampleLog
+
+
+def _rows(n):
+    return [json.dumps({"step": s, "prompt": "数学 ü ✓ 🙂", "reward": s / 2},
+                       ensure_ascii=False) + "\n" for s in range(n)]
+
+
+def test_every_cut_of_the_last_row_keeps_the_complete_rows(tmp_path):
+    rows = _rows(4)
+    whole = "".join(rows).encode()
+    head = len("".join(rows[:3]).encode())
+    path = tmp_path / "log.jsonl"
+    for cut in range(head, len(whole) - 1):
+        path.write_bytes(whole[:cut])
+        assert lines_before(str(path), 10) == rows[:3], cut
+        assert lines_before(str(path), 2) == rows[:2], cut
+    path.write_bytes(whole[:-1])   # only the newline lost: the row is whole, and kept
+    assert lines_before(str(path), 10) == rows
+
+
+def test_a_row_that_is_not_utf8_is_dropped_not_raised(tmp_path):
+    path = tmp_path / "log.jsonl"
+    rows = _rows(2)
+    path.write_bytes(rows[0].encode() + b'{"step": 1, "x": "\xff\xfe"}\n' + rows[1].encode())
+    assert lines_before(str(path), 10) == [rows[0], rows[1]]
+
+
+@pytest.mark.parametrize("name", ["samples.jsonl", "metrics.jsonl"])
+def test_resuming_a_log_cut_inside_a_character_keeps_the_earlier_steps(tmp_path, name):
+    rows = _rows(3)
+    cut = "".join(rows).encode() + '{"step": 3, "prompt": "数'.encode()[:-1]
+    (tmp_path / name).write_bytes(cut)
+    if name == "samples.jsonl":
+        SampleLog(str(tmp_path), max_mb=1.0, start_step=3)
+    else:
+        assert MetricsLogger(str(tmp_path), tensorboard=False, start_step=3).earlier == \
+            [json.loads(r) for r in rows]
+    assert (tmp_path / name).read_text(encoding="utf-8") == "".join(rows)
