@@ -8,7 +8,7 @@ import re
 
 import yaml
 
-from moe_rl.config import Config, dump_config
+from moe_rl.config import Config, ConfigError, dump_config, load_yaml
 from moe_rl.errors import UserError
 from moe_rl.owned_dirs import check_claimable
 
@@ -155,7 +155,10 @@ def resume_changes(saved_config: str, cfg: Config) -> list[tuple[str, object, ob
     """``(key, saved value, this run's value)`` for every key that shapes the run and differs
     between the config saved at ``saved_config`` (a checkpoint's ``config.yaml``) and ``cfg``."""
     with open(saved_config, encoding="utf-8") as fh:
-        saved = _flat(yaml.safe_load(fh) or {})
+        try:
+            saved = _flat(load_yaml(fh) or {})
+        except ConfigError as exc:
+            raise UserError(f"{saved_config}: {exc}") from None
     now = _flat(yaml.safe_load(dump_config(cfg)))
     return [(k, saved.get(k), v) for k, v in now.items()
             if k in saved and saved[k] != v and k not in RESUMABLE

@@ -53,9 +53,9 @@ def _layout(step_dir: str) -> dict:
 
 def _source_model(step_dir: str) -> str:
     """The HF model a run was trained from (``model.path`` of the checkpoint's config)."""
-    import yaml
+    from moe_rl.config import load_yaml
     with open(os.path.join(step_dir, "config.yaml"), encoding="utf-8") as fh:
-        return yaml.safe_load(fh)["model"]["path"]
+        return load_yaml(fh)["model"]["path"]
 
 
 def _hf_dir(path: str, flag: str = "--hf") -> str:

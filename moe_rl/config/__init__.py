@@ -8,7 +8,7 @@ offending key.
 """
 from moe_rl.config.checks import engine_avg_refusal, validate
 from moe_rl.config.loader import (PATH_KEYS, config_from_dict, dump_config, iter_keys,
-                                  load_config, parse_override, resolve_paths)
+                                  load_config, load_yaml, parse_override, resolve_paths)
 from moe_rl.config.fields import ConfigError, as_dict
 from moe_rl.config.init_model import DeepseekInitConfig, ModelInitConfig, init_hf_fields
 from moe_rl.config.model_facts import (facts_context, model_hf_fields, model_moe_facts,
@@ -19,7 +19,7 @@ from moe_rl.config.schema import (CORRECTIONS, DPPO_DEFAULT_DELTA, AlgorithmConf
                                   ModelConfig, RewardServiceConfig, RolloutConfig, SGLangConfig,
                                   TrainerConfig, set_name)
 
-__all__ = ["CORRECTIONS", "DPPO_DEFAULT_DELTA", "DPPOConfig", "AlgorithmConfig", "ClusterConfig", "Config", "ConfigError",
+__all__ = ["load_yaml", "CORRECTIONS", "DPPO_DEFAULT_DELTA", "DPPOConfig", "AlgorithmConfig", "ClusterConfig", "Config", "ConfigError",
            "CorrectionParams", "DataConfig", "DataSetConfig", "DeepseekInitConfig", "EvalConfig",
            "RewardServiceConfig", "set_name", "EntropyControlConfig",
            "KLConfig", "LoggingConfig", "ModelConfig", "ModelInitConfig", "RolloutConfig",

@@ -186,25 +186,48 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"override {text!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"{key}: cannot parse value {raw!r}: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
     return key, value
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
-    silently)."""
+    silently) and every alias (``*name``): a few hundred bytes of nested aliases expand to
+    billions of nodes when the config is copied or dumped."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise ConfigError(f"YAML aliases (*name) are not accepted (line {mark.line + 1}, "
+                              f"column {mark.column + 1}): write the value out")
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise ConfigError(f"config file: key {key!r} is given twice in one mapping "
+                raise ConfigError(f"key {key!r} is given twice in one mapping "
                                   f"(line {key_node.start_mark.line + 1})")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+class _NoAliasDumper(yaml.SafeDumper):
+    """Writes a value seen twice out again (never an alias, which :func:`load_yaml` refuses)."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
+def load_yaml(stream):
+    """YAML text or an open file as Python values, by the safe loader, without aliases or
+    repeated keys (ConfigError)."""
+    return yaml.load(stream, Loader=_UniqueKeyLoader)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
@@ -220,13 +243,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             raise ConfigError(f"config file {path}: is a directory; give a YAML file")
         try:
             with open(path, encoding="utf-8") as fh:
-                tree = yaml.load(fh, Loader=_UniqueKeyLoader) or {}
+                tree = load_yaml(fh) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except UnicodeDecodeError:
             raise ConfigError(f"config file {path}: not UTF-8 text") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        except ConfigError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
     for item in overrides or []:
@@ -281,7 +306,8 @@ def config_from_dict(tree: dict) -> Config:
 
 def dump_config(cfg: Config) -> str:
     """The resolved configuration as YAML (printed at start, saved in the run directory)."""
-    return yaml.safe_dump(as_dict(cfg), sort_keys=False, default_flow_style=False)
+    return yaml.dump(as_dict(cfg), Dumper=_NoAliasDumper, sort_keys=False,
+                     default_flow_style=False)
 
 
 def iter_keys(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str, str, Any, str]]:

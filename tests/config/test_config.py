@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from moe_rl.config import (Config, ConfigError, config_from_dict, dump_config, iter_keys, load_config, parse_override)
+from moe_rl.errors import UserError
 from moe_rl.moe_shape import MoEShape
 
 
@@ -306,6 +307,33 @@ def test_config_files_that_are_not_yaml_mappings_are_named(tmp_path):
     (tmp_path / "twice.yaml").write_text("trainer:\n  lr: 1.0e-5\n  lr: 1.0e-3\n")
     with pytest.raises(ConfigError, match="key 'lr' is given twice"):
         load_config(tmp_path / "twice.yaml")
+
+
+BOMB = ("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+        "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+        "e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]\n"
+        "g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]\nh: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]\n")
+
+
+def test_yaml_aliases_are_refused_in_files_overrides_and_saved_configs(tmp_path, capsys):
+    """An alias bomb (a few hundred bytes expanding to 9^8 nodes when the config is copied)
+    under data.chat_template_kwargs is one line, in the config file, in an override, and in a
+    checkpoint's config.yaml read by a resume; the config moe_rl dumps holds no alias."""
+    from moe_rl import run_dir
+    from moe_rl.cli import main
+    nested = "".join("  " + line + "\n" for line in BOMB.splitlines())
+    (tmp_path / "bomb.yaml").write_text(f"data:\n  chat_template_kwargs:\n{nested}")
+    assert main(["config", "--config", str(tmp_path / "bomb.yaml"), "--no-inputs"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bomb.yaml: YAML aliases (*name) are not accepted (line 4" \
+        in err, err
+    with pytest.raises(ConfigError, match=r"data.chat_template_kwargs: YAML aliases"):
+        load_config(None, ["data.chat_template_kwargs={a: &a [1, 2], b: [*a, *a]}"])
+    cfg = load_config(None, ["data.chat_template_kwargs={a: [1, 2], b: [1, 2]}"])
+    assert "*" not in dump_config(cfg) and "&" not in dump_config(cfg)
+    (tmp_path / "config.yaml").write_text(dump_config(cfg) + f"extra:\n{nested}")
+    with pytest.raises(UserError, match=r"config.yaml: YAML aliases"):
+        run_dir.resume_changes(str(tmp_path / "config.yaml"), cfg)
 
 
 def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path, monkeypatch, capsys):
