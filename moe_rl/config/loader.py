@@ -86,7 +86,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:   # an integer past float's range (~1.8e308)
+                raise ConfigError(f"{key}: expected a finite number, got an integer of "
+                                  f"{len(str(abs(value)))} digits") from None
         elif isinstance(value, str):  # PyYAML reads "1e-5" (no dot) as a string
             try:
                 number = float(value)

@@ -275,15 +275,22 @@ def test_refusals_sglang_and_megatron_would_fail_on():
     ("trainer.lr=nan", "trainer.lr: expected a finite number"),
     ("rollout.temperature=1e400", "rollout.temperature: expected a finite number"),
     ("algorithm.correction.mis_c=.inf", "algorithm.correction.mis_c: expected a finite number"),
+    ("trainer.lr=" + "9" * 400, "trainer.lr: expected a finite number, got an integer of 400 "
+                                "digits"),
     ("trainer.seed=-1", "trainer.seed: -1 is out of range"),
     ("trainer.seed=99999999999", "trainer.seed: 99999999999 is out of range"),
     ("rollout.base_port=65535", "rollout.base_port: servers use ports 65535..65536"),
     ("logging.dir=''", "logging.dir: expected a directory path"),
 ])
-def test_careless_values_are_refused_naming_the_key(override, message):
+def test_careless_values_are_refused_naming_the_key(override, message, capsys):
+    """In the config and by `moe-rl config` (one line, exit 2)."""
+    from moe_rl.cli import main
     extra = ["rollout.num_servers=2"] if "base_port" in override else []
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
         load_config(None, [override] + extra)
+    assert main(["config", "--no-inputs", override, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
 
 
 def test_parallel_layout_and_batch_fit_the_trainer_world(tmp_path):
