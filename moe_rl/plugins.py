@@ -24,16 +24,25 @@ class PluginTimeout(Exception):
     """User code (a reward function, an environment) did not return within its bound."""
 
 
+class PluginExit(Exception):
+    """User code raised what is not an Exception (``sys.exit``, KeyboardInterrupt, a
+    BaseException): handed to the caller as an ordinary error, never as an exit."""
+
+
 def _start_daemon(fn, args, deliver) -> None:
     """Run ``fn(*args)`` on a daemon thread (one that never returns cannot hold up the
-    process's exit) and hand ``deliver`` (ok, result-or-exception)."""
+    process's exit) and hand ``deliver`` (ok, result-or-exception; a BaseException that is not
+    an Exception comes as :class:`PluginExit`)."""
     import threading
 
     def target():
         try:
             result = fn(*args)
-        except BaseException as exc:   # noqa: BLE001 - handed to the caller as it is
+        except Exception as exc:   # noqa: BLE001 - handed to the caller as it is
             deliver(False, exc)
+            return
+        except BaseException as exc:   # noqa: BLE001 - sys.exit in user code ends nothing
+            deliver(False, PluginExit(f"{type(exc).__name__}({exc})"))
             return
         deliver(True, result)
     threading.Thread(target=target, daemon=True, name="plugin-call").start()

@@ -88,12 +88,11 @@ class RewardFunction(RewardCounts):
         self.is_async = _is_async(self.fn)
 
     async def _call(self, *args):
-        if self.is_async:
-            try:
-                return await asyncio.wait_for(self.fn(*args), self.timeout_s)
-            except asyncio.TimeoutError:
-                raise PluginTimeout(f"did not return within {self.timeout_s:g} s") from None
-        return await call_bounded_async(self.fn, *args, timeout_s=self.timeout_s)
+        """The call on a thread of its own (an ``async def`` reward on its own event loop
+        there), so that a reward blocking inside (``time.sleep``, a blocking HTTP call) holds
+        neither the rollout's loop nor the bound."""
+        fn = _run_coroutine(self.fn) if self.is_async else self.fn
+        return await call_bounded_async(fn, *args, timeout_s=self.timeout_s)
 
     async def _one(self, item: dict) -> float | None:
         try:
@@ -102,8 +101,10 @@ class RewardFunction(RewardCounts):
         except PluginTimeout as exc:
             self.timeout(f"timed out: {exc} (data.reward_timeout_s)")
             return None
-        except Exception as exc:   # noqa: BLE001 - the user's code must never stop the run
-            return self.error(f"{type(exc).__name__}: {exc}")
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:   # noqa: BLE001 - the user's code (sys.exit included)
+            return self.error(f"{type(exc).__name__}: {exc}")   # must never stop the run
         return self.value(value)
 
     async def score(self, items: list[dict]) -> list[float | None]:
@@ -116,7 +117,9 @@ class RewardFunction(RewardCounts):
         except PluginTimeout as exc:
             self.timeout(f"timed out: {exc} (data.reward_timeout_s)", len(items))
             return [None] * len(items)
-        except Exception as exc:   # noqa: BLE001
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:   # noqa: BLE001
             return [self.error(f"{type(exc).__name__}: {exc}", len(items))] * len(items)
         if not isinstance(values, (list, tuple)) or len(values) != len(items):
             return [self.error(f"ValueError: a batched reward returned {values!r:.60} for "
@@ -127,6 +130,14 @@ class RewardFunction(RewardCounts):
 
 SIGNATURE = "reward(prompt: str, response: str, answer: str | None, metadata: dict) -> float"
 BATCH_SIGNATURE = "reward(samples: list[dict]) -> list[float]"
+
+
+def _run_coroutine(fn):
+    """``fn`` (``async def``) as a plain function that runs it to the end on a new event loop
+    of the calling thread."""
+    def run(*args):
+        return asyncio.run(fn(*args))
+    return run
 
 
 def _is_async(fn) -> bool:

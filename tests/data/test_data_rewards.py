@@ -144,7 +144,9 @@ def test_user_reward_failures_score_zero_and_are_counted(tmp_path, monkeypatch):
 
 
 HANGING_REWARDS = """
+import sys
 import threading
+import time
 calls = 0
 
 def never(prompt, response, answer, metadata):
@@ -155,6 +157,15 @@ def every_fifth_hangs(prompt, response, answer, metadata):
     calls += 1   # a group's samples are scored concurrently: which ones hang varies, not how many
     if calls % 5 == 0:
         threading.Event().wait()
+    return float(len(response) % 2)
+
+async def async_blocks_or_exits(prompt, response, answer, metadata):
+    global calls
+    calls += 1
+    if calls % 5 == 0:
+        time.sleep(3600)   # blocks (no await): must hold neither the rollout nor the bound
+    if calls % 7 == 0:
+        sys.exit(3)        # must be counted as an error, never end the run
     return float(len(response) % 2)
 
 def hangs_at_length_4_and_9(prompt, response, answer, metadata):
@@ -186,16 +197,53 @@ def test_a_reward_call_past_its_timeout_loses_the_sample(tmp_path, monkeypatch):
                                         for k in range(10) if (k + 1) % 5]
 
 
+def test_an_async_reward_that_blocks_or_exits_is_bounded_and_counted(tmp_path, monkeypatch):
+    """An ``async def`` reward calling time.sleep holds its own thread only: the bound fires;
+    sys.exit, KeyboardInterrupt and a bare BaseException inside a reward are errors."""
+    import asyncio
+    import time
+    (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
+    (tmp_path / "exiting_rewards.py").write_text("""
+import sys
+
+async def exits(prompt, response, answer, metadata):
+    sys.exit(3)
+
+def interrupts(prompt, response, answer, metadata):
+    raise KeyboardInterrupt
+
+def base(samples):
+    raise BaseException("bare")
+""")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = RewardFunction("hanging_rewards:async_blocks_or_exits", timeout_s=0.3)
+    t0 = time.monotonic()
+    got = asyncio.run(fn.score([{"prompt": "", "response": "ab", "label": None,
+                                 "metadata": {}}] * 10))
+    assert time.monotonic() - t0 < 3
+    assert got.count(None) == 2 and fn.timeouts == 2 and fn.errors == 1
+    for name, kind in (("exits", "SystemExit"), ("interrupts", "KeyboardInterrupt"),
+                       ("base", "BaseException")):
+        fn = RewardFunction(f"exiting_rewards:{name}", timeout_s=5)
+        assert asyncio.run(fn.score(items_of(2))) == [0.0, 0.0] and fn.errors == 2
+        assert kind in fn.first_error
+
+
+def items_of(n):
+    return [{"prompt": "", "response": "x", "label": None, "metadata": {}} for _ in range(n)]
+
+
 @pytest.mark.loop   # a real run (`moe-rl train`): make test-loop
 @pytest.mark.e2e
 def test_a_hanging_reward_through_moe_rl_train(tmp_path):
-    """`moe-rl train` with a reward that never returns on every fifth call: those samples are
-    dropped and counted (reward/timeouts), the log names it once, the run finishes."""
+    """`moe-rl train` with an ``async def`` reward that blocks (time.sleep, no await) on every
+    fifth call and calls sys.exit on every seventh: those samples are dropped and counted
+    (reward/timeouts, reward/errors), the log names it once, the run finishes."""
     (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
-    res, rows = train_tiny(tmp_path, 2, 4, "data.reward=hanging_rewards:every_fifth_hangs",
+    res, rows = train_tiny(tmp_path, 2, 4, "data.reward=hanging_rewards:async_blocks_or_exits",
                             "data.reward_timeout_s=1")
     assert [r["reward/timeouts"] for r in rows] == [3.0, 6.0]   # 16 calls a step
-    assert rows[-1]["reward/errors"] == 0.0
+    assert [r["reward/errors"] for r in rows] == [2.0, 4.0]
     assert res.stdout.count("did not return within the time allowed (data.reward_timeout_s=1)") == 1
 
 
