@@ -215,10 +215,32 @@ def test_a_usage_error_or_scancel_is_not_requeued(tmp_path):
     res = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 1 and "not requeued (MAX_REQUEUES=1)" in res.stderr
+    log.unlink(missing_ok=True)   # leading zeros are decimal: 07 restarts of 08 still requeue
+    env.update(SLURM_RESTART_COUNT="07", MAX_REQUEUES="08")
+    res = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 1 and "scontrol requeue 5" in log.read_text(), res.stderr
+
+
+def test_leading_zeros_are_read_as_decimal(slurm_shims, tmp_path):
+    """bash reads 08 as (invalid) octal: SLURM_GPUS_ON_NODE=08 plans the job as 8 does, and
+    MAX_REQUEUES=08 still requeues a job restarted 7 times."""
+    base = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "77",
+            "CONFIG": str(ROOT / "configs" / "qwen3_30b_a3b_r3_gspo.yaml")}
+    out = {}
+    for gpus in ("8", "08", "008"):
+        env = _env(slurm_shims, **base, SLURM_GPUS_ON_NODE=gpus)
+        res = subprocess.run(["bash", str(SBATCH), f"logging.dir={tmp_path / 'run'}"], env=env,
+                             capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        assert res.returncode == 0, res.stderr[-1000:]
+        out[gpus] = res.stdout
+    assert out["08"] == out["8"] == out["008"]
+    assert "--num-gpus=8" in out["8"] or "gpus_per_node=8" in out["8"], out["8"][-2000:]
 
 
 @pytest.mark.parametrize("name,value,named", [
     ("SLURM_GPUS_ON_NODE", "BASH_VERSINFO[$(touch PWN)0]", "SLURM_GPUS_ON_NODE / SLURM_GPUS_PER"),
+    ("MAX_REQUEUES", "9" * 10, "MAX_REQUEUES='9999999999': expected a non-negative integer"),
     ("SLURM_RESTART_COUNT", "a[$(touch PWN)]", "SLURM_RESTART_COUNT="),
     ("MAX_REQUEUES", "three", "MAX_REQUEUES='three': expected a non-negative integer"),
     ("WAIT_TIMEOUT", "-5", "WAIT_TIMEOUT='-5'"),
