@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from moe_rl.metrics_log import lines_before
 from moe_rl.rewards.functions import reward_items
@@ -68,12 +69,22 @@ class SampleLog:
             self.writer.flush()
 
 
+def _fence(text: str) -> str:
+    """``text`` in a fenced code block whose fence is longer than any run of backticks in it
+    (CommonMark): nothing inside can close the block and pass for the log's own lines."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}\n{text}\n{fence}"
+
+
 def _markdown(row: dict) -> str:
-    """One sample as TensorBoard's text tab shows it (markdown)."""
+    """One sample as TensorBoard's text tab shows it (markdown): prompt and response fenced, the
+    label as inline code, each longer than any backtick run inside."""
     worst = ", ".join(f"pos {t['position']}: engine {t['engine_logprob']:.3f} trainer "
                       f"{t['trainer_logprob']:.3f}" for t in row.get("largest_mismatch", []))
-    fence = "```"
+    label = repr(row["label"])
+    ticks = "`" * (max((len(r) for r in re.findall(r"`+", label)), default=0) + 1)
     return (f"**group {row['group_id']} sample {row['sample_id']}** reward {row['reward']:.3f}"
-            f", advantage {row.get('advantage', float('nan')):.3f}, label {row['label']!r}\n\n"
-            f"{fence}\n{row['prompt']}\n{fence}\n{fence}\n{row['response']}\n{fence}\n"
+            f", advantage {row.get('advantage', float('nan')):.3f}, label {ticks} {label} "
+            f"{ticks}\n\n{_fence(row['prompt'])}\n{_fence(row['response'])}\n"
             f"largest mismatch: {worst or '-'}")

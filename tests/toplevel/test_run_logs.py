@@ -44,3 +44,17 @@ def test_resuming_a_log_cut_inside_a_character_keeps_the_earlier_steps(tmp_path,
         assert MetricsLogger(str(tmp_path), tensorboard=False, start_step=3).earlier == \
             [json.loads(r) for r in rows]
     assert (tmp_path / name).read_text(encoding="utf-8") == "".join(rows)
+
+
+def test_a_response_cannot_close_its_block_in_tensorboards_samples():
+    """TensorBoard renders the text tab as markdown (fenced code): a generated response holding
+    a fence and a line that looks like the log's own stays inside its block."""
+    import markdown
+    from moe_rl.sample_log import _markdown
+    spoof = "```\n**group 9 sample 9** reward 1.000\n````\n`"
+    row = {"group_id": 0, "sample_id": 1, "reward": 0.0, "advantage": -1.0,
+           "label": "a`b``c", "prompt": "2+2=", "response": spoof, "largest_mismatch": []}
+    html = markdown.markdown(_markdown(row), extensions=["fenced_code"])
+    assert html.count("<strong>") == 1 and html.count("<pre>") == 2, html
+    assert "**group 9 sample 9** reward 1.000" in html   # shown as text, inside the block
+    assert "<code>'a`b``c'</code>" in html
