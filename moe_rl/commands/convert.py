@@ -46,16 +46,26 @@ def _checkpoint_step(path: str) -> str:
 
 
 def _layout(step_dir: str) -> dict:
-    import json
-    with open(os.path.join(step_dir, "layout.json"), encoding="utf-8") as fh:
-        return json.load(fh)
+    from moe_rl.orchestration.checkpoint import CheckpointError, read_json
+    layout = read_json(os.path.join(step_dir, "layout.json"))
+    if not isinstance(layout, dict):
+        raise CheckpointError(f"{step_dir}/layout.json: expected a JSON object")
+    return layout
 
 
 def _source_model(step_dir: str) -> str:
     """The HF model a run was trained from (``model.path`` of the checkpoint's config)."""
-    from moe_rl.config import load_yaml
-    with open(os.path.join(step_dir, "config.yaml"), encoding="utf-8") as fh:
-        return load_yaml(fh)["model"]["path"]
+    import yaml
+    from moe_rl.config import ConfigError, load_yaml
+    from moe_rl.orchestration.checkpoint import CheckpointError
+    path = os.path.join(step_dir, "config.yaml")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return str(load_yaml(fh)["model"]["path"])
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ConfigError, KeyError,
+            TypeError) as exc:
+        raise CheckpointError(f"{path}: no model.path to read ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
 def _hf_dir(path: str, flag: str = "--hf") -> str:

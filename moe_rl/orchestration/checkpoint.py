@@ -143,6 +143,51 @@ def _restore_set_aside(ckpt_dir: str) -> None:
             os.replace(aside, final)
 
 
+def read_json(path: str):
+    """A checkpoint's JSON file; CheckpointError naming it when it cannot be read (missing, not
+    UTF-8, not JSON, nested too deep)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        why = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {why[:200]})") from None
+
+
+_TRACKED_STEP = re.compile(r"[0-9]{1,12}")
+
+
+def _tracked_step(path: str) -> int | None:
+    """The step the tracker file names: plain ASCII digits (at most 12), else None."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as fh:
+        text = fh.read(64).decode("ascii", errors="replace").strip()
+    return int(text) if _TRACKED_STEP.fullmatch(text) else None
+
+
+def _manifest_problem(manifest) -> str | None:
+    """What is wrong with a manifest's shape ({"step": int, "files": {relative name: {"size":
+    int, "sha256": str} or a size}}), or None."""
+    if not isinstance(manifest, dict):
+        return f"expected a JSON object, got {type(manifest).__name__}"
+    step, files = manifest.get("step"), manifest.get("files")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"'step': expected a non-negative integer, got {step!r:.40}"
+    if not isinstance(files, dict):
+        return f"'files': expected an object of file records, got {type(files).__name__}"
+    for name, record in files.items():
+        parts = name.replace("\\", "/").split("/")
+        if not name or os.path.isabs(name) or ".." in parts:
+            return f"'files': {name!r:.80} is not a file inside the checkpoint"
+        size = record.get("size") if isinstance(record, dict) else record
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"'files'[{name!r:.80}]: expected a size in bytes, got {record!r:.60}"
+        if isinstance(record, dict) and not isinstance(record.get("sha256", ""), str):
+            return f"'files'[{name!r:.80}]: 'sha256' is not a string"
+    return None
+
+
 def latest(ckpt_dir: str) -> str | None:
     """The checkpoint to resume from: the one the tracker names; if that one is not complete
     (its directory lost or damaged after it was published) the newest complete one. None when
@@ -153,11 +198,9 @@ def latest(ckpt_dir: str) -> str | None:
     _restore_set_aside(ckpt_dir)
     candidates = sorted((int(m.group(1)) for m in map(_ITER.match, os.listdir(ckpt_dir)) if m),
                         reverse=True)
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read().strip()
-        if text.isdigit():
-            candidates.insert(0, int(text))
+    tracked = _tracked_step(path)
+    if tracked is not None:
+        candidates.insert(0, tracked)
     skipped = []
     for step in dict.fromkeys(candidates):
         problem = _check_files(iteration_dir(ckpt_dir, step))
@@ -199,11 +242,13 @@ def _check_files(path: str) -> str | None:
     if not os.path.isfile(manifest_path):
         return f"{path}: not a complete checkpoint (no {MANIFEST})"
     try:
-        with open(manifest_path, encoding="utf-8") as fh:
-            manifest = json.load(fh)
-        files, step = manifest["files"], manifest["step"]
-    except (ValueError, KeyError, TypeError) as exc:
-        return f"{manifest_path}: unreadable ({exc})"
+        manifest = read_json(manifest_path)
+    except CheckpointError as exc:
+        return str(exc)
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        return f"{manifest_path}: {problem}"
+    files, step = manifest["files"], manifest["step"]
     for name, record in files.items():
         file = os.path.join(path, name)
         size = record["size"] if isinstance(record, dict) else record
@@ -215,10 +260,11 @@ def _check_files(path: str) -> str | None:
         if isinstance(record, dict) and _sha256(file) != record.get("sha256"):
             return f"{file}: its SHA-256 differs from the manifest's (damaged or edited)"
     try:
-        with open(os.path.join(path, LOOP_STATE), encoding="utf-8") as fh:
-            loop_step = json.load(fh)["step"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{os.path.join(path, LOOP_STATE)}: unreadable ({exc})"
+        loop_step = read_json(os.path.join(path, LOOP_STATE))["step"]
+    except CheckpointError as exc:
+        return str(exc)
+    except (KeyError, TypeError) as exc:
+        return f"{os.path.join(path, LOOP_STATE)}: unreadable (no step: {exc})"
     if loop_step != step:
         return (f"{os.path.join(path, LOOP_STATE)}: step {loop_step}, but the checkpoint is of "
                 f"step {step}")
@@ -236,8 +282,9 @@ def open_checkpoint(path: str, cfg: Config) -> dict:
     """Check checkpoint ``path`` against its manifest and the run's model and layout; returns
     its loop state (CheckpointError naming the file or the difference otherwise)."""
     verify(path)
-    with open(os.path.join(path, "layout.json"), encoding="utf-8") as fh:
-        saved = json.load(fh)
+    saved = read_json(os.path.join(path, "layout.json"))
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}/layout.json: expected a JSON object")
     now = _layout(cfg)
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {now[k]!r}" for k in now
             if k != "parallel" and saved.get(k) != now[k]]
@@ -247,5 +294,4 @@ def open_checkpoint(path: str, cfg: Config) -> dict:
     if saved.get("parallel") != now["parallel"]:
         print(f"resharding {path}: written with {saved.get('parallel')}, loaded with "
               f"{now['parallel']}", flush=True)
-    with open(os.path.join(path, LOOP_STATE), encoding="utf-8") as fh:
-        return json.load(fh)
+    return read_json(os.path.join(path, LOOP_STATE))

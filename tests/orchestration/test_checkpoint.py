@@ -2,6 +2,7 @@
 rename, an atomic tracker, pruning, a failed save that leaves the previous one, truncated files
 never chosen and named, another model or optimizer refused naming the difference, another
 parallel layout accepted (the sharded state is resharded: tests/trainer/test_checkpoint_reshard.py)."""
+import json
 import os
 
 import pytest
@@ -148,3 +149,44 @@ def test_a_step_saved_again_survives_a_kill_before_its_replacement_lands(tmp_pat
     checkpoint.save(FakeTrainers(), {"step": 3, "sampler": {"again": 1}}, cfg, ck, 3)
     assert checkpoint.open_checkpoint(checkpoint.latest(ck), cfg)["sampler"] == {"again": 1}
     assert sorted(os.listdir(ck)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+
+
+@pytest.mark.parametrize("tamper,named", [
+    (lambda m: {**m, "files": list(m["files"])}, "'files': expected an object"),
+    (lambda m: {**m, "files": {k: {"sha256": v["sha256"]} for k, v in m["files"].items()}},
+     "expected a size in bytes"),
+    (lambda m: {**m, "files": {"../../etc/passwd": 10}}, "is not a file inside the checkpoint"),
+    (lambda m: {**m, "step": "3"}, "'step': expected a non-negative integer"),
+    (lambda m: [m], "expected a JSON object, got list"),
+    ("[" * 100000 + "]" * 100000, "unreadable (RecursionError"),
+    (b"\xff\xfe{}", "unreadable (UnicodeDecodeError"),
+])
+def test_a_tampered_manifest_is_one_line_in_convert_and_latest(tmp_path, cfg, capsys, tamper,
+                                                               named):
+    """`moe-rl convert --checkpoint` names the manifest and what is wrong (exit 2, no
+    traceback); latest() passes over the step, saying why."""
+    from moe_rl.cli import main
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    checkpoint.save(FakeTrainers(), {"step": 2, "sampler": {}}, cfg, str(ck), 2)
+    manifest = ck / "iter_0000002" / checkpoint.MANIFEST
+    if callable(tamper):
+        manifest.write_text(json.dumps(tamper(json.loads(manifest.read_text()))))
+    else:
+        manifest.write_bytes(tamper if isinstance(tamper, bytes) else tamper.encode())
+    assert main(["convert", "--to", "hf", "--checkpoint", str(ck / "iter_0000002"),
+                 "--hf", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and checkpoint.MANIFEST in err and named in err, err
+    assert checkpoint.latest(str(ck)) is None
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tracker", ["²", "9" * 5000, "-1", "\xff\x00", "3.0", ""])
+def test_a_tracker_that_is_not_a_plain_step_is_passed_over(tmp_path, cfg, tracker):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for step in (1, 2):
+        checkpoint.save(FakeTrainers(), {"step": step, "sampler": {}}, cfg, str(ck), step)
+    (ck / "latest_checkpointed_iteration.txt").write_text(tracker, encoding="utf-8")
+    assert checkpoint.latest(str(ck)).endswith("iter_0000002")
