@@ -379,6 +379,9 @@ class DataConfig:
                                  "environment, the environment gives the reward)")
     max_failed_reward_batches: int = _f(1, "stop the run when the reward function failed on "
                                         "every sample of this many batches in a row", **_rng(1))
+    reward_abs_max: float = _f(1e12, "a reward beyond +-this is clipped to it and counted "
+                               "(reward/clipped): GRPO's group mean and std of finite rewards "
+                               "then cannot overflow", **_rng(0, lo_open=True))
     reward_timeout_s: float = _f(60.0, "seconds one reward call may take; past it the sample is "
                                  "dropped and counted (reward/timeouts)", **_rng(0, lo_open=True))
     environment_timeout_s: float = _f(60.0, "seconds one environment call (constructor, reset, "

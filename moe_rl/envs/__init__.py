@@ -92,12 +92,19 @@ def check_step(result, vocab_size: int) -> EnvStep:
     reward = result.reward
     if reward is not None:
         if (isinstance(reward, bool) or not isinstance(reward, (int, float))
-                or not math.isfinite(reward)):
+                or not _finite(reward)):
             raise EnvError(f"step.reward: expected a finite number or None, got {reward!r}")
         reward = float(reward)
     if result.done and reward is None:
         raise EnvError("step.reward: an episode that is done needs a reward")
     return EnvStep(obs, reward, result.done, result.truncated)
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:   # an integer past float's range
+        return False
 
 
 def demonstration_segments(env, prompt, vocab_size: int) -> list[list[int]]:

@@ -138,6 +138,7 @@ def rollout_metrics(summary: dict) -> dict[str, float]:
     """The step's rollout figures from its batch summary."""
     return {"reward/errors": float(summary["reward_errors_total"]),
             "reward/timeouts": float(summary["reward_timeouts_total"]),
+            "reward/clipped": float(summary["reward_clipped_total"]),
             "rollout/stale_samples": float(summary["stale_samples"]),
             **summary["counts"]}
 

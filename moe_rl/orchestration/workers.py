@@ -285,6 +285,7 @@ class RolloutWorker:
                    "reward_calls": len(samples) + timeouts,
                    "reward_errors_total": inp.reward.errors,
                    "reward_timeouts_total": inp.reward.timeouts,
+                   "reward_clipped_total": inp.reward.clipped,
                    "first_reward_error": inp.reward.first_error, "first_env_error": env_error,
                    "stale_samples": sum(s.weight_version < step for s in samples),
                    "counts": counts,

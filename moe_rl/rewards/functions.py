@@ -39,11 +39,12 @@ BUILTIN = {"toy": toy_reward, "math": math_reward}
 class RewardCounts:
     """What went wrong while scoring: ``errors`` (exceptions, non-finite or non-numeric values:
     scored 0, metric ``reward/errors``), ``timeouts`` (samples dropped, metric
-    ``reward/timeouts``) and the first message; the first message of each kind is logged."""
+    ``reward/timeouts``), ``clipped`` (rewards beyond +-``abs_max``, clipped to it: metric
+    ``reward/clipped``) and the first message; the first message of each kind is logged."""
 
-    def __init__(self, spec: str):
-        self.spec = spec
-        self.errors = self.timeouts = 0
+    def __init__(self, spec: str, abs_max: float = 1e12):
+        self.spec, self.abs_max = spec, abs_max
+        self.errors = self.timeouts = self.clipped = 0
         self.first_error: str | None = None
 
     def error(self, message: str, n: int = 1) -> float:
@@ -73,6 +74,12 @@ class RewardCounts:
                               f"float")
         if not math.isfinite(number):
             return self.error(f"ValueError: non-finite reward {number}")
+        if abs(number) > self.abs_max:
+            self.clipped += 1
+            if self.clipped == 1:
+                log.warning("reward %s returned %g, clipped to %g (data.reward_abs_max; counted "
+                            "in reward/clipped)", self.spec, number, self.abs_max)
+            return math.copysign(self.abs_max, number)
         return number
 
 
@@ -81,8 +88,8 @@ class RewardFunction(RewardCounts):
     call bounded by ``timeout_s`` (a batched call covers the samples it is given). Failures are
     counted (:class:`RewardCounts`), never raised: the user's code must never stop the run."""
 
-    def __init__(self, spec: str, timeout_s: float = 60.0):
-        super().__init__(spec)
+    def __init__(self, spec: str, timeout_s: float = 60.0, abs_max: float = 1e12):
+        super().__init__(spec, abs_max)
         self.timeout_s = timeout_s
         self.fn, self.batched = load_reward(spec)
         self.is_async = _is_async(self.fn)

@@ -30,8 +30,9 @@ class RewardService(RewardCounts):
     """The async client of a reward service: a finished group's samples go out in requests of
     at most ``batch_size``, at most ``max_concurrency`` requests in flight at once."""
 
-    def __init__(self, cfg: RewardServiceConfig, backoff_s: float = 0.5):
-        super().__init__(f"service {cfg.url}")
+    def __init__(self, cfg: RewardServiceConfig, backoff_s: float = 0.5,
+                 abs_max: float = 1e12):
+        super().__init__(f"service {cfg.url}", abs_max)
         self.cfg, self.backoff_s = cfg, backoff_s
         self.headers = {"Content-Type": "application/json"}
         if cfg.api_key_env:
@@ -139,5 +140,6 @@ def reward_scorer(data_cfg, spec: str | None = None):
     (and no ``spec`` is given), else the Python reward ``spec`` (default ``data.reward``)."""
     from moe_rl.rewards.functions import RewardFunction
     if spec is None and data_cfg.reward_service.url:
-        return RewardService(data_cfg.reward_service)
-    return RewardFunction(spec or data_cfg.reward, data_cfg.reward_timeout_s)
+        return RewardService(data_cfg.reward_service, abs_max=data_cfg.reward_abs_max)
+    return RewardFunction(spec or data_cfg.reward, data_cfg.reward_timeout_s,
+                          data_cfg.reward_abs_max)

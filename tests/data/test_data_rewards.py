@@ -166,6 +166,8 @@ async def async_blocks_or_exits(prompt, response, answer, metadata):
         time.sleep(3600)   # blocks (no await): must hold neither the rollout nor the bound
     if calls % 7 == 0:
         sys.exit(3)        # must be counted as an error, never end the run
+    if calls % 11 == 0:
+        return (-1) ** calls * 1.7e308   # finite but extreme: clipped and counted
     return float(len(response) % 2)
 
 def hangs_at_length_4_and_9(prompt, response, answer, metadata):
@@ -237,13 +239,15 @@ def items_of(n):
 @pytest.mark.e2e
 def test_a_hanging_reward_through_moe_rl_train(tmp_path):
     """`moe-rl train` with an ``async def`` reward that blocks (time.sleep, no await) on every
-    fifth call and calls sys.exit on every seventh: those samples are dropped and counted
-    (reward/timeouts, reward/errors), the log names it once, the run finishes."""
+    fifth call, calls sys.exit on every seventh and returns -+1.7e308 on every eleventh: the
+    first are dropped and counted (reward/timeouts), the others counted (reward/errors,
+    reward/clipped), the log names each once, the run finishes."""
     (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
     res, rows = train_tiny(tmp_path, 2, 4, "data.reward=hanging_rewards:async_blocks_or_exits",
                             "data.reward_timeout_s=1")
     assert [r["reward/timeouts"] for r in rows] == [3.0, 6.0]   # 16 calls a step
     assert [r["reward/errors"] for r in rows] == [2.0, 4.0]
+    assert [r["reward/clipped"] for r in rows] == [1.0, 2.0]   # calls 11 and 22
     assert res.stdout.count("did not return within the time allowed (data.reward_timeout_s=1)") == 1
 
 

@@ -316,3 +316,13 @@ def test_an_oversized_answer_is_refused_as_it_arrives(serve):
         svc.first_error
     ok = service(srv.url, max_answer_mb=8.0, max_retries=0)
     assert asyncio.run(ok.score(items(1))) == [1.0]
+
+
+def test_extreme_finite_rewards_are_clipped_and_counted(tmp_path, monkeypatch):
+    (tmp_path / "extreme_rewards.py").write_text(
+        "def huge(prompt, response, answer, metadata):\n    return metadata['r']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = RewardFunction("extreme_rewards:huge", abs_max=1e12)
+    got = asyncio.run(fn.score([{"prompt": "", "response": "", "label": None,
+                                 "metadata": {"r": r}} for r in (1.7e308, -1.7e308, 5.0, 10**400)]))
+    assert got == [1e12, -1e12, 5.0, 0.0] and fn.clipped == 2 and fn.errors == 1

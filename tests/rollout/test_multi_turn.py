@@ -539,3 +539,11 @@ def test_a_hanging_environment_loses_its_trajectory_and_the_run_goes_on(agentic_
     assert sum(m["rollout/env_timeouts"] for m in rows) > 0
     assert all(m["rollout/env_errors"] == 0 for m in rows)
     assert "first: step: did not return within 2 s (data.environment_timeout_s)" in res.stdout
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), 10 ** 400, True, "1"])
+def test_an_environment_reward_that_is_not_a_finite_number_is_an_env_error(reward):
+    """An integer past float's range included (math.isfinite raised OverflowError on it)."""
+    from moe_rl.envs import EnvError, check_step
+    with pytest.raises(EnvError, match="step.reward: expected a finite number or None"):
+        check_step({"observation_ids": [], "reward": reward, "done": True}, vocab_size=10)
