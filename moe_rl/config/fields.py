@@ -10,8 +10,9 @@ from moe_rl.errors import ConfigError  # noqa: F401  (the config package's error
 
 
 def _rng(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-         hi_open: bool = False) -> dict:
-    return {"range": (lo, hi, lo_open, hi_open)}
+         hi_open: bool = False, why: str | None = None) -> dict:
+    """A key's range; ``why``: the reason for its upper bound (said when refused)."""
+    return {"range": (lo, hi, lo_open, hi_open), **({"range_why": why} if why else {})}
 
 
 def _f(default: Any, doc: str, **meta: Any) -> Any:

@@ -119,8 +119,9 @@ def _check_range(value: Any, meta: dict, key: str) -> None:
         right = ")" if hi_open else "]"
         lo_s = "-inf" if lo is None else repr(lo)
         hi_s = "inf" if hi is None else repr(hi)
+        why = f" ({meta['range_why']})" if "range_why" in meta else ""
         raise ConfigError(f"{key}: {value!r} is out of range, expected a value in "
-                          f"{left}{lo_s}, {hi_s}{right}")
+                          f"{left}{lo_s}, {hi_s}{right}{why}")
 
 
 def _unknown_key(cls: type, name: str, prefix: str) -> ConfigError:

@@ -22,9 +22,9 @@ class ModelConfig:
 
 @dataclass
 class SGLangConfig:
-    tp_size: int = _f(1, "SGLang --tp-size", **_rng(1))
-    dp_size: int = _f(1, "SGLang --dp-size", **_rng(1))
-    ep_size: int = _f(1, "SGLang --ep-size", **_rng(1))
+    tp_size: int = _f(1, "SGLang --tp-size", **_rng(1, 1024, why="GPUs one SGLang server spans"))
+    dp_size: int = _f(1, "SGLang --dp-size", **_rng(1, 1024, why="GPUs one SGLang server spans"))
+    ep_size: int = _f(1, "SGLang --ep-size", **_rng(1, 1024, why="GPUs one SGLang server spans"))
     mem_fraction_static: float = _f(0.7, "SGLang --mem-fraction-static", **_rng(0, 1, lo_open=True))
     deterministic_inference: bool = _f(False, "--enable-deterministic-inference for SGLang and "
                                        "the reference engine: batch-invariant results, "
@@ -45,7 +45,8 @@ class SGLangConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["reference", "sglang"] = _f("reference", "inference engine: CPU reference or SGLang")
-    num_servers: int = _f(1, "engine servers behind the dispatcher", **_rng(1))
+    num_servers: int = _f(1, "engine servers behind the dispatcher",
+        **_rng(1, 4096, why="servers behind one dispatcher, each a process started and watched"))
     host: str = _f("127.0.0.1", "address the engine servers bind")
     base_port: int = _f(30000, "first server port tried: servers take the free ports from here "
                         "up, busy ones skipped", **_rng(1, 65535))
@@ -56,18 +57,22 @@ class RolloutConfig:
         "none", "rollout numerics: fp8 = the engines serve a block-wise FP8 checkpoint of the "
         "weights (128x128 E4M3 blocks), every sync quantised; mxfp4 = 4-bit weights (E2M1, a "
         "power-of-two scale per 32), emulated by the reference engine at every load")
-    prompts_per_step: int = _f(8, "prompts sampled per RL step", **_rng(1))
-    n_samples_per_prompt: int = _f(8, "responses per prompt (the GRPO group size)", **_rng(1))
+    prompts_per_step: int = _f(8, "prompts sampled per RL step",
+        **_rng(1, 1048576, why="prompts one step generates and holds in memory at once"))
+    n_samples_per_prompt: int = _f(8, "responses per prompt (the GRPO group size)",
+        **_rng(1, 4096, why="responses of one group, held and scored together"))
     max_staleness: int = _f(0, "asynchronous pipeline: the rollout generates the next batches "
                             "while the trainer trains, from weights at most this many versions "
-                            "old (0 = the synchronous loop)", **_rng(0))
+                            "old (0 = the synchronous loop)",
+        **_rng(0, 1024, why="weight versions the rollout may run ahead, each batch held"))
     partial: bool = _f(False, "partial rollouts: a step stops generating once it has "
                        "prompts_per_step complete groups; the responses in flight are aborted, "
                        "kept with each token's weight version, and continued under the next "
                        "weights (needs max_staleness >= 1, which then bounds every token's lag)")
     partial_extra_groups: int | None = _f(None, "partial rollouts: groups started beyond the "
                                           "first step's, so the engines hold more work than "
-                                          "one step needs (null = prompts_per_step)", **_rng(0))
+                                          "one step needs (null = prompts_per_step)",
+        **_rng(0, 1048576, why="groups held in flight between steps"))
     partial_stale: Literal["drop", "mask"] = _f(
         "drop", "partial rollouts: a response holding a token more than max_staleness versions "
         "old restarts from its prompt (drop) or keeps that token out of the loss (mask)")
@@ -78,10 +83,12 @@ class RolloutConfig:
                                 "generate more until the step has prompts_per_step informative "
                                 "groups (DAPO)")
     max_oversample: int | None = _f(None, "dynamic sampling: most extra prompt groups generated "
-                                    "per step (null = prompts_per_step)", **_rng(0))
+                                    "per step (null = prompts_per_step)",
+        **_rng(0, 1048576, why="extra groups generated in one step"))
     max_new_tokens: int = _f(16, "response length cap (with data.environment: per model turn)",
                              **_rng(1))
-    max_turns: int = _f(4, "data.environment: most model turns per trajectory", **_rng(1))
+    max_turns: int = _f(4, "data.environment: most model turns per trajectory",
+        **_rng(1, 4096, why="model turns of one trajectory, each an engine request"))
     max_response_tokens: int | None = _f(None, "data.environment: cap on a trajectory's response "
                                          "(model + observation tokens; null = max_new_tokens x "
                                          "max_turns)", **_rng(1))
@@ -90,14 +97,16 @@ class RolloutConfig:
     top_k: int = _f(-1, "top-k sampling (-1 = off)", **_rng(-1))
     min_p: float = _f(0.0, "min-p relative to the most likely token", **_rng(0, 1))
     sampling_mask_max_tokens: int = _f(4096, "engine cap on the kept-set size (SGLang "
-                                       "--sampling-mask-max-tokens)", **_rng(2))
+                                       "--sampling-mask-max-tokens)",
+        **_rng(2, 1048576, why="kept-set ids per position an engine returns"))
     return_routing: bool = _f(True, "ask for every token's routing (replay r3 always does; "
                               "otherwise it only feeds routing/agreement)")
     weight_check: bool = _f(True, "after every weight sync, score a fixed probe on every engine "
                             "server and compare with the trainer at the same version; past the "
                             "limit the sync is redone from disk once, then the run stops")
     weight_check_prompts: int = _f(2, "probe size: responses to the first N training prompts",
-                                   **_rng(1))
+
+        **_rng(1, 4096, why="probe responses generated after every sync"))
     weight_check_factor: float = _f(10.0, "the check fires when the probe's k3 exceeds this "
                                     "times its value at the run's start (what the engine's "
                                     "precision explains) ...", **_rng(1))
@@ -113,8 +122,10 @@ class RolloutConfig:
                                   "its /health is checked: a healthy server is waited for (a "
                                   "long generation is not death), an unanswering one restarted",
                                   **_rng(0, lo_open=True))
-    max_retries: int = _f(3, "retries per request on connection errors / 5xx", **_rng(0))
-    concurrency: int = _f(64, "in-flight requests per server", **_rng(1))
+    max_retries: int = _f(3, "retries per request on connection errors / 5xx",
+        **_rng(0, 100, why="retries with exponential backoff: more never end"))
+    concurrency: int = _f(64, "in-flight requests per server",
+        **_rng(1, 65536, why="requests in flight per server, each a task and a connection"))
     health_timeout_s: float = _f(300.0, "wait for a starting server's /health, and the longest "
                                  "a silent server's /health may take before it is restarted",
                                  **_rng(0, lo_open=True))
@@ -240,9 +251,10 @@ class TrainerConfig:
     adam_beta1: float = _f(0.9, "Adam beta1", **_rng(0, 1, hi_open=True))
     adam_beta2: float = _f(0.999, "Adam beta2", **_rng(0, 1, hi_open=True))
     grad_clip: float = _f(1.0, "gradient-norm clip (0 = off)", **_rng(0))
-    epochs: int = _f(1, "passes over each rollout batch", **_rng(1))
+    epochs: int = _f(1, "passes over each rollout batch",
+        **_rng(1, 1000, why="passes over one rollout batch"))
     mini_batches: int = _f(1, "optimizer steps per epoch (the batch is split in this many)",
-                           **_rng(1))
+                           **_rng(1, 1048576, why="optimizer steps per epoch"))
     micro_batch_size: int | None = _f(8, "most sequences per micro-batch (gradient "
                                       "accumulation; null = no row cap, with "
                                       "max_tokens_per_micro_batch)", **_rng(1))
@@ -254,12 +266,16 @@ class TrainerConfig:
                               "max_tokens_per_micro_batch tokens (first-fit decreasing), "
                               "attention causal within each sample only (THD with cu_seqlens: "
                               "Transformer Engine on GPU, slot by slot on CPU)")
-    tensor_parallel: int = _f(1, "tensor-parallel size", **_rng(1))
-    pipeline_parallel: int = _f(1, "pipeline-parallel size", **_rng(1))
-    expert_parallel: int = _f(1, "expert-parallel size", **_rng(1))
+    tensor_parallel: int = _f(1, "tensor-parallel size",
+        **_rng(1, 4096, why="ranks of one parallel group"))
+    pipeline_parallel: int = _f(1, "pipeline-parallel size",
+        **_rng(1, 4096, why="ranks of one parallel group"))
+    expert_parallel: int = _f(1, "expert-parallel size",
+        **_rng(1, 4096, why="ranks of one parallel group"))
     context_parallel: int = _f(1, "context-parallel size: every sequence cut in 2 x CP chunks, "
                                "rank r holding chunks r and 2CP-1-r (needs Transformer Engine's "
-                               "attention, GPU)", **_rng(1))
+                               "attention, GPU)",
+        **_rng(1, 4096, why="ranks of one parallel group"))
     sequence_parallel: bool = _f(False, "sequence parallelism (needs tensor_parallel > 1)")
     recompute_activations: bool = _f(False, "full activation recomputation (replay in backward)")
     distributed_optimizer: bool = _f(True, "megatron distributed optimizer where available")
@@ -288,7 +304,8 @@ class TrainerConfig:
                              **_rng(0, lo_open=True))
     checkpoint_dir: str | None = _f(None, "checkpoint folder (null = <logging.dir>/checkpoints)")
     keep_checkpoints: int = _f(2, "saved steps kept (iter_NNNNNNN/ folders; older ones are "
-                               "removed once a newer one is complete)", **_rng(1))
+                               "removed once a newer one is complete)",
+        **_rng(1, 10000, why="checkpoints kept on disk"))
     export_hf: bool = _f(True, "export the final policy as a Hugging Face model")
     export_hf_interval: int = _f(0, "also export the policy as a Hugging Face model every n "
                                  "steps, to <logging.dir>/hf/iter_NNNNNNN (0 = never)", **_rng(0))
@@ -296,9 +313,10 @@ class TrainerConfig:
 
 @dataclass
 class ClusterConfig:
-    num_nodes: int = _f(1, "nodes", **_rng(1))
-    gpus_per_node: int = _f(0, "GPUs per node (0 = CPU run)", **_rng(0))
-    trainer_workers: int = _f(1, "trainer ranks (one Ray actor each)", **_rng(1))
+    num_nodes: int = _f(1, "nodes", **_rng(1, 100000, why="nodes one Ray cluster holds"))
+    gpus_per_node: int = _f(0, "GPUs per node (0 = CPU run)", **_rng(0, 64, why="GPUs of one node"))
+    trainer_workers: int = _f(1, "trainer ranks (one Ray actor each)",
+        **_rng(1, 1048576, why="trainer ranks, one Ray actor each"))
     colocate: bool = _f(False, "engines and trainer share devices; engine memory released "
                         "during training")
     weight_sync: Literal["disk", "distributed", "tensor"] = _f(
@@ -343,11 +361,14 @@ class RewardServiceConfig:
     max_answer_mb: float = _f(16.0, "largest answer read from the service; a larger one is "
                               "refused (its samples score 0, reward/errors)",
                               **_rng(0, lo_open=True))
-    max_concurrency: int = _f(8, "requests in flight at once", **_rng(1))
+    max_concurrency: int = _f(8, "requests in flight at once",
+        **_rng(1, 65536, why="reward requests in flight at once"))
     batch_size: int = _f(16, "samples per request (a finished group is sent in requests of "
-                         "at most this many)", **_rng(1))
+                         "at most this many)",
+        **_rng(1, 1048576, why="samples in one reward request"))
     max_retries: int = _f(3, "retries of a request on connection errors, timeouts and 5xx "
-                          "answers (exponential backoff; never on 4xx)", **_rng(0))
+                          "answers (exponential backoff; never on 4xx)",
+        **_rng(0, 100, why="retries with exponential backoff: more never end"))
     api_key_env: str | None = _f(None, "environment variable holding the service's API key, "
                                  "sent as Authorization: Bearer (null = none)")
 
@@ -378,7 +399,8 @@ class DataConfig:
                                  "= single-turn completions scored by data.reward; with an "
                                  "environment, the environment gives the reward)")
     max_failed_reward_batches: int = _f(1, "stop the run when the reward function failed on "
-                                        "every sample of this many batches in a row", **_rng(1))
+                                        "every sample of this many batches in a row",
+        **_rng(1, 1048576, why="batches in a row"))
     reward_abs_max: float = _f(1e12, "a reward beyond +-this is clipped to it and counted "
                                "(reward/clipped): GRPO's group mean and std of finite rewards "
                                "then cannot overflow", **_rng(0, lo_open=True))
@@ -388,7 +410,8 @@ class DataConfig:
                                       "step) may take; past it the trajectory is dropped and "
                                       "counted (rollout/env_timeouts)", **_rng(0, lo_open=True))
     toy_max_operand: int = _f(9, "toy task: largest operand of the additions", **_rng(1))
-    toy_size: int = _f(512, "toy task: number of prompts", **_rng(1))
+    toy_size: int = _f(512, "toy task: number of prompts",
+        **_rng(1, 16777216, why="toy prompts made in memory"))
     shuffle_seed: int = _f(0, "seed of the deterministic shuffle", **_rng(0, 2 ** 32 - 1))
 
 
@@ -399,7 +422,8 @@ class EvalConfig:
                                    "prompt_key, messages_key, answer_key)")
     interval: int = _f(0, "evaluate every n steps (0 = only at the end)", **_rng(0))
     at_start: bool = _f(False, "also evaluate before the first update")
-    n: int = _f(1, "samples per prompt", **_rng(1))
+    n: int = _f(1, "samples per prompt",
+        **_rng(1, 4096, why="samples per prompt, held and scored together"))
     temperature: float | None = _f(None, "sampling temperature (0 = greedy; null = "
                                    "rollout.temperature)", **_rng(0))
     top_p: float | None = _f(None, "top-p (null = rollout.top_p)", **_rng(0, 1, lo_open=True))
@@ -440,7 +464,8 @@ class LoggingConfig:
     samples_per_step: int = _f(2, "samples of each step written to <logging.dir>/samples.jsonl "
                                "and TensorBoard text: prompt, response, reward and its inputs, "
                                "advantage, the tokens where engine and trainer differ most "
-                               "(0: none)", **_rng(0))
+                               "(0: none)",
+        **_rng(0, 1024, why="samples a step writes to samples.jsonl and TensorBoard"))
     samples_max_mb: float = _f(64.0, "size at which samples.jsonl stops growing (said once on "
                                "the console)", **_rng(0.001))
     wandb: WandbConfig = _sub(WandbConfig, "Weights & Biases")

@@ -1,6 +1,7 @@
 """Configuration: YAML + overrides, types, ranges and every cross-field error named in the issue."""
 import json
 import pathlib
+import re
 
 import pytest
 import yaml
@@ -275,6 +276,9 @@ def test_refusals_sglang_and_megatron_would_fail_on():
     ("trainer.lr=nan", "trainer.lr: expected a finite number"),
     ("rollout.temperature=1e400", "rollout.temperature: expected a finite number"),
     ("algorithm.correction.mis_c=.inf", "algorithm.correction.mis_c: expected a finite number"),
+    ("rollout.concurrency=10000000", "rollout.concurrency: 10000000 is out of range, expected a "
+     "value in [1, 65536] (requests in flight per server, each a task and a connection)"),
+    ("eval.n=100000", "eval.n: 100000 is out of range"),
     ("trainer.lr=" + "9" * 400, "trainer.lr: expected a finite number, got an integer of 400 "
                                 "digits"),
     ("trainer.seed=-1", "trainer.seed: -1 is out of range"),
@@ -286,11 +290,26 @@ def test_careless_values_are_refused_naming_the_key(override, message, capsys):
     """In the config and by `moe-rl config` (one line, exit 2)."""
     from moe_rl.cli import main
     extra = ["rollout.num_servers=2"] if "base_port" in override else []
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override] + extra)
     assert main(["config", "--no-inputs", override, *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_partial_extra_groups_is_bounded_by_what_the_steps_can_take(capsys):
+    """1 000 000 extra groups took the rollout worker to 3.7 GB with no step done."""
+    from moe_rl.cli import main
+    base = ["rollout.partial=true", "rollout.max_staleness=1", "rollout.prompts_per_step=8"]
+    assert load_config(None, base + ["rollout.partial_extra_groups=16"])
+    assert main(["config", "--no-inputs", *base, "rollout.partial_extra_groups=1000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-rl config: rollout.partial_extra_groups: 1000000 is more than")
+    assert main(["config", "--no-inputs", *base, "rollout.partial_extra_groups=2000000"]) == 2
+    assert "2000000 is out of range" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"partial_extra_groups: 17 is more than rollout.prompts"
+                                          r"_per_step x \(rollout.max_staleness \+ 1\) = 16"):
+        load_config(None, base + ["rollout.partial_extra_groups=17"])
 
 
 def test_parallel_layout_and_batch_fit_the_trainer_world(tmp_path):
