@@ -18,6 +18,15 @@ def _cut(text: str) -> str:
     return text if len(text) <= TEXT_CHARS else text[:TEXT_CHARS] + f" ... [{len(text)} chars]"
 
 
+def _cut_value(value):
+    """A label or metadata as logged: a string cut as the texts are; another value as it is
+    when its JSON is short, else that JSON cut."""
+    if isinstance(value, str):
+        return _cut(value)
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return value if len(text) <= TEXT_CHARS else _cut(text)
+
+
 def shown_samples(samples: list, tokenizer, prompts, k: int) -> list[dict]:
     """The rollout's part of the batch's first ``k`` samples (by group, then sample id, as
     :func:`moe_rl.trainer.step.sample_notes` picks them): the reward's inputs exactly as the
@@ -28,19 +37,21 @@ def shown_samples(samples: list, tokenizer, prompts, k: int) -> list[dict]:
         out.append({"group_id": s.group_id, "sample_id": s.sample_id,
                     "weight_version": s.weight_version, "reward": s.reward,
                     "prompt": _cut(item["prompt"]), "response": _cut(item["response"]),
-                    "response_tokens": int(s.response_ids.numel()), "label": item["label"],
-                    "metadata": item["metadata"]})
+                    "response_tokens": int(s.response_ids.numel()), "label": _cut_value(item["label"]),
+                    "metadata": _cut_value(item["metadata"])})
     return out
 
 
 class SampleLog:
     """Appends each step's shown samples to ``samples.jsonl`` (on resume the lines of steps
     from ``start_step`` on are dropped first, as in metrics.jsonl) and to TensorBoard text
-    (``writer``: the run's SummaryWriter, or None)."""
+    (``writer``: the run's SummaryWriter, or None); ``max_mb`` bounds each of the two (the
+    text TensorBoard gets in this process counts against it)."""
 
     def __init__(self, run_dir: str, max_mb: float, start_step: int = 0, writer=None):
         self.path = os.path.join(run_dir, "samples.jsonl")
         self.cap, self.writer, self.full = int(max_mb * (1 << 20)), writer, False
+        self.tb_bytes, self.tb_full = 0, False
         if os.path.exists(self.path):
             keep = lines_before(self.path, start_step)
             with open(self.path, "w", encoding="utf-8") as fh:
@@ -64,8 +75,15 @@ class SampleLog:
             else:
                 with open(self.path, "a", encoding="utf-8") as fh:
                     fh.write(lines)
-        if self.writer is not None:
-            self.writer.add_text("samples", "\n\n".join(_markdown(r) for r in rows), step)
+        if self.writer is not None and not self.tb_full:
+            text = "\n\n".join(_markdown(r) for r in rows)
+            if self.tb_bytes + len(text.encode()) > self.cap:
+                self.tb_full = True
+                print(f"step {step}: TensorBoard's sample text reached logging.samples_max_mb="
+                      f"{self.cap / (1 << 20):g}; no more samples are written to it", flush=True)
+                return
+            self.tb_bytes += len(text.encode())
+            self.writer.add_text("samples", text, step)
             self.writer.flush()
 
 

@@ -466,8 +466,9 @@ class LoggingConfig:
                                "advantage, the tokens where engine and trainer differ most "
                                "(0: none)",
         **_rng(0, 1024, why="samples a step writes to samples.jsonl and TensorBoard"))
-    samples_max_mb: float = _f(64.0, "size at which samples.jsonl stops growing (said once on "
-                               "the console)", **_rng(0.001))
+    samples_max_mb: float = _f(64.0, "size at which samples.jsonl, and separately the sample "
+                               "text TensorBoard gets, stop growing (each said once on the "
+                               "console)", **_rng(0.001))
     wandb: WandbConfig = _sub(WandbConfig, "Weights & Biases")
 
 

@@ -58,3 +58,50 @@ def test_a_response_cannot_close_its_block_in_tensorboards_samples():
     assert html.count("<strong>") == 1 and html.count("<pre>") == 2, html
     assert "**group 9 sample 9** reward 1.000" in html   # shown as text, inside the block
     assert "<code>'a`b``c'</code>" in html
+
+
+def test_the_size_cap_covers_tensorboard_and_cuts_labels_and_metadata(tmp_path, capsys):
+    """3 MB labels and metadata made 18.9 MB of events in 3 steps: each is cut to 4000
+    characters, and TensorBoard's sample text stops at logging.samples_max_mb as the file
+    does."""
+    from moe_rl.sample_log import TEXT_CHARS, _cut_value
+
+    class Writer:
+        def __init__(self):
+            self.texts = []
+
+        def add_text(self, tag, text, step):
+            self.texts.append(text)
+
+        def flush(self):
+            pass
+
+    big = "x" * 3_000_000
+    assert len(_cut_value(big)) < TEXT_CHARS + 40 and _cut_value("3") == "3"
+    assert len(json.dumps(_cut_value({"k": big}))) < TEXT_CHARS + 60
+    assert _cut_value({"k": [1, 2]}) == {"k": [1, 2]}
+    writer = Writer()
+    log = SampleLog(str(tmp_path), max_mb=0.01, writer=writer)   # ~10 kB each
+    row = {"group_id": 0, "sample_id": 0, "reward": 1.0, "prompt": "p" * 3000,
+           "response": "r" * 3000, "label": "l", "metadata": {}}
+    for step in range(5):
+        log.log(step, [row], [])
+    assert sum(len(t.encode()) for t in writer.texts) <= 0.01 * (1 << 20)
+    assert len(writer.texts) == 1 and (tmp_path / "samples.jsonl").stat().st_size <= 10486
+    out = capsys.readouterr().out
+    assert out.count("TensorBoard's sample text reached") == 1
+    assert out.count("samples.jsonl reached") == 1
+
+
+def test_shown_samples_cut_a_huge_label_and_metadata():
+    from types import SimpleNamespace
+
+    import torch
+    from moe_rl.sample_log import TEXT_CHARS, shown_samples
+    tok = SimpleNamespace(eos_token_id=0, decode=lambda ids, skip_special_tokens: "ok")
+    rec = SimpleNamespace(text="1+1=", answer="2" * 3_000_000, metadata={"note": "n" * 10 ** 6})
+    sample = SimpleNamespace(group_id=0, sample_id=0, weight_version=0, reward=1.0,
+                             response_ids=torch.tensor([5, 6]), metadata={"prompt_index": 0})
+    (row,) = shown_samples([sample], tok, [rec], 1)
+    assert len(json.dumps(row, ensure_ascii=False)) < 3 * TEXT_CHARS
+    assert row["label"].endswith("[3000000 chars]") and row["prompt"] == "1+1="
