@@ -11,11 +11,24 @@ restarted; the group is rebuilt at the next sync), so a sync never leaves a serv
 from __future__ import annotations
 
 import os
+import re
 
 import ray
 
 from moe_rl.config import Config
+from moe_rl.errors import UserError
 from moe_rl.owned_dirs import remove_owned
+
+
+# what a full or read-only disk says (OSError 28, 30, 122), in the error or in the traceback a
+# Ray task error carries
+_DISK_FULL = re.compile(r".*(\[Errno (28|30|122)\]|No space left|Read-only file system|"
+                        r"Disk quota exceeded).*")
+
+
+class ExportError(UserError):
+    """The weight export failed on its disk (no space left, read-only, over quota); nothing
+    half-written is left."""
 
 
 class DiskSync:
@@ -76,8 +89,19 @@ class DiskSync:
             os.path.join(self.weights_dir, f"v{version}"), version))
 
     def _export(self, version: int) -> str:
+        """Export version ``version`` to ``weights/v{version}``; a failure on the disk removes
+        what was written and is one line (ExportError); any other error is raised as it is."""
         target = os.path.join(self.weights_dir, f"v{version}")
-        self.trainers.export(target)
+        try:
+            self.trainers.export(target)
+        except Exception as exc:
+            lines = [m.group(0).strip() for m in _DISK_FULL.finditer(str(exc))]
+            if not lines:
+                raise
+            remove_owned(target)
+            raise ExportError(f"exporting the weights of version {version} to {target} failed: "
+                              f"{lines[-1][:300]}; the half-written export was removed; free "
+                              f"space there and continue with --resume") from None
         return target
 
     def _sync_disk(self, version: int) -> None:

@@ -1,6 +1,7 @@
 """Weight sync over a process group (gloo on CPU) into the reference engine, and memory release
 for colocated training, over real HTTP."""
 import json
+import os
 import threading
 
 import httpx
@@ -456,3 +457,34 @@ def test_a_refused_announcement_ends_the_broadcast_at_once(tmp_path):
     finally:
         peer.kill()
         peer.wait()
+
+
+class _ExportFails:
+    """Trainers whose export writes part of the model, then fails with ``error``."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def export(self, target):
+        from moe_rl.owned_dirs import claim
+        claim(target)
+        with open(os.path.join(target, ".shard-0.tmp"), "wb") as fh:
+            fh.write(b"half")
+        raise self.error
+
+
+def test_a_full_disk_at_the_weight_export_is_one_line_and_leaves_nothing_half_written(tmp_path):
+    from moe_rl.orchestration.weight_sync import DiskSync, ExportError
+    ray_error = RuntimeError("ray::TrainerWorker.export_hf() (pid=1)\nTraceback ...\n  File "
+                             "\"hf.py\", line 420\nOSError: [Errno 28] No space left on device: "
+                             "'/run/weights/v3/.shard-0.tmp'")
+    sync = DiskSync(None, None, _ExportFails(ray_error), None, str(tmp_path))
+    with pytest.raises(ExportError) as got:
+        sync._export(3)
+    message = str(got.value)
+    assert "\n" not in message and "No space left on device" in message
+    assert message.startswith(f"exporting the weights of version 3 to {tmp_path}/v3 failed")
+    assert not (tmp_path / "v3").exists()
+    other = DiskSync(None, None, _ExportFails(KeyError("a bug")), None, str(tmp_path))
+    with pytest.raises(KeyError):   # not the disk: raised as it is, for its traceback
+        other._export(4)
