@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from moe_rl.config import Config, ConfigError, facts_context
 from moe_rl.data.prompts import (PromptLimit, PromptRecord, load_prompt_sets, load_prompts,
-                                 set_source)
+                                 longest_token_chars, set_source)
 from moe_rl.envs import load_environment
 from moe_rl.rewards.service import reward_scorer
 
@@ -39,6 +39,33 @@ def check_prompt_lengths(prompts: list[PromptRecord], where: str, context: int |
                           f"{new_tokens_key}={new_tokens} generated after them (at most {room} "
                           f"prompt tokens): {shown}{more}; drop or shorten them, or lower "
                           f"{new_tokens_key}")
+
+
+def check_answer_lengths(prompts, where: str, context: int | None, tokenizer) -> None:
+    """The warm start trains on prompt + answer + end of text: each must fit the model's
+    context (ConfigError naming the rows). An answer longer in characters than the context
+    could hold in tokens is refused before it is tokenised."""
+    if context is None:
+        return
+    longest = longest_token_chars(tokenizer)
+    long_rows = []
+    for n, p in enumerate(prompts):
+        if p.answer is None:
+            continue
+        room = context - len(p.ids) - 1
+        if len(p.answer) > max(room, 0) * longest:
+            long_rows.append((n, f"{len(p.answer)} characters"))
+            continue
+        tokens = len(tokenizer(p.answer, add_special_tokens=False)["input_ids"])
+        if tokens > room:
+            long_rows.append((n, f"{tokens} tokens after a {len(p.ids)}-token prompt"))
+    if long_rows:
+        shown = ", ".join(f"row {n} ({what})" for n, what in long_rows[:3])
+        more = f" and {len(long_rows) - 3} more" if len(long_rows) > 3 else ""
+        raise ConfigError(f"data.answer_key: {where}: {len(long_rows)} answer(s) too long for the "
+                          f"warm start, which trains on prompt + answer + end of text within the "
+                          f"model's context of {context} tokens (max_position_embeddings): "
+                          f"{shown}{more}; shorten them or set trainer.sft_warmup_steps=0")
 
 
 def prompt_limit(context: int | None, new_tokens: int, new_tokens_key: str
@@ -126,6 +153,9 @@ def load_run_inputs(cfg: Config) -> RunInputs:
             f"data.path ({cfg.data.path or 'the toy task'})")
         check_prompt_lengths(prompts[start:start + size], where, facts_context(cfg.model),
                              cfg.rollout.max_new_tokens, "rollout.max_new_tokens")
+        if cfg.trainer.sft_warmup_steps and environment is None:
+            check_answer_lengths(prompts[start:start + size], where, facts_context(cfg.model),
+                                 tokenizer)
         start += size
     return RunInputs(tokenizer, prompts, reward, environment, sizes,
                      load_eval_sets(cfg, tokenizer))

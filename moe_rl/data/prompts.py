@@ -142,7 +142,8 @@ def _record(cfg: DataConfig, tokenizer, row, n: int, limit: PromptLimit | None =
     if missing:
         raise ValueError(f"data.metadata_keys: {where} has no {missing[0]!r} field")
     answer = row.get(cfg.answer_key)
-    answer = None if answer is None else str(answer)
+    if answer is not None:
+        answer = _check_text(str(answer), f"data.answer_key: {where}: {cfg.answer_key}")
     metadata = {k: row[k] for k in cfg.metadata_keys}
     if cfg.messages_key:
         messages = check_messages(row[key], f"data.messages_key: {where}: {key}")

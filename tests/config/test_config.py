@@ -389,6 +389,12 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path, monkey
                                          + json.dumps({"prompt": "9+9=" * 400}) + "\n")
     (tmp_path / "huge.jsonl").write_text('{"prompt": "1+1="}\n'
                                          + json.dumps({"prompt": "7" * 1_000_000}) + "\n")
+    (tmp_path / "answer_surrogate.jsonl").write_text('{"prompt": "1+1=", "answer": "2\\udc00"}\n')
+    (tmp_path / "answer_long.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n'
+                                                + json.dumps({"prompt": "1+1=", "answer": "2" * 409})
+                                                + "\n")
+    (tmp_path / "answer_huge.jsonl").write_text(json.dumps({"prompt": "1+1=",
+                                                            "answer": "3" * 3_000_000}) + "\n")
     (tmp_path / "sigs.py").write_text("def two_args(prompt, response):\n    return 0.0\n"
                                       "def nothing():\n    return 0.0\n")
     cases = [([f"model.path={tmp_path / 'nowhere'}"], "model.path: no local HF model"),
@@ -423,7 +429,18 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path, monkey
               "characters, so at least"),
              (["eval.sets=[{path: " + str(tmp_path / "huge.jsonl") + "}]"],
               "eval.sets[0]: data.prompt_key: row 1 of " + str(tmp_path / "huge.jsonl") +
-              ": 1000000 characters, so at least")]
+              ": 1000000 characters, so at least"),
+             # the answer column gets the prompt's checks: text, and the warm start's length
+             (["data.source=jsonl", f"data.path={tmp_path / 'answer_surrogate.jsonl'}"],
+              "data.answer_key: row 0 of " + str(tmp_path / "answer_surrogate.jsonl") +
+              ": answer: not valid text: a lone surrogate '\\udc00' at character 1"),
+             (["data.source=jsonl", f"data.path={tmp_path / 'answer_long.jsonl'}"],
+              "data.answer_key: data.path (" + str(tmp_path / "answer_long.jsonl") + "): 1 "
+              "answer(s) too long for the warm start, which trains on prompt + answer + end of "
+              "text within the model's context of 256 tokens (max_position_embeddings): row 1 "
+              "(409 tokens after a"),
+             (["data.source=jsonl", f"data.path={tmp_path / 'answer_huge.jsonl'}"],
+              "row 0 (3000000 characters); shorten them or set trainer.sft_warmup_steps=0")]
     for i, (extra, message) in enumerate(cases):
         for command in ("config", "train"):
             if i == 0:
@@ -435,6 +452,10 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path, monkey
             assert code == 2, (command, extra, err[-1500:])
             assert message in err and "Traceback" not in err, (command, extra)
     assert not (tmp_path / "run").exists()   # train refused before creating anything
+    # without the warm start a long answer is only the reward's label: accepted
+    assert main(["config", *base, "data.source=jsonl", "trainer.sft_warmup_steps=0",
+                 f"data.path={tmp_path / 'answer_long.jsonl'}"]) == 0
+    capsys.readouterr()
     ok = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", *base],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "algorithm:" in ok.stdout
