@@ -369,3 +369,39 @@ def test_a_model_the_engine_cannot_run_is_refused_at_start(tmp_path):
     assert "Traceback" not in res.stderr
     assert "cannot run this model" in res.stderr and model in res.stderr
     assert len([line for line in res.stderr.splitlines() if line.startswith("moe-rl")]) == 1
+
+
+def test_a_sender_that_vanishes_mid_update_gets_a_json_400(served, models):
+    """Rank 0 leaves the group while the server waits for its broadcast: a JSON 400 with
+    success false (as SGLang answers a failed update), never a plain-text 500; the served
+    weights are unchanged and the server goes on serving."""
+    before = _generate(served.url)
+    port = free_port()
+    joined = {}
+    t = threading.Thread(target=lambda: joined.update(
+        g=open_group("gloo", "127.0.0.1", port, 0, 2, "vanishing", timeout_s=30)))
+    t.start()
+    assert _post(served.url, "/init_weights_update_group",
+                 {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                  "world_size": 2, "group_name": "vanishing", "backend": "gloo"}
+                 ).status_code == 200
+    t.join(30)
+    named = sorted(load_file(f"{models[1]}/model.safetensors").items())
+    assert _post(served.url, "/begin_weight_update", {}).status_code == 200
+    answers = {}
+    receiver = threading.Thread(target=lambda: answers.update(r=_post(
+        served.url, "/update_weights_from_distributed",
+        update_request(named, 8, "vanishing", flush_cache=True), timeout=120)))
+    receiver.start()
+    time.sleep(1.0)   # the server waits in the broadcast
+    close_group(joined["g"])   # the sender goes away without sending
+    receiver.join(120)
+    r = answers["r"]
+    assert r.status_code == 400, r.text
+    assert r.json()["success"] is False and "the broadcast failed" in r.json()["message"]
+    assert "the served weights are unchanged" in r.json()["message"]
+    _post(served.url, "/end_weight_update", {})
+    _post(served.url, "/destroy_weights_update_group", {"group_name": "vanishing"})
+    after = _generate(served.url)
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]

@@ -555,9 +555,15 @@ class ReferenceEngine:
             except RequestError:
                 self._staged = {}
                 raise
+            try:   # a sender that vanished mid-broadcast: SGLang answers 400, success false
+                received = receive_tensors(self.groups[group_name], names, dtypes, shapes)
+            except Exception as exc:   # noqa: BLE001 - the collective's error, whatever it is
+                self._staged = {}
+                raise RequestError(f"update_weights_from_distributed: the broadcast failed "
+                                   f"({type(exc).__name__}: {first_line(exc)}); the served "
+                                   f"weights are unchanged") from None
             tensors = {k: t.to(getattr(torch, self.checkpoint_spec[k][1].removeprefix("torch.")))
-                       for k, t in receive_tensors(self.groups[group_name], names, dtypes,
-                                                   shapes).items()}   # as SGLang loads them
+                       for k, t in received.items()}   # as SGLang loads them
             bad = sorted(k for k, t in tensors.items() if not torch.isfinite(t.float()).all())
             missing = (sorted(set(self.checkpoint_spec) - set(tensors) - set(self._staged))
                 if flush_cache else [])
