@@ -34,10 +34,11 @@ def choose_local_ray_auth() -> None:
         config.initialize("")
 
 
-def start_ray(cfg: Config, plan: Plan) -> None:
-    """Connect to ``cluster.ray_address`` or start a local Ray with the CPUs the plan reserves."""
+def start_ray(cfg: Config, plan: Plan) -> bool:
+    """Connect to ``cluster.ray_address`` or start a local Ray with the CPUs the plan reserves;
+    whether this call connected (False: the caller's Ray was already up)."""
     if ray.is_initialized():
-        return
+        return False
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
     else:
@@ -50,6 +51,7 @@ def start_ray(cfg: Config, plan: Plan) -> None:
                  log_to_driver=False, include_dashboard=False)
         mark_ray_session(ray._private.worker.global_worker.node.get_session_dir_path(),
                          cfg.logging.dir)
+    return True
 
 
 def stopped_from_outside(wait_s: float = 5.0) -> str | None:

@@ -18,6 +18,8 @@ import contextlib
 import os
 import time
 
+import ray
+
 from moe_rl import run_dir as run_dir_checks
 from moe_rl.config import Config, dump_config
 from moe_rl.data.mixture import make_sampler
@@ -79,6 +81,7 @@ class Run:
         self.trainers = self.rollout = self.weights = self.reservation = None
         self.abandoned = self.lost = self.outside = None
         self.stop = StopRequest(cfg.trainer.stop_grace_s)
+        self._own_ray = False   # this run connected Ray (and shuts it down at its end)
         self._exit = contextlib.ExitStack()
 
     def _write_config(self) -> None:
@@ -100,7 +103,7 @@ class Run:
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Run":
-        start_ray(self.cfg, self.plan)
+        self._own_ray = start_ray(self.cfg, self.plan)
         self.reservation = reserve(self.plan)
         self._exit.enter_context(self.stop)
         return self
@@ -142,6 +145,8 @@ class Run:
             self.logger.close()
             stop_engines(self.hosts)
             self.reservation.release()
+            if self._own_ray:   # while a further stop signal is only acknowledged: a second
+                ray.shutdown()   # SIGTERM cannot cut Ray's shutdown (left agents, a traceback)
             self._exit.close()
 
     def _ended_by(self, exc: BaseException) -> bool:

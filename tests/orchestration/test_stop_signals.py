@@ -67,3 +67,36 @@ def test_an_abandon_wrapped_by_other_code_is_found():
     except SystemError as outer:
         assert str(abandoned_in(outer)) == "a second SIGINT"
     assert abandoned_in(ValueError("plain")) is None
+
+
+def test_a_run_shuts_its_own_ray_down_while_further_signals_are_only_acknowledged(
+        monkeypatch, capsys):
+    """A second SIGTERM during the stop cut Ray's shutdown at exit (an atexit traceback, two
+    Ray agents left): the run shuts down the Ray it started inside its own exit, while the
+    closing handler still answers signals; a Ray the caller started is left up."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from moe_rl.orchestration import run as run_module
+    seen = []
+
+    def shutdown():   # a second SIGTERM arrives in the middle of Ray's shutdown
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        seen.append(signal.getsignal(signal.SIGTERM))
+    monkeypatch.setattr(run_module.ray, "shutdown", shutdown)
+    monkeypatch.setattr(run_module, "stop_engines", lambda hosts: None)
+    before = signal.getsignal(signal.SIGTERM)
+    for own in (True, False):
+        run = run_module.Run.__new__(run_module.Run)
+        run.stop, run.hosts, run._own_ray = StopRequest(grace_s=5), [], own
+        run.logger = SimpleNamespace(close=lambda: None)
+        run.reservation = SimpleNamespace(release=lambda: None)
+        run._exit = contextlib.ExitStack()
+        run._exit.enter_context(run.stop)
+        os.kill(os.getpid(), signal.SIGTERM)   # the first: stop after the step
+        time.sleep(0.05)
+        run.__exit__(None, None, None)
+        assert signal.getsignal(signal.SIGTERM) is before
+    assert len(seen) == 1 and getattr(seen[0], "__func__", None) is StopRequest._on_signal
+    assert "SIGTERM: already stopping the engines and Ray" in capsys.readouterr().err
