@@ -30,15 +30,20 @@ def check_prompt_lengths(prompts: list[PromptRecord], where: str, context: int |
     if context is None:
         return
     room = context - new_tokens
-    long_rows = [(n, len(p.ids)) for n, p in enumerate(prompts) if len(p.ids) > room]
+    long_rows = [(n, f"{len(p.ids)} tokens") for n, p in enumerate(prompts)
+                 if len(p.ids) > room]
     if long_rows:
-        shown = ", ".join(f"row {n} ({t} tokens)" for n, t in long_rows[:3])
-        more = f" and {len(long_rows) - 3} more" if len(long_rows) > 3 else ""
         raise ConfigError(f"{where}: {len(long_rows)} prompt(s) too long for the model's context "
                           f"of {context} tokens (max_position_embeddings) with "
                           f"{new_tokens_key}={new_tokens} generated after them (at most {room} "
-                          f"prompt tokens): {shown}{more}; drop or shorten them, or lower "
+                          f"prompt tokens): {_rows(long_rows)}; drop or shorten them, or lower "
                           f"{new_tokens_key}")
+
+
+def _rows(rows: list[tuple[int, str]]) -> str:
+    """The first three (row, what) pairs in words, and how many more."""
+    shown = ", ".join(f"row {n} ({what})" for n, what in rows[:3])
+    return shown + (f" and {len(rows) - 3} more" if len(rows) > 3 else "")
 
 
 def check_answer_lengths(prompts, where: str, context: int | None, tokenizer) -> None:
@@ -60,12 +65,10 @@ def check_answer_lengths(prompts, where: str, context: int | None, tokenizer) ->
         if tokens > room:
             long_rows.append((n, f"{tokens} tokens after a {len(p.ids)}-token prompt"))
     if long_rows:
-        shown = ", ".join(f"row {n} ({what})" for n, what in long_rows[:3])
-        more = f" and {len(long_rows) - 3} more" if len(long_rows) > 3 else ""
         raise ConfigError(f"data.answer_key: {where}: {len(long_rows)} answer(s) too long for the "
                           f"warm start, which trains on prompt + answer + end of text within the "
                           f"model's context of {context} tokens (max_position_embeddings): "
-                          f"{shown}{more}; shorten them or set trainer.sft_warmup_steps=0")
+                          f"{_rows(long_rows)}; shorten them or set trainer.sft_warmup_steps=0")
 
 
 def prompt_limit(context: int | None, new_tokens: int, new_tokens_key: str
