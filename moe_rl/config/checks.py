@@ -269,13 +269,13 @@ def check_partial(cfg: Config) -> None:
     if r.dynamic_sampling:
         raise ConfigError("rollout.partial: dynamic sampling is not combined with partial "
                           "rollouts; set rollout.dynamic_sampling=false or partial=false")
-    most = r.prompts_per_step * (r.max_staleness + 1)
+    most = 8 * r.prompts_per_step * (r.max_staleness + 1)
     if (r.partial_extra_groups or 0) > most:
         raise ConfigError(f"rollout.partial_extra_groups: {r.partial_extra_groups} is more than "
-                          f"rollout.prompts_per_step x (rollout.max_staleness + 1) = {most}: a "
-                          f"step takes prompts_per_step groups and a token older than "
-                          f"max_staleness versions is dropped or masked, so groups beyond that "
-                          f"only hold memory")
+                          f"8 x rollout.prompts_per_step x (rollout.max_staleness + 1) = {most}: "
+                          f"a step takes prompts_per_step groups and a token older than "
+                          f"max_staleness versions is dropped or masked, so most groups past "
+                          f"that would only hold memory")
 
 
 def check_ranks(cfg: Config) -> None:

@@ -301,15 +301,16 @@ def test_partial_extra_groups_is_bounded_by_what_the_steps_can_take(capsys):
     """1 000 000 extra groups took the rollout worker to 3.7 GB with no step done."""
     from moe_rl.cli import main
     base = ["rollout.partial=true", "rollout.max_staleness=1", "rollout.prompts_per_step=8"]
-    assert load_config(None, base + ["rollout.partial_extra_groups=16"])
+    assert load_config(None, base + ["rollout.partial_extra_groups=128"])
     assert main(["config", "--no-inputs", *base, "rollout.partial_extra_groups=1000000"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moe-rl config: rollout.partial_extra_groups: 1000000 is more than")
     assert main(["config", "--no-inputs", *base, "rollout.partial_extra_groups=2000000"]) == 2
     assert "2000000 is out of range" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match=r"partial_extra_groups: 17 is more than rollout.prompts"
-                                          r"_per_step x \(rollout.max_staleness \+ 1\) = 16"):
-        load_config(None, base + ["rollout.partial_extra_groups=17"])
+    with pytest.raises(ConfigError, match=r"partial_extra_groups: 129 is more than 8 x rollout."
+                                          r"prompts_per_step x \(rollout.max_staleness \+ 1\) "
+                                          r"= 128"):
+        load_config(None, base + ["rollout.partial_extra_groups=129"])
 
 
 def test_parallel_layout_and_batch_fit_the_trainer_world(tmp_path):
