@@ -119,4 +119,8 @@ def test_other_folders_and_moe_rls_own_exports_are_no_obstacle(tmp_path):
     claim(str(tmp_path / "run" / "weights" / "v2"))
     (tmp_path / "run" / "weights" / "v2" / "model.safetensors").write_text("an export")
     (tmp_path / "run" / "final_hf").mkdir()   # empty
-    run_dir.prepare(cfg, resume=False, overwrite=False)
+    run_dir.prepare(cfg, resume=False, overwrite=False)   # no refusal, nothing moved or removed
+    assert (tmp_path / "run" / "weights" / "precious" / "model.bin").read_text() == "data"
+    assert (tmp_path / "run" / "weights" / "v2" / "model.safetensors").read_text() == "an export"
+    assert (tmp_path / "run" / "final_hf").is_dir()
+    assert not (tmp_path / "run.old-1").exists()
