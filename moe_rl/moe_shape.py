@@ -3,6 +3,9 @@ know about its layers, experts and vocabulary. One type, read from a Hugging Fac
 it the trainer's :class:`ModelSpec` of a supported architecture."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from dataclasses import dataclass
 
 from moe_rl.families import family
@@ -10,12 +13,14 @@ from moe_rl.families import family
 
 @dataclass(frozen=True)
 class MoEShape:
-    """Layer count, the indices of the MoE layers, router top-k, routed experts, vocabulary."""
+    """Layer count, the indices of the MoE layers, router top-k, routed experts, vocabulary and
+    the ids that end a generation (``eos_token_id``)."""
     num_layers: int
     moe_layers: tuple[int, ...]
     topk: int
     num_experts: int
     vocab_size: int | None = None
+    eos_ids: tuple[int, ...] = ()
 
     @property
     def num_moe_layers(self) -> int:
@@ -39,7 +44,26 @@ class MoEShape:
             step = int(hf.get("decoder_sparse_step") or 1)
             dense = set(hf.get("mlp_only_layers") or [])
             moe = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
-        return cls(n_layers, moe, topk, n_exp, hf.get("vocab_size"))
+        return cls(n_layers, moe, topk, n_exp, hf.get("vocab_size"), _ids(hf.get("eos_token_id")))
+
+    @classmethod
+    def from_model_dir(cls, path: str) -> "MoEShape":
+        """From a checkpoint folder's ``config.json``, with the end ids of its
+        ``generation_config.json`` too (SGLang stops at both)."""
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            shape = cls.from_hf(json.load(fh))
+        gen = os.path.join(path, "generation_config.json")
+        if not os.path.exists(gen):
+            return shape
+        with open(gen, encoding="utf-8") as fh:
+            more = _ids(json.load(fh).get("eos_token_id"))
+        return dataclasses.replace(shape, eos_ids=tuple(dict.fromkeys(shape.eos_ids + more)))
+
+
+def _ids(value) -> tuple[int, ...]:
+    """``eos_token_id`` (an id, a list of ids or absent) as a tuple of ids."""
+    values = value if isinstance(value, list) else [value]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
 
 
 @dataclass(frozen=True)

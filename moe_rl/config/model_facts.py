@@ -19,6 +19,14 @@ def response_cap(cfg: Config) -> int:
     return r.max_response_tokens or r.max_new_tokens * r.max_turns
 
 
+def probe_temperature(cfg: Config) -> float:
+    """The temperature both sides score the weight check's probe at: the rollout's with the
+    keep-sampling-mask (the kept ids are listed, few), else 1 (the engine's prefill log-probs as
+    they are: at another temperature renormalising them would list the whole vocabulary at
+    every position). Equal weights give equal log-probs at any temperature."""
+    return cfg.rollout.temperature or 1.0 if cfg.algorithm.keep_sampling_mask else 1.0
+
+
 def facts_context(model: ModelConfig) -> int | None:
     """The model's context length (max_position_embeddings) from its config.json (None when
     there is none yet)."""

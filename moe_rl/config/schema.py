@@ -79,6 +79,12 @@ class RolloutConfig:
     partial_mask_offpolicy: bool = _f(False, "partial rollouts: only the tokens of each "
                                       "response's newest weight version count in the loss "
                                       "(slime's --mask-offpolicy-in-partial-rollout)")
+    retracted: Literal["keep", "mask"] = _f(
+        "keep", "a response the engine retracted under KV-pool pressure (moved back to its queue "
+        "and re-prefilled later: its routing recomputed, its log-probs those it sampled with) is "
+        "trained as sampled (keep; counted in rollout/retracted) or, under algorithm.replay=r3, "
+        "its tokens leave the loss (mask: the replayed routes may not be those it sampled with "
+        "in bf16/fp16)")
     dynamic_sampling: bool = _f(False, "drop prompt groups whose rewards are all equal and "
                                 "generate more until the step has prompts_per_step informative "
                                 "groups (DAPO)")
@@ -129,6 +135,10 @@ class RolloutConfig:
     health_timeout_s: float = _f(300.0, "wait for a starting server's /health, and the longest "
                                  "a silent server's /health may take before it is restarted",
                                  **_rng(0, lo_open=True))
+    weight_load_timeout_s: float = _f(3600.0, "the longest one weight-update call to a server "
+                                      "may take (a disk load, a bucket); its /health is not "
+                                      "asked meanwhile (SGLang's waits for the load to finish)",
+                                      **_rng(0, lo_open=True))
     sglang: SGLangConfig = _sub(SGLangConfig, "SGLang server settings")
 
 

@@ -76,6 +76,7 @@ class Turn:
     cached_tokens: int
     token_versions: list[int] | None = None   # per generated token, when an update landed
                                               # during the request (SGLang's weight_versions)
+    retractions: int = 0   # times the engine retracted it under KV-pool pressure (re-prefilled)
 
     @property
     def aborted(self) -> bool:

@@ -123,6 +123,19 @@ def hf_attention_names(prefix: str) -> dict:
     }
 
 
+def engine_fused_key(hf: dict, name: str) -> str | None:
+    """With q-LoRA, SGLang loads a layer's ``q_a_proj`` and ``kv_a_proj_with_mqa`` (weights,
+    and FP8 scales) as one fused tensor, and only when both arrive in the same update call
+    (``deepseek_weight_loader.py``, ``fuse_qkv_a_proj``): one key for both, so a weight sync
+    keeps them in one bucket."""
+    if hf.get("q_lora_rank") is None:
+        return None
+    for part in ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa."):
+        if part in name:
+            return name.split(part)[0] + "self_attn.fused_qkv_a_proj_with_mqa"
+    return None
+
+
 def fp8_head_dim(hf: dict, heads: int) -> int | None:
     return None   # MLA's projections are not merged into one QKV
 

@@ -26,6 +26,12 @@ def hf_attention_names(prefix: str) -> dict:
     return {}
 
 
+def engine_fused_key(hf: dict, name: str) -> str | None:
+    """SGLang loads each of this family's tensors on its own (none waits for another in the
+    same update call)."""
+    return None
+
+
 def fp8_head_dim(hf: dict, heads: int) -> int | None:
     return int(hf["hidden_size"] // heads)   # SGLang's rule for Mixtral
 

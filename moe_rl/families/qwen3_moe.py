@@ -35,6 +35,12 @@ def hf_attention_names(prefix: str) -> dict:
     return {}
 
 
+def engine_fused_key(hf: dict, name: str) -> str | None:
+    """SGLang loads each of this family's tensors on its own (none waits for another in the
+    same update call)."""
+    return None
+
+
 def fp8_head_dim(hf: dict, heads: int) -> int | None:
     """The head dimension of the merged QKV projection SGLang's FP8 loader checks."""
     return int(hf.get("head_dim") or hf["hidden_size"] // heads)

@@ -4,12 +4,11 @@ engine scoring passes, data-parallel shards). Shards cross actors as safetensors
 reference through Ray's object store."""
 from __future__ import annotations
 
-import json
 import os
 
 import ray
 
-from moe_rl.config import config_from_dict, engine_avg_refusal
+from moe_rl.config import config_from_dict, engine_avg_refusal, probe_temperature
 from moe_rl.moe_shape import MoEShape
 from moe_rl.run_inputs import load_run_inputs
 from moe_rl.types import RolloutBatch
@@ -184,8 +183,7 @@ class RolloutWorker:
         r = cfg.rollout
         self.hosts = hosts   # EngineHost actors, servers started (the driver placed them)
         self.server_urls = ray.get([h.url.remote() for h in hosts])
-        with open(os.path.join(cfg.model.path, "config.json"), encoding="utf-8") as fh:
-            shape = MoEShape.from_hf(json.load(fh))
+        shape = MoEShape.from_model_dir(cfg.model.path)
         engine_avg_refusal(cfg, shape.vocab_size)
         self.weights_path: str | None = None
         self.version = 0
@@ -261,6 +259,7 @@ class RolloutWorker:
         (:meth:`check_serving`)."""
         import time
         from moe_rl.orchestration.sharding import shard_by_group
+        from moe_rl.rollout.groups import retraction_counts
         from moe_rl.sample_log import shown_samples
         self.check_serving(version, step)
         cfg, inp = self.cfg, self.inputs
@@ -276,6 +275,8 @@ class RolloutWorker:
             from moe_rl.rollout.groups import build_groups
             groups = build_groups(self.engine, cfg, inp, self.sampling, indices, extra, seed)
         samples, counts, reward_s = groups.samples, groups.counts, groups.reward_s
+        counts.update(retraction_counts(samples, cfg.rollout.retracted == "mask"
+                                        and cfg.algorithm.replay == "r3"))
         env_error = groups.first_env_error
         timing["timing/rollout_s"] = time.perf_counter() - t0 - reward_s
         timing["timing/reward_s"] = reward_s
@@ -340,7 +341,7 @@ class RolloutWorker:
         import copy
         samples = [copy.deepcopy(s) for s in self.probe]
         servers = len(self.server_urls)
-        self.engine.score(samples, servers, temperature=self.cfg.rollout.temperature,
+        self.engine.score(samples, servers, temperature=probe_temperature(self.cfg),
                           window=self.cfg.rollout.score_window_tokens)
         if samples and samples[0].routing is not None:
             async def refetch(session):

@@ -125,3 +125,17 @@ def _trajectories(engine, cfg: Config, inputs, sampling, queue: list[int], per: 
     for s in samples:
         s.metadata["prompt_index"] = queue[s.sample_id // per]
     return samples
+
+
+def retraction_counts(samples: list, mask: bool) -> dict[str, float]:
+    """``rollout/retracted``: the samples the engine retracted at least once under KV-pool
+    pressure (``Sample.metadata["retractions"]``); with ``mask`` (``rollout.retracted: mask``
+    under replay r3) their tokens leave the loss, counted in ``rollout/retracted_masked_tokens``."""
+    hit = [s for s in samples if s.metadata.get("retractions", 0) > 0]
+    masked = 0
+    if mask:
+        for s in hit:
+            masked += int(s.loss_mask.sum())
+            s.loss_mask = s.loss_mask.new_zeros(s.loss_mask.shape)
+    return {"rollout/retracted": float(len(hit)),
+            "rollout/retracted_masked_tokens": float(masked)}

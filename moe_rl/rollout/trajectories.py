@@ -123,6 +123,7 @@ class Trajectory:
                                               # that prefilled them, the model turn's till then)
         self.segment_routing: list[torch.Tensor] = []   # per later version (partial rollouts)
         self.model_end = 0   # response tokens up to the last model token
+        self.retractions = 0   # times the engine retracted one of its requests (KV pressure)
 
     @property
     def received(self) -> int:
@@ -139,6 +140,7 @@ class Trajectory:
             self.logmass.append(turn.kept_logmass)
         self.token_versions += turn.token_versions or [turn.weight_version] * n
         self.model_end = len(self.ids)
+        self.retractions += turn.retractions
 
     def add_observation(self, obs: list[int], need_mask: bool) -> None:
         n = len(obs)
@@ -159,6 +161,8 @@ class Trajectory:
             offsets[1:] = torch.cumsum(lens, 0)
             ids, logmass = torch.cat(self.kept_ids), torch.cat(self.logmass)
         several = len(set(self.token_versions)) > 1
+        if self.retractions:
+            kw["metadata"] = {**(kw.get("metadata") or {}), "retractions": self.retractions}
         return Sample(prompt_ids=self.prompt, response_ids=self.ids,
                       rollout_logprobs=torch.cat(self.lp), loss_mask=torch.cat(self.loss),
                       routing=self.routing, sampling_mask_offsets=offsets,

@@ -69,13 +69,16 @@ class Forwarder:
 
     def forward(self, model, replay: ReplayController, mb: MicroBatch, mode: Route,
                  grad: bool = False, collect_own: bool = False, kept_sets: bool = True,
-                 router_scores: bool = False):
+                 router_scores: bool = False, temperature: float | None = None):
         """Log-probs and entropies of one micro-batch from ``model``, routed as ``mode`` (see
         :class:`Route`) through ``replay``. ``kept_sets=False`` scores on the full vocabulary even
         with ``keep_sampling_mask`` (supervised samples have no kept sets). ``router_scores``
         also reads the routers' log-scores (``replay.router_scores()`` afterwards) of the
-        experts this forward activates, or, routing freely, of those ``mb.routing`` holds."""
+        experts this forward activates, or, routing freely, of those ``mb.routing`` holds.
+        ``temperature``: the logits' (None: the rollout's)."""
         a = self.cfg.algorithm
+        if temperature is None:
+            temperature = self.cfg.rollout.temperature or 1.0
         shape = mb.shape
         run = mb.padded_to(*self._ep_common_shape(shape), self.num_experts)
         B, S = run.shape
@@ -97,7 +100,7 @@ class Forwarder:
                                  "read in the micro-batch's routing")
             replay.capture_scores(None if mode is Route.RECORD else carried)
         with torch.set_grad_enabled(grad):
-            lp, ent = forward_logprobs(model, run, temperature=self.cfg.rollout.temperature or 1.0,
+            lp, ent = forward_logprobs(model, run, temperature=temperature,
                                        use_kept_sets=a.keep_sampling_mask and kept_sets,
                                        fp32_output_layer=self.cfg.model.fp32_output_layer)
         replay.finish_forward()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.algo import kept_set_sizes
-from moe_rl.config import Config
+from moe_rl.config import Config, probe_temperature
 from moe_rl.packing import MicroBatch
 from moe_rl.trainer.dp import dp_group, dp_max, every_rank_sum
 from moe_rl.trainer.forwarder import Forwarder
@@ -289,7 +289,8 @@ class StepPasses:
                 self.fw.dummy_forward(self.model, self.replay)
                 continue
             lp, _ = self.fw.forward(self.model, self.replay, mb,
-                                    Route.RECORD if moe else Route.OFF, collect_own=moe)
+                                    Route.RECORD if moe else Route.OFF, collect_own=moe,
+                                    temperature=probe_temperature(self.cfg))
             padded = mb.to_response_padded(lp.float())
             routing = self._per_sample_routing(samples, mb) if moe else {}
             for row, i in enumerate(mb.sample_indices):

@@ -306,6 +306,16 @@ class _Exporter:
             n *= self.ep_size
         return n
 
+    def fused_key(self, name: str) -> str | None:
+        """The key of the tensors the engine loads only together with parameter ``name``'s
+        (the family's :func:`engine_fused_key`; None: loaded alone)."""
+        if ".local_experts." in name:
+            return None
+        _, parts = self.names.hf_parts(name, self.layer_of, self.ep_rank, self.e_local)
+        fam = family(self.spec.arch)
+        return next((k for k in (fam.engine_fused_key(self.spec.hf_config, p) for p in parts)
+                     if k is not None), None)
+
     def tensors(self, name: str, param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Parameter ``name`` as full HF tensors on this rank if it keeps them ([] otherwise);
         collective over its tensor/expert groups. Pieces of one parameter are copies (they
@@ -346,7 +356,9 @@ class _Exporter:
 def iter_hf_buckets(model, spec: ModelSpec, bucket_bytes: int, everywhere: bool = False
                     ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
     """The policy as full HF-named tensors in buckets of at most ``bucket_bytes`` (a parameter
-    larger than that travels alone): yields (bucket, is_last). Collective: every tensor- and
+    larger than that travels alone; parameters the engine loads only together, e.g.
+    DeepSeek's q-LoRA ``q_a_proj`` and ``kv_a_proj_with_mqa``, share one): yields (bucket,
+    is_last). Collective: every tensor- and
     expert-parallel rank iterates it to the end. The buckets are planned from parameter shapes
     before anything is gathered, so a rank holds one bucket at a time. A tensor-parallel
     parameter is gathered to the first rank of its group and an expert is sent by the rank that
@@ -356,14 +368,17 @@ def iter_hf_buckets(model, spec: ModelSpec, bucket_bytes: int, everywhere: bool 
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes: expected >= 1, got {bucket_bytes}")
     ex = _Exporter(model, spec, everywhere)
+    units: dict[str, list[int]] = {}   # parameters the engine loads only together, in order
+    for i, (name, _) in enumerate(ex.params):
+        units.setdefault(ex.fused_key(name) or f"#{i}", []).append(i)
     groups: list[list[int]] = []
     size = 0
-    for i, (name, param) in enumerate(ex.params):
-        n = ex.full_bytes(name, param)
+    for unit in units.values():
+        n = sum(ex.full_bytes(*ex.params[i]) for i in unit)
         if not groups or size + n > bucket_bytes:
             groups.append([])
             size = 0
-        groups[-1].append(i)
+        groups[-1].extend(unit)
         size += n
     for k, group in enumerate(groups):
         bucket = [t for i in group for t in ex.tensors(*ex.params[i])]

@@ -98,3 +98,14 @@ def gather_strings(text: str, group=None) -> list[str] | None:
     if dist.get_rank(group) != 0:
         return None
     return [bytes(p[:int(n)].tolist()).decode("ascii") for p, n in zip(parts, sizes)]
+
+
+def rank0_flag(flag: bool, group=None) -> bool:
+    """Rank 0's ``flag`` on every rank (a broadcast over the trainer's process group)."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.uint8)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                   group=group)
+    return bool(t.item())

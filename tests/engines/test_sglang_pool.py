@@ -213,9 +213,9 @@ def test_a_health_check_that_drips_is_bounded_whole_and_counts_as_failed():
 @pytest.mark.parametrize("failure", ["http_500", "hung"])
 def test_a_weight_announcement_is_never_sent_twice(failure):
     """A request whose effect may have started (a weight broadcast the server joins as a
-    collective) fails at once, sent once, when its server fails (5xx) or stops answering; a
-    resend would wait in the collective until the group's timeout. An ordinary request is
-    retried."""
+    collective) fails at once, sent once, when its server fails (5xx) or stays silent past the
+    weight-call bound; a resend would wait in the collective until the group's timeout. An
+    ordinary request is retried."""
     import asyncio
     from moe_rl.engines.sglang.pool import EngineHTTPError
     stub = _StubServer(delay=0.0)
@@ -226,6 +226,7 @@ def test_a_weight_announcement_is_never_sent_twice(failure):
 
     async def main(resend):
         async with ServerPool([stub.url], timeout=0.3, max_retries=2, backoff=0.01,
+                              weight_timeout=0.3,
                               restarters=[lambda: setattr(stub, "hung", False)]) as pool:
             with pytest.raises(EngineHTTPError) as info:
                 await pool.request("/update_weights_from_distributed", {}, resend=resend,
@@ -264,3 +265,41 @@ def test_a_pool_without_a_restarter_retries_a_refused_connection():
     finally:
         for stub in started:
             stub.close()
+
+
+def test_a_weight_load_longer_than_the_timeout_is_not_judged_by_health():
+    """SGLang's /health cannot answer while /update_weights_from_disk holds the update lock: a
+    load longer than the pool's timeout on such a server completes, once, with no /health asked
+    and no restart (one that killed the server mid-load would do so again on every retry)."""
+    import asyncio
+    stub, restarts = _StubServer(delay=1.5), []
+    stub.hung = True   # /health answers only after the load
+    try:
+        async def main():
+            async with ServerPool([stub.url], timeout=0.3, health_timeout=0.3, max_retries=2,
+                                  backoff=0.01, restarters=[lambda: restarts.append(1)]) as pool:
+                out = await pool.request("/update_weights_from_disk", {"model_path": "m"},
+                                         server=pool.servers[0])
+                return out, pool
+        out, pool = asyncio.run(main())
+        assert out == {"text": "done"} and stub.generated == 1
+        assert restarts == [] and pool.restarts == 0 and pool.health_probes == 0
+    finally:
+        stub.hung = False
+        stub.close()
+
+
+def test_a_weight_call_is_bounded_by_the_weight_load_timeout():
+    """A weight call still unanswered after ``weight_timeout`` fails, naming the key."""
+    import asyncio
+    from moe_rl.engines.sglang.pool import EngineHTTPError
+    stub = _StubServer(delay=3.0)
+    try:
+        async def main():
+            async with ServerPool([stub.url], timeout=0.1, weight_timeout=0.5,
+                                  max_retries=0) as pool:
+                await pool.request("/update_weights_from_disk", {}, server=pool.servers[0])
+        with pytest.raises(EngineHTTPError, match="rollout.weight_load_timeout_s"):
+            asyncio.run(main())
+    finally:
+        stub.close()

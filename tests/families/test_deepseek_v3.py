@@ -445,3 +445,24 @@ def test_packing_an_mla_model_warns_where_neither_megatron_nor_te_handles_its_he
     te[0] = "2.19.0"
     monkeypatch.setattr(mla, "_prepare_mla_core_attention_value", lambda *a: None, raising=False)
     assert model_builder.mla_packing_warning(config, packed=True) is None
+
+
+@pytest.mark.parametrize("q_lora", [24, None], ids=["q_lora", "no_q_lora"])
+def test_a_weight_sync_keeps_what_sglang_fuses_in_one_bucket(tmp_path, q_lora):
+    """SGLang loads a q-LoRA layer's q_a_proj and kv_a_proj_with_mqa as one fused tensor only
+    when both arrive in the same update call: streamed one parameter per bucket, each layer's
+    pair still shares a bucket (its FP8 scales are made inside the bucket); without q-LoRA
+    nothing is held together. Every tensor is sent once."""
+    from moe_rl.weights.hf import iter_hf_buckets
+    write_deepseek(tmp_path / "hf", q_lora_rank=q_lora)
+    model, spec = build_model(str(tmp_path / "hf"))
+    buckets = [[n for n, _ in bucket] for bucket, _ in iter_hf_buckets(model, spec, 1)]
+    names = [n for b in buckets for n in b]
+    assert len(names) == len(set(names)) == len(megatron_to_hf(model, spec))
+    for layer in range(DEEPSEEK["num_hidden_layers"]):
+        a = f"model.layers.{layer}.self_attn."
+        (kv,) = [b for b in buckets if a + "kv_a_proj_with_mqa.weight" in b]
+        if q_lora:
+            assert sorted(kv) == [a + "kv_a_proj_with_mqa.weight", a + "q_a_proj.weight"]
+        else:
+            assert kv == [a + "kv_a_proj_with_mqa.weight"]

@@ -13,7 +13,7 @@ import torch
 from moe_rl.engines.base import (Engine, EngineSession, ResponseError, SamplingConfig, Turn,
                                  WeightReceiver)
 from moe_rl.engines.sglang.decode import (decode_listed_logprobs, decode_routing, decode_turn,
-                                          score_from_response)
+                                          score_from_response, stopped_before_abort)
 from moe_rl.engines.sglang.pool import EngineHTTPError, ServerPool
 from moe_rl.engines.sglang.weights import (init_group_request, tensor_update_request,
                                            update_request)
@@ -69,8 +69,9 @@ class SGLangSession(EngineSession):
         if e.need_routing and routing_from is not None:
             body["routed_experts_start_len"] = routing_from
         resp = await self.pool.request("/generate", body, server=self._server(server))
-        return decode_turn(resp, len(input_ids), e.layout, need_routing=e.need_routing,
+        turn = decode_turn(resp, len(input_ids), e.layout, need_routing=e.need_routing,
                            need_mask=e.need_mask, routing_start=routing_from or 0)
+        return stopped_before_abort(turn, e.layout.eos_ids + tuple(sampling.stop_token_ids))
 
     async def abort_all(self) -> None:
         await broadcast_tolerant(self.pool, "/abort_request", {"abort_all": True})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import numpy as np
 import torch
 
@@ -91,7 +92,9 @@ def decode_turn(resp: dict, input_len: int, layout: MoEShape, *, need_routing: b
     out = resp.get("output_ids")
     finish = meta.get("finish_reason") or {}
     finish = finish if isinstance(finish, dict) else {"type": str(finish)}
-    if out == [] and finish.get("type") == "abort":   # aborted before it ran
+    aborted = finish.get("type") == "abort"
+    if aborted and (out == [] or _answered_from_waiting_queue(meta, need_routing, need_mask)):
+        # aborted before it ran, or while retracted: no progress (continued from the prefix)
         return Turn([], torch.zeros(0), None, None, None, None, _version(meta), finish, 0)
     if not isinstance(out, list) or not out:
         raise ResponseError(f"output_ids: expected a non-empty list (request {meta.get('id')})")
@@ -115,7 +118,38 @@ def decode_turn(resp: dict, input_len: int, layout: MoEShape, *, need_routing: b
                             f"{cached!r}")
     per_token = decode_weight_versions(meta.get("weight_versions"), R)
     version = _version(meta) if per_token is None else per_token[0]
-    return Turn(out, lp, routing, offsets, ids, logmass, version, finish, cached, per_token)
+    return Turn(out, lp, routing, offsets, ids, logmass, version, finish, cached, per_token,
+                _retractions(meta))
+
+
+def _answered_from_waiting_queue(meta: dict, need_routing: bool, need_mask: bool) -> bool:
+    """Whether an aborted answer lacks the routing or kept sets the rollout asked for: SGLang
+    answers a request that KV-pool pressure moved back to its waiting queue (retracted, its
+    output ids kept) with ids and log-probs only (``tokenizer_manager._handle_abort_req``,
+    "Abort in waiting queue")."""
+    return ((need_routing and not meta.get("routed_experts"))
+            or (need_mask and meta.get("output_token_sampling_mask") is None))
+
+
+def _retractions(meta: dict) -> int:
+    """How often the engine retracted the request under KV-pool pressure (SGLang's
+    ``num_retractions``; 0 when absent)."""
+    n = meta.get("num_retractions", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ResponseError(f"num_retractions: expected a non-negative integer, got {n!r}")
+    return n
+
+
+def stopped_before_abort(turn: Turn, stop_ids: tuple[int, ...]) -> Turn:
+    """An aborted turn whose last token ends a generation (EOS, a request's stop id) finished:
+    SGLang gives an aborted running request one more decode step, so its answer can end in such
+    a token while ``finish_reason`` says abort (``schedule_batch.py``, the batch result
+    processor); continuing it would generate past its end. Its finish becomes SGLang's
+    ``{"type": "stop", "matched": id}``."""
+    if turn.aborted and turn.output_ids and turn.output_ids[-1] in stop_ids:
+        return dataclasses.replace(turn, finish_reason={"type": "stop",
+                                                        "matched": turn.output_ids[-1]})
+    return turn
 
 
 def _version(meta: dict) -> int:

@@ -29,7 +29,8 @@ class SGLangProtocolKind(EngineKind):
         r = self.cfg.rollout
         return lambda: ServerPool(urls, api_key=r.api_key, timeout=r.request_timeout_s,
                                   max_retries=r.max_retries, concurrency=r.concurrency,
-                                  restarters=restarters, health_timeout=r.health_timeout_s)
+                                  restarters=restarters, health_timeout=r.health_timeout_s,
+                                  weight_timeout=r.weight_load_timeout_s)
 
     def connect(self, urls, layout: MoEShape, restarters=None) -> SGLangEngine:
         return SGLangEngine(self._pool_factory(urls, restarters), layout,

@@ -22,6 +22,14 @@ import httpx
 from moe_rl.engines.base import EngineError
 
 
+# SGLang's weight-update calls: while one runs, the server's /health (a generation behind the
+# update lock, http_server.py, tokenizer_manager.py) cannot answer, so it is not asked
+WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_distributed",
+                          "/update_weights_from_tensor", "/init_weights_update_group",
+                          "/destroy_weights_update_group", "/begin_weight_update",
+                          "/end_weight_update"})
+
+
 class EngineHTTPError(EngineError):
     """A request every server refused or that kept failing after its retries."""
 
@@ -76,7 +84,8 @@ class ServerPool:
     def __init__(self, urls: list[str], *, api_key: str | None = None, timeout: float = 300.0,
                  max_retries: int = 3, concurrency: int = 64,
                  restarters: list[Callable[[], None] | None] | None = None,
-                 backoff: float = 0.5, health_timeout: float | None = None):
+                 backoff: float = 0.5, health_timeout: float | None = None,
+                 weight_timeout: float = 3600.0):
         if not urls:
             raise ValueError("rollout.num_servers: the pool needs at least one server")
         restarters = restarters or [None] * len(urls)
@@ -86,6 +95,7 @@ class ServerPool:
         # the longest a silent server's /health may take (a CPU-bound server answers late)
         self.health_timeout = timeout if health_timeout is None else health_timeout
         self.concurrency, self.backoff = concurrency, backoff
+        self.weight_timeout = weight_timeout   # the longest one weight-update call may take
         self.restarts = 0
         self.health_probes = 0   # /health asked of a server silent for `timeout` seconds
         self._client: httpx.AsyncClient | None = None
@@ -161,11 +171,21 @@ class ServerPool:
                       body: dict | None) -> httpx.Response:
         """The response of one request. No read timeout on the request itself: after each
         ``timeout`` seconds without an answer the server's health is checked, and the wait goes
-        on while it is healthy; an unhealthy server raises :class:`httpx.ReadTimeout`."""
+        on while it is healthy; an unhealthy server raises :class:`httpx.ReadTimeout`. A
+        weight-update call (:data:`WEIGHT_PATHS`) is waited for ``weight_timeout`` seconds
+        without asking ``/health``, which the server answers only once the update is done (a
+        dead server still shows: its connection breaks)."""
         no_read_limit = httpx.Timeout(self.timeout, read=None)
         send = asyncio.ensure_future(self._client.request(method, server.url + path, json=body,
                                                           timeout=no_read_limit))
         try:
+            if path in WEIGHT_PATHS:
+                done, _ = await asyncio.wait({send}, timeout=self.weight_timeout)
+                if not done:
+                    raise httpx.ReadTimeout(f"{server.url}{path}: no answer in "
+                                            f"{self.weight_timeout} s (rollout."
+                                            f"weight_load_timeout_s)")
+                return send.result()
             while True:
                 done, _ = await asyncio.wait({send}, timeout=self.timeout)
                 if done:

@@ -67,9 +67,7 @@ class DistributedSender(_SessionSender):
     def open(self, address: str, port: int) -> str:
         """Replace the group: the servers leave the previous one and join the new one while
         rank 0 creates its end."""
-        if self.group is not None:
-            close_group(self.group)
-            self.group = None
+        self._drop_group()
         previous, self.group_name = self.group_name, f"moe_rl_weights_{self.groups_built}"
         self.groups_built += 1
         with ThreadPoolExecutor(1) as pool:
@@ -83,9 +81,18 @@ class DistributedSender(_SessionSender):
         return (f"weight-update group {self.group_name}: {self.backend} at {address}:{port}, "
                 f"{self.world} ranks")
 
+    def _drop_group(self) -> None:
+        """Close the group at once after a failed bucket: a broadcast left pending in it would
+        have NCCL's watchdog abort this rank after its timeout, while the caller falls back to
+        a disk load (the next sync builds a new group, :meth:`open`)."""
+        if self.group is not None:
+            close_group(self.group)
+            self.group = None
+
     def send(self, buckets: Iterable[tuple[Bucket, bool]], version: int) -> int:
         """Every rank takes part in streaming the buckets; rank 0 announces each to every
-        server (``flush_cache`` on the last) while it broadcasts its tensors."""
+        server (``flush_cache`` on the last) while it broadcasts its tensors; on the first
+        failure it closes the group and sends nothing more."""
         sent, failure = 0, self._begin()
         with ThreadPoolExecutor(1) as pool:
             for bucket, last in buckets:
@@ -100,6 +107,7 @@ class DistributedSender(_SessionSender):
                     sent += len(bucket)
                 except Exception as exc:   # finish the stream (collectives), then report
                     failure = exc
+                    self._drop_group()
         if failure is not None:
             raise failure
         if self.rank == 0:
@@ -123,12 +131,16 @@ class TensorSender(_SessionSender):
         self.sources = sources
 
     def send(self, buckets: Iterable[tuple[Bucket, bool]], version: int) -> int:
+        """Every rank iterates the buckets (their gathers are collectives); once rank 0 has
+        failed, every rank learns it at the next bucket and serialises nothing more."""
         sent, failure = 0, self._begin()
         consumed = self.rank in {r for ranks in self.sources for r in ranks}
         for bucket, last in buckets:
+            if serialize.rank0_flag(failure is not None):
+                continue
             payloads = serialize.gather_strings(
                 serialize.serialize_named_tensors(self._served(bucket)) if consumed else "")
-            if self.rank != 0 or failure is not None:
+            if self.rank != 0:
                 continue
             try:
                 self.receiver.receive_tensors(

@@ -1,0 +1,250 @@
+"""SGLang's answers under pressure, decoded and survived: a retracted request aborted from the
+waiting queue (ids and log-probs, no routing, no kept sets) is no progress; an abort that came
+with EOS finishes the response; retractions are counted and, by ``rollout.retracted``, kept or
+masked; a failed broadcast closes the weight-update group at once; a failed tensor sync stops
+every rank's serialising; the weight check's probe never lists the whole vocabulary."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from moe_rl.config import load_config, probe_temperature
+from moe_rl.engines.base import SamplingConfig
+from moe_rl.engines.sglang.client import SGLangEngine, SGLangSession
+from moe_rl.engines.sglang.decode import decode_turn
+from moe_rl.engines.sglang.pool import EngineHTTPError
+from moe_rl.moe_shape import MoEShape
+from moe_rl.rollout.groups import retraction_counts
+from moe_rl.rollout.partial import PartialRollout
+from moe_rl.rollout.trajectories import sample_of_turn
+from moe_rl.trainer.parallel import free_port
+
+LAYOUT = MoEShape(num_layers=1, moe_layers=(0,), topk=2, num_experts=4, vocab_size=16,
+                  eos_ids=(2,))
+
+
+def waiting_queue_abort(output_ids: list[int]) -> dict:
+    """SGLang 0.5.23's answer to ``abort_all`` for a request that KV-pool pressure moved back to
+    the waiting queue (``TokenizerManager._handle_abort_req``): its output ids so far and their
+    log-probs, but no ``routed_experts``, kept sets or ``cached_tokens``."""
+    return {"text": "", "output_ids": output_ids, "meta_info": {
+        "id": "r1", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+        "weight_version": "3", "e2e_latency": 0.5, "completion_tokens": len(output_ids),
+        "output_token_logprobs": [[-0.5, t, None] for t in output_ids]}}
+
+
+@pytest.mark.parametrize("need", [(True, False), (False, True)], ids=["routing", "mask"])
+def test_a_retracted_request_aborted_in_the_waiting_queue_is_no_progress(need):
+    """Counted as an abort before it ran: nothing kept, continued later from the same prefix
+    (it raised ResponseError and ended the step)."""
+    routing, mask = need
+    turn = decode_turn(waiting_queue_abort([5, 6, 7]), 4, LAYOUT, need_routing=routing,
+                       need_mask=mask)
+    assert turn.aborted and turn.output_ids == [] and turn.weight_version == 3
+
+
+class _CannedPool:
+    """A pool answering each /generate with the next canned answer (recording the bodies)."""
+
+    def __init__(self, answers: list[dict]):
+        self.answers, self.bodies, self.servers = list(answers), [], [object()]
+
+    async def request(self, path, body=None, *, server=None, method="POST", resend=True):
+        if path == "/abort_request":
+            return {}
+        self.bodies.append(body)
+        return self.answers.pop(0)
+
+
+class _CannedEngine(SGLangEngine):
+    def __init__(self, pool: _CannedPool, layout: MoEShape = LAYOUT):
+        super().__init__(lambda: pool, layout, need_routing=False, need_mask=False)
+        self.pool = pool
+
+    def run(self, fn):
+        return asyncio.run(fn(SGLangSession(self, self.pool)))
+
+
+def _answer(output_ids: list[int], finish: dict, **meta) -> dict:
+    return {"text": "", "output_ids": output_ids, "meta_info": {
+        "finish_reason": finish, "weight_version": "0", "cached_tokens": 0,
+        "output_token_logprobs": [[-0.25, t, None] for t in output_ids], **meta}}
+
+
+class _Prompt:
+    def __init__(self, ids):
+        self.ids = ids
+
+
+async def _score(samples):
+    return samples
+
+
+@pytest.mark.parametrize("last", ["eos", "stop_id"])
+def test_an_abort_that_came_with_eos_finishes_the_response(last):
+    """An aborted running request gets one more decode step: its answer ends in EOS (or a stop
+    id the request named) while finish_reason says abort. The partial rollout finishes it there
+    (finish ``stop``, trained this step) instead of continuing it past its end."""
+    end = 2 if last == "eos" else 9
+    pool = _CannedPool([_answer([5, 6, end], {"type": "abort"})])
+    rollout = PartialRollout(max_new_tokens=8, max_staleness=1, stale="drop",
+                             mask_offpolicy=False, need_routing=False, need_mask=False)
+    sampling = SamplingConfig(max_new_tokens=8, stop_token_ids=(9,) if last == "stop_id" else ())
+    out = rollout.collect(_CannedEngine(pool), [_Prompt([1, 3, 4])], [0], 1, sampling, 0, 0, 1,
+                          _score)
+    (s,) = out.samples
+    assert s.response_ids.tolist() == [5, 6, end]
+    assert s.metadata["finish_reason"] == "stop" and len(pool.bodies) == 1
+    assert out.counts["rollout/partial_in_flight"] == 0.0
+
+
+def test_an_abort_before_a_token_that_ends_nothing_is_continued():
+    """The counter-case: an aborted answer ending in an ordinary token stays in flight."""
+    pool = _CannedPool([_answer([5, 6], {"type": "abort"})])
+    rollout = PartialRollout(max_new_tokens=8, max_staleness=1, stale="drop",
+                             mask_offpolicy=False, need_routing=False, need_mask=False)
+    out = rollout.collect(_CannedEngine(pool), [_Prompt([1, 3, 4])], [0], 1,
+                          SamplingConfig(max_new_tokens=8), 0, 0, 1, _score)
+    assert out.samples == [] and out.counts["rollout/partial_in_flight"] == 1.0
+
+
+def test_the_end_ids_come_from_config_and_generation_config(tmp_path):
+    """SGLang stops at the eos ids of config.json and of generation_config.json."""
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 1, "num_experts": 4, "num_experts_per_tok": 2, "eos_token_id": 7}))
+    assert MoEShape.from_model_dir(str(tmp_path)).eos_ids == (7,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 11]}))
+    assert MoEShape.from_model_dir(str(tmp_path)).eos_ids == (7, 11)
+
+
+@pytest.mark.parametrize("rule", ["keep", "mask"])
+def test_retractions_are_read_counted_and_kept_or_masked(rule):
+    """SGLang's ``num_retractions`` reaches the sample; ``rollout/retracted`` counts the
+    samples retracted at least once; ``mask`` takes their tokens out of the loss."""
+    turns = [decode_turn(_answer([5, 6], {"type": "stop"}, num_retractions=n), 3, LAYOUT,
+                         need_routing=False, need_mask=False) for n in (0, 2)]
+    samples = [sample_of_turn([1, 3, 4], t, group_id=0, sample_id=k)
+               for k, t in enumerate(turns)]
+    assert [s.metadata.get("retractions", 0) for s in samples] == [0, 2]
+    counts = retraction_counts(samples, rule == "mask")
+    assert counts["rollout/retracted"] == 1.0
+    assert counts["rollout/retracted_masked_tokens"] == (2.0 if rule == "mask" else 0.0)
+    assert samples[0].loss_mask.all()
+    assert samples[1].loss_mask.any() == (rule == "keep")
+    with pytest.raises(Exception, match="num_retractions"):
+        decode_turn(_answer([5], {"type": "stop"}, num_retractions=-1), 3, LAYOUT,
+                    need_routing=False, need_mask=False)
+
+
+def test_a_failed_broadcast_closes_the_group_before_the_sync_falls_back():
+    """A server refuses a bucket's announcement mid-broadcast (gloo, a real peer): the sender
+    raises with the group already closed and dropped, so no broadcast is left pending in it
+    (NCCL's watchdog would abort the trainer rank after its timeout while the disk fallback
+    loads); the next sync opens a new group."""
+    from moe_rl.engines.sglang.sender import DistributedSender
+    from moe_rl.engines.sglang.weights import open_group
+    port = free_port()
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "import time; from moe_rl.engines.sglang.weights import open_group; "
+        f"g = open_group('gloo', '127.0.0.1', {port}, 1, 2, 'refused', timeout_s=60); "
+        "time.sleep(30)")])
+
+    class Refusing:
+        def begin(self):
+            pass
+
+        def end(self, missing_ok=False):
+            pass
+
+        def announce_bucket(self, named, version, group_name, last):
+            time.sleep(0.3)
+            raise EngineHTTPError("HTTP 400: dtypes: refused")
+
+    try:
+        sender = DistributedSender(Refusing(), 0, fp8=False, backend="gloo", world=2,
+                                   timeout_s=60)
+        sender.group = open_group("gloo", "127.0.0.1", port, 0, 2, "refused", timeout_s=60)
+        group = sender.group.group
+        t0 = time.monotonic()
+        with pytest.raises(EngineHTTPError, match="refused"):
+            sender.send(iter([([("w", torch.ones(4))], False), ([("v", torch.ones(2))], True)]),
+                        1)
+        assert time.monotonic() - t0 < 10
+        assert sender.group is None and not sender.opened
+        from torch.distributed import distributed_c10d as c10d
+        assert group not in c10d._world.pg_group_ranks
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+def _tensor_sync_rank(rank: int, port: int, out) -> None:
+    """One trainer rank of a colocated tensor sync over gloo (2 ranks, both sources of the one
+    server); rank 0's server refuses the first bucket. Reports how many buckets it serialised."""
+    import torch.distributed as dist
+    import moe_rl.weights.serialize as serialize
+    from moe_rl.engines.sglang.sender import TensorSender
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    made = []
+    serialize.serialize_named_tensors = lambda named: made.append(1) or f"payload{rank}"
+
+    class Refusing:
+        def begin(self):
+            pass
+
+        def end(self, missing_ok=False):
+            pass
+
+        def receive_tensors(self, payloads, version, last):
+            raise EngineHTTPError("HTTP 400: refused")
+
+    sender = TensorSender(Refusing(), rank, fp8=False, sources=[[0, 1]])
+    buckets = iter([([("w", torch.ones(2))], False)] * 3 + [([("w", torch.ones(2))], True)])
+    try:
+        sender.send(buckets, 1)
+        out.put((rank, len(made), None))
+    except EngineHTTPError as exc:
+        out.put((rank, len(made), str(exc)))
+    dist.destroy_process_group()
+
+
+def test_a_failed_tensor_sync_stops_serialising_on_every_rank():
+    """Rank 0's server refuses the first of four buckets: every rank learns it at the next
+    bucket and serialises nothing more (each consumer rank serialised all four before)."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_tensor_sync_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert got == [(0, 1, "HTTP 400: refused"), (1, 1, None)], got
+
+
+@pytest.mark.parametrize("mask,temperature,want", [(False, 0.7, 1.0), (False, 0.0, 1.0),
+                                                    (True, 0.7, 0.7), (True, 1.0, 1.0)])
+def test_the_weight_check_probe_never_lists_the_whole_vocabulary(mask, temperature, want):
+    """Without the sampling mask the probe is scored at temperature 1 on both sides (the
+    engine's prefill log-probs as they are; at 0.7 it listed every vocabulary id at every
+    position); with the mask, at the rollout's temperature on the kept ids."""
+    cfg = load_config(None, [f"algorithm.keep_sampling_mask={str(mask).lower()}",
+                             f"rollout.temperature={temperature}", "rollout.top_k=20"])
+    assert probe_temperature(cfg) == want
+    if mask:
+        return
+    pool = _CannedPool([[{"meta_info": {"input_token_logprobs": [None, [-0.5, 5, None]]}}]])
+    engine = _CannedEngine(pool)
+    engine.run_with_pool = lambda coro_fn: asyncio.run(coro_fn(pool))
+    from moe_rl.types import Sample
+    s = Sample(prompt_ids=[1, 3], response_ids=[5], rollout_logprobs=[-0.5])
+    engine.score([s], 1, temperature=probe_temperature(cfg))
+    assert "token_ids_logprob" not in pool.bodies[0] and s.pass_logprobs.tolist() == [[-0.5]]
