@@ -77,6 +77,7 @@ class Turn:
     token_versions: list[int] | None = None   # per generated token, when an update landed
                                               # during the request (SGLang's weight_versions)
     retractions: int = 0   # times the engine retracted it under KV-pool pressure (re-prefilled)
+    discarded: int = 0     # tokens an abort answered without the routing / kept sets asked for
 
     @property
     def aborted(self) -> bool:

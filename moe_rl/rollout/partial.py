@@ -95,11 +95,13 @@ class PartialCounts:
     masked_tokens: int = 0   # tokens kept out of the loss (staleness mask, off-policy mask)
     in_flight: int = 0       # groups left for the next steps
     tokens: int = 0          # generated this step
+    discarded_tokens: int = 0   # answered by an abort without routing / kept sets (retracted)
     score_s: float = 0.0     # seconds spent scoring rewards
 
     def metrics(self) -> dict[str, float]:
         return {f"rollout/partial_{k}": float(getattr(self, k))
-                for k in ("aborted", "dropped", "masked_tokens", "in_flight")}
+                for k in ("aborted", "dropped", "masked_tokens", "in_flight",
+                          "discarded_tokens")}
 
 
 @dataclass
@@ -209,6 +211,7 @@ class PartialRollout:
                     seed=r.seed + CONTINUATION_SEED * r.requests, server=r.server)
                 r.requests += 1
                 counts.tokens += len(turn.output_ids)
+                counts.discarded_tokens += turn.discarded
                 await keep_turn(session, r.server, r.traj, ids, turn, 0, self.need_routing)
                 if turn.aborted:
                     counts.aborted += 1
@@ -217,6 +220,7 @@ class PartialRollout:
 
         async def run_episode(g: _Group, r: _Response) -> None:
             before = len(r.traj.ids)
+            discarded = r.episode.discarded if r.episode is not None else 0
             try:
                 if r.episode is None:
                     env = await env_call("environment", self.environment,
@@ -233,6 +237,8 @@ class PartialRollout:
             finally:
                 r.requests += 1
                 counts.tokens += len(r.traj.ids) - before
+                if r.episode is not None:
+                    counts.discarded_tokens += r.episode.discarded - discarded
             if finished:
                 r.finish = {"type": "done"}
             else:

@@ -242,6 +242,7 @@ class Episode:
         self.traj = Trajectory(record.ids)
         self.stop = tuple(getattr(env, "stop_token_ids", ()) or ())
         self.turns = self.requests = self.refetches = 0
+        self.discarded = 0   # tokens aborts answered without routing / kept sets (retracted)
         self.reward, self.truncated = None, False
         self.turn_start: int | None = None   # response index where the turn in progress began
         self.started = False
@@ -274,6 +275,7 @@ class Episode:
                     ids, params, seed=None if self.seed is None else self.seed + self.requests,
                     routing_from=start, server=self.server)
                 self.requests += 1
+                self.discarded += turn.discarded
                 self.refetches += await keep_turn(session, self.server, traj, ids, turn, start,
                                                   self.engine.need_routing)
                 if turn.aborted:

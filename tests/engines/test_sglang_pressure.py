@@ -46,6 +46,7 @@ def test_a_retracted_request_aborted_in_the_waiting_queue_is_no_progress(need):
     turn = decode_turn(waiting_queue_abort([5, 6, 7]), 4, LAYOUT, need_routing=routing,
                        need_mask=mask)
     assert turn.aborted and turn.output_ids == [] and turn.weight_version == 3
+    assert turn.discarded == 3
 
 
 class _CannedPool:

@@ -8,6 +8,7 @@ run keeps the weight-update group on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -121,14 +122,15 @@ def test_zero_mismatch_covering_set_on_sglang(model_dir, tmp_path):
     assert len(results) == len(combos) and all(len(rows) == 2 for rows in results.values())
 
 
-def _train(config, model, run_dir, *extra, steps=2):
+def _train(config, model, run_dir, *extra, steps=2, env=None):
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(config),
            f"model.path={model}", f"logging.dir={run_dir}", f"trainer.steps={steps}",
            "trainer.export_hf=false", "rollout.prompts_per_step=2",
            "rollout.n_samples_per_prompt=2", f"rollout.base_port={free_port()}",
            "logging.progress=false", "logging.tensorboard=false", *on_sglang(), *extra]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600,
+                         env=None if env is None else {**os.environ, **env})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps))
@@ -223,4 +225,43 @@ def test_a_bf16_trainer_syncs_into_bf16_sglang(model_dir, tmp_path):
         assert 0 < m["mismatch/k3"] < 1e-2, m["mismatch/k3"]
         assert m["routing/agreement"] >= 0.9
     assert "weight sync (distributed) of version" not in res.stdout + res.stderr
+    no_kernel_called(run)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+def test_retraction_under_a_small_kv_pool_stays_exact(model_dir, tmp_path, partial):
+    """The real SGLang with a KV pool of 192 tokens and 40-token responses: it retracts running
+    requests (back to its waiting queue, re-prefilled later, their routing recomputed). In
+    float32 with R3 and the kept sets every step stays exact (k3 ~0, agreement 1.0) and the
+    retractions are counted. ``SGLANG_FORCE_STREAM_INTERVAL=4`` makes SGLang hand its tokenizer
+    the tokens of a running request every 4 (on GPUs: every 50, responses longer than that):
+    with partial rollouts, the abort then answers a retracted request from the waiting queue with
+    ids and log-probs but no routing and no kept sets, which must count as no progress (it
+    ended the step). Without partial rollouts ``rollout.retracted: mask`` takes the retracted
+    samples' tokens out of the loss."""
+    run = tmp_path / "run"
+    mode = (["rollout.partial=true", "rollout.max_staleness=2", "rollout.partial_extra_groups=12"]
+            if partial else ["rollout.retracted=mask", "rollout.prompts_per_step=8",
+                             "rollout.n_samples_per_prompt=8"])
+    _, rows = _train(CONFIG, model_dir, run, "trainer.sft_warmup_steps=0",
+                     "rollout.max_new_tokens=40", "rollout.sglang.max_total_tokens=192",
+                     "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
+                     "rollout.top_k=20", *mode,
+                     'rollout.sglang.extra_args=[--schedule-conservativeness, "0.01"]',
+                     steps=3 if partial else 2, env={"SGLANG_FORCE_STREAM_INTERVAL": "4"})
+    log = (run / "logs" / "engine_0.log").read_text(errors="replace")
+    assert "KV cache pool is full. Retract requests." in log
+    if partial:   # the aborts met retracted requests: answered without routing, discarded
+        assert sum(m["rollout/partial_discarded_tokens"] for m in rows) > 0
+    else:
+        assert sum(m["rollout/retracted"] for m in rows) > 0
+    for m in rows:
+        check_real_engine("retraction", m)
+        assert m["routing/agreement"] == 1.0
+        if partial:
+            assert m["staleness/unscored_samples"] == 0.0
+        else:
+            assert (m["rollout/retracted_masked_tokens"] > 0) == (m["rollout/retracted"] > 0)
+    if partial:
+        assert sum(m["rollout/partial_aborted"] for m in rows) > 0
     no_kernel_called(run)

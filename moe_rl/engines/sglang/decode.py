@@ -95,7 +95,8 @@ def decode_turn(resp: dict, input_len: int, layout: MoEShape, *, need_routing: b
     aborted = finish.get("type") == "abort"
     if aborted and (out == [] or _answered_from_waiting_queue(meta, need_routing, need_mask)):
         # aborted before it ran, or while retracted: no progress (continued from the prefix)
-        return Turn([], torch.zeros(0), None, None, None, None, _version(meta), finish, 0)
+        return Turn([], torch.zeros(0), None, None, None, None, _version(meta), finish, 0,
+                    discarded=len(out) if isinstance(out, list) else 0)
     if not isinstance(out, list) or not out:
         raise ResponseError(f"output_ids: expected a non-empty list (request {meta.get('id')})")
     R = len(out)
