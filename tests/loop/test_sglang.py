@@ -265,3 +265,42 @@ def test_retraction_under_a_small_kv_pool_stays_exact(model_dir, tmp_path, parti
     if partial:
         assert sum(m["rollout/partial_aborted"] for m in rows) > 0
     no_kernel_called(run)
+
+
+SLOW_LOAD = '''
+import importlib.util, os, time
+if importlib.util.find_spec("moe_rl_sglang_cpu_shims") is not None:   # the SGLang process
+    from sglang.srt.managers.scheduler_components import weight_updater as _wu
+    _load = _wu.SchedulerWeightUpdaterManager.update_weights_from_disk
+
+    def slow_load(self, recv_req):   # the first checkpoint loaded takes long to read
+        if not os.path.exists(os.environ["SLOW_LOAD_MARK"]):
+            open(os.environ["SLOW_LOAD_MARK"], "a").close()
+            time.sleep(float(os.environ["SLOW_LOAD_S"]))
+        return _load(self, recv_req)
+    _wu.SchedulerWeightUpdaterManager.update_weights_from_disk = slow_load
+'''
+
+
+def test_a_weight_load_longer_than_the_health_bound_completes_without_a_restart(model_dir,
+                                                                               tmp_path):
+    """SGLang's /health cannot answer while /update_weights_from_disk runs (its check is a
+    generation that waits for the load). A disk load of 70 s, in SGLang's scheduler, against
+    rollout.request_timeout_s=2 and health_timeout_s=60 (which also bounds the server's start):
+    the pool waits for the load instead of asking /health after 2 s of silence and killing the
+    server when /health stays silent for 60 (then again on the restarted one); the run finishes
+    with no restart, serving version 1 and then 2."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_LOAD)
+    env = {"PYTHONPATH": f"{tmp_path / 'site'}:{os.environ.get('PYTHONPATH', '')}",
+           "SLOW_LOAD_S": "70", "SLOW_LOAD_MARK": str(tmp_path / "slowed")}
+    run = tmp_path / "run"
+    _, rows = _train(CONFIG, model_dir, run, "rollout.request_timeout_s=2",
+                     "rollout.health_timeout_s=60", "trainer.sft_warmup_steps=0",
+                     "cluster.weight_sync=disk", env=env)
+    assert [m["weight_version/min"] for m in rows] == [0.0, 1.0]
+    assert [m["rollout/engine_restarts"] for m in rows] == [0.0, 0.0]
+    assert rows[0]["timing/weight_sync_s"] > 60   # the load really was slow
+    log = (run / "logs" / "engine_0.log").read_text(errors="replace")
+    assert log.count("Uvicorn running") == 1   # started once, never again
+    no_kernel_called(run)
