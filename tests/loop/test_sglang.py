@@ -304,3 +304,52 @@ def test_a_weight_load_longer_than_the_health_bound_completes_without_a_restart(
     log = (run / "logs" / "engine_0.log").read_text(errors="replace")
     assert log.count("Uvicorn running") == 1   # started once, never again
     no_kernel_called(run)
+
+
+ABORT_AT_EOS = '''
+import importlib.util, os
+if importlib.util.find_spec("moe_rl_sglang_cpu_shims") is not None:   # the SGLang process
+    from sglang.srt.managers import schedule_batch as _sb
+    _update = _sb.Req.update_finish_state
+    _eos = int(os.environ["ABORT_AT_EOS_ID"])
+
+    def update_finish_state(self, new_accepted_len=1):
+        # an abort that arrives in the decode step that samples EOS: SGLang keeps that token
+        # and finishes the request as aborted (Req.update_finish_state's to_finish)
+        if (not self.finished() and self.to_finish is None and len(self.output_ids)
+                and self.output_ids[-1] == _eos):
+            self.to_finish = _sb.FINISH_ABORT()
+            with open(os.environ["ABORT_AT_EOS_LOG"], "a") as fh:
+                fh.write(self.rid + "\\n")
+        return _update(self, new_accepted_len)
+    _sb.Req.update_finish_state = update_finish_state
+'''
+
+
+def test_an_abort_that_comes_with_eos_finishes_the_response_on_sglang(model_dir, tmp_path):
+    """Partial rollouts on the real SGLang, every EOS the warm-started model samples met by an
+    abort in that same decode step (a patch in SGLang's scheduler sets the request's pending
+    abort just before SGLang's own finish check): SGLang answers with the EOS as the last token
+    and finish_reason abort. Each such response is finished there (finish ``stop``, its last
+    token EOS) and trained, never continued past its end; every step exact."""
+    import json as _json
+    eos = _json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(ABORT_AT_EOS)
+    hits = tmp_path / "aborted_at_eos.txt"
+    env = {"PYTHONPATH": f"{tmp_path / 'site'}:{os.environ.get('PYTHONPATH', '')}",
+           "ABORT_AT_EOS_ID": str(eos), "ABORT_AT_EOS_LOG": str(hits)}
+    run = tmp_path / "run"
+    _, rows = _train(CONFIG, model_dir, run, "rollout.partial=true", "rollout.max_staleness=1",
+                     "rollout.max_new_tokens=12", "algorithm.replay=r3",
+                     "algorithm.keep_sampling_mask=true", "rollout.top_k=20",
+                     "logging.samples_per_step=64", env=env)
+    assert hits.exists() and hits.read_text().count("\n") > 0   # the aborts met EOS
+    shown = [_json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    ended = [s for s in shown if s["metadata"]["stopped"]]
+    assert ended, "no response ended in EOS"
+    assert all(s["metadata"]["finish_reason"] == "stop" for s in ended)
+    assert all(s["metadata"]["finish_reason"] != "abort" for s in shown)
+    for m in rows:
+        check_real_engine("abort at eos", m)
+    no_kernel_called(run)
