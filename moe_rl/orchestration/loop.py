@@ -93,7 +93,11 @@ class StepLoop:
         metrics.update(timer.metrics)
         metrics["timing/step_s"] = time.perf_counter() - t0
         metrics.update(rollout_metrics(summary))
-        metrics["rollout/engine_restarts"] = float(ray.get(run.rollout.restarts.remote()))
+        restarts = ray.get(run.rollout.restarts.remote())
+        if restarts > (run.history[-1]["rollout/engine_restarts"] if run.history else 0):
+            print(f"step {step}: engine servers restarted so far: {restarts} (a server stopped "
+                  f"answering; restarted and given the current weights)", flush=True)
+        metrics["rollout/engine_restarts"] = float(restarts)
         metrics["rollout/weight_sync_recoveries"] = float(run.weights.recoveries)
         if run.weights.check is not None:   # the last checked version's figures
             metrics.update(run.weights.check.metrics)

@@ -95,6 +95,7 @@ class _StubServer:
         stub = self
         self.delay, self.hung, self.generated, self.status = delay, False, 0, 200
         self.dripping = False
+        self.health_status = 200
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -120,7 +121,7 @@ class _StubServer:
                         self.wfile.write(b" ")
                         self.wfile.flush()
                         time.sleep(0.1)
-                self._reply(b"{}")
+                self._reply(b"{}", stub.health_status)
 
             def do_POST(self):
                 self.rfile.read(int(self.headers["content-length"]))
@@ -301,5 +302,27 @@ def test_a_weight_call_is_bounded_by_the_weight_load_timeout():
                 await pool.request("/update_weights_from_disk", {}, server=pool.servers[0])
         with pytest.raises(EngineHTTPError, match="rollout.weight_load_timeout_s"):
             asyncio.run(main())
+    finally:
+        stub.close()
+
+
+def test_a_server_answering_health_with_503_is_restarted():
+    """SGLang answers /health 503 while its scheduler is stuck (in the collective of a weight
+    broadcast another server refused, until the group's timeout): the health check takes it for
+    dead, restarts it and asks again (it failed the run after its retries)."""
+    import asyncio
+    stub, restarts = _StubServer(delay=0.0), []
+    stub.health_status = 503
+
+    def restart():
+        restarts.append(1)
+        stub.health_status = 200
+    try:
+        async def main():
+            async with ServerPool([stub.url], timeout=1.0, max_retries=2, backoff=0.01,
+                                  restarters=[restart]) as pool:
+                return await pool.broadcast("/health", None, method="GET"), pool
+        out, pool = asyncio.run(main())
+        assert out == [{}] and restarts == [1] and pool.restarts == 1
     finally:
         stub.close()

@@ -326,30 +326,92 @@ if importlib.util.find_spec("moe_rl_sglang_cpu_shims") is not None:   # the SGLa
 '''
 
 
-def test_an_abort_that_comes_with_eos_finishes_the_response_on_sglang(model_dir, tmp_path):
-    """Partial rollouts on the real SGLang, every EOS the warm-started model samples met by an
-    abort in that same decode step (a patch in SGLang's scheduler sets the request's pending
-    abort just before SGLang's own finish check): SGLang answers with the EOS as the last token
-    and finish_reason abort. Each such response is finished there (finish ``stop``, its last
-    token EOS) and trained, never continued past its end; every step exact."""
+CHAOS_ENGINE = '''
+import importlib.util, os
+if importlib.util.find_spec("moe_rl_sglang_cpu_shims") is not None:   # the SGLang process
+    from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqOutput
+    from sglang.srt.managers.scheduler_components import weight_updater as _wu
+    _update_distributed = _wu.SchedulerWeightUpdaterManager.update_weights_from_distributed
+
+    def refuse_once(self, recv_req):   # one bucket of one version refused, once in the run
+        mark = os.environ["CHAOS_REFUSED_MARK"]
+        if recv_req.weight_version == os.environ["CHAOS_REFUSE_VERSION"]:
+            try:
+                os.close(os.open(mark, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                return UpdateWeightsFromDistributedReqOutput(success=False,
+                                                             message="refused by the chaos test")
+        return _update_distributed(self, recv_req)
+    _wu.SchedulerWeightUpdaterManager.update_weights_from_distributed = refuse_once
+'''
+
+CHAOS_REWARD = '''
+import itertools, os, signal
+from moe_rl.rewards.functions import toy_reward
+_calls = itertools.count()
+
+
+def score(prompt, response, answer, metadata):
+    """The toy reward; call number CHAOS_KILL_AT first SIGKILLs one SGLang server (its
+    scheduler and detokenizer die with it: SGLang's PR_SET_PDEATHSIG)."""
+    if next(_calls) == int(os.environ["CHAOS_KILL_AT"]):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+            except OSError:
+                continue
+            if b"sglang.launch_server" in argv and os.environ["CHAOS_MODEL"].encode() in argv:
+                os.kill(int(pid), signal.SIGKILL)
+                break
+    return toy_reward(prompt, response, answer, metadata)
+'''
+
+
+def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
+    """Eight steps on two real SGLang servers with partial rollouts (every step ends by
+    aborting what is still generating), every EOS the warm-started model samples met by an
+    abort in that same decode step (:data:`ABORT_AT_EOS`: SGLang keeps the EOS and says abort),
+    one server SIGKILLed mid-run (from the reward, between a rollout and its update) and one
+    broadcast weight sync refused by one engine (the other, inside the bucket's collective,
+    answers /health 503 until restarted): the run finishes; every step is exact (k3 ~0,
+    agreement 1.0, nothing unscored); each response that met its abort at EOS is finished
+    there (finish ``stop``), never continued past its end; the log names the restarts and the
+    sync redone from disk."""
     import json as _json
     eos = _json.loads((model_dir / "config.json").read_text())["eos_token_id"]
     (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(ABORT_AT_EOS)
+    (tmp_path / "site" / "sitecustomize.py").write_text(ABORT_AT_EOS + CHAOS_ENGINE)
+    (tmp_path / "site" / "chaos_reward.py").write_text(CHAOS_REWARD)
     hits = tmp_path / "aborted_at_eos.txt"
     env = {"PYTHONPATH": f"{tmp_path / 'site'}:{os.environ.get('PYTHONPATH', '')}",
-           "ABORT_AT_EOS_ID": str(eos), "ABORT_AT_EOS_LOG": str(hits)}
+           "ABORT_AT_EOS_ID": str(eos), "ABORT_AT_EOS_LOG": str(hits),
+           "CHAOS_REFUSE_VERSION": "5", "CHAOS_REFUSED_MARK": str(tmp_path / "refused"),
+           "CHAOS_KILL_AT": "20", "CHAOS_MODEL": str(model_dir)}
     run = tmp_path / "run"
-    _, rows = _train(CONFIG, model_dir, run, "rollout.partial=true", "rollout.max_staleness=1",
-                     "rollout.max_new_tokens=12", "algorithm.replay=r3",
-                     "algorithm.keep_sampling_mask=true", "rollout.top_k=20",
-                     "logging.samples_per_step=64", env=env)
-    assert hits.exists() and hits.read_text().count("\n") > 0   # the aborts met EOS
-    shown = [_json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-    ended = [s for s in shown if s["metadata"]["stopped"]]
-    assert ended, "no response ended in EOS"
-    assert all(s["metadata"]["finish_reason"] == "stop" for s in ended)
-    assert all(s["metadata"]["finish_reason"] != "abort" for s in shown)
+    res, rows = _train(CONFIG, model_dir, run, "rollout.num_servers=2", "rollout.partial=true",
+                       "rollout.max_staleness=1", "rollout.partial_extra_groups=4",
+                       "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=24",
+                       "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
+                       "rollout.top_k=20", "cluster.weight_sync=distributed",
+                       "data.reward=chaos_reward:score", "logging.samples_per_step=64",
+                       'rollout.sglang.extra_args=[--max-running-requests, "4"]', steps=8,
+                       env=env)
+    assert (tmp_path / "refused").exists()
+    assert rows[-1]["rollout/engine_restarts"] >= 1.0
+    assert rows[-1]["rollout/weight_sync_recoveries"] >= 1.0
+    assert sum(m["rollout/partial_aborted"] for m in rows) > 0
     for m in rows:
-        check_real_engine("abort at eos", m)
+        check_real_engine("chaos", m)
+        assert m["routing/agreement"] == 1.0
+        assert m["staleness/unscored_samples"] == 0.0
+    assert hits.exists() and hits.read_text().count("\n") > 0   # aborts met EOS
+    shown = [_json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    ended = [x for x in shown if x["metadata"]["stopped"]]
+    assert ended and all(x["metadata"]["finish_reason"] == "stop" for x in ended)
+    assert all(x["metadata"]["finish_reason"] != "abort" for x in shown)
+    out = res.stdout + res.stderr
+    assert "engine servers restarted so far: " in out
+    assert "weight sync (distributed) of version 5 failed" in out and "refused by the chaos" in out
     no_kernel_called(run)

@@ -6,7 +6,7 @@ passes, weight updates, health) wait for its restart and are sent again.
 A slow answer is not death: SGLang's non-streaming ``/generate`` sends nothing until the whole
 generation is done, so a server silent for ``timeout`` seconds is asked ``GET /health`` (answered
 within ``health_timeout``); while it answers, the wait goes on. Only a server that refuses connections or leaves its health check
-unanswered is taken for dead (and restarted)."""
+unanswered, or answers it with a server error, is taken for dead (and restarted)."""
 from __future__ import annotations
 
 import asyncio
@@ -237,6 +237,9 @@ class ServerPool:
                 target.failures += 1
                 if not resend:
                     raise last
+                # SGLang answers /health 503 while its scheduler is stuck (e.g. in the
+                # collective of a weight broadcast another server refused): taken for dead
+                dead = path == "/health"
             finally:
                 target.in_flight -= 1
             if dead:
