@@ -264,3 +264,27 @@ def on_sglang() -> tuple[str, ...]:
     """The overrides that put a run on the real SGLang on CPU."""
     return ("rollout.engine=sglang", "rollout.sglang.device=cpu",
             f"rollout.sglang.python={sglang_cpu_python()}")
+
+
+# a reward module (written beside a run, on its PYTHONPATH): the toy reward, whose call number
+# KILL_AT first SIGKILLs one engine server: the first process whose argv holds KILL_ARGV and the
+# model path KILL_MATCH (SGLang's scheduler and detokenizer die with it: PR_SET_PDEATHSIG)
+KILLER_REWARD = '''
+import itertools, os, signal
+from moe_rl.rewards.functions import toy_reward
+_calls = itertools.count()
+
+
+def score(prompt, response, answer, metadata):
+    if next(_calls) == int(os.environ["KILL_AT"]):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+            except OSError:
+                continue
+            if (os.environ["KILL_ARGV"].encode() in argv
+                    and os.environ["KILL_MATCH"].encode() in argv):
+                os.kill(int(pid), signal.SIGKILL)
+                break
+    return toy_reward(prompt, response, answer, metadata)
+'''

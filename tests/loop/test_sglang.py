@@ -17,7 +17,7 @@ import pytest
 
 from moe_rl.engines.sglang.cpu_shims import CALL_MARKER
 from moe_rl.trainer.parallel import free_port
-from tests.helpers import on_sglang
+from tests.helpers import KILLER_REWARD, on_sglang
 from tests.loop.zero_mismatch import CONFIG, check_invariant, covering_set, name, run_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -324,28 +324,6 @@ if importlib.util.find_spec("moe_rl_sglang_cpu_shims") is not None:   # the SGLa
     _wu.SchedulerWeightUpdaterManager.update_weights_from_distributed = refuse_once
 '''
 
-CHAOS_REWARD = '''
-import itertools, os, signal
-from moe_rl.rewards.functions import toy_reward
-_calls = itertools.count()
-
-
-def score(prompt, response, answer, metadata):
-    """The toy reward; call number CHAOS_KILL_AT first SIGKILLs one SGLang server (its
-    scheduler and detokenizer die with it: SGLang's PR_SET_PDEATHSIG)."""
-    if next(_calls) == int(os.environ["CHAOS_KILL_AT"]):
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
-            except OSError:
-                continue
-            if b"sglang.launch_server" in argv and os.environ["CHAOS_MODEL"].encode() in argv:
-                os.kill(int(pid), signal.SIGKILL)
-                break
-    return toy_reward(prompt, response, answer, metadata)
-'''
-
-
 def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
     """Eight steps on two real SGLang servers with partial rollouts (every step ends by
     aborting what is still generating; responses continue across versions), every EOS the
@@ -364,12 +342,12 @@ def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
     eos = _json.loads((model_dir / "config.json").read_text())["eos_token_id"]
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(ABORT_AT_EOS + CHAOS_ENGINE + SLOW_LOAD)
-    (tmp_path / "site" / "chaos_reward.py").write_text(CHAOS_REWARD)
+    (tmp_path / "site" / "killer_reward.py").write_text(KILLER_REWARD)
     hits = tmp_path / "aborted_at_eos.txt"
     env = {"PYTHONPATH": f"{tmp_path / 'site'}:{os.environ.get('PYTHONPATH', '')}",
            "ABORT_AT_EOS_ID": str(eos), "ABORT_AT_EOS_LOG": str(hits),
            "CHAOS_REFUSE_VERSION": "5", "CHAOS_REFUSED_MARK": str(tmp_path / "refused"),
-           "CHAOS_KILL_AT": "20", "CHAOS_MODEL": str(model_dir),
+           "KILL_AT": "20", "KILL_ARGV": "sglang.launch_server", "KILL_MATCH": str(model_dir),
            "SLOW_LOAD_S": "70", "SLOW_LOAD_MARK": str(tmp_path / "slowed")}
     run = tmp_path / "run"
     res, rows = _train(CONFIG, model_dir, run, "rollout.num_servers=2", "rollout.partial=true",
@@ -378,7 +356,7 @@ def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
                        "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=24",
                        "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
                        "rollout.top_k=20", "cluster.weight_sync=distributed",
-                       "data.reward=chaos_reward:score", "logging.samples_per_step=64",
+                       "data.reward=killer_reward:score", "logging.samples_per_step=64",
                        "rollout.request_timeout_s=2", "rollout.health_timeout_s=60",
                        'rollout.sglang.extra_args=[--max-running-requests, "4"]', steps=8,
                        env=env)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_rl.trainer.parallel import free_port
-from tests.helpers import train_cli
+from tests.helpers import KILLER_REWARD, train_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -234,25 +234,6 @@ def test_shard_by_group_keeps_groups_whole_and_balances_tokens():
     assert sum(1 for shard in shard_by_group(samples, 7) if not shard) == 2   # 5 groups
 
 
-_KILLER = '''
-import itertools, os, signal
-from moe_rl.rewards.functions import toy_reward
-_calls = itertools.count()
-
-def score(prompt, response, answer, metadata):
-    """The toy reward; call number KILL_AT first SIGKILLs the run's engine server."""
-    if next(_calls) == int(os.environ["KILL_AT"]):
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
-            except OSError:
-                continue
-            if b"serve-reference" in argv and os.environ["KILL_MATCH"].encode() in argv:
-                os.kill(int(pid), signal.SIGKILL)
-    return toy_reward(prompt, response, answer, metadata)
-'''
-
-
 @pytest.mark.loop
 @pytest.mark.e2e
 @pytest.mark.parametrize("sync,pi_old", [("distributed", "trainer"),
@@ -267,9 +248,9 @@ def test_an_engine_killed_between_phases_comes_back_with_the_current_weights(tmp
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
-    (tmp_path / "killer_reward.py").write_text(_KILLER)
+    (tmp_path / "killer_reward.py").write_text(KILLER_REWARD)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
-               KILL_AT="4", KILL_MATCH=str(tmp_path / "model"))
+               KILL_AT="4", KILL_MATCH=str(tmp_path / "model"), KILL_ARGV="serve-reference")
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
            f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
