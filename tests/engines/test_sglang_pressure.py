@@ -249,3 +249,14 @@ def test_the_weight_check_probe_never_lists_the_whole_vocabulary(mask, temperatu
     s = Sample(prompt_ids=[1, 3], response_ids=[5], rollout_logprobs=[-0.5])
     engine.score([s], 1, temperature=probe_temperature(cfg))
     assert "token_ids_logprob" not in pool.bodies[0] and s.pass_logprobs.tolist() == [[-0.5]]
+
+
+def test_the_weight_load_bound_reaches_the_pool_from_the_config():
+    """``rollout.weight_load_timeout_s`` is the bound of every weight call of the engine's and
+    the weight receiver's pools."""
+    from moe_rl.engines.factory import engine_kind
+    cfg = load_config(None, ["rollout.weight_load_timeout_s=12.5"])   # the reference engine
+    # speaks SGLang's protocol through the same pools
+    kind = engine_kind(cfg)
+    assert kind.receiver(["http://127.0.0.1:1"]).pool_factory().weight_timeout == 12.5
+    assert kind._pool_factory(["http://127.0.0.1:1"])().weight_timeout == 12.5
