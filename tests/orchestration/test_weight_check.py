@@ -153,8 +153,9 @@ def _broadcast_redone(res, rows):
     assert all(r["mismatch/k3"] < 1e-6 for r in rows)
 
 
-# run name: (corruption, weight check on, weight sync), what must hold
-WRONG_UPDATES = {"once": (("once", True), _redone_once),
+# run name: (corruption, weight check on, weight sync, overrides), what must hold ("once"
+# samples at temperature 0.7 without the sampling mask: both sides score the probe at 1)
+WRONG_UPDATES = {"once": (("once", True, "disk", ("rollout.temperature=0.7",)), _redone_once),
                  "always": (("always", True), _stops),
                  "unchecked": (("always", False), _unchecked),
                  "distributed": (("once", True, "distributed"), _broadcast_redone)}
