@@ -67,7 +67,9 @@ class DistributedSender(_SessionSender):
     def open(self, address: str, port: int) -> str:
         """Replace the group: the servers leave the previous one and join the new one while
         rank 0 creates its end."""
-        self._drop_group()
+        if self.group is not None:
+            close_group(self.group)
+            self.group = None
         previous, self.group_name = self.group_name, f"moe_rl_weights_{self.groups_built}"
         self.groups_built += 1
         with ThreadPoolExecutor(1) as pool:
@@ -81,18 +83,10 @@ class DistributedSender(_SessionSender):
         return (f"weight-update group {self.group_name}: {self.backend} at {address}:{port}, "
                 f"{self.world} ranks")
 
-    def _drop_group(self) -> None:
-        """Close the group at once after a failed bucket: a broadcast left pending in it would
-        have NCCL's watchdog abort this rank after its timeout, while the caller falls back to
-        a disk load (the next sync builds a new group, :meth:`open`)."""
-        if self.group is not None:
-            close_group(self.group)
-            self.group = None
-
     def send(self, buckets: Iterable[tuple[Bucket, bool]], version: int) -> int:
         """Every rank takes part in streaming the buckets; rank 0 announces each to every
-        server (``flush_cache`` on the last) while it broadcasts its tensors; on the first
-        failure it closes the group and sends nothing more."""
+        server (``flush_cache`` on the last) while it broadcasts its tensors; after the first
+        failure it sends nothing more (the group is rebuilt at the next sync)."""
         sent, failure = 0, self._begin()
         with ThreadPoolExecutor(1) as pool:
             for bucket, last in buckets:
@@ -107,7 +101,6 @@ class DistributedSender(_SessionSender):
                     sent += len(bucket)
                 except Exception as exc:   # finish the stream (collectives), then report
                     failure = exc
-                    self._drop_group()
         if failure is not None:
             raise failure
         if self.rank == 0:
