@@ -38,8 +38,9 @@ def corrupt_now(version):
 
 if importlib.util.find_spec("moe_rl_sglang_cpu_shims") is not None:
     # the real SGLang on CPU (its environment holds moe_rl's shims): after its scheduler
-    # records the new version (disk and distributed updates alike), expert 0 of every fused
-    # MoE layer gets a garbage down projection (w2)
+    # records the new version (disk and distributed updates alike), every expert of every
+    # fused MoE layer gets a garbage down projection (w2): expert 0 alone moved the probe's k3
+    # only to about the check's floor (1e-4), so a check at that floor passed now and then
     import torch
     from sglang.srt.managers.scheduler_components import weight_updater as _wu
     _record = _wu.SchedulerWeightUpdaterManager.record_weight_version_after_update
@@ -51,7 +52,7 @@ if importlib.util.find_spec("moe_rl_sglang_cpu_shims") is not None:
                 gen = torch.Generator().manual_seed(0)
                 for n, p in self.tp_worker.model_runner.model.named_parameters():
                     if n.endswith("experts.w2_weight"):
-                        p[0].copy_(torch.randn(p[0].shape, generator=gen).to(p.dtype))
+                        p.copy_(torch.randn(p.shape, generator=gen).to(p.dtype))
     _wu.SchedulerWeightUpdaterManager.record_weight_version_after_update = record
 elif "serve-reference" in sys.argv:
     import torch
