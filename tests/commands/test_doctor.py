@@ -11,7 +11,7 @@ import pytest
 from moe_rl import node_checks
 from moe_rl.cli import main
 from moe_rl.config import load_config
-from tests.helpers import ROOT, sglang_cpu_python
+from tests.helpers import sglang_cpu_python
 
 
 def doctor(capsys, *argv) -> tuple[int, dict]:
