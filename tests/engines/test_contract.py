@@ -8,6 +8,7 @@ import importlib.util
 import json
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -135,6 +136,28 @@ def test_pinned_turns_share_their_servers_prefix_and_routing_can_be_fetched_agai
     async def cold(session: EngineSession):
         return await session.generate_turn(prompt, SAMPLING, seed=1, server=1)
     assert eng.run(cold).cached_tokens == 0        # the flush dropped the prefix
+
+
+def test_a_flush_asked_while_requests_run_waits_for_them(started):
+    """A flush while a batch still runs on every server: the server waits for it to finish and
+    then flushes (SGLang's ``timeout`` query), instead of refusing with HTTP 400; the batch
+    comes back whole."""
+    procs = started.procs
+    n, length = (16, 32) if started.kind.startswith("sglang") else (64, 64)   # ~1-2 s each
+    body = {"input_ids": [[5 + i % 7, 6, 7, 8] for i in range(n)],
+            "sampling_params": {"max_new_tokens": length, "temperature": 1.0, "ignore_eos": True}}
+    answers: list = []
+
+    async def batches():
+        async with ServerPool([p.url for p in procs], max_retries=0) as pool:
+            answers.extend(await pool.broadcast("/generate", body))
+    running = threading.Thread(target=lambda: asyncio.run(batches()))
+    running.start()
+    time.sleep(0.2)
+    assert running.is_alive(), "the batch ended before the flush was asked: make it longer"
+    started.engine.flush_cache()
+    running.join()
+    assert len(answers) == 2 and all(len(o["output_ids"]) == length for a in answers for o in a)
 
 
 def test_an_abort_returns_what_each_request_generated_and_a_continuation_finishes_it(started):

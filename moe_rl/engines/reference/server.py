@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import itertools
 import json
 import secrets
+import time
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -508,10 +509,15 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
         return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
     @app.post("/flush_cache")
-    async def flush_cache():   # SGLang answers in plain text, and refuses while busy
-        if waiting or not engine.flush_cache():
-            return PlainTextResponse("Cache not flushed: there are running or waiting "
-                                     "requests.\n", status_code=400)
+    async def flush_cache(timeout: float = 0.0):
+        # SGLang answers in plain text and refuses while busy; with `timeout` > 0 it first
+        # waits up to that long for no request to be queued or running
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while waiting or not engine.flush_cache():
+            if time.monotonic() >= deadline:
+                return PlainTextResponse("Cache not flushed: there are running or waiting "
+                                         "requests.\n", status_code=400)
+            await asyncio.sleep(0.02)
         return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
                                  "(When there are running or waiting requests, the operation "
                                  "will not be performed.)\n")

@@ -21,6 +21,7 @@ from moe_rl.moe_shape import MoEShape
 from moe_rl.types import Sample
 
 SCORE_BATCH_MAX = 1024   # inputs per batched scoring call (below the engine's request limits)
+FLUSH_WAIT_S = 60.0   # how long a server may wait for its last requests before flushing
 
 
 def run_with_pool(pool_factory: Callable[[], ServerPool], coro_fn):
@@ -314,7 +315,10 @@ class SGLangEngine(Engine):
         self._broadcast("/resume_memory_occupation", {})
 
     def flush_cache(self) -> None:
-        self._broadcast("/flush_cache", {})
+        # SGLang refuses a flush while any request is queued or running, and a request's
+        # answer can reach us a scheduler step before it leaves the batch; its `timeout`
+        # query (SchedulerFlushWrapper) makes the server wait that long for idle instead.
+        self._broadcast(f"/flush_cache?timeout={FLUSH_WAIT_S:g}", {})
 
     def check_health(self) -> None:
         self._broadcast("/health", None, method="GET")
