@@ -14,9 +14,10 @@ XDIST ?= -n 2 --dist loadfile
 # the loop targets spread single tests (each run is its own `moe-rl train`); a module whose
 # fixture is costly to make twice (servers, a wheel) stays whole by its xdist_group mark
 XDIST_RUNS ?= -n 2 --dist loadgroup
-# the real SGLang one test at a time: two of its runs side by side on 2 cores change the timing
-# its partial-rollout and weight-check runs rely on (each failed once so, 2026-11-28)
-XDIST_SGLANG ?=
+# the real SGLang two tests at a time, then those marked `alone` one at a time: a second run
+# beside them changes the timing their aborts, retractions and kills rely on (the partial-rollout
+# and weight-check runs each failed once so, 2026-11-28)
+XDIST_SGLANG ?= -n 2 --dist loadgroup
 
 SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
@@ -82,7 +83,8 @@ test-contract: $(STAMP) $(SGLANG_STAMP)
 
 # the real SGLang serving on CPU: its shims, the engine contract, the loop through `moe-rl train`
 test-sglang: $(STAMP) $(SGLANG_STAMP)
-	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q $(XDIST_SGLANG) -m "sglang and not slow" $(PYTEST_ARGS) $(DURATIONS) tests
+	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q $(XDIST_SGLANG) -m "sglang and not slow and not alone" $(PYTEST_ARGS) $(DURATIONS) tests
+	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m "sglang and not slow and alone" $(PYTEST_ARGS) $(DURATIONS) tests
 
 # this machine's pip configuration caps torch at the release on its disk (for Python 3.11):
 # the upstream environment reads no pip configuration

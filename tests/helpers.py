@@ -25,6 +25,26 @@ TINY_QWEN = dict(vocab_size=48, hidden_size=32, num_hidden_layers=3, num_attenti
                  tie_word_embeddings=False)
 
 
+def engine_base_port() -> int:
+    """A free port for ``rollout.base_port``, below this machine's ephemeral port range (where
+    ``bind(0)`` and outgoing connections never land) and above SGLang's own picks for its NCCL
+    port (22000-29999): a server that binds its port itself (SGLang) leaves it unheld for its
+    start-up, ~25 s here, and a port from ``free_port()`` was taken meanwhile (once, 2026-11-28:
+    uvicorn's bind failed and the run waited out its health timeout)."""
+    import random
+    from moe_rl.engines.process import bind_port
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(30000, max(low - 8, 30001)), 64):
+        try:
+            bind_port("127.0.0.1", port).close()
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port between 30000 and the ephemeral range")
+
 def sharpen(model) -> None:
     """Non-trivial norms (a mapping mix-up shows) and confident routers (no near-ties)."""
     with torch.no_grad():
@@ -203,7 +223,6 @@ def train_tiny(tmp_path, steps: int, samples: int, *overrides):
     import os
     import subprocess
     import sys
-    from moe_rl.trainer.parallel import free_port
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
@@ -212,7 +231,7 @@ def train_tiny(tmp_path, steps: int, samples: int, *overrides):
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
          f"logging.dir={tmp_path / 'run'}", f"trainer.steps={steps}",
          "trainer.sft_warmup_steps=0", "logging.progress=false",
-         f"rollout.base_port={free_port()}", "rollout.prompts_per_step=4",
+         f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=4",
          f"rollout.n_samples_per_prompt={samples}", *overrides],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"))

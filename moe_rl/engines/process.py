@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 
 import httpx
 
+BIND_FAILED = b"error while attempting to bind on address"   # uvicorn's words (Errno 98)
 
 def bind_port(host: str, port: int) -> socket.socket:
     """A TCP socket listening on (host, port) (OSError when the port is taken). It listens at
@@ -105,13 +106,24 @@ class ServerProcess(ABC):
         return self
 
     def wait_healthy(self, timeout: float) -> None:
-        """Poll /health until it answers 200."""
+        """Poll /health until it answers 200. A server that binds its port itself and finds it
+        taken is stopped at once (SGLang does not exit then: uvicorn's exit waits for the
+        engine's other threads), not waited for until ``timeout``."""
         deadline = time.monotonic() + timeout
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        log_start = os.path.getsize(self.log_path) if self.log_path and os.path.exists(
+            self.log_path) else 0
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"engine server on port {self.port} exited with code "
                                    f"{self.proc.returncode} (log: {self.log_path})")
+            if not self.inherits_socket and self._bind_failed(log_start):
+                self.stop()
+                raise RuntimeError(f"engine server on port {self.port}: another process took "
+                                   f"the port between its release and the server's own bind "
+                                   f"(log: {self.log_path}); keep rollout.base_port below "
+                                   f"this node's ephemeral port range "
+                                   f"(/proc/sys/net/ipv4/ip_local_port_range)")
             try:
                 if httpx.get(self.url + "/health", headers=headers, timeout=2.0).status_code == 200:
                     return
@@ -119,6 +131,18 @@ class ServerProcess(ABC):
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"engine server on port {self.port} not healthy after {timeout} s")
+
+    def _bind_failed(self, log_start: int) -> bool:
+        """Whether the server's log, from byte ``log_start`` on, holds uvicorn's error for a
+        port it could not bind."""
+        if not self.log_path:
+            return False
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(log_start)
+                return BIND_FAILED in f.read()
+        except OSError:
+            return False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

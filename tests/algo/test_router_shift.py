@@ -16,7 +16,7 @@ import torch
 from moe_rl.algo import (gmpo_loss, gspo_loss, ppo_clip_loss, router_log_scores,
                          router_shift_metrics, router_shift_weight)
 from moe_rl.config import ConfigError, load_config
-from moe_rl.trainer.parallel import free_port
+from tests.helpers import engine_base_port
 
 F64 = torch.float64
 
@@ -221,7 +221,7 @@ def test_rspo_through_moe_rl_train_with_the_routers_moving(tmp_path):
            f"model.path={model}", f"logging.dir={run}", "trainer.steps=2",
            "trainer.sft_warmup_steps=0", "trainer.export_hf=false", "trainer.epochs=2",
            "trainer.mini_batches=2", "trainer.lr=5e-3", "rollout.prompts_per_step=4",
-           "rollout.n_samples_per_prompt=4", f"rollout.base_port={free_port()}",
+           "rollout.n_samples_per_prompt=4", f"rollout.base_port={engine_base_port()}",
            "algorithm.replay=off", "algorithm.loss=gmpo", "algorithm.clip_low=0.4",
            "algorithm.clip_high=0.4", "algorithm.router_shift.enabled=true",
            "algorithm.router_shift.floor=0.9", "logging.progress=false",

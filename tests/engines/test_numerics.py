@@ -13,6 +13,7 @@ import torch
 
 from moe_rl.engines.reference import split_kv
 from moe_rl.trainer.parallel import free_port
+from tests.helpers import engine_base_port
 from tests.helpers import assert_serves_like, write_tiny_qwen
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -79,7 +80,7 @@ def _train(model, run_dir, *overrides):
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={model}",
            f"logging.dir={run_dir}", "trainer.steps=1", "trainer.sft_warmup_steps=0",
            "trainer.export_hf=false", "rollout.prompts_per_step=2",
-           "rollout.n_samples_per_prompt=4", f"rollout.base_port={free_port()}",
+           "rollout.n_samples_per_prompt=4", f"rollout.base_port={engine_base_port()}",
            "logging.progress=false", "logging.tensorboard=false", "algorithm.pi_old=engine_avg",
            "algorithm.pi_old_passes=2", *overrides]
     res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600)
@@ -258,7 +259,7 @@ def test_demo_runs_on_fp8_and_reports_what_replay_removed(tmp_path):
     res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "demo", "trainer.steps=3",
                           "trainer.sft_warmup_steps=2", f"model.path={tmp_path / 'model'}",
                           f"logging.dir={tmp_path / 'run'}", "logging.progress=false",
-                          "trainer.export_hf=false", f"rollout.base_port={free_port()}",
+                          "trainer.export_hf=false", f"rollout.base_port={engine_base_port()}",
                           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -214,3 +214,42 @@ def test_the_weight_load_bound_reaches_the_pool_from_the_config():
     kind = engine_kind(cfg)
     assert kind.receiver(["http://127.0.0.1:1"]).pool_factory().weight_timeout == 12.5
     assert kind._pool_factory(["http://127.0.0.1:1"])().weight_timeout == 12.5
+
+
+HUNG_AFTER_BIND_FAILURE = """
+import sys, threading, time
+import uvicorn
+threading.Thread(target=time.sleep, args=(3600,)).start()   # SGLang's other threads: no exit
+uvicorn.run(lambda scope, receive, send: None, host="127.0.0.1", port=int(sys.argv[1]))
+"""
+
+
+def test_a_server_whose_port_was_taken_before_its_own_bind_is_stopped_at_once(tmp_path):
+    """A server that binds its port itself (SGLang) finds it taken by another process: uvicorn
+    logs the bind error and its exit waits for the engine's other threads, so the process lives
+    on without serving. The start fails at once, naming the cause, and the process is stopped
+    (before: the health wait ran to ``rollout.health_timeout_s``, 300 s by default)."""
+    import socket
+    import sys
+    import time
+
+    from moe_rl.engines.process import CommandServer
+    thief = socket.create_server(("127.0.0.1", 0))
+    port = thief.getsockname()[1]
+    script = tmp_path / "server.py"
+    script.write_text(HUNG_AFTER_BIND_FAILURE)
+    log = tmp_path / "engine_0.log"
+    log.write_bytes(b"error while attempting to bind on address (an earlier start)\n")
+    server = CommandServer([sys.executable, str(script), str(port)], {}, "127.0.0.1", port,
+                           inherits_socket=False, log_path=str(log))
+    try:
+        with pytest.raises(RuntimeError, match="not healthy after 0.5 s"):
+            server.wait_healthy(0.5)   # an earlier start's words in the log are not this one's
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"port {port}: another process took the port"):
+            server.start(60.0, sock=socket.create_server(("127.0.0.1", 0)))
+        assert time.monotonic() - started < 30
+        assert server.proc is None   # stopped
+    finally:
+        server.stop()
+        thief.close()

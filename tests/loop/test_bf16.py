@@ -139,12 +139,12 @@ def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_c
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / model_config), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
-    from moe_rl.trainer.parallel import free_port
+    from tests.helpers import engine_base_port
     res = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(ROOT / "configs" / config),
          f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
          "logging.progress=false", "trainer.steps=3", "trainer.save_interval=3",
-         f"rollout.base_port={free_port()}", *CPU_SCALE, *extra],
+         f"rollout.base_port={engine_base_port()}", *CPU_SCALE, *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "weight sync (distributed) of version" not in res.stdout + res.stderr

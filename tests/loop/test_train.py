@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from moe_rl.trainer.parallel import free_port
+from tests.helpers import engine_base_port
 from tests.helpers import KILLER_REWARD, train_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -187,7 +187,7 @@ def test_a_reward_failing_on_a_whole_batch_stops_the_run_with_the_reason(tmp_pat
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
            f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
-           "logging.progress=false", f"rollout.base_port={free_port()}",
+           "logging.progress=false", f"rollout.base_port={engine_base_port()}",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2"]
     import os
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
@@ -254,7 +254,7 @@ def test_an_engine_killed_between_phases_comes_back_with_the_current_weights(tmp
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
            f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
-           "logging.progress=false", f"rollout.base_port={free_port()}",
+           "logging.progress=false", f"rollout.base_port={engine_base_port()}",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
            "data.reward=killer_reward:score", f"cluster.weight_sync={sync}",
            f"algorithm.pi_old={pi_old}", "trainer.export_hf=false"]
@@ -355,7 +355,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
                 str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
                 f"logging.dir={run}", f"trainer.steps={steps}", "trainer.sft_warmup_steps=1",
                 "trainer.save_interval=1", "logging.progress=false",
-                f"rollout.base_port={free_port()}", "rollout.prompts_per_step=2",
+                f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=2",
                 "rollout.n_samples_per_prompt=2", "rollout.sglang.deterministic_inference=true",
                 *(["--resume"] if resume else [])]
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from moe_rl.trainer.parallel import free_port
+from tests.helpers import engine_base_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def train_steps(model: pathlib.Path, run_dir: pathlib.Path, combo: dict,
            f"model.path={model}", f"logging.dir={run_dir}", f"trainer.steps={steps}",
            "trainer.sft_warmup_steps=0", "trainer.export_hf=false",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-           "rollout.max_new_tokens=3", f"rollout.base_port={free_port()}",
+           "rollout.max_new_tokens=3", f"rollout.base_port={engine_base_port()}",
            "logging.progress=false", "logging.tensorboard=false", *overrides(combo), *engine]
     res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"{name(combo)}\n{res.stderr[-2500:]}"

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.helpers import ROOT
-from moe_rl.trainer.parallel import free_port
+from tests.helpers import engine_base_port
 
 CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
@@ -41,7 +41,7 @@ def steps_of(run) -> list[int]:
 def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     run = tmp_path / "run"
     base = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=1",
-            f"rollout.base_port={free_port()}", "trainer.save_interval_minutes=0.0001", *SMALL]
+            f"rollout.base_port={engine_base_port()}", "trainer.save_interval_minutes=0.0001", *SMALL]
     first = train(tmp_path, *base, "trainer.steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
     # not a terminal: one progress line per step, the warm start's too, then the summary
@@ -137,7 +137,7 @@ def test_a_signal_finishes_the_step_checkpoints_it_and_the_printed_command_resum
     run = tmp_path / "run"
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
             "trainer.steps=100", "trainer.save_interval=0", "trainer.save_interval_minutes=0",
-            "trainer.stop_grace_s=60", f"rollout.base_port={free_port()}",
+            "trainer.stop_grace_s=60", f"rollout.base_port={engine_base_port()}",
             "logging.log_interval=2", *SMALL]
     proc = _start(tmp_path, args, session=True)
     lines = _wait_for_line(proc, "RL step 2/100")
@@ -185,7 +185,7 @@ def test_ctrl_c_twice_abandons_the_step_and_stops_everything(model, tmp_path):
         "def slow(prompt, response, answer, metadata):\n"
         "    time.sleep(1.0)\n    return toy_reward(prompt, response, answer, metadata)\n")
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
-            "trainer.steps=100", "trainer.save_interval=2", f"rollout.base_port={free_port()}",
+            "trainer.steps=100", "trainer.save_interval=2", f"rollout.base_port={engine_base_port()}",
             "data.reward=slow_reward:slow", *SMALL]
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     proc = _start(tmp_path, args, session=True, env=env)
@@ -228,7 +228,7 @@ def test_a_run_whose_ray_is_stopped_from_outside_says_so(model, tmp_path):
     import psutil
     run = tmp_path / "run"
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
-            "trainer.steps=100", "trainer.save_interval=1", f"rollout.base_port={free_port()}",
+            "trainer.steps=100", "trainer.save_interval=1", f"rollout.base_port={engine_base_port()}",
             *SMALL]
     proc = _start(tmp_path, args)
     _wait_for_line(proc, "RL step 2/100")

@@ -33,6 +33,7 @@ from moe_rl.engines.reference.prefix_cache import PrefixCache
 from moe_rl.engines.reference.engine import ReferenceEngine, Request, SamplingParams
 from moe_rl.engines.reference.launcher import ReferenceServer
 from moe_rl.trainer.parallel import free_port
+from tests.helpers import engine_base_port
 from tests.helpers import TINY_QWEN, TwoTurnEnv, write_tiny_qwen
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -374,7 +375,7 @@ def _train(model, run_dir, *overrides, env=None, steps=2):
     res = _cli("train", "--config", str(AGENTIC), f"model.path={model}",
                f"logging.dir={run_dir}", f"trainer.steps={steps}", "trainer.export_hf=false",
                "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4",
-               f"rollout.base_port={free_port()}", "logging.progress=false", *overrides,
+               f"rollout.base_port={engine_base_port()}", "logging.progress=false", *overrides,
                cwd=run_dir.parent, env=env)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] \
         if (run_dir / "metrics.jsonl").exists() else []

@@ -52,11 +52,11 @@ def _history(run_file):
 
 
 def _train(tmp, steps, *extra):
-    from moe_rl.trainer.parallel import free_port
+    from tests.helpers import engine_base_port
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp / 'model'}",
            f"logging.dir={tmp / 'run'}", f"trainer.steps={steps}", "trainer.sft_warmup_steps=0",
-           "trainer.save_interval=1", "logging.progress=false", f"rollout.base_port={free_port()}",
+           "trainer.save_interval=1", "logging.progress=false", f"rollout.base_port={engine_base_port()}",
            "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=2",
            "logging.wandb.enabled=true", "logging.wandb.mode=offline",
            "logging.wandb.project=tiny", "logging.wandb.tags=[cpu,test]", *extra]
