@@ -253,3 +253,109 @@ def test_a_server_whose_port_was_taken_before_its_own_bind_is_stopped_at_once(tm
     finally:
         server.stop()
         thief.close()
+
+
+class _PendingWork:
+    """A broadcast no server completes (one refused the bucket and never joined)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise AssertionError("waited on a broadcast no server completes")
+
+
+class _RecordingGroup:
+    """A weight-update group that records what the sender does to it, in order."""
+
+    def __init__(self, events: list):
+        self.events, self.group = events, self
+
+    def broadcast(self, tensor, root):
+        self.events.append("broadcast")
+        return _PendingWork()
+
+    def abort(self) -> None:
+        self.events.append("abort")
+
+
+class _RefusingReceiver:
+    def __init__(self, events: list):
+        self.events = events
+
+    def begin(self) -> None:
+        self.events.append("begin")
+
+    def announce_bucket(self, named, version, group_name, last) -> None:
+        raise EngineHTTPError("HTTP 400: refused")
+
+    def end(self, missing_ok: bool = False) -> None:
+        self.events.append("end")
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_a_refused_broadcast_aborts_an_nccl_group_before_the_sync_fails(backend, monkeypatch):
+    """A server refuses a bucket while rank 0's broadcast of it waits: on NCCL the group is
+    aborted and dropped before ``send`` raises (so the disk fallback that follows never meets
+    NCCL's watchdog ending the trainer); on gloo it is kept for the next sync to replace (torn
+    down at once there, the trainer's next requests hung until the group's timeout)."""
+    from moe_rl.engines.sglang import sender as sender_module
+    from moe_rl.engines.sglang.sender import DistributedSender
+    events: list = []
+    monkeypatch.setattr(sender_module, "abort_group",
+                        lambda g: (g.abort(), events.append("closed")))
+    s = DistributedSender(_RefusingReceiver(events), 0, False, backend, 3, 60.0)
+    group = s.group = _RecordingGroup(events)
+    bucket = [("w", torch.zeros(2))]
+    with pytest.raises(EngineHTTPError, match="refused"):
+        s.send(iter([(bucket, False), (bucket, True)]), 4)
+    events.append("raised")
+    if backend == "nccl":
+        assert events == ["begin", "broadcast", "abort", "closed", "raised"]
+        assert s.group is None and not s.opened
+    else:
+        assert events == ["begin", "broadcast", "raised"]
+        assert s.group is group and s.opened
+
+
+class _AnnouncePool:
+    """Two servers: server 0 refuses the announcement at once; server 1, which joined the
+    broadcast, answers after ``answer_after`` seconds (None: never)."""
+
+    def __init__(self, answer_after: float | None, log: list):
+        self.servers, self.answer_after, self.log = ["s0", "s1"], answer_after, log
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    async def request(self, path, body, *, server, resend=True):
+        if server == "s0":
+            raise EngineHTTPError("s0: HTTP 400: refused")
+        await asyncio.sleep(3600 if self.answer_after is None else self.answer_after)
+        self.log.append("s1 answered")
+        return {"success": True}
+
+
+@pytest.mark.parametrize("answer_after", [0.3, None], ids=["joined_server_answers", "stuck"])
+def test_a_refused_announcement_waits_for_the_other_servers_answers(answer_after, monkeypatch):
+    """One server refuses a bucket: the announcement still waits for the servers that joined
+    the broadcast (they answer once they received it), so rank 0 aborts the group only after
+    them; a server stuck in the collective is given up after ``ANNOUNCE_GRACE_S``."""
+    import time
+
+    from moe_rl.engines.sglang import client
+    from moe_rl.engines.sglang.client import SGLangWeightReceiver
+    monkeypatch.setattr(client, "ANNOUNCE_GRACE_S", 1.0)
+    log: list = []
+    receiver = SGLangWeightReceiver(lambda: _AnnouncePool(answer_after, log))
+    started = time.monotonic()
+    with pytest.raises(EngineHTTPError, match="s0: HTTP 400: refused"):
+        receiver.announce_bucket([("w", torch.zeros(2))], 3, "g", False)
+    took = time.monotonic() - started
+    if answer_after is None:
+        assert log == [] and 1.0 <= took < 30
+    else:
+        assert log == ["s1 answered"] and answer_after <= took < 1.0

@@ -1,6 +1,7 @@
 """Weight sync over a process group (gloo on CPU) into the reference engine, and memory release
 for colocated training, over real HTTP."""
 import json
+import time
 import os
 import threading
 
@@ -152,9 +153,11 @@ def test_the_kinds_distributed_sender_reopens_and_aborts(tmp_path):
             assert engine.weight_versions() == [str(version)] * 2
         assert_serves_like(engine, ref.url, layout, [[6, 7, 68, 12, 72]])
         wrong = [(n, t.to(torch.float64)) for n, t in named[:1]]   # not the served dtype
+        started = time.monotonic()
         with pytest.raises(EngineHTTPError):
             sender.send(iter([(wrong, False)]), 9)
         sender.abort()   # the session the refused bucket left open
+        assert time.monotonic() - started < 60   # the group's timeout (300 s) never waited out
         sender.abort()   # nothing open: no error
         assert engine.weight_versions() == ["8", "8"]
     finally:

@@ -83,6 +83,17 @@ def close_group(group: WeightGroup) -> None:
         c10d._world.pg_group_ranks.pop(group.group, None)
 
 
+def abort_group(group: WeightGroup) -> None:
+    """Abandon a group whose collective failed midway: abort its communicators first (NCCL: the
+    pending broadcast ends now, before its watchdog would take this process down with it), then
+    tear it down; never raises."""
+    try:
+        group.group.abort()
+    except Exception:   # a backend without abort, or one already broken: torn down below
+        pass
+    close_group(group)
+
+
 def init_group_request(master_address: str, master_port: int, rank_offset: int,
                        world_size: int, group_name: str, backend: str) -> dict:
     """Body of ``/init_weights_update_group`` for one server."""
