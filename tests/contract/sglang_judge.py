@@ -75,6 +75,7 @@ class _Recorder:
 
     def __init__(self):
         self.seen: list = []
+        self.keywords: list = []   # what a route passed besides the request object (its query)
 
     def generate_request(self, obj, request=None):
         async def gen():
@@ -85,6 +86,7 @@ class _Recorder:
     def __getattr__(self, name):
         async def handler(obj=None, request=None, *a, **k):
             self.seen.append(obj)
+            self.keywords.append(_plain(k))
             return _Answer()
         return handler
 
@@ -104,7 +106,7 @@ def requests(cases: list[dict]) -> list[dict]:
     out = []
     for case in cases:
         path, method, body = case["path"], case.get("method", "POST"), case["body"]
-        result = {"route": (path, method) in routes}
+        result = {"route": (path.split("?")[0], method) in routes}
         if method != "POST" or not result["route"]:
             out.append(result)
             continue
@@ -116,6 +118,8 @@ def requests(cases: list[dict]) -> list[dict]:
         # reached: the route parsed the body and handed the request object on (what the
         # stand-in answers may not be what every route unpacks; that is not judged)
         result["reached"] = len(rec.seen) > before
+        if result["reached"] and "?" in path:
+            result["query_read_as"] = rec.keywords[-1]
         if result["reached"] and rec.seen[-1] is not None:
             obj = rec.seen[-1]
             result["class"] = type(obj).__name__

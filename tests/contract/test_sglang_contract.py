@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moe_rl.config import config_from_dict, load_config
+from moe_rl.engines.sglang.client import FLUSH_WAIT_S
 from moe_rl.moe_shape import MoEShape
 from moe_rl.orchestration.placement import make_plan
 from moe_rl.engines.base import SamplingConfig
@@ -229,7 +230,7 @@ def _as_sent(value):
 
 
 def test_every_request_body_is_read_by_sglang_as_meant(recorded_requests, tmp_path):
-    paths = {r["path"] for r in recorded_requests}
+    paths = {r["path"].split("?")[0] for r in recorded_requests}
     assert {"/generate", "/flush_cache", "/update_weights_from_disk",
             "/init_weights_update_group", "/update_weights_from_distributed",
             "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
@@ -256,6 +257,9 @@ def test_every_request_body_is_read_by_sglang_as_meant(recorded_requests, tmp_pa
                                              f"field {key!r} (its HTTP layer drops it silently)"
             assert _as_sent(got) == json.loads(json.dumps(value)), \
                 f"{where}: {key} read as {got!r}"
+        if req["path"].startswith("/flush_cache?"):   # SGLang waits that long for idle
+            assert res["query_read_as"] == {"timeout_s": FLUSH_WAIT_S}, \
+                f"{where}: the query read as {res['query_read_as']!r}"
         if req["path"] == "/generate":
             assert res.get("sampling_params_ok"), f"{where}: {res.get('sampling_params_error')}"
             assert "normalize_error" not in res, f"{where}: {res.get('normalize_error')}"
