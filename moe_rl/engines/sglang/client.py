@@ -21,7 +21,6 @@ from moe_rl.moe_shape import MoEShape
 from moe_rl.types import Sample
 
 SCORE_BATCH_MAX = 1024   # inputs per batched scoring call (below the engine's request limits)
-ANNOUNCE_GRACE_S = 10.0   # after a refused bucket, the wait for the other servers' answers
 FLUSH_WAIT_S = 60.0   # how long a server may wait for its last requests before flushing
 
 
@@ -131,25 +130,9 @@ class SGLangWeightReceiver(WeightReceiver):
 
     def announce_bucket(self, named: list[tuple[str, torch.Tensor]], version: int,
                         group_name: str, last: bool) -> None:
-        """Announce a bucket to every server (a collective: never resent). When one refuses,
-        the others' answers are still waited for, :data:`ANNOUNCE_GRACE_S` at most: a server
-        that joined the broadcast answers once it has received what rank 0 sends, and rank 0
-        aborts the group only after that (on gloo, sooner would strand it in the collective
-        until the group's timeout)."""
-        body = update_request(named, version, group_name, flush_cache=last)
-
-        async def run(pool: ServerPool):
-            answers = [asyncio.ensure_future(pool.request(
-                "/update_weights_from_distributed", body, server=s, resend=False))
-                for s in pool.servers]
-            done, pending = await asyncio.wait(answers, return_when=asyncio.FIRST_EXCEPTION)
-            if pending:   # one failed: the rest get a grace, then are given up
-                await asyncio.wait(pending, timeout=ANNOUNCE_GRACE_S)
-            errors = [a.exception() for a in answers if a.done() and a.exception()]
-            if errors:
-                raise errors[0]
-            return [a.result() for a in answers]
-        run_with_pool(self.pool_factory, run)
+        self._broadcast("/update_weights_from_distributed",   # a collective: never resent
+                        update_request(named, version, group_name, flush_cache=last),
+                        resend=False)
 
     def receive_tensors(self, payloads: list[list[str]], version: int, last: bool) -> None:
         async def run(pool: ServerPool):
