@@ -382,7 +382,10 @@ def test_train_with_partial_rollouts_keeps_every_segment_exact_and_resumes(tmp_p
     same-version mismatch is ~0, routing agrees, nothing is unscored or masked (a
     response past the bound restarts), and without lag
     no correction removes anything (they act on the policy lag, as in the asynchronous
-    pipeline); every token is at most 2 versions old. Resumed from the step-2 checkpoint, the
+    pipeline); every token is at most 2 versions old. Six steps: when the trainer is slower than
+    the engine, the first batches are all sampled from version 0 (the rollout runs
+    max_staleness ahead) and only the later ones continue a response under newer weights (four
+    steps gave none beside another run, 2026-11-28). Resumed from the step-6 checkpoint, the
     run starts without partial responses (the documented rule) and finishes."""
     import subprocess
     import sys
@@ -394,9 +397,9 @@ def test_train_with_partial_rollouts_keeps_every_segment_exact_and_resumes(tmp_p
     # how the engine happened to batch them: seen 0 partial responses beside another xdist run)
     opts = ["rollout.partial=true", "rollout.max_staleness=2", "rollout.max_new_tokens=40",
             "algorithm.keep_sampling_mask=true", "rollout.top_k=20", "rollout.concurrency=4"]
-    train_cli(tmp_path, 4, *opts)
+    train_cli(tmp_path, 6, *opts)
     rows = _metrics(tmp_path / "run")
-    assert max(r["rollout/partial_frac"] for r in rows) > 0.0
+    assert max(r["rollout/partial_frac"] for r in rows) > 0.0, rows
     assert sum(r["rollout/partial_aborted"] for r in rows) > 0
     for r in rows:
         assert abs(r["mismatch/k3"]) < 1e-6 and r["routing/agreement"] == 1.0, r
@@ -405,11 +408,11 @@ def test_train_with_partial_rollouts_keeps_every_segment_exact_and_resumes(tmp_p
             assert r["correction/seq_mis/masked_seq_frac"] == 0.0
         assert r["rollout/token_version_lag_max"] <= 2.0
         assert r["rollout/partial_masked_tokens"] == 0.0   # drop: restarted, never masked
-    train_cli(tmp_path, 6, *opts, resume=True)
+    train_cli(tmp_path, 8, *opts, resume=True)
     resumed = _metrics(tmp_path / "run")
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4, 5]
-    assert resumed[4]["rollout/partial_frac"] == 0.0   # nothing carried over the restart
-    assert all(abs(r["mismatch/k3"]) < 1e-6 for r in resumed[4:])
+    assert [r["step"] for r in resumed] == list(range(8))
+    assert resumed[6]["rollout/partial_frac"] == 0.0   # nothing carried over the restart
+    assert all(abs(r["mismatch/k3"]) < 1e-6 for r in resumed[6:])
 
 
 def test_the_benchmark_task_is_long_tailed_and_its_report_pairs_the_arms():
