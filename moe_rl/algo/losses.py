@@ -1,5 +1,5 @@
-"""Policy losses (per token, minimised): PPO-clip / GRPO, GSPO, GMPO and DPPO, plus Clip-Cov and
-KL-Cov. The ratio losses (PPO-clip, GSPO, GMPO) take an optional ``log_scale`` [B, T], a detached
+"""Policy losses (per token, minimised): PPO-clip / GRPO, GSPO, GMPO, DPPO, CISPO and SAPO, plus
+Clip-Cov and KL-Cov. The ratio losses (PPO-clip, GSPO, GMPO) take an optional ``log_scale`` [B, T], a detached
 per-token log factor on the ratio applied before clipping and aggregation (RSPO's router-shift
 weight, :mod:`moe_rl.algo.router_shift`)."""
 from __future__ import annotations
@@ -182,6 +182,58 @@ def dppo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
     return -adv * scale * ratio, metrics
 
 
+def cispo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
+               mask: torch.Tensor, eps_low: float | None, eps_high: float
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): the importance weight is clipped and detached, the
+    update never is: the gradient is ``-A sg(clip(r, 1 - eps_low, 1 + eps_high)) grad lp`` on
+    every token (``eps_low`` None: no lower bound, as the paper). The per-token loss is
+    ``-A sg(w) (1 + lp - sg(lp))`` with ``w`` the clipped weight (its value ``-A w``), ``log r``
+    clamped to +-20, in float32 (float64 for float64 inputs). Returns the loss [B, T] and
+    metrics: clip_frac (masked tokens whose weight was clipped), cispo/weight_mean."""
+    check_same_shape(lp=lp, lp_old=lp_old, mask=mask)
+    dtype = compute_dtype(lp, lp_old, advantages)
+    lp, lp_old = lp.to(dtype), lp_old.to(dtype)
+    adv = broadcast_to_tokens(advantages.to(dtype), lp)
+    with torch.no_grad():
+        ratio = torch.exp((lp - lp_old).clamp(-EXP_CLAMP, EXP_CLAMP))
+        weight = ratio.clamp(min=None if eps_low is None else 1.0 - eps_low, max=1.0 + eps_high)
+        metrics = {"clip_frac": float(masked_mean((weight != ratio).to(dtype), mask)),
+                   "cispo/weight_mean": float(masked_mean(weight, mask))}
+    return -adv * weight * (1 + lp - lp.detach()), metrics
+
+
+def sapo_loss(lp: torch.Tensor, lp_old: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, tau_pos: float, tau_neg: float
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO (Gao et al., 2025, arXiv 2511.20347): a soft gate in place of the clip, ``-A f(r)``
+    with ``f(r) = (4 / tau) sigmoid(tau (r - 1))``, ``tau = tau_pos`` where A > 0 and
+    ``tau_neg`` elsewhere. Its gradient ``-A 4 s (1 - s) r grad lp`` (``s`` the sigmoid) is
+    the policy gradient at ``r = 1`` and fades smoothly as the ratio leaves 1, faster for the
+    larger temperature. ``log r`` clamped to +-20, in float32 (float64 for float64 inputs).
+    Returns the loss [B, T] and metrics: sapo/gate_mean (the gradient's weight ``4 s (1 - s)``
+    over the masked tokens, 1 on policy)."""
+    check_same_shape(lp=lp, lp_old=lp_old, mask=mask)
+    dtype = compute_dtype(lp, lp_old, advantages)
+    lp, lp_old = lp.to(dtype), lp_old.to(dtype)
+    adv = broadcast_to_tokens(advantages.to(dtype), lp)
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    ratio = torch.exp((lp - lp_old).clamp(-EXP_CLAMP, EXP_CLAMP))
+    gate = torch.sigmoid(tau * (ratio - 1))
+    with torch.no_grad():
+        metrics = {"sapo/gate_mean": float(masked_mean(4 * gate * (1 - gate), mask))}
+    return -adv * (4 / tau) * gate, metrics
+
+
+def rollout_penalty(lp: torch.Tensor, lp_roll: torch.Tensor, coef: float) -> torch.Tensor:
+    """The penalty on the gap to the engine's policy (Prime-RL's loss): per token
+    ``coef (lp - lp_roll)^2``, in float32 (float64 for float64 inputs); its gradient
+    ``2 coef (lp - lp_roll) grad lp`` pulls the trainer's log-prob toward the sampler's."""
+    check_same_shape(lp=lp, lp_roll=lp_roll)
+    dtype = compute_dtype(lp, lp_roll)
+    return coef * (lp.to(dtype) - lp_roll.to(dtype)).square()
+
+
 def _ppo(lp, lp_old, adv, keep, a, log_scale):
     return ppo_clip_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high, a.dual_clip_c,
                          log_scale=log_scale)
@@ -206,10 +258,19 @@ def _dppo(divergence: str):
     return loss
 
 
+def _cispo(lp, lp_old, adv, keep, a, log_scale):
+    return cispo_loss(lp, lp_old, adv, keep, a.cispo.eps_low, a.cispo.eps_high)
+
+
+def _sapo(lp, lp_old, adv, keep, a, log_scale):
+    return sapo_loss(lp, lp_old, adv, keep, a.sapo.tau_pos, a.sapo.tau_neg)
+
+
 # algorithm.loss's choices: (lp, lp_old, advantages, keep, AlgorithmConfig, log-ratio scale or
-# None) -> (per-token loss, metrics)
+# None) -> (per-token loss, metrics); the router-shift scale only for ppo, gspo and gmpo (the
+# configuration refuses the others)
 POLICY_LOSSES = {"ppo": _ppo, "gspo": _gspo, "gmpo": _gmpo, "dppo_tv": _dppo("tv"),
-                 "dppo_kl": _dppo("kl")}
+                 "dppo_kl": _dppo("kl"), "cispo": _cispo, "sapo": _sapo}
 
 
 def _token_covariance(lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor

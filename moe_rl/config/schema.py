@@ -205,6 +205,30 @@ DPPO_DEFAULT_DELTA = {"dppo_tv": 0.15, "dppo_kl": 0.05}
 
 
 @dataclass
+class CISPOConfig:
+    """CISPO's clipped importance weight (algorithm.loss: cispo); MiniMax-M1 imposes no lower
+    bound and tunes only the upper one."""
+    eps_low: float | None = _f(None, "the weight's floor is 1 - eps_low (null: no floor, as "
+                               "the paper)", **_rng(0, 1, hi_open=True))
+    eps_high: float = _f(0.28, "the weight's cap is 1 + eps_high", **_rng(0, lo_open=True))
+
+
+@dataclass
+class SAPOConfig:
+    """SAPO's soft gate (algorithm.loss: sapo); the paper's temperatures."""
+    tau_pos: float = _f(1.0, "gate temperature for tokens with A > 0", **_rng(0, lo_open=True))
+    tau_neg: float = _f(1.05, "gate temperature for tokens with A <= 0 (the paper: above "
+                        "tau_pos, negative updates fade faster)", **_rng(0, lo_open=True))
+
+
+@dataclass
+class RolloutPenaltyConfig:
+    """A penalty on the trainer's gap to the engine's policy, with any loss (Prime-RL)."""
+    coef: float = _f(0.0, "tau of tau * (log pi_theta - log pi_rollout)^2 per token, added to "
+                     "the loss (0 = off; Prime-RL's default 1e-3)", **_rng(0))
+
+
+@dataclass
 class RouterShiftConfig:
     """RSPO's router-shift weight on the importance ratio (ppo, gspo, gmpo)."""
     enabled: bool = _f(False, "scale each token's ratio by gamma = max(exp(-d), floor), d the "
@@ -216,10 +240,12 @@ class RouterShiftConfig:
 @dataclass
 class AlgorithmConfig:
     advantage: Literal["grpo", "drgrpo", "rloo"] = _f("grpo", "advantage estimator")
-    loss: Literal["ppo", "gspo", "gmpo", "dppo_tv", "dppo_kl"] = _f(
+    loss: Literal["ppo", "gspo", "gmpo", "dppo_tv", "dppo_kl", "cispo", "sapo"] = _f(
         "ppo", "policy loss: token PPO-clip (GRPO), GSPO, GMPO (geometric mean of log-clipped "
-        "token ratios; clip_low/clip_high bound log r, paper 0.4), or DPPO's divergence trust "
-        "region (binary total variation or binary KL; algorithm.dppo)")
+        "token ratios; clip_low/clip_high bound log r, paper 0.4), DPPO's divergence trust "
+        "region (binary total variation or binary KL; algorithm.dppo), CISPO (the detached "
+        "weight clipped, never the update; algorithm.cispo) or SAPO (a soft gate on the ratio; "
+        "algorithm.sapo)")
     clip_low: float = _f(0.2, "epsilon_low of the ratio clip (GSPO paper: 3e-4)")
     clip_high: float = _f(0.28, "epsilon_high of the ratio clip (GSPO paper: 4e-4)")
     dual_clip_c: float | None = _f(3.0, "dual-clip cap c for negative advantages (null = off)",
@@ -241,6 +267,10 @@ class AlgorithmConfig:
                                 + ", ".join(CORRECTIONS))
     correction: CorrectionParams = _sub(CorrectionParams, "correction thresholds")
     dppo: DPPOConfig = _sub(DPPOConfig, "DPPO's divergence bounds")
+    cispo: CISPOConfig = _sub(CISPOConfig, "CISPO's weight bounds")
+    sapo: SAPOConfig = _sub(SAPOConfig, "SAPO's gate temperatures")
+    rollout_penalty: RolloutPenaltyConfig = _sub(RolloutPenaltyConfig,
+                                                 "penalty on the gap to the engine's policy")
     router_shift: RouterShiftConfig = _sub(RouterShiftConfig, "RSPO's router-shift weight")
     kl: KLConfig = _sub(KLConfig, "KL to the reference policy")
     entropy_coef: float = _f(0.0, "entropy bonus coefficient", **_rng(0))

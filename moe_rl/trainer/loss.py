@@ -11,7 +11,7 @@ import torch
 
 from moe_rl.algo import (POLICY_LOSSES, CorrectionInputs, Normalisers, aggregate,
                          apply_corrections, clip_cov, clip_cov_select, kl_cov_loss, kl_cov_select,
-                         kl_estimate, router_shift_metrics)
+                         kl_estimate, rollout_penalty, router_shift_metrics)
 from moe_rl.config import AlgorithmConfig
 
 GROUP_CORRECTIONS = ("metropolis", "snis")
@@ -102,6 +102,10 @@ class PolicyLoss:
             kl_tok = kl_estimate(lp, x.lp_ref, a.kl.estimator, lp_old=lp_old,
                                  off_policy_corrected=a.kl.off_policy_corrected)
             loss_tok = loss_tok + a.kl.coef * kl_tok
+        if a.rollout_penalty.coef:   # unweighted, as the KL term: a pull toward the sampler
+            loss_tok = loss_tok + rollout_penalty(lp, x.lp_roll, a.rollout_penalty.coef)
+            gap = (lp.detach().double() - x.lp_roll.double()).square()
+            sums["rollout_penalty/sq_gap_mean"] = float(gap[keep].sum())
         if a.entropy_coef:
             loss_tok = loss_tok - a.entropy_coef * entropy
         loss = aggregate(loss_tok, keep, a.aggregation, norm,

@@ -55,7 +55,12 @@ DPPO_AND_RSPO = [{"temperature": 1.0, "sampling": "top_k", "mask": True, "pi_old
                  {"temperature": 0.7, "sampling": "full", "mask": False, "pi_old": "trainer",
                   "replay": "off", "loss": "dppo_kl", "pack": True},
                  {"temperature": 0.7, "sampling": "top_k", "mask": True, "pi_old": "trainer",
-                  "replay": "r3", "loss": "gmpo", "pack": True, "router_shift": True}]
+                  "replay": "r3", "loss": "gmpo", "pack": True, "router_shift": True},
+                 {"temperature": 1.0, "sampling": "top_k_top_p_min_p", "mask": True,
+                  "pi_old": "engine_avg", "replay": "r3", "loss": "cispo", "pack": False,
+                  "penalty": True, "mini_batches": 2},
+                 {"temperature": 0.7, "sampling": "full", "mask": False, "pi_old": "rollout",
+                  "replay": "off", "loss": "sapo", "pack": True, "mini_batches": 2}]
 
 
 @pytest.mark.loop
@@ -64,13 +69,21 @@ DPPO_AND_RSPO = [{"temperature": 1.0, "sampling": "top_k", "mask": True, "pi_old
 @pytest.mark.parametrize("combo", DPPO_AND_RSPO, ids=name)
 def test_zero_mismatch_dppo_and_rspo(model_dir, tmp_path, combo):
     """DPPO through `moe-rl train`, with R3 (binary TV, the keep-sampling-mask, pi_old from the
-    rollout as its authors recommend) and without (binary KL, packed), and RSPO (GMPO with the
-    router-shift weight) under R3: on identical float32 engine and trainer no token leaves the
-    trust region, the divergence is ~0 and the router-shift weight is exactly 1."""
+    rollout as its authors recommend) and without (binary KL, packed), RSPO (GMPO with the
+    router-shift weight) under R3, CISPO with the penalty on the gap to the engine's policy
+    (R3, the mask, pi_old from two engine passes) and SAPO (packed, pi_old from the rollout),
+    both over two mini-batches so the second one's ratio is live: on identical float32 engine
+    and trainer no token leaves the trust region, the divergence is ~0, the router-shift weight
+    is exactly 1, CISPO clips no weight, SAPO's gate stays open, and the penalty sees only the
+    first update's movement."""
     m = train_steps(model_dir, tmp_path / name(combo), combo)[0]
     check_invariant(combo, m)
     if combo["loss"].startswith("dppo"):
         assert m["dppo/divergence_mean"] < 1e-6, (name(combo), m["dppo/divergence_mean"])
+    if combo["loss"] == "cispo":
+        assert abs(m["cispo/weight_mean"] - 1.0) < 1e-2, m["cispo/weight_mean"]
+    if combo.get("penalty"):   # 0 on the first mini-batch, the update's movement on the second
+        assert 0.0 < m["rollout_penalty/sq_gap_mean"] < 1e-2, m["rollout_penalty/sq_gap_mean"]
 
 
 @pytest.mark.slow

@@ -88,6 +88,10 @@ def overrides(combo: dict) -> list[str]:
         out += ["algorithm.clip_low=0.4", "algorithm.clip_high=0.4"]
     if combo.get("router_shift"):
         out.append("algorithm.router_shift.enabled=true")
+    if combo.get("penalty"):   # Prime-RL's coefficient
+        out.append("algorithm.rollout_penalty.coef=1e-3")
+    if combo.get("mini_batches"):   # the later mini-batches' ratio is live
+        out.append(f"trainer.mini_batches={combo['mini_batches']}")
     return out
 
 
@@ -127,7 +131,10 @@ def check_invariant(combo: dict, m: dict) -> None:
         assert m[f"correction/{corr}/masked_seq_frac"] == 0.0, (label, corr)
     assert m["is/ess"] > 0.999, (label, m["is/ess"])
     assert m["ratio/first_minibatch_max_dev"] < 1e-5, (label, m["ratio/first_minibatch_max_dev"])
-    assert m["clip_frac"] == 0.0, label
+    if combo["loss"] == "sapo":   # no clip: the soft gate's weight is 1 on policy
+        assert m["sapo/gate_mean"] > 0.999, (label, m["sapo/gate_mean"])
+    else:
+        assert m["clip_frac"] == 0.0, label
     assert m["weights/probe_k3"] < 1e-6 and m["weights/check_resyncs"] == 0.0, label
     assert m["weights/probe_max_abs_diff"] < 1e-4, (label, m["weights/probe_max_abs_diff"])
     if combo["replay"] != "off" or "weights/probe_routing_agreement" in m:

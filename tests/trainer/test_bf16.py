@@ -28,7 +28,9 @@ def make_cfg(path, dtype="bfloat16", algorithm=None, **trainer):
 LOSSES = {"ppo": {},
           "dppo_tv": {"loss": "dppo_tv"},
           "rspo": {"loss": "gmpo", "clip_low": 0.4, "clip_high": 0.4,
-                   "aggregation": "seq-mean-token-mean", "router_shift": {"enabled": True}}}
+                   "aggregation": "seq-mean-token-mean", "router_shift": {"enabled": True}},
+          "cispo": {"loss": "cispo", "rollout_penalty": {"coef": 1e-3}},
+          "sapo": {"loss": "sapo"}}
 
 
 def main_weights(p):
@@ -106,8 +108,9 @@ def test_bf16_policy_trains_with_float32_master_weights(tiny):
 
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_a_bf16_rl_step_learns(tiny, loss):
-    """The bfloat16 policy learns from one RL step, with PPO-clip, DPPO and RSPO (GMPO with the
-    router-shift weight, over two epochs so that the second reads routers that moved): the
+    """The bfloat16 policy learns from one RL step, with PPO-clip, DPPO, RSPO (GMPO with the
+    router-shift weight, over two epochs so that the second reads routers that moved), CISPO
+    with the penalty on the gap to the engine's policy, and SAPO: the
     sequences with a positive advantage become likelier and those with a negative one less
     likely (the trainer's own log-probs of the same samples, before and after)."""
     path, hf_model = tiny
