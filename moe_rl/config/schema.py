@@ -197,7 +197,8 @@ class DPPOConfig:
     delta_high: float | None = _f(None, "divergence bound for tokens with A > 0 (null: 0.15 "
                                   "for dppo_tv, 0.05 for dppo_kl)", **_rng(0, lo_open=True))
     ratio_cap: float | None = _f(None, "cap of the (detached) ratio weighting a token's "
-                                 "gradient inside the region (null: none)",
+                                 "gradient inside the region (null: none, the authors' "
+                                 "example; their paper wants any cap large, e.g. 20)",
                                  **_rng(1, lo_open=True))
 
 
