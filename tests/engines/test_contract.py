@@ -22,7 +22,7 @@ from moe_rl.models.tiny import write_tiny_model
 from moe_rl.moe_shape import MoEShape
 from moe_rl.rollout.trajectories import generate_samples
 from moe_rl.trainer.parallel import free_port
-from tests.helpers import sglang_cpu_python
+from tests.helpers import engine_base_port, sglang_cpu_python
 
 pytestmark = pytest.mark.xdist_group("engine_contract")   # its fixture made once
 
@@ -58,7 +58,7 @@ class Started:
         self.procs = []
         engine_type = engine_kind(self.cfg)
         for i in range(2):
-            argv, env = engine_type.server_command("127.0.0.1", free_port(),
+            argv, env = engine_type.server_command("127.0.0.1", engine_base_port(),
                                                    [0] if gpus else [], i, model)
             port = int(argv[argv.index("--port") + 1])
             proc = engine_type.server_process(argv, env, "127.0.0.1", port,

@@ -20,7 +20,7 @@ from moe_rl.engines.sglang.decode import decode_routing
 from moe_rl.models.tiny import write_tiny_model
 from moe_rl.moe_shape import MoEShape
 from moe_rl.trainer.parallel import free_port
-from tests.helpers import sglang_cpu_python
+from tests.helpers import engine_base_port, sglang_cpu_python
 
 pytestmark = [pytest.mark.sglang, pytest.mark.xdist_group("differential")]   # its servers made once
 
@@ -76,7 +76,7 @@ class Pair:
             "rollout": {"engine": "sglang", "top_k": 8, "return_routing": True,
                         "sglang": {"device": "cpu", "python": python}},
             "algorithm": {"replay": "r3", "keep_sampling_mask": True}})
-        port = free_port()
+        port = engine_base_port()   # SGLang binds it itself, after ~25 s of start-up
         sglang = engine_kind(cfg)
         argv, env = sglang.server_command("127.0.0.1", port, [], 0, self.model)
         try:
