@@ -132,9 +132,13 @@ class RolloutConfig:
         **_rng(0, 100, why="retries with exponential backoff: more never end"))
     concurrency: int = _f(64, "in-flight requests per server",
         **_rng(1, 65536, why="requests in flight per server, each a task and a connection"))
-    health_timeout_s: float = _f(300.0, "wait for a starting server's /health, and the longest "
-                                 "a silent server's /health may take before it is restarted",
-                                 **_rng(0, lo_open=True))
+    health_timeout_s: float = _f(300.0, "the longest a silent server's /health may take before "
+                                 "it is restarted, and the wait for a starting server's /health "
+                                 "unless startup_timeout_s is set", **_rng(0, lo_open=True))
+    startup_timeout_s: float | None = _f(None, "wait for a starting or restarted server's "
+                                         "/health (null: health_timeout_s); a large model's "
+                                         "start can take minutes where a running server's "
+                                         "health check should not", **_rng(0, lo_open=True))
     weight_load_timeout_s: float = _f(3600.0, "the longest one weight-update call to a server "
                                       "may take (a disk load, a bucket); its /health is not "
                                       "asked meanwhile (SGLang's waits for the load to finish)",

@@ -109,6 +109,13 @@ def served_checkpoint(cfg, path: str, fp8_dir: str | None = None) -> str:
     return write_fp8_checkpoint(path, fp8_dir or os.path.join(path, "fp8"))
 
 
+def startup_timeout(cfg) -> float:
+    """How long a starting or restarted engine server may take to answer /health:
+    ``rollout.startup_timeout_s``, else ``rollout.health_timeout_s``."""
+    r = cfg.rollout
+    return r.health_timeout_s if r.startup_timeout_s is None else r.startup_timeout_s
+
+
 @ray.remote
 class EngineHost:
     """One engine server, started on the node and GPUs the plan gave it: binds the node's
@@ -141,14 +148,14 @@ class EngineHost:
         """Start the server on the held port and wait for its /health; returns
         :meth:`placed`."""
         sock, self.sock = self.sock, None
-        self.server.start(self.cfg.rollout.health_timeout_s, sock=sock)
+        self.server.start(startup_timeout(self.cfg), sock=sock)
         return self.placed()
 
     def url(self) -> str:
         return self.server.url
 
     def restart(self) -> None:
-        self.server.restart(self.cfg.rollout.health_timeout_s)
+        self.server.restart(startup_timeout(self.cfg))
 
     def restarts(self) -> int:
         return self.server.restarts

@@ -367,7 +367,10 @@ def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
                        "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
                        "rollout.top_k=20", "cluster.weight_sync=distributed",
                        "logging.samples_per_step=64",
+                       # the two servers' start-up, side by side, has its own wait (~40 s
+                       # on 2 cores; 88 s on a slower machine, 2026-11-28)
                        "rollout.request_timeout_s=2", "rollout.health_timeout_s=60",
+                       "rollout.startup_timeout_s=300",
                        'rollout.sglang.extra_args=[--max-running-requests, "4"]', steps=8,
                        env=env)
     assert (tmp_path / "killed").exists() and (tmp_path / "refused").exists()
