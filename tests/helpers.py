@@ -307,3 +307,13 @@ def score(prompt, response, answer, metadata):
                 break
     return toy_reward(prompt, response, answer, metadata)
 '''
+
+
+def token_draw(seed: int, spread: float, n: int = 64):
+    """float64 per-token inputs of a policy loss: (lp requiring grad, lp_old, advantages), one
+    row of ``n`` tokens; lp moves from lp_old by ``spread`` standard deviations in log space."""
+    g = torch.Generator().manual_seed(seed)
+    lp_old = torch.log(torch.rand(n, generator=g, dtype=torch.float64) * 0.98 + 0.01)
+    lp = (lp_old + torch.randn(n, generator=g, dtype=torch.float64) * spread).clamp(max=-1e-3)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    return lp.requires_grad_(), lp_old, adv

@@ -10,6 +10,7 @@ import torch
 
 from moe_rl.algo import cispo_loss, ppo_clip_loss
 from moe_rl.config import ConfigError, load_config
+from tests.helpers import token_draw
 
 
 def reference(lp, lp_old, adv, eps_low, eps_high):
@@ -26,11 +27,7 @@ def reference(lp, lp_old, adv, eps_low, eps_high):
 
 @pytest.mark.parametrize("eps_low", [None, 0.2])
 def test_cispo_matches_the_float64_reference_value_and_gradient(eps_low):
-    g = torch.Generator().manual_seed(5)
-    lp_old = torch.log(torch.rand(64, generator=g, dtype=torch.float64) * 0.98 + 0.01)
-    lp = (lp_old + torch.randn(64, generator=g, dtype=torch.float64) * 0.5).clamp(max=-1e-3)
-    adv = torch.randn(64, generator=g, dtype=torch.float64)
-    lp = lp.requires_grad_()
+    lp, lp_old, adv = token_draw(5, 0.5)
     loss, m = cispo_loss(lp[None], lp_old[None], adv[None], torch.ones(1, 64, dtype=torch.bool),
                          eps_low, 0.28)
     loss.sum().backward()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe_rl.algo import binary_kl, dppo_loss
+from tests.helpers import token_draw
 
 
 def reference(lp, lp_old, adv, divergence, lo, hi, cap):
@@ -31,11 +32,7 @@ def reference(lp, lp_old, adv, divergence, lo, hi, cap):
 @pytest.mark.parametrize("divergence", ["tv", "kl"])
 @pytest.mark.parametrize("cap", [None, 1.5])
 def test_dppo_matches_the_float64_reference_value_and_gradient(divergence, cap):
-    g = torch.Generator().manual_seed(3)
-    lp_old = torch.log(torch.rand(64, generator=g, dtype=torch.float64) * 0.98 + 0.01)
-    lp = (lp_old + torch.randn(64, generator=g, dtype=torch.float64) * 0.6).clamp(max=-1e-3)
-    adv = torch.randn(64, generator=g, dtype=torch.float64)
-    lp = lp.requires_grad_()
+    lp, lp_old, adv = token_draw(3, 0.6)
     loss, metrics = dppo_loss(lp[None], lp_old[None], adv[None], torch.ones(1, 64, dtype=torch.bool),
                               divergence, 0.1, 0.12, cap)
     loss.sum().backward()

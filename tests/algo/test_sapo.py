@@ -10,6 +10,7 @@ import torch
 
 from moe_rl.algo import sapo_loss
 from moe_rl.config import ConfigError, load_config
+from tests.helpers import token_draw
 
 
 def reference(lp, lp_old, adv, tau_pos, tau_neg):
@@ -24,11 +25,7 @@ def reference(lp, lp_old, adv, tau_pos, tau_neg):
 
 
 def test_sapo_matches_the_float64_reference_value_and_gradient():
-    g = torch.Generator().manual_seed(7)
-    lp_old = torch.log(torch.rand(64, generator=g, dtype=torch.float64) * 0.98 + 0.01)
-    lp = (lp_old + torch.randn(64, generator=g, dtype=torch.float64) * 0.7).clamp(max=-1e-3)
-    adv = torch.randn(64, generator=g, dtype=torch.float64)
-    lp = lp.requires_grad_()
+    lp, lp_old, adv = token_draw(7, 0.7)
     loss, m = sapo_loss(lp[None], lp_old[None], adv[None], torch.ones(1, 64, dtype=torch.bool),
                         0.5, 2.0)
     loss.sum().backward()
