@@ -98,7 +98,10 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.mark.loop
-@pytest.mark.parametrize("deterministic", [pytest.param(False, marks=pytest.mark.slow), True])
+# `make test-slow`: the batch-dependence itself is held by
+# test_engine_results_depend_on_the_batch_unless_deterministic, engine_avg by the zero-mismatch runs
+@pytest.mark.slow
+@pytest.mark.parametrize("deterministic", [False, True])
 def test_engine_passes_differ_like_a_loaded_server(tiny_model, tmp_path, deterministic):
     """engine_avg's n passes run in batches of other sizes: they differ (pass_std > 0) on the
     default engine and are bit-identical with deterministic inference; either way the float32
@@ -254,6 +257,7 @@ def test_preset_warm_up_moves_the_routers_and_is_cached(tmp_path):
 
 
 @pytest.mark.loop
+@pytest.mark.slow   # `make test-slow`: test_fp8_rollouts_through_moe_rl_train runs fp8 in the loop
 def test_demo_runs_on_fp8_and_reports_what_replay_removed(tmp_path):
     """`moe-rl demo` (a few steps): the FP8 engine, then the reward rise and the replay summary."""
     res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "demo", "trainer.steps=3",

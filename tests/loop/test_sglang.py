@@ -18,7 +18,8 @@ import pytest
 from moe_rl.engines.sglang.cpu_shims import CALL_MARKER
 from tests.helpers import engine_base_port
 from tests.helpers import on_sglang
-from tests.loop.zero_mismatch import CONFIG, check_invariant, covering_set, name, run_all
+from tests.loop.zero_mismatch import (CONFIG, check_invariant, covering_set,
+                                      every_value_and_both_masks, name, run_all)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 AGENTIC = ROOT / "configs" / "tiny_agentic_cpu.yaml"
@@ -64,19 +65,6 @@ def model_dir(tmp_path_factory):
     return _model(tmp_path_factory, CONFIG, "sglang_loop")
 
 
-def every_value_once(factors: dict) -> list[dict]:
-    """A few combinations of the pairwise covering set in which every value of every factor
-    appears at least once."""
-    todo = {(k, v) for k, values in factors.items() for v in values}
-    chosen = []
-    for combo in sorted(covering_set(factors), key=lambda c: -len(set(c.items()) & todo)):
-        if set(combo.items()) & todo:
-            chosen.append(combo)
-            todo -= set(combo.items())
-    assert not todo, todo
-    return chosen
-
-
 def _zero_mismatch_on_sglang(model_dir, tmp_path, combos):
     """Two steps each (the second on weights synced by disk or over gloo)."""
     combos = [dict(c, passes=3) if c["pi_old"] == "engine_avg" else c for c in combos]
@@ -89,24 +77,13 @@ def _zero_mismatch_on_sglang(model_dir, tmp_path, combos):
     return results
 
 
-def every_value_and_both_masks() -> list[dict]:
-    """Every value of every factor at least once, and the kept set of top-k and of top-k +
-    top-p + min-p each scored with the mask (4 runs)."""
-    combos = every_value_once(FACTORS)
-    for sampling in ("top_k", "top_k_top_p_min_p"):
-        if not any(c["mask"] and c["sampling"] == sampling for c in combos):
-            combos.append(next(c for c in covering_set(FACTORS)
-                               if c["mask"] and c["sampling"] == sampling))
-    return combos
-
-
 def test_the_runs_hold_every_value_and_both_masks_in_four():
-    combos = every_value_and_both_masks()
+    combos = every_value_and_both_masks(FACTORS)
     assert len(combos) <= 4
     assert all(any(c[k] == v for c in combos) for k, values in FACTORS.items() for v in values)
 
 
-@pytest.mark.parametrize("combo", every_value_and_both_masks(), ids=name)   # xdist spreads them
+@pytest.mark.parametrize("combo", every_value_and_both_masks(FACTORS), ids=name)   # xdist spreads them
 def test_zero_mismatch_every_option_value_on_sglang(model_dir, tmp_path, combo):
     """`make test-sglang`: one run of the set above, two steps."""
     (rows,) = _zero_mismatch_on_sglang(model_dir, tmp_path, [combo]).values()
@@ -154,6 +131,7 @@ def test_multi_turn_agentic_replays_routing_across_turns(tmp_path_factory, tmp_p
     no_kernel_called(run)
 
 
+@pytest.mark.slow   # `make test-slow`: the chaos run holds staleness, the bf16 run the group
 def test_async_staleness_one_and_the_group_on_loopback(model_dir, tmp_path):
     """The rollout runs a version ahead of the trainer; each sample's routing and log-probs
     are compared at its own weight version (agreement 1.0, k3 ~0) while the lag shows as
@@ -192,6 +170,7 @@ def test_partial_rollouts_continue_responses_across_versions_on_sglang(model_dir
     no_kernel_called(run)
 
 
+@pytest.mark.slow   # `make test-slow`: bfloat16 SGLang is held by the bf16 trainer's run below
 def test_the_demo_on_sglang_in_bfloat16(tmp_path):
     """`make demo-sglang`'s command, shortened: SGLang serves bfloat16 against the float32
     trainer, a real gap (k3 > 0) that the summary attributes to SGLang."""
@@ -216,7 +195,8 @@ def test_a_bf16_trainer_syncs_into_bf16_sglang(model_dir, tmp_path):
     """The GPU configs' precision on the real engine: the trainer in bfloat16 with float32
     master weights, SGLang serving bfloat16, the weights broadcast over the process group into
     the float32 checkpoint SGLang started from (it loads each announced bfloat16 tensor into its
-    own): every sync lands (no fallback to disk) and the gap is bf16's own (0 < k3 < 1e-2)."""
+    own): every sync lands (no fallback to disk), the group's address is 127.0.0.1 on this one
+    node, and the gap is bf16's own (0 < k3 < 1e-2)."""
     run = tmp_path / "run"
     res, rows = _train(CONFIG, model_dir, run, "model.dtype=bfloat16",
                        "rollout.engine_dtype=bfloat16", "cluster.weight_sync=distributed",
@@ -226,11 +206,15 @@ def test_a_bf16_trainer_syncs_into_bf16_sglang(model_dir, tmp_path):
         assert 0 < m["mismatch/k3"] < 1e-2, m["mismatch/k3"]
         assert m["routing/agreement"] >= 0.9
     assert "weight sync (distributed) of version" not in res.stdout + res.stderr
+    groups = [line for line in res.stdout.splitlines() if line.startswith("weight-update group")]
+    assert groups and all(" gloo at 127.0.0.1:" in line for line in groups), groups
     no_kernel_called(run)
 
 
 @pytest.mark.alone   # the retractions and the aborts that meet them depend on the timing
-@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+# `make test-slow` for whole responses: the partial run retracts the same way, and more
+@pytest.mark.parametrize("partial", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["whole", "partial"])
 def test_retraction_under_a_small_kv_pool_stays_exact(model_dir, tmp_path, partial):
     """The real SGLang with a KV pool of 192 tokens and 40-token responses: it retracts running
     requests (back to its waiting queue, re-prefilled later, their routing recomputed). In

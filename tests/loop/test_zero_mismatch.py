@@ -5,9 +5,10 @@ the replay mode, the loss and sequence packing, every log-prob compared describe
 distribution, so every mismatch metric is ~0, no correction removes anything, the first
 mini-batch's ratio is 1, and the weight check's probe reads ~0 and never fires.
 
-`make test` runs a covering set in which every pair of option values appears together at least
-once; `make test-slow` runs the full product. A combination the configuration refuses is asserted
-refused with its message."""
+`make test-loop` runs four of the runs of a covering set in which every pair of option values
+appears together at least once: every value of every option, and both kept sets scored with the
+mask; `make test-slow` runs the rest of that set and the full product. A combination the
+configuration refuses is asserted refused with its message."""
 from __future__ import annotations
 
 import subprocess
@@ -17,8 +18,12 @@ import pytest
 
 from moe_rl.config import ConfigError, load_config
 from tests.loop.zero_mismatch import (CONFIG, _pairs, all_combos, check_invariant, covering_set,
-                                      name, overrides, refused, run_all,
-                                      train_steps)
+                                      every_value_and_both_masks, name, overrides, refused,
+                                      run_all, train_steps)
+
+
+# the runs of the covering set that `make test-loop` runs (the rest: `make test-slow`)
+CI_RUNS = every_value_and_both_masks()
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +50,23 @@ def test_refused_combinations_name_the_reason(combo):
 @pytest.mark.loop
 @pytest.mark.e2e
 @pytest.mark.multiproc
-@pytest.mark.parametrize("combo", covering_set(), ids=name)   # one run each: xdist spreads them
+@pytest.mark.parametrize("combo", CI_RUNS + [pytest.param(c, marks=pytest.mark.slow)
+                                             for c in covering_set() if c not in CI_RUNS],
+                         ids=name)   # one run each: xdist spreads them
 def test_zero_mismatch_covering_set(model_dir, tmp_path, combo):
     check_invariant(combo, train_steps(model_dir, tmp_path / name(combo), combo)[0])
 
 
 DPPO_AND_RSPO = [{"temperature": 1.0, "sampling": "top_k", "mask": True, "pi_old": "rollout",
                   "replay": "r3", "loss": "dppo_tv", "pack": False},
-                 {"temperature": 0.7, "sampling": "full", "mask": False, "pi_old": "trainer",
-                  "replay": "off", "loss": "dppo_kl", "pack": True},
-                 {"temperature": 0.7, "sampling": "top_k", "mask": True, "pi_old": "trainer",
-                  "replay": "r3", "loss": "gmpo", "pack": True, "router_shift": True},
+                 # `make test-slow`: tests/algo/test_dppo.py holds binary KL to a float64 sum and
+                 # tests/algo/test_router_shift.py runs RSPO through `moe-rl train`
+                 pytest.param({"temperature": 0.7, "sampling": "full", "mask": False,
+                               "pi_old": "trainer", "replay": "off", "loss": "dppo_kl",
+                               "pack": True}, marks=pytest.mark.slow),
+                 pytest.param({"temperature": 0.7, "sampling": "top_k", "mask": True,
+                               "pi_old": "trainer", "replay": "r3", "loss": "gmpo", "pack": True,
+                               "router_shift": True}, marks=pytest.mark.slow),
                  {"temperature": 1.0, "sampling": "top_k_top_p_min_p", "mask": True,
                   "pi_old": "engine_avg", "replay": "r3", "loss": "cispo", "pack": False,
                   "penalty": True, "mini_batches": 2},

@@ -64,6 +64,30 @@ def covering_set(factors: dict = FACTORS) -> list[dict]:
     return chosen
 
 
+def every_value_once(factors: dict) -> list[dict]:
+    """A few combinations of the pairwise covering set in which every value of every factor
+    appears at least once."""
+    todo = {(k, v) for k, values in factors.items() for v in values}
+    chosen = []
+    for combo in sorted(covering_set(factors), key=lambda c: -len(set(c.items()) & todo)):
+        if set(combo.items()) & todo:
+            chosen.append(combo)
+            todo -= set(combo.items())
+    assert not todo, todo
+    return chosen
+
+
+def every_value_and_both_masks(factors: dict = FACTORS) -> list[dict]:
+    """Every value of every factor at least once, and the kept set of top-k and of top-k +
+    top-p + min-p each scored with the mask (4 runs)."""
+    combos = every_value_once(factors)
+    for sampling in ("top_k", "top_k_top_p_min_p"):
+        if not any(c["mask"] and c["sampling"] == sampling for c in combos):
+            combos.append(next(c for c in covering_set(factors)
+                               if c["mask"] and c["sampling"] == sampling))
+    return combos
+
+
 def name(combo: dict) -> str:
     return "-".join(f"{v}" for v in combo.values())
 

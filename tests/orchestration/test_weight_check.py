@@ -164,7 +164,9 @@ WRONG_UPDATES = {"once": (("once", True, "disk", ("rollout.temperature=0.7",)), 
 
 @pytest.mark.loop
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", list(WRONG_UPDATES))   # one run each: xdist spreads them
+# one run each (xdist spreads them); the run without the check (the control): `make test-slow`
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "unchecked"
+                                  else n for n in WRONG_UPDATES])
 def test_a_wrong_engine_update_is_redone_or_stops_the_run(model, tmp_path, name):
     args, holds = WRONG_UPDATES[name]
     res, rows = _train(model, tmp_path, name, *args)
@@ -177,6 +179,7 @@ def test_a_wrong_engine_update_is_redone_or_stops_the_run(model, tmp_path, name)
 @pytest.mark.loop
 @pytest.mark.e2e
 @pytest.mark.alone   # which checks see the one-off corruption depends on the timing
+@pytest.mark.slow    # `make test-slow`: two real-SGLang runs at once; the runs above hold the check
 def test_a_wrong_update_of_the_real_sglang_is_redone_or_stops_the_run(model, tmp_path):
     """The same on the real SGLang serving on CPU, corrupted inside its scheduler after it
     records the new version: a one-off corruption of a broadcast (gloo) update is caught and
