@@ -5,10 +5,6 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
-# no byte-compiling at install: a module compiles when first imported, and most of torch's,
-# transformers' and SGLang's never are (compiling all ~16,000 files of a venv costs about a
-# minute of CPU on 2 cores, taken from the tests the environments are built beside)
-PIP_FAST ?= --no-compile
 # the slowest tests of each target in its log (what to move to test-slow when CI grows)
 DURATIONS := --durations=10
 # two pytest-xdist workers, each test module whole on one of them (its module fixtures made
@@ -43,33 +39,40 @@ UPSTREAM_TESTS := tests/trainer/test_step.py tests/trainer/test_model.py \
 	tests/families/test_deepseek_v3.py tests/trainer/test_packed_sequences.py tests/trainer/test_context_parallel.py \
 	tests/trainer/test_bf16.py
 
-.PHONY: coverage setup test test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster test-upstream docs demo demo-sglang bench study clean
+.PHONY: bytecode coverage setup test test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster test-upstream docs demo demo-sglang bench study clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# CPU machines: the pinned torch is a CPU build on disk; GPU machines keep their own torch.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(PIP_FAST) torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet $(PIP_FAST) -e ".[test]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-test: $(STAMP)
+# the project's own bytecode, written ahead: where PYTHONDONTWRITEBYTECODE is set (as on these
+# machines) no import writes it, so every process of a run (driver, actors, engine servers,
+# each CLI call of a test) would compile moe_rl from source again, ~0.5-1 s of CPU each;
+# pip compiled the installed packages. Up-to-date files are skipped.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q -j 0 moe_rl tests > /dev/null
+
+test: $(STAMP) bytecode
 	$(PY) -m pytest -q $(XDIST) -m "not slow and not contract and not multinode and not loop and not cluster and not sglang" $(PYTEST_ARGS) $(DURATIONS) tests
 
 # the training loop end to end through `moe-rl train` / `moe-rl demo` (every option's user path)
-test-loop: $(STAMP)
+test-loop: $(STAMP) bytecode
 	$(PY) -m pytest -q $(XDIST_RUNS) -m "loop and not slow and not sglang and not upstream" $(PYTEST_ARGS) $(DURATIONS) tests
 
 # a run placed on Ray's multi-node test cluster (several raylets on this machine)
-test-multinode: $(STAMP)
+test-multinode: $(STAMP) bytecode
 	$(PY) -m pytest -q -m multinode $(PYTEST_ARGS) tests
 
 # a real Slurm cluster on this machine (slurmctld, a slurmd per node, each node a network
 # namespace of its own) running launch/slurm_multinode.sbatch; root, installs slurm-wlm and munge
 SLURM_PACKAGES := slurm-wlm munge iproute2 util-linux
-test-cluster: $(STAMP)
+test-cluster: $(STAMP) bytecode
 	@test "$$(id -u)" = 0 || { echo "make test-cluster needs root (network namespaces, a bridge, slurmd)"; exit 1; }
 	command -v slurmctld >/dev/null && command -v munged >/dev/null || \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SLURM_PACKAGES); }
@@ -82,11 +85,11 @@ $(SGLANG_STAMP): $(STAMP) moe_rl/engines/sglang/cpu_requirements.txt moe_rl/engi
 	$(VENV)/bin/moe-rl sglang-cpu-env $(SGLANG_VENV)
 	touch $(SGLANG_STAMP)
 
-test-contract: $(STAMP) $(SGLANG_STAMP)
+test-contract: $(STAMP) $(SGLANG_STAMP) bytecode
 	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m contract $(PYTEST_ARGS) tests/contract
 
 # the real SGLang serving on CPU: its shims, the engine contract, the loop through `moe-rl train`
-test-sglang: $(STAMP) $(SGLANG_STAMP)
+test-sglang: $(STAMP) $(SGLANG_STAMP) bytecode
 	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q $(XDIST_SGLANG) -m "sglang and not slow and not alone" $(PYTEST_ARGS) $(DURATIONS) tests
 	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m "sglang and not slow and alone" $(PYTEST_ARGS) $(DURATIONS) tests
 
@@ -95,13 +98,14 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 $(UPSTREAM_STAMP): setup.py
 	test -x $(UPSTREAM_PY) || $(PY312) -m venv $(UPSTREAM_VENV)
 	PIP_CONFIG_FILE=/dev/null $(UPSTREAM_PY) -m pip install --quiet --upgrade pip
-	PIP_CONFIG_FILE=/dev/null $(UPSTREAM_PY) -m pip install --quiet $(PIP_FAST) -e ".[test]" $(UPSTREAM_PINS)
+	PIP_CONFIG_FILE=/dev/null $(UPSTREAM_PY) -m pip install --quiet -e ".[test]" $(UPSTREAM_PINS)
 	touch $(UPSTREAM_STAMP)
 
 test-upstream: $(UPSTREAM_STAMP)
+	$(UPSTREAM_PY) -m compileall -q -j 0 moe_rl tests > /dev/null
 	$(UPSTREAM_PY) -m pytest -q $(XDIST) -m "not slow and (not loop or upstream)" $(PYTEST_ARGS) $(DURATIONS) $(UPSTREAM_TESTS)
 
-test-slow: $(STAMP) $(SGLANG_STAMP)
+test-slow: $(STAMP) $(SGLANG_STAMP) bytecode
 	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q $(XDIST) -m "slow" $(PYTEST_ARGS) $(DURATIONS) tests
 
 test-all: $(STAMP)
@@ -110,7 +114,7 @@ test-all: $(STAMP)
 # the manual (docs/, MkDocs Material) as a site in site/; --strict: a broken link or anchor fails
 DOCS_STAMP := $(VENV)/.docs-installed
 $(DOCS_STAMP): $(STAMP) setup.py
-	$(PY) -m pip install --quiet $(PIP_FAST) -e ".[docs]"
+	$(PY) -m pip install --quiet -e ".[docs]"
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)

@@ -25,6 +25,24 @@ TINY_QWEN = dict(vocab_size=48, hidden_size=32, num_hidden_layers=3, num_attenti
                  tie_word_embeddings=False)
 
 
+def start_ranks(worker, args: tuple, nprocs: int) -> None:
+    """``worker(rank, *args)`` in ``nprocs`` processes, joined (a rank's exception fails the
+    caller), as torch.multiprocessing.spawn does, but each rank forked from one process per test
+    process that imported megatron.core once (multiprocessing's forkserver, preloaded): a spawned
+    rank imports it again, 4-9 s of CPU each on 2 cores. Each rank gets the caller's environment
+    (a forkserver's children would otherwise inherit the environment it started with)."""
+    import torch.multiprocessing as mp
+    mp.get_context("forkserver").set_forkserver_preload(["megatron.core"])
+    mp.start_processes(_rank_in_environment, args=(worker, dict(os.environ), args),
+                       nprocs=nprocs, start_method="forkserver")
+
+
+def _rank_in_environment(rank: int, worker, environ: dict, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    worker(rank, *args)
+
+
 def engine_base_port() -> int:
     """A free port for ``rollout.base_port``, below this machine's ephemeral port range (where
     ``bind(0)`` and outgoing connections never land) and above SGLang's own picks for its NCCL

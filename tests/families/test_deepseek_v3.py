@@ -20,6 +20,7 @@ from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.types import RolloutBatch, Sample
 from tests.hf_models import DEEPSEEK, YARN, hf_forward, write_deepseek
+from tests.helpers import start_ranks
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -395,7 +396,6 @@ def _ep_worker(rank, port, model_dir, out_dir):
 def test_expert_parallel_2_matches_one_process(tmp_path):
     """EP 2 over gloo: 8 routed experts per rank, shared experts and expert bias replicated;
     log-probs under replay equal one process's, and the export is the whole checkpoint."""
-    import torch.multiprocessing as mp
     from moe_rl.trainer.parallel import free_port
     hf_model = write_deepseek(tmp_path / "hf")
     g = torch.Generator().manual_seed(5)
@@ -407,8 +407,7 @@ def test_expert_parallel_2_matches_one_process(tmp_path):
                               rollout_logprobs=-torch.ones(len(ids) - 4),
                               routing=routing[:-1].to(torch.uint8)))
     RolloutBatch(samples).save(str(tmp_path / "samples.st"))
-    mp.start_processes(_ep_worker, args=(free_port(), str(tmp_path / "hf"), str(tmp_path)),
-                       nprocs=2, start_method="spawn")
+    start_ranks(_ep_worker, (free_port(), str(tmp_path / "hf"), str(tmp_path)), 2)
     _, _, ref = replayed_logprobs(str(tmp_path / "hf"), samples)
     original = load_file(tmp_path / "hf" / "model.safetensors")
     for r in range(2):

@@ -8,9 +8,9 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_rl_kernels import logprob_entropy
+from tests.helpers import start_ranks
 
 
 def reference(hidden, weight, targets, temperature=1.0, sets=None):
@@ -181,7 +181,7 @@ def test_tensor_parallel_vocab_split_matches_unsplit(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_tp_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_tp_worker, (port, str(tmp_path)), 2)
     h, w, t = data(T=8, H=5, V=12, seed=9)
     sets = [[int(t[0]), 1, 11], [], [int(t[2])], [int(t[3]), 5, 6, 7], [], [], [int(t[6]), 0], []]
     off, ids = ragged(sets)

@@ -22,7 +22,7 @@ from moe_rl.trainer.parallel import free_port
 from moe_rl.engines.sglang.weights import (broadcast_tensors, close_group, open_group,
                                update_request)
 from moe_rl.weights.serialize import parse_dtype
-from tests.helpers import assert_serves_like, fake_cuda_ipc
+from tests.helpers import assert_serves_like, fake_cuda_ipc, start_ranks
 
 
 @pytest.mark.multiproc
@@ -305,9 +305,8 @@ def _gather_worker(rank, port, out):
 
 @pytest.mark.multiproc
 def test_each_rank_payload_reaches_rank_zero_in_order(tmp_path):
-    import torch.multiprocessing as tmp
     out = tmp_path / "g.txt"
-    tmp.spawn(_gather_worker, args=(free_port(), str(out)), nprocs=3, join=True)
+    start_ranks(_gather_worker, (free_port(), str(out)), 3)
     assert out.read_text() == "payload-|payload-xxxxx|payload-xxxxxxxxxx"
 
 

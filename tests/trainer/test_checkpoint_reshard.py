@@ -5,9 +5,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.helpers import engine_samples, write_tiny_qwen
+from tests.helpers import engine_samples, start_ranks, write_tiny_qwen
 
 
 def _worker(rank, world, port, model_dir, base, load_from, save_to):
@@ -37,8 +36,7 @@ def _worker(rank, world, port, model_dir, base, load_from, save_to):
 
 def _run(world, *args):
     from moe_rl.trainer.parallel import free_port
-    mp.start_processes(_worker, args=(world, free_port(), *args), nprocs=world,
-                       start_method="spawn")
+    start_ranks(_worker, (world, free_port(), *args), world)
 
 
 def _plain(path):

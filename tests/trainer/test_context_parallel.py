@@ -8,13 +8,13 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moe_rl.packing import pack_one
 from moe_rl.trainer.context_parallel import every_rank_positions, local_kept, local_positions
 from moe_rl.trainer.parallel import free_port
 from moe_rl.trainer.replay import context_parallel_slice
 from moe_rl.types import Sample
+from tests.helpers import start_ranks
 
 
 def owner(q: int, length: int, cp: int) -> int:
@@ -120,7 +120,7 @@ def _gather_worker(rank, cp, port, out):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("cp", [2, 3])
 def test_gather_puts_every_rank_back_in_order_over_gloo(tmp_path, cp):
-    mp.spawn(_gather_worker, args=(cp, free_port(), str(tmp_path)), nprocs=cp, join=True)
+    start_ranks(_gather_worker, (cp, free_port(), str(tmp_path)), cp)
     for r in range(cp):
         res = torch.load(tmp_path / f"cp{r}.pt")
         for name in ("padded", "packed"):
@@ -144,7 +144,7 @@ def test_tensor_and_context_parallel_ranks_share_a_shard(tmp_path, sizes, want):
     """The loop hands each trainer rank its data-parallel rank's shard (megatron's own layout):
     TP and CP ranks the same samples, EP and DP ranks their own."""
     from moe_rl.orchestration.sharding import per_rank
-    mp.spawn(_data_rank_worker, args=(free_port(), sizes, str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_data_rank_worker, (free_port(), sizes, str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"dp{r}.pt") for r in range(2)]
     assert ranks == want
     shards = [f"shard{d}" for d in range(max(ranks) + 1)]

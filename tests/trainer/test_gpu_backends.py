@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_rl.trainer.parallel import free_port
+from tests.helpers import start_ranks
 
 FAKE = "fakecuda"
 
@@ -77,7 +77,7 @@ def _worker(rank, port, out_dir, expert):
 
 @pytest.mark.parametrize("expert", [1, 2])
 def test_gpu_init_gives_every_trainer_group_a_cpu_backend(tmp_path, expert):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), expert), nprocs=2, join=True)
+    start_ranks(_worker, (free_port(), str(tmp_path), expert), 2)
     r0 = torch.load(tmp_path / "r0.pt", weights_only=False)
     r1 = torch.load(tmp_path / "r1.pt", weights_only=False)
     assert r0["failures"] == {} and r1["failures"] == {}, (r0["failures"], r1["failures"])

@@ -5,9 +5,8 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.helpers import engine_samples, write_tiny_qwen
+from tests.helpers import engine_samples, start_ranks, write_tiny_qwen
 
 
 def _worker(rank, port, model_dir, out_dir, mode):
@@ -89,8 +88,7 @@ def _spawn(tmp_path, mode):
     from moe_rl.types import RolloutBatch
     samples = engine_samples(hf, n_groups=2, group_size=2, seed=22)
     RolloutBatch(samples).save(str(tmp_path / "samples.st"))
-    mp.start_processes(_worker, args=(free_port(), str(model_dir), str(tmp_path), mode),
-                       nprocs=2, start_method="spawn")
+    start_ranks(_worker, (free_port(), str(model_dir), str(tmp_path), mode), 2)
     return str(model_dir), samples
 
 
@@ -216,8 +214,7 @@ def test_routing_agreement_counts_every_ranks_positions(tmp_path, sizes):
     (here the only one: 1.0), on every rank."""
     import ast
     from moe_rl.trainer.parallel import free_port
-    mp.start_processes(_agreement_worker, args=(free_port(), sizes, str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    start_ranks(_agreement_worker, (free_port(), sizes, str(tmp_path)), 2)
     for rank in (0, 1):
         got = ast.literal_eval((tmp_path / f"agree{rank}.txt").read_text())
         assert got == pytest.approx({"routing/agreement": 0.75, "routing/token_differs_frac": 0.25,

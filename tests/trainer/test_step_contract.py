@@ -7,10 +7,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moe_rl.trainer.step import StepRows, gather_rows, step_inputs
-from tests.helpers import engine_samples, write_tiny_qwen
+from tests.helpers import engine_samples, start_ranks, write_tiny_qwen
 
 ALGO = {"replay": "r3", "corrections": ["icepop", "seq_mis"]}
 
@@ -63,8 +62,7 @@ def setup(tmp_path_factory):
 def _run(setup, case):
     from moe_rl.trainer.parallel import free_port
     model_dir, tmp, _ = setup
-    mp.start_processes(_worker, args=(free_port(), model_dir, str(tmp), case), nprocs=2,
-                       start_method="spawn")
+    start_ranks(_worker, (free_port(), model_dir, str(tmp), case), 2)
     return [json.loads((tmp / f"{case}{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -62,8 +62,7 @@ def prepare(venv: str, system_python: str = sys.executable) -> str:
     python = str(pathlib.Path(venv) / "bin" / "python")
     if not os.access(python, os.X_OK):
         _run([system_python, "-m", "venv", venv], "creating the virtual environment")
-    # no byte-compiling: a module compiles when first imported, and most of SGLang's never are
-    pip = [python, "-m", "pip", "install", "--quiet", "--no-compile"]
+    pip = [python, "-m", "pip", "install", "--quiet"]
     facts = environment_facts(python)
     if tuple(facts["python"]) != (3, 11) and facts["torch"] is None:
         raise UserError(f"sglang-cpu-env: {venv} runs Python {facts['python'][0]}."
