@@ -95,13 +95,6 @@ def _read_megatron(path: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
-    from moe_rl.weights.hf import (load_hf_into_megatron, megatron_to_hf,
-                                           save_hf_checkpoint)
-    from moe_rl.trainer.model_builder import build_model, load_hf_config
-    from moe_rl.trainer.parallel import init_distributed, init_model_parallel
-    from moe_rl.trainer.sharded_state import load_sharded_weights
     sources = [f for f in ("megatron", "checkpoint") if getattr(args, f)]
     if args.to == "hf" and len(sources) != 1:
         raise UserError("--to hf: give one of --megatron FILE or --checkpoint DIR")
@@ -119,6 +112,13 @@ def run(args: argparse.Namespace) -> int:
     if step_dir and args.ema and not _layout(step_dir).get("ema"):
         raise UserError(f"--ema: {step_dir} was saved without an EMA (trainer.ema_decay unset)")
     state = _read_megatron(args.megatron) if args.megatron else None
+    # megatron-core only now: a refused input answers without its import (~9 s of CPU on 2 cores)
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
+    from moe_rl.weights.hf import load_hf_into_megatron, megatron_to_hf, save_hf_checkpoint
+    from moe_rl.trainer.model_builder import build_model, load_hf_config
+    from moe_rl.trainer.parallel import init_distributed, init_model_parallel
+    from moe_rl.trainer.sharded_state import load_sharded_weights
     init_distributed()
     init_model_parallel()
     model, spec = build_model(hf)

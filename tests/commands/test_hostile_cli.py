@@ -2,6 +2,7 @@
 traceback: convert of garbage or crafted files, missing directories, damaged checkpoints."""
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -23,8 +24,8 @@ class _Runs:
         return os.system, (f"touch {self.marker}",)
 
 
-def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], cwd=cwd,
+def _cli(*args, cwd, python_flags=()):
+    return subprocess.run([sys.executable, *python_flags, "-m", "moe_rl.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -64,8 +65,12 @@ def test_convert_refuses_garbage_crafted_and_missing_inputs_in_one_line(tmp_path
         (["--to", "hf", "--hf", str(model)], ["give one of"]),
     ]
     for args, expected in cases:
-        res = _cli("convert", *args, "--out", str(tmp_path / "out"), cwd=tmp_path)
+        res = _cli("convert", *args, "--out", str(tmp_path / "out"), cwd=tmp_path,
+                   python_flags=("-X", "importtime"))
         _one_line_refusal(res, *expected)
+        # refused before megatron-core is imported, except a file that must meet the model
+        imported = re.search(r"\|\s+megatron\.core$", res.stderr, re.M) is not None
+        assert imported == ("does not fit" in expected), expected
     assert not marker.exists()
 
 

@@ -250,6 +250,9 @@ def _rows(run_dir):
 
 @pytest.mark.loop
 @pytest.mark.e2e
+# `make test-slow`: `make test-upstream` runs a DeepSeek-V3 through `moe-rl train` with R3, and
+# `make test` converts this family both ways
+@pytest.mark.slow
 def test_cpu_twin_config_trains_through_the_loop_with_r3_and_converts(tmp_path):
     """`moe-rl init-model` + `moe-rl train --config configs/deepseek_tiny_cpu.yaml` (R3, IcePop
     then seq-MIS, the keep-sampling mask with top-k/top-p, a supervised warm start, through Ray

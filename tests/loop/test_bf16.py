@@ -160,7 +160,7 @@ def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_c
 
 @pytest.mark.loop
 @pytest.mark.e2e
-@pytest.mark.slow   # `make test-slow`: partial rollouts run in float32 in tests/rollout/test_partial.py
+@pytest.mark.slow   # `make test-slow`: tests/rollout/test_partial.py runs them in float32
 def test_bf16_partial_rollouts(tmp_path, model_dir):
     """Partial rollouts in the GPU configs' precision (bfloat16 engine and policy, fp32 master
     weights): responses span weight versions, each segment scored at its own version (R3 with

@@ -114,6 +114,9 @@ def _train(config, model, run_dir, *extra, steps=2, env=None):
     return res, rows
 
 
+# `make test-slow`: tests/engines/test_contract.py holds SGLang's side (pinned turns share their
+# server's prefix, routing fetched again), tests/rollout/test_multi_turn.py the loop's
+@pytest.mark.slow
 def test_multi_turn_agentic_replays_routing_across_turns(tmp_path_factory, tmp_path):
     """The calculator environment (warm-started so the model calls it): later turns reuse the
     earlier turns' KV from SGLang's radix cache, whose routing was recorded when that KV was
@@ -212,9 +215,10 @@ def test_a_bf16_trainer_syncs_into_bf16_sglang(model_dir, tmp_path):
 
 
 @pytest.mark.alone   # the retractions and the aborts that meet them depend on the timing
-# `make test-slow` for whole responses: the partial run retracts the same way, and more
-@pytest.mark.parametrize("partial", [pytest.param(False, marks=pytest.mark.slow), True],
-                         ids=["whole", "partial"])
+# `make test-slow` (CI time on 2 slow cores, 2026-11-28; the partial run failed there once on
+# that timing); moe_rl's side of it is unit-tested in tests/engines/test_sglang_pressure.py
+@pytest.mark.slow
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
 def test_retraction_under_a_small_kv_pool_stays_exact(model_dir, tmp_path, partial):
     """The real SGLang with a KV pool of 192 tokens and 40-token responses: it retracts running
     requests (back to its waiting queue, re-prefilled later, their routing recomputed). In

@@ -171,24 +171,28 @@ def test_ema_policy_and_trust_region_masking_through_moe_rl_train(tmp_path):
     assert "final policy exported to" in res.stdout
 
 
-@pytest.mark.loop
-@pytest.mark.e2e
-def test_a_reward_failing_on_a_whole_batch_stops_the_run_with_the_reason(tmp_path):
-    """A Python reward that raises, then a reward service that answers 500 to everything: the
-    run stops after data.max_failed_reward_batches in one line naming what scores the run (the
-    service's url, not the unused data.reward default), exit 1, no traceback."""
-    from tests.helpers import RewardServer
+def _reward_run_command(tmp_path) -> list[str]:
+    """A tiny model in tmp_path/model and the `moe-rl train` command of 3 steps over it."""
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
-    (tmp_path / "broken_reward.py").write_text(
-        "def score(prompt, response, answer, metadata):\n"
-        "    raise KeyError('answer_field')\n")
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+    return [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
            f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
            "logging.progress=false", f"rollout.base_port={engine_base_port()}",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2"]
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+def test_a_reward_failing_on_a_whole_batch_stops_the_run_with_the_reason(tmp_path):
+    """A Python reward that raises on every sample: the run stops after
+    data.max_failed_reward_batches in one line naming the reward and its error, exit 1, no
+    traceback, no metrics written."""
+    cmd = _reward_run_command(tmp_path)
+    (tmp_path / "broken_reward.py").write_text(
+        "def score(prompt, response, answer, metadata):\n"
+        "    raise KeyError('answer_field')\n")
     import os
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     res = subprocess.run(cmd + ["data.reward=broken_reward:score"], cwd=tmp_path,
@@ -200,9 +204,20 @@ def test_a_reward_failing_on_a_whole_batch_stops_the_run_with_the_reason(tmp_pat
                            "sample of 1 batch(es)") and "KeyError" in last, last
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or \
         (tmp_path / "run" / "metrics.jsonl").read_text() == ""
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+@pytest.mark.slow   # `make test-slow`: the Python reward above stops the run the same way
+def test_a_reward_service_failing_on_whole_batches_stops_the_run_with_its_url(tmp_path):
+    """A reward service that answers 500 to everything: the run stops after
+    data.max_failed_reward_batches in one line naming the service's url, not the unused
+    data.reward default, exit 1, no traceback."""
+    from tests.helpers import RewardServer
+    cmd = _reward_run_command(tmp_path)
     srv = RewardServer(lambda body, call: (500, b'{"detail": "model not loaded"}'))
     try:
-        res = subprocess.run(cmd + ["--overwrite", f"data.reward_service.url={srv.url}",
+        res = subprocess.run(cmd + [f"data.reward_service.url={srv.url}",
                                     "data.reward_service.max_retries=0",
                                     "data.max_failed_reward_batches=2"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -236,8 +251,9 @@ def test_shard_by_group_keeps_groups_whole_and_balances_tokens():
 
 @pytest.mark.loop
 @pytest.mark.e2e
-@pytest.mark.parametrize("sync,pi_old", [("distributed", "trainer"),
-                                         pytest.param("disk", "engine_avg", marks=pytest.mark.slow)])
+# `make test-slow`: the chaos run kills an SGLang server mid-sync and checks its restart
+@pytest.mark.slow
+@pytest.mark.parametrize("sync,pi_old", [("distributed", "trainer"), ("disk", "engine_avg")])
 def test_an_engine_killed_between_phases_comes_back_with_the_current_weights(tmp_path, sync,
                                                                               pi_old):
     """The engine dies after step 1's rollout (in the reward phase): the next contact (the

@@ -57,10 +57,12 @@ def test_zero_mismatch_covering_set(model_dir, tmp_path, combo):
     check_invariant(combo, train_steps(model_dir, tmp_path / name(combo), combo)[0])
 
 
-DPPO_AND_RSPO = [{"temperature": 1.0, "sampling": "top_k", "mask": True, "pi_old": "rollout",
-                  "replay": "r3", "loss": "dppo_tv", "pack": False},
-                 # `make test-slow`: tests/algo/test_dppo.py holds binary KL to a float64 sum and
-                 # tests/algo/test_router_shift.py runs RSPO through `moe-rl train`
+# `make test-slow`: the DPPO and RSPO runs (tests/algo/test_dppo.py holds binary TV and KL to a
+# float64 sum, tests/trainer/test_bf16.py trains DPPO-TV and RSPO, and
+# tests/algo/test_router_shift.py runs RSPO through `moe-rl train`)
+DPPO_AND_RSPO = [pytest.param({"temperature": 1.0, "sampling": "top_k", "mask": True,
+                               "pi_old": "rollout", "replay": "r3", "loss": "dppo_tv",
+                               "pack": False}, marks=pytest.mark.slow),
                  pytest.param({"temperature": 0.7, "sampling": "full", "mask": False,
                                "pi_old": "trainer", "replay": "off", "loss": "dppo_kl",
                                "pack": True}, marks=pytest.mark.slow),

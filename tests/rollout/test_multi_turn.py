@@ -519,6 +519,12 @@ def test_failing_environment_is_counted_not_fatal(agentic_model, tmp_path, env_m
     assert sum(m["rollout/env_errors"] for m in rows) > 0
     assert "trajectories dropped on environment errors or timeouts; first: step: RuntimeError: " \
         "tool crashed" in res.stdout
+
+
+@pytest.mark.loop
+@pytest.mark.slow   # `make test-slow`: a Python reward failing on every sample stops a run alike
+def test_an_environment_failing_on_every_trajectory_stops_the_run(agentic_model, tmp_path,
+                                                                  env_module):
     res, rows = _train(agentic_model, tmp_path / "broken",
                        "data.environment=two_turn_envs:Broken", "trainer.sft_warmup_steps=0",
                        env=env_module)

@@ -67,6 +67,7 @@ def _train(tmp, steps, *extra):
 
 
 @pytest.mark.loop
+@pytest.mark.slow   # `make test-slow`: two runs for an optional logger (CI time, 2026-11-28)
 def test_offline_wandb_run_holds_every_scalar_and_the_config(tmp_path):
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
