@@ -3,7 +3,7 @@ keep-sampling-mask scoring, n-pass pi_old averaging, metrics and the collapse gu
 
 Per-token quantities are padded [B, T] tensors with a response mask; see ALGORITHMS.md.
 """
-from moe_rl.algo.advantages import ADVANTAGES, compute_advantages
+from moe_rl.algo.advantages import ADVANTAGES, compute_advantages, zero_advantage_frac
 from moe_rl.algo.aggregation import AGGREGATIONS, Normalisers, aggregate, count_normalisers
 from moe_rl.algo.corrections import (CORRECTIONS, CorrectionInputs, CorrectionResult,
                                      apply_corrections, importance_metrics)
@@ -24,4 +24,5 @@ __all__ = [
     "binary_kl", "dppo_loss", "gmpo_loss", "gspo_loss", "importance_metrics", "kept_set_sizes", "kl_cov_loss", "kl_cov_select", "kl_estimate",
     "kl_reward_penalty", "mismatch_metrics", "ppo_clip_loss", "rollout_penalty", "sapo_loss",
     "router_log_scores", "router_shift_metrics", "router_shift_weight", "routing_agreement",
+    "zero_advantage_frac",
 ]

@@ -123,7 +123,7 @@ def check_loss(cfg: Config) -> None:
     if a.entropy_control.method == "clip_cov" and (a.entropy_control.clip_cov_low
                                                     >= a.entropy_control.clip_cov_high):
         raise ConfigError("algorithm.entropy_control.clip_cov_low: must be below clip_cov_high")
-    if r.n_samples_per_prompt < 2 and a.advantage in ("grpo", "rloo"):
+    if r.n_samples_per_prompt < 2 and a.advantage in ("grpo", "rloo", "qae"):
         raise ConfigError(f"rollout.n_samples_per_prompt: '{a.advantage}' advantages need groups "
                           f"of at least 2, got {r.n_samples_per_prompt}")
 

@@ -210,6 +210,14 @@ DPPO_DEFAULT_DELTA = {"dppo_tv": 0.15, "dppo_kl": 0.05}
 
 
 @dataclass
+class QAEConfig:
+    """QAE's baseline (algorithm.advantage: qae): the group's k-quantile in place of its mean."""
+    k: float = _f(0.4, "the quantile; with 0/1 rewards a group whose success rate is at most "
+                  "1 - k trains only its successes, any other only its failures (the authors' "
+                  "scripts: 0.4)", **_rng(0, 1, lo_open=True, hi_open=True))
+
+
+@dataclass
 class CISPOConfig:
     """CISPO's clipped importance weight (algorithm.loss: cispo); MiniMax-M1 imposes no lower
     bound and tunes only the upper one."""
@@ -244,7 +252,9 @@ class RouterShiftConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Literal["grpo", "drgrpo", "rloo"] = _f("grpo", "advantage estimator")
+    advantage: Literal["grpo", "drgrpo", "rloo", "qae"] = _f(
+        "grpo", "advantage estimator: GRPO, Dr.GRPO, RLOO or QAE (GRPO with the group's "
+        "k-quantile as baseline; algorithm.qae)")
     loss: Literal["ppo", "gspo", "gmpo", "dppo_tv", "dppo_kl", "cispo", "sapo"] = _f(
         "ppo", "policy loss: token PPO-clip (GRPO), GSPO, GMPO (geometric mean of log-clipped "
         "token ratios; clip_low/clip_high bound log r, paper 0.4), DPPO's divergence trust "
@@ -272,6 +282,7 @@ class AlgorithmConfig:
                                 + ", ".join(CORRECTIONS))
     correction: CorrectionParams = _sub(CorrectionParams, "correction thresholds")
     dppo: DPPOConfig = _sub(DPPOConfig, "DPPO's divergence bounds")
+    qae: QAEConfig = _sub(QAEConfig, "QAE's quantile")
     cispo: CISPOConfig = _sub(CISPOConfig, "CISPO's weight bounds")
     sapo: SAPOConfig = _sub(SAPOConfig, "SAPO's gate temperatures")
     rollout_penalty: RolloutPenaltyConfig = _sub(RolloutPenaltyConfig,

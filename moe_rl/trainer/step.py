@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.algo import (CorrectionInputs, apply_corrections, average_pass_logprobs,
-                         batch_metrics, compute_advantages, kl_reward_penalty, mismatch_metrics)
+                         batch_metrics, compute_advantages, kl_reward_penalty, mismatch_metrics,
+                         zero_advantage_frac)
 
 
 @dataclass
@@ -113,7 +114,8 @@ def step_inputs(a, rows: StepRows, *, deferred: list[str],
     if rows.lp_ref is not None and a.kl.in_reward:
         rewards = rewards - kl_reward_penalty(lp_old, rows.lp_ref, mask, a.kl.estimator,
                                               a.kl.coef).float()
-    adv = compute_advantages(rewards, rows.groups, a.advantage)
+    adv = compute_advantages(rewards, rows.groups, a.advantage, qae_k=a.qae.k)
+    metrics["advantage/zero_frac"] = zero_advantage_frac(adv)
     now = [c for c in a.corrections if c not in deferred]
     target = rows.lp_tr if a.pi_old == "rollout" else lp_old
     corr = apply_corrections(now, a.correction, CorrectionInputs(

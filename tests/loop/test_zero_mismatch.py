@@ -11,6 +11,8 @@ mask; `make test-slow` runs the rest of that set and the full product. A combina
 configuration refuses is asserted refused with its message."""
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 
@@ -71,7 +73,7 @@ DPPO_AND_RSPO = [pytest.param({"temperature": 1.0, "sampling": "top_k", "mask": 
                                "router_shift": True}, marks=pytest.mark.slow),
                  {"temperature": 1.0, "sampling": "top_k_top_p_min_p", "mask": True,
                   "pi_old": "engine_avg", "replay": "r3", "loss": "cispo", "pack": False,
-                  "penalty": True, "mini_batches": 2},
+                  "penalty": True, "mini_batches": 2, "advantage": "qae"},
                  {"temperature": 0.7, "sampling": "full", "mask": False, "pi_old": "rollout",
                   "replay": "off", "loss": "sapo", "pack": True, "mini_batches": 2}]
 
@@ -85,7 +87,8 @@ def test_zero_mismatch_dppo_and_rspo(model_dir, tmp_path, combo):
     rollout as its authors recommend) and without (binary KL, packed), RSPO (GMPO with the
     router-shift weight) under R3, CISPO with the penalty on the gap to the engine's policy
     (R3, the mask, pi_old from two engine passes) and SAPO (packed, pi_old from the rollout),
-    both over two mini-batches so the second one's ratio is live: on identical float32 engine
+    both over two mini-batches so the second one's ratio is live (CISPO's on QAE's advantages
+    of graded rewards, each checked against its group's rewards): on identical float32 engine
     and trainer no token leaves the trust region, the divergence is ~0, the router-shift weight
     is exactly 1, CISPO clips no weight, SAPO's gate stays open, and the penalty sees only the
     first update's movement."""
@@ -93,10 +96,30 @@ def test_zero_mismatch_dppo_and_rspo(model_dir, tmp_path, combo):
     check_invariant(combo, m)
     if combo["loss"].startswith("dppo"):
         assert m["dppo/divergence_mean"] < 1e-6, (name(combo), m["dppo/divergence_mean"])
-    if combo["loss"] == "cispo":
-        assert abs(m["cispo/weight_mean"] - 1.0) < 1e-2, m["cispo/weight_mean"]
+    if combo["loss"] == "cispo":   # 1 on the first mini-batch; moved by |d| on the second,
+        # d = lp - lp_roll, whose root mean square the penalty's metric bounds (clip_frac is 0)
+        gap = math.sqrt(m["rollout_penalty/sq_gap_mean"])
+        assert 0 < abs(m["cispo/weight_mean"] - 1.0) <= 1.5 * gap, (m["cispo/weight_mean"], gap)
     if combo.get("penalty"):   # 0 on the first mini-batch, the update's movement on the second
         assert 0.0 < m["rollout_penalty/sq_gap_mean"] < 1e-2, m["rollout_penalty/sq_gap_mean"]
+    if combo.get("advantage") == "qae":
+        check_qae_advantages(tmp_path / name(combo), m)
+
+
+def check_qae_advantages(run_dir, m):
+    """Each logged sample's advantage is (R - Q_0.4) / (std + 1e-6) of its group's rewards
+    (groups of two: Q_0.4 = lo + 0.4 (hi - lo)), and advantage/zero_frac is their share of 0."""
+    rows = [json.loads(r) for r in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 4, rows
+    zeros = 0
+    for row in rows:
+        group = sorted(r["reward"] for r in rows if r["group_id"] == row["group_id"])
+        lo, hi = group
+        std = abs(hi - lo) / math.sqrt(2)
+        want = (row["reward"] - (lo + 0.4 * (hi - lo))) / (std + 1e-6)
+        assert row["advantage"] == pytest.approx(want, rel=1e-5, abs=1e-6), (row, group)
+        zeros += want == 0
+    assert m["advantage/zero_frac"] == zeros / 4
 
 
 @pytest.mark.slow

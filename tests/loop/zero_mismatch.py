@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -114,9 +115,18 @@ def overrides(combo: dict) -> list[str]:
         out.append("algorithm.router_shift.enabled=true")
     if combo.get("penalty"):   # Prime-RL's coefficient
         out.append("algorithm.rollout_penalty.coef=1e-3")
+    if combo.get("advantage"):   # graded rewards, every sample logged: the test recomputes
+        out += [f"algorithm.advantage={combo['advantage']}", "logging.samples_per_step=4",
+                "data.reward=tests.loop.zero_mismatch:graded_reward"]
     if combo.get("mini_batches"):   # the later mini-batches' ratio is live
         out.append(f"trainer.mini_batches={combo['mini_batches']}")
     return out
+
+
+def graded_reward(prompt: str, response: str, answer: str, metadata: dict) -> float:
+    """A reward in {0, 1/6, ..., 1} that differs between most responses (the tiny model's
+    answers all score 0 under the toy reward, and every advantage would be 0)."""
+    return (sum(map(ord, response)) % 7) / 6
 
 
 def train_steps(model: pathlib.Path, run_dir: pathlib.Path, combo: dict,
@@ -129,7 +139,9 @@ def train_steps(model: pathlib.Path, run_dir: pathlib.Path, combo: dict,
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
            "rollout.max_new_tokens=3", f"rollout.base_port={engine_base_port()}",
            "logging.progress=false", "logging.tensorboard=false", *overrides(combo), *engine]
-    res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
+    res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600,
+                         env=env)
     assert res.returncode == 0, f"{name(combo)}\n{res.stderr[-2500:]}"
     rows = [json.loads(row) for row in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps)), name(combo)

@@ -30,7 +30,8 @@ LOSSES = {"ppo": {},
           "rspo": {"loss": "gmpo", "clip_low": 0.4, "clip_high": 0.4,
                    "aggregation": "seq-mean-token-mean", "router_shift": {"enabled": True}},
           "cispo": {"loss": "cispo", "rollout_penalty": {"coef": 1e-3}},
-          "sapo": {"loss": "sapo"}}
+          "sapo": {"loss": "sapo"},
+          "qae": {"advantage": "qae"}}
 
 
 def main_weights(p):
@@ -110,7 +111,7 @@ def test_bf16_policy_trains_with_float32_master_weights(tiny):
 def test_a_bf16_rl_step_learns(tiny, loss):
     """The bfloat16 policy learns from one RL step, with PPO-clip, DPPO, RSPO (GMPO with the
     router-shift weight, over two epochs so that the second reads routers that moved), CISPO
-    with the penalty on the gap to the engine's policy, and SAPO: the
+    with the penalty on the gap to the engine's policy, SAPO, and PPO-clip on QAE's advantages: the
     sequences with a positive advantage become likelier and those with a negative one less
     likely (the trainer's own log-probs of the same samples, before and after)."""
     path, hf_model = tiny
