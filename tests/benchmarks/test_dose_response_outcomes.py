@@ -7,9 +7,9 @@ import statistics
 
 import pytest
 
-from benchmarks.dose_response import (ARMS, DOSES, EDGE_DOSES, MAIN_ARMS, RECOVER, edge_jobs,
-                                      paired_bootstrap, study_jobs, time_to_collapse,
-                                      write_data)
+from benchmarks.dose_response import (ARMS, DOSES, EDGE_DOSES, MAIN_ARMS, RECOVER, compare,
+                                      edge_jobs, group_stats, paired_bootstrap, study_jobs,
+                                      time_to_collapse, write_data)
 
 
 def test_a_stable_run_never_collapses():
@@ -69,3 +69,25 @@ def test_the_design_has_the_seeds_and_arms_promised(tmp_path):
     train, held = write_data(tmp_path)
     train_rows, held_rows = train.read_text().splitlines(), held.read_text().splitlines()
     assert not set(train_rows) & set(held_rows) and len(held_rows) == 6
+
+
+def test_arms_compared_with_none_only_where_their_runs_exist():
+    """A report holding `none` and one added arm (as `--add-arms ... --rebaseline` writes)
+    compares each dose's none with the control's and the arm with none at its dose; arms it has
+    not run are left out, not a KeyError."""
+    def run(k3):
+        return {"time_to_collapse": 40, "held_out_reward": 0.5, "k3_mean": k3,
+                "collapse_step": None, "reward": [0.5] * 40, "agreement": [1.0]}
+    runs = {}
+    for i, dose in enumerate(DOSES):
+        for s in range(1, 6):
+            runs[f"{dose}__none__s{s}"] = run(float(i))
+        for s in range(1, 4):
+            runs[f"{dose}__qae__s{s}"] = run(float(i) + 0.5)
+    rows = {c["what"]: c for c in compare(runs, 5, 3)}
+    assert set(rows) == {f"{d}/none - control_fp32/none" for d in DOSES if d != "control_fp32"} \
+        | {f"{d}/qae - {d}/none" for d in DOSES}
+    assert all(rows[f"{d}/qae - {d}/none"]["k3_mean"]["diff"] == 0.5 for d in DOSES)
+    groups = group_stats(runs, 5, 3, ("none", "qae"))
+    assert [(g["dose"], g["arm"], g["seeds"]) for g in groups] == \
+        [(d, a, 5 if a == "none" else 3) for d in DOSES for a in ("none", "qae")]
