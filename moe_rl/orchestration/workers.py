@@ -60,9 +60,10 @@ class TrainerWorker:
     def sft_step(self, data: bytes, lr: float) -> dict:
         return self.trainer.sft_step(RolloutBatch.from_bytes(data).samples, lr)
 
-    def export_hf(self, out_dir: str, use_ema: bool = False) -> str:
-        self.trainer.export_hf(out_dir, use_ema=use_ema)
-        return out_dir
+    def export_hf(self, out_dir: str, use_ema: bool = False, version: int | None = None) -> int:
+        """A HF checkpoint of the policy in ``out_dir`` (see :meth:`PolicyTrainer.export_hf`);
+        returns the weight version written."""
+        return self.trainer.export_hf(out_dir, use_ema=use_ema, version=version)
 
     def connect_engines(self, urls: list[str], sources: list[list[int]] | None,
                         single_node: bool) -> None:
@@ -201,9 +202,9 @@ class RolloutWorker:
         def restarter(host, url):
             def restart():
                 ray.get(host.restart.remote())
-                path = self._weights_for_restart()
-                if path is not None:   # a restarted server serves the current weights again
-                    kind.receiver([url]).load_from_disk(path, self.version)
+                restored = self._weights_for_restart()
+                if restored is not None:   # a restarted server serves the current weights again
+                    kind.receiver([url]).load_from_disk(*restored)
             return restart
 
         self.engine = kind.connect(self.server_urls, shape,
@@ -225,19 +226,23 @@ class RolloutWorker:
         weights exported to ``export_dir`` (the trainer ranks are idle then)."""
         self.trainer_actors, self.export_dir = trainer_actors, export_dir
 
-    def _weights_for_restart(self) -> str | None:
-        """The checkpoint a restarted server loads: the last disk sync's; for the other sync
-        modes a fresh export of the trainer (its weight group must then be rebuilt); None inside
-        a sync (the loop recovers the sync itself) or before any sync."""
+    def _weights_for_restart(self) -> tuple[str, int] | None:
+        """The checkpoint a restarted server loads and the version it is: the last disk sync's;
+        for the other sync modes an export of the trainer (its weight group must then be
+        rebuilt) of the version the servers serve, which the asynchronous pipeline's trainer
+        still holds while it trains the next one (else its current weights, labelled with
+        their own version); None inside a sync (the loop recovers the sync itself) or before
+        any sync."""
         if self.cfg.cluster.weight_sync == "disk":
-            return self.weights_path
+            return None if self.weights_path is None else (self.weights_path, self.version)
         self.group_stale = True
         if not self.trainer_actors:
             return None
         import ray as _ray
         path = os.path.join(self.export_dir, "restart")
-        _ray.get([a.export_hf.remote(path) for a in self.trainer_actors])
-        return self._served(path)
+        written = _ray.get([a.export_hf.remote(path, False, self.version)
+                            for a in self.trainer_actors])
+        return self._served(path), written[0]
 
     def take_group_stale(self) -> bool:
         """Whether a server restarted since the weight group was built (and reset the flag)."""

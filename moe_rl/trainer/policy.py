@@ -135,9 +135,19 @@ class PolicyTrainer:
         """The policy as HF-named tensors in buckets (see :meth:`TrainerState.hf_buckets`)."""
         return self.state.hf_buckets(everywhere)
 
-    def export_hf(self, out_dir: str, use_ema: bool = False) -> None:
-        """Write the policy (or its EMA) as a HF checkpoint."""
+    def export_hf(self, out_dir: str, use_ema: bool = False, version: int | None = None) -> int:
+        """Write the policy (or its EMA) as a HF checkpoint: with ``version``, that version's
+        weights where they are still held (the asynchronous pipeline keeps the last
+        ``rollout.max_staleness``), else the current ones. Returns the version written."""
+        if version is not None and version != self.step and self.versions is not None \
+                and self.versions.has(version):
+            if use_ema:
+                raise ValueError("use_ema: the EMA of an earlier version is not kept")
+            with self.versions.weights_of(version):
+                self.state.export_hf(out_dir)
+            return version
         self.state.export_hf(out_dir, use_ema)
+        return self.step
 
     def save_checkpoint(self, path: str) -> None:
         """Save the rank's state to directory ``path`` (collective)."""

@@ -289,6 +289,46 @@ def test_an_engine_killed_between_phases_comes_back_with_the_current_weights(tmp
 
 @pytest.mark.loop
 @pytest.mark.e2e
+def test_an_engine_killed_mid_batch_in_the_async_pipeline_serves_the_version_it_is_labelled(
+        tmp_path):
+    """Asynchronous pipeline (``max_staleness`` 1), distributed weight sync, one group admitted
+    at a time: the engine dies at the first reward of step 1's batch, generated under weights
+    0 while the trainer trains step 0, and the next group's requests restart it mid-batch. The
+    trainer is then past version 0; the restarted server must still serve version 0 (the copy
+    the trainer holds for stale samples), since its samples are labelled so: every step's
+    float32 engine equals the trainer at the samples' own version (k3 ~ 0). Before, it served
+    the trainer's post-update weights labelled 0 (k3 ~1e-2 at step 1)."""
+    import os
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
+                   check=True, capture_output=True, timeout=120)
+    # graded rewards: step 0's update moves the weights (the toy task's are all 0 here)
+    (tmp_path / "killer_reward.py").write_text(KILLER_REWARD.replace(
+        "return toy_reward(prompt, response, answer, metadata)",
+        "return (sum(map(ord, response)) % 101) / 100"))
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
+               KILL_AT="4", KILL_MATCH=str(tmp_path / "model"), KILL_ARGV="serve-reference")
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+           str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
+           f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
+           "logging.progress=false", f"rollout.base_port={engine_base_port()}",
+           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+           "rollout.concurrency=2", "rollout.max_new_tokens=8", "rollout.max_staleness=1",
+           "data.reward=killer_reward:score", "cluster.weight_sync=distributed",
+           "trainer.export_hf=false"]
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    rows = [json.loads(line) for line in
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["rollout/engine_restarts"] == 1.0
+    assert [r["weight_version/min"] for r in rows] == [0.0, 0.0, 1.0]
+    assert all(r["mismatch/k3"] < 1e-6 for r in rows), [r["mismatch/k3"] for r in rows]
+    assert rows[0]["grad_norm"] > 0   # the weights moved, so a wrong version would show
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
 @pytest.mark.slow   # 66 s: in `make test-slow`; engine determinism stays in `make test`
 def test_two_deterministic_runs_are_bit_identical(tmp_path):
     """Same config, deterministic inference: every logged value of every step is equal (the

@@ -163,6 +163,33 @@ def test_export_hf_matches_trained_weights(tiny, tmp_path):
         assert not torch.allclose(exported(ids).logits, hf_model(ids).logits)
 
 
+def test_export_hf_of_a_held_version_writes_that_version(tiny, tmp_path):
+    """With ``rollout.max_staleness`` the trainer holds the version it trained from: an export
+    asked for it (a server restarted mid-batch is restored so) writes those weights and says
+    so; a version no longer held writes the current weights, labelled with their own."""
+    import safetensors.torch
+    path, hf_model = tiny
+    cfg = make_cfg(path)
+    cfg.rollout.max_staleness = 1
+    trainer = PolicyTrainer(cfg, path)
+    samples = engine_samples(hf_model, seed=5)
+    for s in samples:
+        s.reward = float(s.sample_id % 2)   # the update moves the weights
+    assert trainer.export_hf(str(tmp_path / "v0_before"), version=0) == 0
+    trainer.train_step(samples)
+    assert trainer.export_hf(str(tmp_path / "v0"), version=0) == 0
+    assert trainer.export_hf(str(tmp_path / "now"), version=7) == 1
+    assert trainer.export_hf(str(tmp_path / "v1"), version=1) == 1
+    load = lambda d: {k: v for f in sorted((tmp_path / d).glob("*.safetensors"))   # noqa: E731
+                      for k, v in safetensors.torch.load_file(f).items()}
+    v0_before, v0, now, v1 = load("v0_before"), load("v0"), load("now"), load("v1")
+    assert all(torch.equal(v0_before[k], v0[k]) for k in v0)
+    assert all(torch.equal(now[k], v1[k]) for k in v1)
+    assert any(not torch.equal(v0[k], v1[k]) for k in v1)
+    with pytest.raises(ValueError, match="use_ema"):
+        trainer.export_hf(str(tmp_path / "ema"), use_ema=True, version=0)
+
+
 def _all_negative(samples):
     for s in samples:   # every sample below its group's mean: some with A < 0 in every group
         s.reward = float(s.sample_id % 2)
