@@ -249,6 +249,29 @@ def test_shard_by_group_keeps_groups_whole_and_balances_tokens():
     assert sum(1 for shard in shard_by_group(samples, 7) if not shard) == 2   # 5 groups
 
 
+def _run_with_a_killer_reward(tmp_path, reward: str, *overrides: str) -> list[dict]:
+    """`moe-rl train` of the tiny config (3 steps, 2 prompts x 2) whose reward ``reward`` (a
+    module's source) SIGKILLs the reference engine at its fifth call; each step's metrics."""
+    import os
+    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
+                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
+                   check=True, capture_output=True, timeout=120)
+    (tmp_path / "killer_reward.py").write_text(reward)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
+               KILL_AT="4", KILL_MATCH=str(tmp_path / "model"), KILL_ARGV="serve-reference")
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+           str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
+           f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
+           "logging.progress=false", f"rollout.base_port={engine_base_port()}",
+           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+           "data.reward=killer_reward:score", "trainer.export_hf=false", *overrides]
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return [json.loads(line) for line in
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.loop
 @pytest.mark.e2e
 # `make test-slow`: the chaos run kills an SGLang server mid-sync and checks its restart
@@ -260,25 +283,8 @@ def test_an_engine_killed_between_phases_comes_back_with_the_current_weights(tmp
     weight sync's health check, or the engine_avg scoring passes) restarts it with the trainer's
     current weights and rebuilds the weight group; the float32 engine then still equals the
     trainer (k3 ~ 0 on every step), nothing is stale, the run ends."""
-    import os
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
-    (tmp_path / "killer_reward.py").write_text(KILLER_REWARD)
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
-               KILL_AT="4", KILL_MATCH=str(tmp_path / "model"), KILL_ARGV="serve-reference")
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
-           str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
-           f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
-           "logging.progress=false", f"rollout.base_port={engine_base_port()}",
-           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-           "data.reward=killer_reward:score", f"cluster.weight_sync={sync}",
-           f"algorithm.pi_old={pi_old}", "trainer.export_hf=false"]
-    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    rows = [json.loads(line) for line in
-            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = _run_with_a_killer_reward(tmp_path, KILLER_REWARD, f"cluster.weight_sync={sync}",
+                                     f"algorithm.pi_old={pi_old}")
     assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]
     assert [r["weight_version/min"] for r in rows] == [0.0, 1.0, 2.0]
     assert all(r["rollout/stale_samples"] == 0 for r in rows)
@@ -297,30 +303,13 @@ def test_an_engine_killed_mid_batch_in_the_async_pipeline_serves_the_version_it_
     trainer is then past version 0; the restarted server must still serve version 0 (the copy
     the trainer holds for stale samples), since its samples are labelled so: every step's
     float32 engine equals the trainer at the samples' own version (k3 ~ 0). Before, it served
-    the trainer's post-update weights labelled 0 (k3 ~1e-2 at step 1)."""
-    import os
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    the trainer's post-update weights labelled 0 (k3 2.2e-3 at step 1)."""
     # graded rewards: step 0's update moves the weights (the toy task's are all 0 here)
-    (tmp_path / "killer_reward.py").write_text(KILLER_REWARD.replace(
-        "return toy_reward(prompt, response, answer, metadata)",
-        "return (sum(map(ord, response)) % 101) / 100"))
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
-               KILL_AT="4", KILL_MATCH=str(tmp_path / "model"), KILL_ARGV="serve-reference")
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
-           str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
-           f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
-           "logging.progress=false", f"rollout.base_port={engine_base_port()}",
-           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-           "rollout.concurrency=2", "rollout.max_new_tokens=8", "rollout.max_staleness=1",
-           "data.reward=killer_reward:score", "cluster.weight_sync=distributed",
-           "trainer.export_hf=false"]
-    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    rows = [json.loads(line) for line in
-            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    graded = KILLER_REWARD.replace("return toy_reward(prompt, response, answer, metadata)",
+                                   "return (sum(map(ord, response)) % 101) / 100")
+    rows = _run_with_a_killer_reward(tmp_path, graded, "cluster.weight_sync=distributed",
+                                     "rollout.concurrency=2", "rollout.max_new_tokens=8",
+                                     "rollout.max_staleness=1")
     assert rows[-1]["rollout/engine_restarts"] == 1.0
     assert [r["weight_version/min"] for r in rows] == [0.0, 0.0, 1.0]
     assert all(r["mismatch/k3"] < 1e-6 for r in rows), [r["mismatch/k3"] for r in rows]
