@@ -139,8 +139,9 @@ class PolicyTrainer:
         """Write the policy (or its EMA) as a HF checkpoint: with ``version``, that version's
         weights where they are still held (the asynchronous pipeline keeps the last
         ``rollout.max_staleness``), else the current ones. Returns the version written."""
-        if version is not None and version != self.step and self.versions is not None \
-                and self.versions.has(version):
+        held = (version is not None and version != self.step and self.versions is not None
+                and self.versions.has(version))
+        if held:
             if use_ema:
                 raise ValueError("use_ema: the EMA of an earlier version is not kept")
             with self.versions.weights_of(version):
