@@ -117,16 +117,19 @@ def overrides(combo: dict) -> list[str]:
         out.append("algorithm.rollout_penalty.coef=1e-3")
     if combo.get("advantage"):   # graded rewards, every sample logged: the test recomputes
         out += [f"algorithm.advantage={combo['advantage']}", "logging.samples_per_step=4",
-                "data.reward=tests.loop.zero_mismatch:graded_reward"]
+                "data.reward=graded_reward:score"]
     if combo.get("mini_batches"):   # the later mini-batches' ratio is live
         out.append(f"trainer.mini_batches={combo['mini_batches']}")
     return out
 
 
-def graded_reward(prompt: str, response: str, answer: str, metadata: dict) -> float:
-    """A reward in {0, 1/6, ..., 1} that differs between most responses (the tiny model's
-    answers all score 0 under the toy reward, and every advantage would be 0)."""
+# a reward in {0, 1/6, ..., 1} that differs between most responses (the tiny model's answers
+# all score 0 under the toy reward, and every advantage would be 0); a module of its own beside
+# the run, so that no engine's interpreter gets the source tree on its path
+GRADED_REWARD = """
+def score(prompt, response, answer, metadata):
     return (sum(map(ord, response)) % 7) / 6
+"""
 
 
 def train_steps(model: pathlib.Path, run_dir: pathlib.Path, combo: dict,
@@ -139,7 +142,11 @@ def train_steps(model: pathlib.Path, run_dir: pathlib.Path, combo: dict,
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
            "rollout.max_new_tokens=3", f"rollout.base_port={engine_base_port()}",
            "logging.progress=false", "logging.tensorboard=false", *overrides(combo), *engine]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
+    env = None
+    if combo.get("advantage"):
+        (run_dir.parent / "graded_reward.py").write_text(GRADED_REWARD)
+        env = dict(os.environ,
+                   PYTHONPATH=f"{run_dir.parent}:{os.environ.get('PYTHONPATH', '')}")
     res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600,
                          env=env)
     assert res.returncode == 0, f"{name(combo)}\n{res.stderr[-2500:]}"
