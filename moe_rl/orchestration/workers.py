@@ -203,7 +203,7 @@ class RolloutWorker:
             def restart():
                 ray.get(host.restart.remote())
                 restored = self._weights_for_restart()
-                if restored is not None:   # a restarted server serves the current weights again
+                if restored is not None:   # a restarted server serves the version it is labelled with
                     kind.receiver([url]).load_from_disk(*restored)
             return restart
 
