@@ -170,7 +170,7 @@ def check_disk(cfg: Config) -> Finding:
     if params is None:
         return Finding("disk", "ok", f"{free / 2**30:.1f} GiB free at {where} (model.path has "
                        f"no safetensors yet: need unknown)")
-    export = 2 if cfg.model.dtype == "bfloat16" else 4
+    export = 4 if cfg.model.dtype == "float32" else 2
     need = params * ((cfg.trainer.keep_checkpoints + 1) * CHECKPOINT_BYTES_PER_PARAM + 2 * export)
     text = (f"{free / 2**30:.1f} GiB free at {where}; {cfg.trainer.keep_checkpoints + 1} "
             f"checkpoints and 2 exports of {params / 1e9:.3g}B parameters need "

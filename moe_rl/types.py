@@ -13,7 +13,8 @@ from safetensors.torch import save as st_save
 
 from moe_rl.moe_shape import MoEShape
 
-MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}   # model.dtype, engine dtype
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,   # model.dtype, engine dtype
+                "float16": torch.float16}
 
 FORMAT_VERSION = 1
 

@@ -6,6 +6,7 @@ import sys
 import shlex
 
 from moe_rl.config import iter_keys, load_config
+from moe_rl.config.checks import precision_pair_warning
 from moe_rl.errors import UserError
 from moe_rl.run_inputs import load_run_inputs, unknown_characters
 
@@ -32,9 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     inputs = load_run_inputs(cfg)
-    warning = unknown_characters(inputs)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
+    for warning in (unknown_characters(inputs), precision_pair_warning(cfg)):
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     from moe_rl.orchestration.placement import make_plan
     make_plan(cfg)   # the run must fit its cluster before anything starts
     from moe_rl.orchestration.loop import run_training

@@ -158,12 +158,25 @@ def check_ema(cfg: Config) -> None:
     if (t.ema_policy or t.ema_start_step) and t.ema_decay is None:
         key = "trainer.ema_policy" if t.ema_policy else "trainer.ema_start_step"
         raise ConfigError(f"{key}: needs trainer.ema_decay (the EMA's decay, e.g. 0.9)")
-    if (t.ema_policy and cfg.model.dtype == "bfloat16" and t.distributed_optimizer
+    if (t.ema_policy and cfg.model.dtype != "float32" and t.distributed_optimizer
             and cfg.cluster.gpus_per_node > 0):
-        raise ConfigError("trainer.ema_policy: with model.dtype=bfloat16 the EMA is written into "
+        raise ConfigError(f"trainer.ema_policy: with model.dtype={cfg.model.dtype} the EMA is "
+                          "written into "
                           "the optimizer's float32 main weights, of which megatron's distributed "
                           "optimizer keeps only a shard per rank; set "
                           "trainer.distributed_optimizer=false")
+
+
+def precision_pair_warning(cfg: Config) -> str | None:
+    """A float16 side against a bfloat16 side: allowed, said (each rounds to its own grid:
+    10 mantissa bits against 7, so the two policies differ by bf16's rounding at least)."""
+    pair = {cfg.model.dtype, cfg.rollout.engine_dtype}
+    if pair != {"float16", "bfloat16"}:
+        return None
+    return (f"warning: model.dtype={cfg.model.dtype} trains against rollout.engine_dtype="
+            f"{cfg.rollout.engine_dtype}: float16 and bfloat16 round to different grids, so "
+            f"the engine's and the trainer's log-probs differ by bfloat16's rounding at least "
+            f"(set both to float16, or both to bfloat16, to match them)")
 
 
 def check_micro_batches(cfg: Config) -> None:

@@ -13,10 +13,13 @@ from moe_rl.config.init_model import ModelInitConfig
 @dataclass
 class ModelConfig:
     path: str = _f("outputs/tiny_model", "Hugging Face model directory (config.json + safetensors)")
-    dtype: Literal["float32", "bfloat16"] = _f("float32",
-                                               "trainer parameter dtype (bfloat16: megatron's mixed-precision "
-                                               "optimizer keeps float32 master weights)")
-    fp32_output_layer: bool = _f(False, "keep the output layer (LM head) in float32")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "trainer parameter dtype (bfloat16 / float16: megatron's mixed-precision "
+        "optimizer keeps float32 master weights; float16 with its dynamic loss scaler, "
+        "trainer.loss_scale)")
+    fp32_output_layer: bool = _f(False, "compute the output layer (LM head) in float32 on both "
+                                 "sides: the trainer's, and the engines' (SGLang "
+                                 "--enable-fp32-lm-head, the reference engine's likewise)")
     init: ModelInitConfig = _sub(ModelInitConfig, "tiny model shape for `moe-rl init-model`")
 
 
@@ -51,8 +54,8 @@ class RolloutConfig:
     base_port: int = _f(30000, "first server port tried: servers take the free ports from here "
                         "up, busy ones skipped", **_rng(1, 65535))
     api_key: str | None = _f(None, "API key the servers require (Authorization: Bearer)")
-    engine_dtype: Literal["float32", "bfloat16"] = _f("float32", "engine dtype: the reference "
-                                                     "engine's, and SGLang's --dtype on CPU")
+    engine_dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "engine dtype: the reference engine's, and SGLang's --dtype")
     quantization: Literal["none", "fp8", "mxfp4"] = _f(
         "none", "rollout numerics: fp8 = the engines serve a block-wise FP8 checkpoint of the "
         "weights (128x128 E4M3 blocks), every sync quantised; mxfp4 = 4-bit weights (E2M1, a "
@@ -296,6 +299,18 @@ class AlgorithmConfig:
 
 
 @dataclass
+class LossScaleConfig:
+    initial: float = _f(2.0 ** 32, "model.dtype=float16: the dynamic loss scale at the start "
+                        "(megatron's initial_loss_scale)", **_rng(1))
+    min: float = _f(1.0, "the scale never falls below this; a run whose scale reaches it "
+                    "stops (megatron's min_loss_scale)", **_rng(0, lo_open=True))
+    growth_interval: int = _f(1000, "optimizer steps without an overflow before the scale "
+                              "doubles (megatron's loss_scale_window)", **_rng(1))
+    hysteresis: int = _f(2, "overflowing steps tolerated before the scale halves (megatron's "
+                         "hysteresis)", **_rng(1))
+
+
+@dataclass
 class TrainerConfig:
     steps: int = _f(20, "RL steps", **_rng(1))
     seed: int = _f(1234, "global seed", **_rng(0, 2 ** 32 - 1))
@@ -335,6 +350,8 @@ class TrainerConfig:
     sequence_parallel: bool = _f(False, "sequence parallelism (needs tensor_parallel > 1)")
     recompute_activations: bool = _f(False, "full activation recomputation (replay in backward)")
     distributed_optimizer: bool = _f(True, "megatron distributed optimizer where available")
+    loss_scale: LossScaleConfig = _sub(LossScaleConfig, "float16's dynamic loss scaling "
+                                       "(skipped steps: train/skipped_steps)")
     ema_decay: float | None = _f(None, "Polyak average of the weights, updated after every "
                                  "optimizer step and exported as final_hf (rollouts keep the raw "
                                  "weights unless trainer.ema_policy; null = off)",

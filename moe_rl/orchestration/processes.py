@@ -10,9 +10,9 @@ import os
 import ray
 
 from moe_rl.config import Config, dump_config
-from moe_rl.errors import first_line
+from moe_rl.errors import LossScaleCollapsed, first_line
 from moe_rl.orchestration import checkpoint
-from moe_rl.orchestration.failures import lost_process
+from moe_rl.orchestration.failures import RunFailed, lost_process
 from moe_rl.orchestration.placement import Plan, PlannedProcess
 from moe_rl.orchestration.sharding import per_rank
 from moe_rl.orchestration.workers import EngineHost, RolloutWorker, TrainerWorker
@@ -122,8 +122,13 @@ class Trainers:
         """One RL step; ``shards``: one reference per data-parallel rank to its rollout-batch
         bytes (Ray hands each rank its bytes from the object store; the driver never holds
         them); the tensor- and context-parallel ranks of a data-parallel rank get the same."""
-        return ray.get([a.train_step.remote(ref) for a, ref in
-                        zip(self.actors, per_rank(shards, self.data_ranks))])[0]
+        try:
+            return ray.get([a.train_step.remote(ref) for a, ref in
+                            zip(self.actors, per_rank(shards, self.data_ranks))])[0]
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, LossScaleCollapsed):   # the run ends with its one line
+                raise RunFailed(str(exc.cause)) from None
+            raise
 
     def probe(self, data: bytes) -> list[tuple]:
         """The weight check's trainer side on the probe ``data`` (rollout-batch bytes), held by

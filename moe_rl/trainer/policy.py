@@ -66,7 +66,10 @@ class PolicyTrainer:
             self.optimizer = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
                 adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.grad_clip,
-                bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
+                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                params_dtype=dtype, initial_loss_scale=t.loss_scale.initial,
+                min_loss_scale=t.loss_scale.min, loss_scale_window=t.loss_scale.growth_interval,
+                hysteresis=t.loss_scale.hysteresis,
                 use_distributed_optimizer=use_dist_opt), [self.model])
         decay_steps = max(t.steps * t.epochs * t.mini_batches, 1)
         self.scheduler = OptimizerParamScheduler(

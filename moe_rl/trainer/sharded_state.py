@@ -79,6 +79,26 @@ def optimizer_step_count(optimizer) -> int:
     return 0
 
 
+def loss_scaler_state(optimizer) -> list[dict]:
+    """float16's dynamic loss scaler per leaf optimizer (scale, growth and hysteresis trackers)
+    as plain numbers; empty without one (bfloat16, float32)."""
+    return [{"scale": float(s.scale), "growth_tracker": int(s._growth_tracker),
+             "hysteresis_tracker": int(s._hysteresis_tracker)}
+            for s in (getattr(leaf, "grad_scaler", None) for leaf in _leaf_optimizers(optimizer))
+            if s is not None]
+
+
+def restore_loss_scaler(optimizer, states: list[dict]) -> None:
+    """Put :func:`loss_scaler_state`'s numbers back (megatron's own ``load_state_dict`` moves
+    the scale to CUDA, which a CPU trainer has not)."""
+    scalers = [s for s in (getattr(leaf, "grad_scaler", None)
+                           for leaf in _leaf_optimizers(optimizer)) if s is not None]
+    for scaler, state in zip(scalers, states):
+        scaler._scale = torch.full_like(scaler._scale, state["scale"])
+        scaler._growth_tracker = state["growth_tracker"]
+        scaler._hysteresis_tracker = state["hysteresis_tracker"]
+
+
 def _set_step(leaf, step: int) -> None:
     """Set the Adam step count ``step`` where the optimizer keeps it (per group or per
     parameter), so that bias correction continues after a resume."""

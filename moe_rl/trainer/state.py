@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import Config
-from moe_rl.trainer.sharded_state import load_sharded, optimizer_step_count, save_sharded
+from moe_rl.trainer.sharded_state import (load_sharded, loss_scaler_state, optimizer_step_count,
+                                         restore_loss_scaler, save_sharded)
 from moe_rl.weights.hf import exporting_rank, iter_hf_buckets, save_hf_checkpoint
 
 
@@ -119,6 +120,7 @@ class TrainerState:
         save_sharded(os.path.join(path, "dist"), self.model.module, self.optimizer, self.ema)
         state = {"scheduler": self.scheduler.state_dict(), "step": self.counters.step,
                  "adam_steps": optimizer_step_count(self.optimizer),
+                 "loss_scaler": loss_scaler_state(self.optimizer),
                  "guard_skipped_total": self.counters.guard_skipped_total,
                  "generator": self.counters.generator.get_state(), "torch_rng": torch.get_rng_state(),
                  "python_rng": random.getstate(), "numpy_rng": _numpy_rng_state()}
@@ -134,6 +136,7 @@ class TrainerState:
         state = torch.load(rank_file, map_location="cpu", weights_only=True)
         load_sharded(os.path.join(path, "dist"), self.model.module, self.optimizer, self.ema,
                      step=state["adam_steps"])
+        restore_loss_scaler(self.optimizer, state.get("loss_scaler", []))
         self.scheduler.load_state_dict(state["scheduler"])
         self.counters.step = state["step"]
         self.counters.guard_skipped_total = state["guard_skipped_total"]

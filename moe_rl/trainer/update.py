@@ -10,6 +10,7 @@ import torch
 
 from moe_rl.algo import Normalisers, aggregate, count_normalisers, router_shift_weight
 from moe_rl.config import Config, response_cap
+from moe_rl.errors import LossScaleCollapsed
 from moe_rl.packing import MicroBatch
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu
 from moe_rl.trainer.dp import dp_group, dp_sum
@@ -49,6 +50,13 @@ class PolicyUpdate:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.routes, self.loss, self.after_step = routes, loss, after_step
 
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to differentiate: times the dynamic loss scale in float16 (megatron's
+        optimizer unscales the gradients, and skips the step when they overflowed)."""
+        if self.cfg.model.dtype != "float16":
+            return loss
+        return self.optimizer.scale_loss(loss)
+
     def rl_update(self, batch: StepBatch) -> dict[str, float]:
         """``trainer.epochs`` x ``trainer.mini_batches`` optimizer steps of the policy loss,
         every forward replaying as the update's route says; returns the update's metrics."""
@@ -56,7 +64,7 @@ class PolicyUpdate:
         n = len(batch.samples)
         order = list(range(n))
         sums: dict[str, float] = {}
-        grad_norms = []
+        grad_norms, skipped = [], 0
         self.model.train()
         first = True
         for _ in range(t.epochs):
@@ -82,6 +90,9 @@ class PolicyUpdate:
                 finalize_grads(self.model)
                 with cuda_factories_on_cpu():
                     ok, grad_norm, _ = self.optimizer.step()
+                if not ok:
+                    skipped += 1
+                    self._stop_at_the_minimum_scale()
                 self.scheduler.step(increment=1)
                 if grad_norm is not None:
                     grad_norms.append(float(grad_norm))
@@ -91,12 +102,25 @@ class PolicyUpdate:
                if not k.startswith("_") and k != "loss"}
         out["loss"] = sums.get("loss", 0.0) / max(sums.get("_minibatches", 1.0), 1.0)
         out["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0
+        if self.cfg.model.dtype == "float16":
+            out["train/loss_scale"] = float(self.optimizer.get_loss_scale())
+            out["train/skipped_steps"] = float(skipped)
         for k, v in sums.items():
             if k.startswith("_live/"):
                 out[k[len("_live/"):]] = v / max(sums["_live_tokens"], 1.0)
         if "_first_dev" in sums:
             out["ratio/first_minibatch_max_dev"] = sums["_first_dev"]
         return out
+
+    def _stop_at_the_minimum_scale(self) -> None:
+        """float16: a step skipped for an overflow at the scaler's minimum ends the run (every
+        scale down to ``trainer.loss_scale.min`` overflowed; the weights stay as they were)."""
+        floor = self.cfg.trainer.loss_scale.min
+        if float(self.optimizer.get_loss_scale()) <= floor:
+            raise LossScaleCollapsed(
+                f"trainer.loss_scale.min: the float16 loss scale fell to its minimum ({floor:g}) "
+                f"and the gradients still overflow; the step was skipped and the run stops "
+                f"(train in bfloat16, or lower trainer.lr)")
 
     def _covariance_selection(self, batch: StepBatch, mini: list[int]) -> torch.Tensor | None:
         """Clip-Cov / KL-Cov tokens chosen over the whole mini-batch (not per micro-batch, where
@@ -144,7 +168,7 @@ class PolicyUpdate:
         loss, got = self.loss(mb.to_response_padded(lp_pos), mb.to_response_padded(ent_pos),
                               inputs, norm, first)
         with self.replay.backward():
-            loss.backward()
+            self._scaled(loss).backward()
         for k, v in got.items():
             sums[k] = max(sums.get(k, 0.0), v) if k == "_first_dev" else sums.get(k, 0.0) + v
 
@@ -165,7 +189,7 @@ class PolicyUpdate:
                                   grad=True, kept_sets=False)
             mask = mb.score_mask.to(lp.device)
             loss = aggregate(-lp, mask, "token-mean", norm)
-            loss.backward()
+            self._scaled(loss).backward()
             total += float(loss.detach())
         finalize_grads(self.model)
         saved = [g["lr"] for g in self.optimizer.param_groups]

@@ -15,8 +15,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve on this inherited, already bound socket instead of binding "
                              "--host/--port (how moe-rl train launches it: the port is held "
                              "from the moment it is chosen)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        default="float32",
                         help="the served weights' and the arithmetic's dtype (default float32)")
+    parser.add_argument("--enable-fp32-lm-head", action="store_true",
+                        help="the LM head's matmul in float32 (SGLang's flag): hidden states "
+                             "and head weights cast to float32, float32 logits")
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     parser.add_argument("--seed", type=int, default=0, help="seed of requests without one")
     parser.add_argument("--max-running-requests", "--max-batch-size", type=int, default=64,
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
           sampling_backend=args.sampling_backend,
           deterministic_inference=args.enable_deterministic_inference,
           prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
-          quantization=args.quantization or "none",
+          quantization=args.quantization or "none", fp32_lm_head=args.enable_fp32_lm_head,
           fd=args.fd, weight_group_timeout_s=args.weight_group_timeout,
           limits=Limits(max_n=args.max_n, max_batch_requests=args.max_batch_requests,
                         max_request_tokens=args.max_request_tokens,

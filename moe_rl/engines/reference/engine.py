@@ -18,6 +18,7 @@ with dense layers 0.
 from __future__ import annotations
 
 import base64
+import functools
 import inspect
 import math
 import os
@@ -256,6 +257,12 @@ def checkpoint_spec(model_path: str) -> dict[str, tuple[list[int], str]]:
     return spec
 
 
+def _fp32_linear(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head in float32 (SGLang's --enable-fp32-lm-head on CPU: both operands cast)."""
+    bias = None if head.bias is None else head.bias.float()
+    return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+
 class ReferenceEngine:
     """Holds the model; ``run`` executes a batch of requests (generation and scoring)."""
 
@@ -263,7 +270,7 @@ class ReferenceEngine:
                  sampling_mask_max_tokens: int = 4096, return_routed_experts: bool = True,
                  sampling_backend: str = "flashinfer", deterministic_inference: bool = False,
                  prefix_cache_tokens: int = 1 << 16, quantization: str = "none",
-                 group_timeout_s: float = 120.0):
+                 group_timeout_s: float = 120.0, fp32_lm_head: bool = False):
         if quantization not in ("none", "fp8", "mxfp4"):
             raise ValueError(f"quantization: expected 'none', 'fp8' or 'mxfp4', got "
                              f"{quantization!r}")
@@ -271,6 +278,7 @@ class ReferenceEngine:
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
         self.dtype_name = dtype
+        self.fp32_lm_head = fp32_lm_head   # SGLang's --enable-fp32-lm-head
         self.seed = seed
         self.mask_cap = sampling_mask_max_tokens
         self.routing_enabled = return_routed_experts   # SGLang: --enable-return-routed-experts
@@ -338,6 +346,9 @@ class ReferenceEngine:
             apply_fp8(model, exact)
         elif self.quantization == "mxfp4":
             apply_mxfp4(model)
+        if self.fp32_lm_head:
+            head = model.get_output_embeddings()
+            head.forward = functools.partial(_fp32_linear, head)
         hf = model.config.to_dict()
         facts = MoEShape.from_hf(hf)
         if not facts.moe_layers:

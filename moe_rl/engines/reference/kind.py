@@ -33,5 +33,6 @@ class ReferenceKind(SGLangProtocolKind):
                                sampling_mask_max_tokens=r.sampling_mask_max_tokens,
                                deterministic_inference=r.sglang.deterministic_inference,
                                # FP8 arrives as an FP8 checkpoint; MXFP4 is quantised at each load
-                               quantization="mxfp4" if r.quantization == "mxfp4" else "none"),
+                               quantization="mxfp4" if r.quantization == "mxfp4" else "none",
+                               fp32_lm_head=self.cfg.model.fp32_output_layer),
                 dict(REFERENCE_ENV))

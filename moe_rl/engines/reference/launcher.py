@@ -13,7 +13,8 @@ REFERENCE_ENV = {"PYTHONUNBUFFERED": "1"}
 def reference_argv(model: str, host: str, port: int, *, dtype: str = "float32", seed: int = 0,
                    api_key: str | None = None, return_routed_experts: bool = True,
                    sampling_mask_max_tokens: int = 4096, deterministic_inference: bool = False,
-                   quantization: str = "none", max_total_tokens: int | None = None) -> list[str]:
+                   quantization: str = "none", max_total_tokens: int | None = None,
+                   fp32_lm_head: bool = False) -> list[str]:
     """``moe-rl serve-reference ...`` for one server (``--fd`` is added when it starts on a
     socket its parent bound)."""
     cmd = [sys.executable, "-m", "moe_rl.cli", "serve-reference", "--model", model,
@@ -29,6 +30,8 @@ def reference_argv(model: str, host: str, port: int, *, dtype: str = "float32", 
         cmd += ["--quantization", quantization]
     if max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(max_total_tokens)]
+    if fp32_lm_head:
+        cmd.append("--enable-fp32-lm-head")
     return cmd
 
 

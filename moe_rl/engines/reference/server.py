@@ -550,7 +550,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: st
           return_routed_experts: bool = False, sampling_mask_max_tokens: int = 4096,
           sampling_backend: str = "flashinfer", deterministic_inference: bool = False,
           prefix_cache_tokens: int = 1 << 16, quantization: str = "none",
-          fd: int | None = None, limits: Limits = Limits(),
+          fp32_lm_head: bool = False, fd: int | None = None, limits: Limits = Limits(),
           weight_group_timeout_s: float = 120.0) -> None:
     """Load the model and serve until interrupted (on the inherited bound socket ``fd`` when
     given, else on host:port)."""
@@ -569,7 +569,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: st
                                  sampling_backend=sampling_backend,
                                  deterministic_inference=deterministic_inference,
                                  prefix_cache_tokens=prefix_cache_tokens,
-                                 quantization=quantization)
+                                 quantization=quantization, fp32_lm_head=fp32_lm_head)
     except ValueError as exc:   # the model or a flag refused: one line (moe-rl's UserError)
         raise UserError(str(exc)) from None
     app = build_app(engine, api_key, max_running_requests, max_total_tokens, limits)

@@ -1,6 +1,7 @@
 """What SGLang refuses, checked when the configuration is loaded (right after the general
-checks): a GPU server without GPUs, what needs CUDA on CPU, weight updates from a group or tensors at dp_size > 1, min_p under
-deterministic inference, block-wise FP8 at TP/EP sizes that cut a block."""
+checks): a GPU server without GPUs, what needs CUDA on CPU, weight updates from a group or
+tensors at dp_size > 1, min_p under deterministic inference, an fp32 LM head on the engine only,
+block-wise FP8 at TP/EP sizes that cut a block."""
 from __future__ import annotations
 
 from moe_rl.config import Config, ConfigError
@@ -53,6 +54,18 @@ def check_weight_updates(cfg: Config) -> None:
                           f"; use more servers (rollout.num_servers) or weight_sync=disk")
 
 
+def check_lm_head(cfg: Config) -> None:
+    """An fp32 LM head on the engine only is refused: each side's head then rounds to another
+    grid, a larger gap than bf16 on both (NeMo-RL's finding); ``model.fp32_output_layer`` sets
+    it on both."""
+    one_sided = "--enable-fp32-lm-head" in cfg.rollout.sglang.extra_args
+    if one_sided and not cfg.model.fp32_output_layer:
+        raise ConfigError("rollout.sglang.extra_args: --enable-fp32-lm-head puts the engine's "
+                          "LM head in float32 while the trainer's stays in model.dtype (a head "
+                          "precision on one side only widens the mismatch); set "
+                          "model.fp32_output_layer=true, which sets it on both sides")
+
+
 def check_sampling(cfg: Config) -> None:
     """min_p is not supported by SGLang's deterministic inference."""
     r = cfg.rollout
@@ -89,5 +102,6 @@ def check_config(cfg: Config) -> None:
     check_gpus(cfg)
     check_weight_updates(cfg)
     check_sampling(cfg)
+    check_lm_head(cfg)
     check_fp8(cfg)
     check_mxfp4(cfg)

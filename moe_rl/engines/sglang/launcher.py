@@ -19,9 +19,9 @@ def sglang_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]
     argv = [g.python or sys.executable, "-m", "sglang.launch_server",
             "--model-path", model_path, "--host", host, "--port", str(port),
             "--tp-size", str(g.tp_size), "--dp-size", str(g.dp_size), "--ep-size", str(g.ep_size),
-            "--mem-fraction-static", str(g.mem_fraction_static)]
+            "--mem-fraction-static", str(g.mem_fraction_static), "--dtype", r.engine_dtype]
     if g.device == "cpu":
-        argv += ["--device", "cpu", "--dtype", r.engine_dtype,
+        argv += ["--device", "cpu",
                  "--max-total-tokens", str(g.max_total_tokens or CPU_MAX_TOTAL_TOKENS)]
     else:
         argv += ["--base-gpu-id", "0"]
@@ -35,6 +35,8 @@ def sglang_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]
         argv.append("--enable-memory-saver")
     if g.deterministic_inference:
         argv.append("--enable-deterministic-inference")
+    if cfg.model.fp32_output_layer:   # the head's precision as the trainer's
+        argv.append("--enable-fp32-lm-head")
     if r.api_key:
         argv += ["--api-key", r.api_key]
     return argv + list(g.extra_args)
