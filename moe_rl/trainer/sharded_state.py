@@ -132,11 +132,14 @@ def sharded_trainer_state(model, optimizer, ema: dict | None, loading: bool = Fa
     else:
         optim: dict = {}
         for leaf in _leaf_optimizers(optimizer):
-            if loading:
+            # before Adam's first step (every step skipped: float16 overflows, the collapse
+            # guard) it holds no state, and none was saved: Adam starts afresh
+            started = loading and step > 0
+            if started:
                 _set_step(leaf, step)
             for param, main in _param_pairs(leaf):
                 slot = leaf.optimizer.state[main]
-                if loading:
+                if started:
                     for k in _MOMENTS:
                         slot.setdefault(k, torch.zeros_like(main, memory_format=torch.preserve_format))
                 sharded, name = by_param[id(param)], names[id(param)]

@@ -272,6 +272,37 @@ def test_refusals_sglang_and_megatron_would_fail_on():
         load_config(None, ["trainer.pack_sequences=true"])
 
 
+def test_an_fp32_lm_head_on_one_side_only_is_refused():
+    """NeMo-RL's finding: a float32 head on the engine alone widens the mismatch; the key sets
+    it on both sides, so a bare --enable-fp32-lm-head in SGLang's extra arguments is refused."""
+    gpu = ["rollout.engine=sglang", "cluster.gpus_per_node=8", "model.dtype=bfloat16",
+           "rollout.engine_dtype=bfloat16"]
+    with pytest.raises(ConfigError, match=r"rollout.sglang.extra_args: --enable-fp32-lm-head "
+                                          r".*set model.fp32_output_layer=true"):
+        load_config(None, gpu + ["rollout.sglang.extra_args=[--enable-fp32-lm-head]"])
+    load_config(None, gpu + ["rollout.sglang.extra_args=[--enable-fp32-lm-head]",
+                             "model.fp32_output_layer=true"])
+
+
+@pytest.mark.parametrize("overrides,said", [
+    (["model.dtype=float16", "rollout.engine_dtype=bfloat16"],
+     "model.dtype=float16 trains against rollout.engine_dtype=bfloat16: float16 and bfloat16 "
+     "round to different grids"),
+    (["model.dtype=bfloat16", "rollout.engine_dtype=float16"],
+     "model.dtype=bfloat16 trains against rollout.engine_dtype=float16"),
+    (["model.dtype=bfloat16", "rollout.engine=sglang", "cluster.gpus_per_node=8"],
+     "rollout.engine_dtype=float32: SGLang serves in float32 (--dtype float32) while the "
+     "trainer trains in bfloat16; set rollout.engine_dtype=bfloat16"),
+    (["model.dtype=float16", "rollout.engine_dtype=float16"], None),
+    (["model.dtype=bfloat16", "rollout.engine_dtype=bfloat16"], None),
+    (["model.dtype=float32", "rollout.engine_dtype=bfloat16"], None),
+])
+def test_a_mixed_16_bit_pair_is_allowed_with_a_warning(overrides, said):
+    from moe_rl.config.checks import precision_pair_warning
+    got = precision_pair_warning(load_config(None, overrides))
+    assert (got is None) if said is None else (got.startswith("warning: ") and said in got)
+
+
 @pytest.mark.parametrize("override,message", [
     ("trainer.lr=nan", "trainer.lr: expected a finite number"),
     ("rollout.temperature=1e400", "rollout.temperature: expected a finite number"),

@@ -209,6 +209,64 @@ def test_fp8_engine_quantises_what_sglang_quantises_and_requantises_on_update(tm
     assert not torch.equal(attn.fp8_weight, expect)
 
 
+def _scored(engine, ids) -> torch.Tensor:
+    from moe_rl.engines.reference.engine import Request, SamplingParams
+    out = engine.run([Request(input_ids=ids, params=SamplingParams(max_new_tokens=0), rid="s",
+                              return_logprob=True, logprob_start_len=0)])
+    return torch.tensor([x[0] for x in out[0]["meta_info"]["input_token_logprobs"][1:]],
+                        dtype=torch.float64)
+
+
+def test_a_float16_engine_serves_closer_to_float32_than_bfloat16_does(tmp_path):
+    """The same sequences scored by the engine in float32, float16 and bfloat16: both 16-bit
+    engines differ from float32 (a real rounding), float16 (10 mantissa bits) by less than
+    bfloat16 (7)."""
+    from moe_rl.engines.reference.engine import ReferenceEngine
+    write_tiny_qwen(tmp_path / "m", seed=0)
+    ids = [list(range(3 + k, 40 + k)) for k in range(4)]
+    err = {}
+    full = ReferenceEngine(str(tmp_path / "m"), prefix_cache_tokens=0)
+    want = torch.cat([_scored(full, i) for i in ids])
+    for dtype in ("float16", "bfloat16"):
+        eng = ReferenceEngine(str(tmp_path / "m"), dtype=dtype, prefix_cache_tokens=0)
+        assert {p.dtype for p in eng.model.parameters()} == {getattr(torch, dtype)}
+        err[dtype] = float((torch.cat([_scored(eng, i) for i in ids]) - want).abs().mean())
+    assert 0 < err["float16"] < err["bfloat16"] / 2, err
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_engines_fp32_lm_head_is_a_float32_matmul_and_survives_an_update(tmp_path, dtype):
+    """--enable-fp32-lm-head (SGLang's flag): the head's matmul takes the 16-bit hidden states
+    and weights cast to float32 and returns float32 logits (a float64 reference of the same
+    operands: float32 accuracy); without it the logits round to the 16-bit grid. A weight update
+    (a new load) keeps it."""
+    from moe_rl.engines.reference.engine import ReferenceEngine
+    write_tiny_qwen(tmp_path / "a", seed=0)
+    write_tiny_qwen(tmp_path / "b", seed=1)
+    low = getattr(torch, dtype)
+    plain = ReferenceEngine(str(tmp_path / "a"), dtype=dtype, prefix_cache_tokens=0)
+    fp32 = ReferenceEngine(str(tmp_path / "a"), dtype=dtype, prefix_cache_tokens=0,
+                           fp32_lm_head=True)
+    gen = torch.Generator().manual_seed(0)
+    for engine_path in ("a", "b"):
+        if engine_path == "b":
+            plain.load(str(tmp_path / "b"))
+            fp32.load(str(tmp_path / "b"))
+        head = fp32.model.get_output_embeddings()
+        weight = head.weight.detach()
+        assert weight.dtype == low   # the weights stay 16-bit: only the matmul is float32
+        h = torch.randn(6, weight.shape[1], generator=gen).to(low)
+        ref = h.double() @ weight.double().T
+        with torch.no_grad():
+            got, rounded = head(h), plain.model.get_output_embeddings()(h)
+        assert got.dtype == torch.float32 and rounded.dtype == low
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
+        assert float((rounded.double() - ref).abs().max()) > \
+            10 * float((got.double() - ref).abs().max())
+    ids = list(range(3, 30))
+    assert not torch.equal(_scored(plain, ids), _scored(fp32, ids))
+
+
 @pytest.mark.loop
 def test_fp8_rollouts_through_moe_rl_train(tiny_model, tmp_path):
     """rollout.quantization=fp8 through `moe-rl train` (Ray, HTTP) with the distributed weight

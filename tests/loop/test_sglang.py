@@ -194,24 +194,37 @@ def test_the_demo_on_sglang_in_bfloat16(tmp_path):
     no_kernel_called(tmp_path / "run")
 
 
-def test_a_bf16_trainer_syncs_into_bf16_sglang(model_dir, tmp_path):
-    """The GPU configs' precision on the real engine: the trainer in bfloat16 with float32
-    master weights, SGLang serving bfloat16, the weights broadcast over the process group into
-    the float32 checkpoint SGLang started from (it loads each announced bfloat16 tensor into its
-    own): every sync lands (no fallback to disk), the group's address is 127.0.0.1 on this one
-    node, and the gap is bf16's own (0 < k3 < 1e-2)."""
+@pytest.mark.parametrize("dtype,head", [("bfloat16", False), ("float16", True)],
+                         ids=["bf16", "fp16_fp32_head"])
+def test_a_16_bit_trainer_syncs_into_sglang_of_its_precision(model_dir, tmp_path, dtype, head):
+    """The GPU configs' precisions on the real engine: the trainer in bfloat16 (or float16, with
+    megatron's dynamic loss scaler, and the LM head in float32 on both sides: SGLang started
+    with --enable-fp32-lm-head) with float32 master weights, SGLang serving the same dtype, the
+    weights broadcast over the process group into the float32 checkpoint SGLang started from (it
+    loads each announced 16-bit tensor into its own): every sync lands (no fallback to disk),
+    the group's address is 127.0.0.1 on this one node, and the gap is the dtype's own
+    (0 < k3 < 1e-2)."""
     run = tmp_path / "run"
-    res, rows = _train(CONFIG, model_dir, run, "model.dtype=bfloat16",
-                       "rollout.engine_dtype=bfloat16", "cluster.weight_sync=distributed",
-                       "trainer.sft_warmup_steps=0", "rollout.max_new_tokens=3", steps=3)
+    extra = ["model.fp32_output_layer=true", "trainer.loss_scale.initial=65536"] if head else []
+    res, rows = _train(CONFIG, model_dir, run, f"model.dtype={dtype}",
+                       f"rollout.engine_dtype={dtype}", "cluster.weight_sync=distributed",
+                       "trainer.sft_warmup_steps=0", "rollout.max_new_tokens=3", *extra,
+                       steps=3)
     assert [r["weight_version/min"] for r in rows] == [0.0, 1.0, 2.0]
     for m in rows:
         assert 0 < m["mismatch/k3"] < 1e-2, m["mismatch/k3"]
         assert m["routing/agreement"] >= 0.9
+        if dtype == "float16":
+            assert m["train/loss_scale"] == 65536 and m["train/skipped_steps"] == 0
     assert "weight sync (distributed) of version" not in res.stdout + res.stderr
     groups = [line for line in res.stdout.splitlines() if line.startswith("weight-update group")]
     assert groups and all(" gloo at 127.0.0.1:" in line for line in groups), groups
     no_kernel_called(run)
+    logs = " ".join(p.read_text(errors="replace") for p in (run / "logs").glob("engine_*.log"))
+    assert (f"dtype='{dtype}'" in logs or f"'dtype': '{dtype}'" in logs
+            or f"dtype={dtype}" in logs), "SGLang's log does not show its dtype"
+    plan = json.loads((run / "plan.json").read_text())
+    assert ("--enable-fp32-lm-head" in json.dumps(plan)) == head
 
 
 @pytest.mark.alone   # the retractions and the aborts that meet them depend on the timing

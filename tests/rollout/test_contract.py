@@ -20,6 +20,7 @@ from moe_rl.rollout.trajectories import generate_samples
 from tests.helpers import sample_from_response
 from moe_rl.engines.sglang.pool import EngineHTTPError, ServerPool
 from moe_rl.engines.reference.engine import kept_set
+from moe_rl.engines.reference.kind import ReferenceKind
 from moe_rl.engines.reference.launcher import ReferenceServer
 from moe_rl.engines.sglang.launcher import sglang_command
 from moe_rl.trainer.parallel import free_port
@@ -237,6 +238,8 @@ def test_sglang_command_lines():
     assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "CUDA_VISIBLE_DEVICES": "4,5,6,7",
                    "PYTHONSAFEPATH": "1"}
     assert "--device" not in argv and "--max-total-tokens" not in argv
+    assert argv[argv.index("--dtype") + 1] == "float32"   # rollout.engine_dtype, on GPUs too
+    assert "--enable-fp32-lm-head" not in argv
     plain = config_from_dict({"cluster": {"gpus_per_node": 8},
                               "rollout": {"engine": "sglang", "return_routing": False},
                               "algorithm": {"replay": "off"}})
@@ -250,14 +253,23 @@ def test_sglang_command_lines():
                                         "sglang": {"device": "cpu"}}})
     argv, env = sglang_command(cpu, 30000)
     line = " ".join(argv)
-    assert "--device cpu --dtype bfloat16 --max-total-tokens 65536" in line
+    assert "--dtype bfloat16 --device cpu --max-total-tokens 65536" in line
     assert "--base-gpu-id" not in argv
     assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "PYTHONSAFEPATH": "1",
                    "SGLANG_USE_CPU_ENGINE": "1"}
     cpu = config_from_dict({"cluster": {"gpus_per_node": 0},
                             "rollout": {"engine": "sglang", "sglang": {"device": "cpu",
                                                                        "max_total_tokens": 4096}}})
-    assert "--dtype float32 --max-total-tokens 4096" in " ".join(sglang_command(cpu, 30000)[0])
+    assert "--dtype float32 --device cpu --max-total-tokens 4096" in \
+        " ".join(sglang_command(cpu, 30000)[0])
+    # float16 with an fp32 LM head: the engine's head as the trainer's (model.fp32_output_layer)
+    fp16 = config_from_dict({"cluster": {"gpus_per_node": 8},
+                             "model": {"dtype": "float16", "fp32_output_layer": True},
+                             "rollout": {"engine": "sglang", "engine_dtype": "float16"}})
+    argv = sglang_command(fp16, 30000)[0]
+    assert argv[argv.index("--dtype") + 1] == "float16" and "--enable-fp32-lm-head" in argv
+    ref = ReferenceKind(fp16).server_command("127.0.0.1", 30000, [], 0, "/m")[0]
+    assert ref[ref.index("--dtype") + 1] == "float16" and "--enable-fp32-lm-head" in ref
     # FP8: SGLang serves the FP8 checkpoint moe_rl wrote (its config declares the quantisation;
     # no --quantization flag, which SGLang's docs forbid for pre-quantised checkpoints)
     fp8 = config_from_dict({"cluster": {"gpus_per_node": 8, "weight_sync": "distributed"},

@@ -128,3 +128,30 @@ def test_fp16_resume_restores_the_loss_scaler_and_continues_exactly(tiny, tmp_pa
     assert m1 == m2
     for a, b in zip(run.model.module.parameters(), resumed.model.module.parameters()):
         assert torch.equal(a, b) and torch.equal(main_weights(a), main_weights(b))
+
+
+def test_a_checkpoint_before_adams_first_step_resumes(tiny, tmp_path):
+    """Every step so far skipped (Adam holds no state, none is saved): the checkpoint loads,
+    Adam starts afresh and the next step equals the uninterrupted run's (it once failed to load:
+    the loader expected moments the save never had)."""
+    path, hf_model = tiny
+
+    def cfg():
+        return _fp16(path, loss_scale={"initial": 2.0 ** 32, "hysteresis": 1})
+    batches = [engine_samples(hf_model, seed=20 + i) for i in range(2)]
+    run = PolicyTrainer(cfg(), path)
+    assert run.train_step(copy.deepcopy(batches[0]))["train/skipped_steps"] == 1
+    assert optimizer_step_count(run.optimizer) == 0
+    run.save_checkpoint(str(tmp_path / "ckpt"))
+    for s in _scaler(run):
+        s._scale.fill_(2.0 ** 10)
+    m1 = run.train_step(copy.deepcopy(batches[1]))
+    resumed = PolicyTrainer(cfg(), path)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert [float(s.scale) for s in _scaler(resumed)] == [2.0 ** 31]
+    for s in _scaler(resumed):
+        s._scale.fill_(2.0 ** 10)
+    m2 = resumed.train_step(copy.deepcopy(batches[1]))
+    assert m1 == m2 and m1["train/skipped_steps"] == 0
+    for a, b in zip(run.model.module.parameters(), resumed.model.module.parameters()):
+        assert torch.equal(a, b) and torch.equal(main_weights(a), main_weights(b))

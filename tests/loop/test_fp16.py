@@ -1,0 +1,75 @@
+"""`moe-rl train` in float16 on CPU: the trainer in float16 with float32 master weights and
+megatron's dynamic loss scaler, the engine in float16, the LM head in float32 on both sides.
+`make test-loop` (CI) runs R3 with four corrections and the EMA policy; `make test-slow` adds R2
+against a bfloat16 engine (the mixed pair, warned about), replay off, the other corrections,
+and a resume that continues exactly with the scaler's state."""
+import pytest
+import torch
+
+from tests.helpers import train_cli
+from tests.loop import test_bf16
+from tests.loop.test_bf16 import WEIGHTS_ONLY, _rows, _weights, _workdir
+
+model_dir = test_bf16.model_dir   # the tiny CPU model, written once for the module
+
+FP16 = ("model.dtype=float16", "model.fp32_output_layer=true",
+        "trainer.loss_scale.initial=65536")
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+@pytest.mark.parametrize("replay,corrections,engine", [   # CI runs the first; make test-slow all
+    ("r3", "[token_tis,seq_mis,icepop,geo_rs]", "float16"),
+    pytest.param("r2", "[seq_tis,seq_rs,opsm,metropolis]", "bfloat16", marks=pytest.mark.slow),
+    pytest.param("off", "[trm,snis]", "float16", marks=pytest.mark.slow)])
+def test_fp16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corrections,
+                                               engine):
+    """Every replay mode and correction through `moe-rl train` in float16, two RL steps after
+    two warm-start steps, weights synced over the process group: finite metrics, each
+    correction's own metrics, the loss scale and the skipped steps logged (none skipped at
+    2^16), the engine started with the fp32 head, the export float16; a bfloat16 engine is
+    warned about by name."""
+    work = _workdir(tmp_path, model_dir, "run")
+    extra = ["trainer.ema_decay=0.9", "trainer.ema_policy=true"] if replay == "r3" else []
+    extra += ["algorithm.correction.opsm_delta=1e-3", "algorithm.correction.trm_delta=1e-3"]
+    res = train_cli(work, 2, *FP16, f"rollout.engine_dtype={engine}",
+                    f"algorithm.replay={replay}", f"algorithm.corrections={corrections}",
+                    "cluster.weight_sync=distributed", *extra)
+    out = res.stdout + res.stderr
+    assert "weight sync (distributed) of version" not in out
+    assert ("float16 and bfloat16 round to different grids" in res.stderr) == \
+        (engine == "bfloat16")
+    assert "--enable-fp32-lm-head" in (work / "run" / "plan.json").read_text()
+    rows = _rows(work)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert all(v is None or v == v for v in r.values() if isinstance(v, float))
+        assert r["train/loss_scale"] == 65536 and r["train/skipped_steps"] == 0
+        assert r["is/ess"] > 0
+        for name in set(corrections.strip("[]").split(",")) - WEIGHTS_ONLY:
+            assert 0 <= r[f"correction/{name}/masked_token_frac"] <= 1, name
+        assert r["grad_norm"] >= 0 and r["mismatch/k3"] < 1e-3
+    final, start = _weights(work / "run" / "final_hf"), _weights(model_dir)
+    assert all(v.dtype == torch.float16 for v in final.values())
+    assert any(not torch.equal(v, start[k].to(torch.float16)) for k, v in final.items())
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+@pytest.mark.slow   # tests/trainer/test_fp16.py resumes the scaler exactly in CI
+def test_fp16_run_resumes_exactly_with_the_loss_scaler(tmp_path, model_dir):
+    """Megatron's default initial scale (2^32) skips the first steps (warm start included):
+    four deterministic steps in one go equal two, a stop and `--resume` for two more, every
+    logged value (loss scale and skipped steps too) and the final float16 weights."""
+    det = ("rollout.sglang.deterministic_inference=true", "model.dtype=float16",
+           "rollout.engine_dtype=float16")
+    whole = _workdir(tmp_path, model_dir, "whole")
+    train_cli(whole, 4, *det)
+    parts = _workdir(tmp_path, model_dir, "parts")
+    train_cli(parts, 2, *det)
+    train_cli(parts, 4, *det, resume=True)
+    rows = _rows(whole)
+    assert rows == _rows(parts)
+    assert rows[0]["train/skipped_steps"] == 1 and rows[0]["train/loss_scale"] < 2.0 ** 32
+    final, resumed = _weights(whole / "run" / "final_hf"), _weights(parts / "run" / "final_hf")
+    assert all(v.dtype == torch.float16 and torch.equal(v, resumed[k]) for k, v in final.items())
