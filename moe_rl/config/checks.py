@@ -169,16 +169,8 @@ def check_ema(cfg: Config) -> None:
 
 def precision_pair_warning(cfg: Config) -> str | None:
     """A float16 side against a bfloat16 side: allowed, said (each rounds to its own grid:
-    10 mantissa bits against 7, so the two policies differ by bf16's rounding at least). And
-    SGLang on GPUs serving float32 (``--dtype`` follows ``rollout.engine_dtype``, float32 by
-    default) for a 16-bit trainer."""
-    model, engine = cfg.model.dtype, cfg.rollout.engine_dtype
-    if (cfg.rollout.engine == "sglang" and cfg.rollout.sglang.device == "cuda"
-            and engine == "float32" and model != "float32"):
-        return (f"warning: rollout.engine_dtype=float32: SGLang serves in float32 (--dtype "
-                f"float32) while the trainer trains in {model}; set rollout.engine_dtype={model} "
-                f"to serve in the trainer's precision")
-    if {model, engine} != {"float16", "bfloat16"}:
+    10 mantissa bits against 7, so the two policies differ by bf16's rounding at least)."""
+    if {cfg.model.dtype, cfg.rollout.engine_dtype} != {"float16", "bfloat16"}:
         return None
     return (f"warning: model.dtype={cfg.model.dtype} trains against rollout.engine_dtype="
             f"{cfg.rollout.engine_dtype}: float16 and bfloat16 round to different grids, so "

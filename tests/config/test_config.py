@@ -290,9 +290,6 @@ def test_an_fp32_lm_head_on_one_side_only_is_refused():
      "round to different grids"),
     (["model.dtype=bfloat16", "rollout.engine_dtype=float16"],
      "model.dtype=bfloat16 trains against rollout.engine_dtype=float16"),
-    (["model.dtype=bfloat16", "rollout.engine=sglang", "cluster.gpus_per_node=8"],
-     "rollout.engine_dtype=float32: SGLang serves in float32 (--dtype float32) while the "
-     "trainer trains in bfloat16; set rollout.engine_dtype=bfloat16"),
     (["model.dtype=float16", "rollout.engine_dtype=float16"], None),
     (["model.dtype=bfloat16", "rollout.engine_dtype=bfloat16"], None),
     (["model.dtype=float32", "rollout.engine_dtype=bfloat16"], None),
@@ -301,6 +298,19 @@ def test_a_mixed_16_bit_pair_is_allowed_with_a_warning(overrides, said):
     from moe_rl.config.checks import precision_pair_warning
     got = precision_pair_warning(load_config(None, overrides))
     assert (got is None) if said is None else (got.startswith("warning: ") and said in got)
+
+
+def test_sglang_on_gpus_serving_float32_for_a_16_bit_trainer_is_warned_about():
+    """SGLang's --dtype follows rollout.engine_dtype on GPUs too (float32 by default)."""
+    from moe_rl.engines.factory import engine_kind
+    gpu = ["rollout.engine=sglang", "cluster.gpus_per_node=8"]
+    got = engine_kind(load_config(None, gpu + ["model.dtype=bfloat16"])).config_warnings()
+    assert got == ["warning: rollout.engine_dtype=float32: SGLang serves in float32 (--dtype "
+                   "float32) while the trainer trains in bfloat16; set rollout.engine_dtype="
+                   "bfloat16 to serve in the trainer's precision"]
+    for same in (["model.dtype=bfloat16", "rollout.engine_dtype=bfloat16"], []):
+        assert engine_kind(load_config(None, gpu + same)).config_warnings() == []
+    assert engine_kind(load_config(None, ["model.dtype=bfloat16"])).config_warnings() == []
 
 
 @pytest.mark.parametrize("override,message", [
