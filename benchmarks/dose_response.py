@@ -3,8 +3,10 @@
 One model, task, optimiser and set of seeds; the only thing that changes between doses is the
 engine's numerics against the float32 trainer: float32 (the control: mismatch exactly 0),
 bfloat16, FP8 (block-wise E4M3 weights, bfloat16 activations) and MXFP4 (4-bit E2M1 weights in
-blocks of 32 with a power-of-two scale, bfloat16 activations). Every run is a real
-``moe-rl train`` (Ray, the reference engine over HTTP) from the same warmed-up model.
+blocks of 32 with a power-of-two scale, bfloat16 activations); and float16 on both sides (the
+FP16 paper's fix: engine and trainer in float16, the trainer with megatron's dynamic loss
+scaler from 2^16). Every run is a real ``moe-rl train`` (Ray, the reference engine over HTTP)
+from the same warmed-up model.
 
 Phases (each written to benchmarks/results/dose_response.{md,json} and dose_response_*.png):
   1. the pre-registered outcomes (OUTCOMES, written into the report before any run);
@@ -21,14 +23,17 @@ Phases (each written to benchmarks/results/dose_response.{md,json} and dose_resp
   6. outcomes per run and paired bootstrap intervals over seeds (BOOT resamples).
 
 Usage: python benchmarks/dose_response.py [--steps 40] [--report-only] [--add-arms A,B
-[--rebaseline]]
+[--rebaseline]] [--add-doses D,E]
 
 ``--add-arms`` runs only the named arms (at every dose, their seeds, the report's rate) into the
 existing report: the warm-up is repeated, and one run of the report (the control's ``none``, seed
 1) is repeated first and must reproduce its reward curve exactly, or nothing is added. Another
 CPU may not reproduce it (its arithmetic differs); ``--rebaseline`` then runs the arms beside
 `none` runs made again on that machine, into a report of their own
-(dose_response_<arms>.{md,json}), compared only with those.
+(dose_response_<arms>.{md,json}), compared only with those. ``--add-doses`` runs the named doses
+(`none`, SEEDS_OTHER seeds) beside the control's and bfloat16's `none` made again here with the
+same seeds, into dose_response_<doses>.{md,json}: each dose against the control and against
+bfloat16.
 """
 from __future__ import annotations
 
@@ -56,9 +61,14 @@ WARMUP_STEPS, WARMUP_LR = 20, 3e-3
 DOSES = {"control_fp32": ["rollout.engine_dtype=float32", "rollout.quantization=none"],
          "bf16": ["rollout.engine_dtype=bfloat16", "rollout.quantization=none"],
          "fp8": ["rollout.engine_dtype=bfloat16", "rollout.quantization=fp8"],
-         "mxfp4": ["rollout.engine_dtype=bfloat16", "rollout.quantization=mxfp4"]}
+         "mxfp4": ["rollout.engine_dtype=bfloat16", "rollout.quantization=mxfp4"],
+         # both sides in float16; the scaler from 2^16 (megatron's 2^32 skips the first ~17
+         # optimizer steps while it comes down), growing and backing off as in any fp16 run
+         "fp16": ["rollout.engine_dtype=float16", "rollout.quantization=none",
+                  "model.dtype=float16", "trainer.loss_scale.initial=65536"]}
 SERVE = {"control_fp32": ("float32", "none"), "bf16": ("bfloat16", "none"),
-         "fp8": ("bfloat16", "fp8"), "mxfp4": ("bfloat16", "mxfp4")}
+         "fp8": ("bfloat16", "fp8"), "mxfp4": ("bfloat16", "mxfp4"),
+         "fp16": ("float16", "none")}   # step 0's table: the engine's side only
 # PPO-clip, token-mean, 2 epochs x 2 mini-batches: the later mini-batches go off-policy, so the
 # engine's log-probs matter beyond the first ratio
 BASE = ["algorithm.loss=ppo", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
@@ -511,7 +521,7 @@ def markdown(report: dict) -> str:
               f"engine; the trainer routes on its own (replay off).", "",
               "| dose | routing agreement | tokens routed differently | mismatch/k3 | "
               "extreme_frac |", "|---|---|---|---|---|"]
-    for dose in DOSES:
+    for dose in (d for d in DOSES if d in report["dose_table"]):
         d = report["dose_table"][dose]
         lines.append(f"| {dose} | {d['routing/agreement']:.4f} | "
                      f"{d['routing/token_differs_frac']:.4f} | {d['mismatch/k3']:.2e} | "
@@ -596,7 +606,9 @@ def findings(report: dict) -> list[str]:
     for dose in DOSES:
         if dose == "control_fp32":
             continue
-        c = by[f"{dose}/none - control_fp32/none"]
+        c = by.get(f"{dose}/none - control_fp32/none")
+        if c is None:   # a dose this report did not run
+            continue
         g = next(x for x in report["groups"] if x["dose"] == dose and x["arm"] == "none")
         shown = [k for k in ("time_to_collapse", "held_out_reward") if c[k]["distinguishable"]]
         out.append(f"- {dose}, no correction: {g['collapsed']}/{g['seeds']} runs collapsed; "
@@ -739,6 +751,53 @@ def rebaselined(arms: list[str], jobs: list[tuple], model: str, data: list[str],
     return 0
 
 
+def add_doses(doses: list[str]) -> int:
+    """``doses``' `none` runs beside the control's and bfloat16's made again with the same
+    seeds (SEEDS_OTHER), at the report's rate, into dose_response_<doses>.{md,json}."""
+    unknown = [d for d in doses if d not in DOSES]
+    if unknown:
+        raise SystemExit(f"--add-doses: unknown dose(s) {unknown}; known: {list(DOSES)}")
+    report = json.loads((RESULTS / "dose_response.json").read_text())
+    steps, lr, n = report["steps"], report["lr"], SEEDS_OTHER
+    start = time.perf_counter()
+    shown = list(dict.fromkeys(["control_fp32", "bf16", *doses]))
+    jobs = [(f"doses__{dose}__none__s{seed}", DOSES[dose] + ARMS["none"], lr, seed)
+            for dose in shown for seed in range(1, n + 1)]   # beside the report's run folders
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp)
+        train, held = write_data(work / "data")
+        data = data_overrides(train, held)
+        model = warm_model(work, train)
+        runs = run_all(jobs, model, data, steps)
+    for label in list(runs):
+        shutil.rmtree(RUNS_DIR / label, ignore_errors=True)
+        runs[label.removeprefix("doses__")] = runs.pop(label)
+    comparisons = compare(runs, n, n, ("none",))
+    for dose in doses:
+        if dose != "bf16":
+            comparisons.append({"what": f"{dose}/none - bf16/none", "seeds": n, **{
+                key: paired_bootstrap([runs[f"{dose}__none__s{s}"][key] for s in range(1, n + 1)],
+                                      [runs[f"bf16__none__s{s}"][key] for s in range(1, n + 1)])
+                for key in ("time_to_collapse", "held_out_reward", "k3_mean")}})
+    sub = {"steps": steps, "lr": lr, "doses": shown, "runs": runs,
+           "date": time.strftime("%Y-%m-%d"), "wall_min": (time.perf_counter() - start) / 60,
+           "groups": group_stats(runs, n, n, ("none",)), "comparisons": comparisons}
+    name = "dose_response_" + "_".join(doses)
+    text = "\n".join([
+        f"# Dose-response study: dose {', '.join(f'`{d}`' for d in doses)}", "",
+        f"`python benchmarks/dose_response.py --add-doses {','.join(doses)}` "
+        f"({sub['wall_min']:.0f} minutes on 2 cores, {sub['date']}). The design, rate "
+        f"({lr}), steps ({steps}) and outcomes of [the study](dose_response.md), arm `none`, "
+        f"{n} seeds; the control's and bfloat16's `none` runs made again here with the same "
+        f"seeds, so every row below comes from this machine. Doses: "
+        + "; ".join(f"`{d}`: {' '.join(DOSES[d])}" for d in shown) + ".", "",
+        *arm_tables(sub), ""]) + "\n"
+    (RESULTS / f"{name}.json").write_text(json.dumps(sub, indent=1) + "\n")
+    (RESULTS / f"{name}.md").write_text(text)
+    print(text)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -749,7 +808,12 @@ def main() -> int:
     ap.add_argument("--rebaseline", action="store_true",
                     help="with --add-arms, where the report's run does not reproduce: the arms "
                          "and `none` again, into a report of their own")
+    ap.add_argument("--add-doses", default="",
+                    help="comma-separated doses to run (arm none) beside the control and "
+                         "bfloat16 made again, into a report of their own")
     args = ap.parse_args()
+    if args.add_doses:
+        return add_doses([d for d in args.add_doses.split(",") if d])
     if args.add_arms:
         return add_arms([a for a in args.add_arms.split(",") if a], args.rebaseline)
     if args.report_only:

@@ -1,12 +1,15 @@
 """The real engine/trainer gap, and what moe_rl's client costs, measured with stock SGLang 0.5.23
-serving on CPU (`rollout.sglang.device: cpu`) and the megatron-core trainer in float32 and in
-bfloat16 (float32 master weights, as the GPU configs train).
+serving on CPU (`rollout.sglang.device: cpu`) and the megatron-core trainer in float32, bfloat16
+and float16 (16-bit policies with float32 master weights, as the GPU configs train).
 
 1. Gap: ONE set of sequences (sampled once by SGLang in bfloat16) is scored by SGLang serving in
-   float32 and in bfloat16; the trainer in each dtype scores them with replay off and R3:
-   routing agreement, tokens routed differently in at least one layer, mismatch/k1, k3,
-   extreme_frac, abs_diff_max. Float32 server and trainer are the control (k3 ~1e-14,
-   agreement 1.0).
+   float32, bfloat16 and float16, the 16-bit ones also with the LM head in float32
+   (--enable-fp32-lm-head); the trainer in each precision (16-bit with and without its fp32
+   head, model.fp32_output_layer) scores them with replay off and R3: routing agreement, tokens
+   routed differently in at least one layer, mismatch/k1, k3, extreme_frac, abs_diff_max. The
+   table shows the matched pairs, the float32 crosses, and each fp32 head on both sides and on
+   one side only; the JSON holds every pair. Float32 server and trainer are the control (k3
+   ~1e-14, agreement 1.0).
 2. Throughput: on the float32 server, the requests moe_rl's rollout sends (one ``/generate``
    per sample, up to 16 tokens, routing and kept sets asked) sent raw with httpx all at once,
    against moe_rl's client (``generate_samples`` through the pool, decoding every answer into
@@ -39,7 +42,11 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 KEYS = ["mismatch/k1", "mismatch/k3", "mismatch/extreme_frac", "mismatch/abs_diff_max",
         "routing/agreement", "routing/token_differs_frac"]
-DTYPES = ("float32", "bfloat16")
+# precisions: (dtype, LM head in float32) on either side
+SIDES = (("float32", False), ("bfloat16", False), ("bfloat16", True), ("float16", False),
+         ("float16", True))
+PAIRS = [(e, t) for e in SIDES for t in SIDES   # the table's rows: matched, crosses, heads
+         if e[0] == t[0] or not (e[1] or t[1])]
 
 
 def sglang_python() -> str:
@@ -50,10 +57,16 @@ def sglang_python() -> str:
     return python
 
 
-def _cfg(model_dir: str, dtype: str = "float32", trainer_dtype: str = "float32", **algo):
+def label(side: tuple[str, bool]) -> str:
+    return side[0] + (" + fp32 head" if side[1] else "")
+
+
+def _cfg(model_dir: str, dtype: str = "float32", trainer_dtype: str = "float32",
+         fp32_head: bool = False, **algo):
     from moe_rl.config import config_from_dict
     return config_from_dict({
-        "model": {"path": model_dir, "dtype": trainer_dtype}, "cluster": {"gpus_per_node": 0},
+        "model": {"path": model_dir, "dtype": trainer_dtype, "fp32_output_layer": fp32_head},
+        "cluster": {"gpus_per_node": 0},
         "rollout": {"engine": "sglang", "engine_dtype": dtype, "n_samples_per_prompt": 4,
                     "max_new_tokens": 8, "top_k": 20, "return_routing": True,
                     "sglang": {"device": "cpu", "python": sglang_python()}},
@@ -61,10 +74,10 @@ def _cfg(model_dir: str, dtype: str = "float32", trainer_dtype: str = "float32",
         "data": {"toy_max_operand": 9, "chat_template": False}, "algorithm": algo})
 
 
-def _server(model_dir: str, dtype: str, log: str):
+def _server(model_dir: str, dtype: str, log: str, fp32_head: bool = False):
     from moe_rl.engines.factory import engine_kind
     from moe_rl.trainer.parallel import free_port
-    cfg = _cfg(model_dir, dtype, replay="r3", keep_sampling_mask=True)
+    cfg = _cfg(model_dir, dtype, fp32_head=fp32_head, replay="r3", keep_sampling_mask=True)
     port = free_port()
     argv, env = engine_kind(cfg).server_command("127.0.0.1", port, [], 0, model_dir)
     return engine_kind(cfg).server_process(argv, env, "127.0.0.1", port, log).start(600)
@@ -83,24 +96,25 @@ def gap(model_dir: str, layout, prompts, n_samples: int, work: str) -> dict:
     from moe_rl.trainer.policy import PolicyTrainer
     out: dict = {}
     scored = {}
-    for dtype in ("bfloat16", "float32"):   # sampled by bfloat16, scored by both
-        proc = _server(model_dir, dtype, f"{work}/sglang_{dtype}.log")
+    order = [SIDES[1]] + [s for s in SIDES if s != SIDES[1]]   # sampled by bfloat16 first
+    for side in order:
+        proc = _server(model_dir, side[0], f"{work}/sglang_{label(side)}.log", side[1])
         try:
-            if dtype == "bfloat16":
+            if side == SIDES[1]:
                 base = generate_samples(_engine(proc.url, layout, False), prompts, n_samples,
                                         SamplingConfig(max_new_tokens=8), seed=0)
-            scored[dtype] = copy.deepcopy(base)
-            out[dtype] = {"engine_scoring_s": _rescore(proc.url, scored[dtype], layout),
-                          "trainer": {t: {} for t in DTYPES}}
+            scored[side] = copy.deepcopy(base)
+            out[label(side)] = {"engine_scoring_s": _rescore(proc.url, scored[side], layout),
+                                "trainer": {label(t): {} for t in SIDES}}
         finally:
             proc.stop()
-    for trainer_dtype in DTYPES:
+    for trainer_side in SIDES:
         for mode in ("off", "r3"):
-            trainer = PolicyTrainer(_cfg(model_dir, trainer_dtype=trainer_dtype, replay=mode),
-                                    model_dir)
-            for dtype, samples in scored.items():
+            trainer = PolicyTrainer(_cfg(model_dir, trainer_dtype=trainer_side[0],
+                                         fp32_head=trainer_side[1], replay=mode), model_dir)
+            for side, samples in scored.items():
                 m = trainer.prepare(copy.deepcopy(samples))[1]
-                out[dtype]["trainer"][trainer_dtype][mode] = {
+                out[label(side)]["trainer"][label(trainer_side)][mode] = {
                     k: v for k, v in m.items()
                     if k in KEYS or k.startswith("routing/agreement_l")}
             trainer.replay.close()
@@ -156,8 +170,10 @@ def throughput(model_dir: str, layout, prompts, n_samples: int, rounds: int, wor
 def markdown(results: list[dict], args) -> str:
     md = ["# sglang_cpu_gap", "",
           "Stock SGLang 0.5.23 serving on CPU (`rollout.sglang.device: cpu`, torch-native "
-          "attention and MoE, 2 cores) against the megatron-core trainer in float32 and in "
-          "bfloat16 (float32 master weights), same weights; "
+          "attention and MoE, 2 cores) against the megatron-core trainer in float32, bfloat16 "
+          "and float16 (float32 master weights), the 16-bit ones also with the LM head in "
+          "float32 (SGLang --enable-fp32-lm-head; the trainer's model.fp32_output_layer) on "
+          "both sides or one, same weights; "
           f"{args.prompts} prompts x {args.samples} sequences of up to 8 new tokens, "
           "sampled once by SGLang in bfloat16 and scored by SGLang in each dtype. Every figure "
           "here comes from the real engine.", ""]
@@ -166,15 +182,14 @@ def markdown(results: list[dict], args) -> str:
                "| SGLang dtype | trainer dtype | replay | routing agreement | tokens routed "
                "differently | k1 | k3 | extreme_frac | abs_diff_max |",
                "|---|---|---|---|---|---|---|---|---|"]
-        for dtype in DTYPES:
-            for trainer_dtype, modes in r["gap"][dtype]["trainer"].items():
-                for mode, m in modes.items():
-                    md.append(f"| {dtype} | {trainer_dtype} | {mode} | "
-                              f"{m['routing/agreement']:.4f} | "
-                              f"{m['routing/token_differs_frac']:.3f} | "
-                              f"{m['mismatch/k1']:.2e} | {m['mismatch/k3']:.2e} | "
-                              f"{m['mismatch/extreme_frac']:.4f} | "
-                              f"{m['mismatch/abs_diff_max']:.3f} |")
+        for engine, trainer in PAIRS:
+            for mode, m in r["gap"][label(engine)]["trainer"][label(trainer)].items():
+                md.append(f"| {label(engine)} | {label(trainer)} | {mode} | "
+                          f"{m['routing/agreement']:.4f} | "
+                          f"{m['routing/token_differs_frac']:.3f} | "
+                          f"{m['mismatch/k1']:.2e} | {m['mismatch/k3']:.2e} | "
+                          f"{m['mismatch/extreme_frac']:.4f} | "
+                          f"{m['mismatch/abs_diff_max']:.3f} |")
         t = r["throughput"]
         md += ["", f"Rollout throughput on the float32 server ({t['requests']} requests of up "
                    f"to {t['max_new_tokens']} tokens, routing and kept sets asked, median of "

@@ -91,3 +91,37 @@ def test_arms_compared_with_none_only_where_their_runs_exist():
     groups = group_stats(runs, 5, 3, ("none", "qae"))
     assert [(g["dose"], g["arm"], g["seeds"]) for g in groups] == \
         [(d, a, 5 if a == "none" else 3) for d in DOSES for a in ("none", "qae")]
+
+
+def test_an_added_dose_is_run_beside_the_control_and_bf16_made_again(tmp_path, monkeypatch):
+    """`--add-doses fp16`: `none` at fp16, the control and bfloat16 with the same seeds, in
+    run folders of their own (the report's seed-1 folders untouched); the report compares fp16
+    with the control and with bfloat16."""
+    import json
+    import benchmarks.dose_response as study
+    (tmp_path / "dose_response.json").write_text(json.dumps({"steps": 40, "lr": 3e-3}))
+    kept = tmp_path / "runs" / "control_fp32__none__s1"
+    kept.mkdir(parents=True)
+    monkeypatch.setattr(study, "RESULTS", tmp_path)
+    monkeypatch.setattr(study, "RUNS_DIR", tmp_path / "runs")
+    monkeypatch.setattr(study, "warm_model", lambda work, train: "model")
+    seen = []
+    k3 = {"control_fp32": 0.0, "bf16": 2e-5, "fp16": 3e-6}
+
+    def run_all(jobs, model, data, steps):
+        seen.extend(jobs)
+        return {label: {"time_to_collapse": 40, "held_out_reward": 0.5, "collapse_step": None,
+                        "k3_mean": k3[label.split("__")[1]] * seed, "reward": [0.5] * 40,
+                        "agreement": [1.0]} for label, _, _, seed in jobs}
+    monkeypatch.setattr(study, "run_all", run_all)
+    assert study.add_doses(["fp16"]) == 0
+    assert sorted(j[0] for j in seen) == sorted(f"doses__{d}__none__s{s}" for d in k3
+                                                for s in (1, 2, 3))
+    assert all("model.dtype=float16" in j[1] for j in seen if "fp16" in j[0])
+    assert kept.exists()
+    report = json.loads((tmp_path / "dose_response_fp16.json").read_text())
+    rows = {c["what"]: c for c in report["comparisons"]}
+    assert set(rows) == {"bf16/none - control_fp32/none", "fp16/none - control_fp32/none",
+                         "fp16/none - bf16/none"}
+    assert rows["fp16/none - bf16/none"]["k3_mean"]["diff"] == pytest.approx((3e-6 - 2e-5) * 2)
+    assert "fp16/none - bf16/none" in (tmp_path / "dose_response_fp16.md").read_text()
