@@ -11,8 +11,9 @@ Checks, each reported pass / fail (with the figure) / skipped (with the reason):
    ratio at T=4096, V=151,936, H=1024 (bf16).
 4. parallel_equivalence: TP=2 + SP, EP=2, CP=2 (padded and packed rows) and packed DP=2 steps
    equal DP=2 on padded rows (needs 2 GPUs; torchrun).
-5. bf16_policy: bfloat16 training with float32 master weights (distributed optimizer and
-   megatron's Float16Optimizer) against float32, and the EMA policy on the master weights;
+5. bf16_policy: bfloat16 and float16 training (megatron's loss scaler) with float32 master
+   weights (distributed optimizer and megatron's Float16Optimizer) against float32, and the EMA
+   policy on the master weights;
    bf16_dist_opt_resume: the distributed optimizer's checkpoint resumes exactly.
 6. nccl_weight_sync: a broadcast over the weight-update group (built as SGLang builds it) into a
    second process (needs 2 GPUs: NCCL refuses two ranks on one device).
@@ -284,9 +285,10 @@ def check_triton_kernel() -> dict:
 
 
 def check_bf16_policy(path: str) -> dict:
-    """The GPU configs' precision on CUDA: a bfloat16 policy with float32 master weights (the
-    distributed optimizer and megatron's Float16Optimizer), three RL steps each, against the
-    same steps in float32; and the EMA policy (decay 0.99, lr 1e-4, 20 steps) moving the bf16
+    """The GPU configs' precisions on CUDA: a bfloat16 and a float16 policy (megatron's dynamic
+    loss scaler from 2^16; its scale and skipped steps recorded) with float32 master weights
+    (the distributed optimizer and megatron's Float16Optimizer), three RL steps each, against
+    the same steps in float32; and the EMA policy (decay 0.99, lr 1e-4, 20 steps) moving the bf16
     master weights as float32 moves the weights."""
     import copy
 
@@ -308,8 +310,10 @@ def check_bf16_policy(path: str) -> dict:
             "algorithm": {"replay": "r3", "corrections": ["token_tis"]}}), path)
     out: dict = {}
     for name, dtype, dist_opt in (("f32", "float32", False), ("bf16_dist_opt", "bfloat16", True),
-                                  ("bf16", "bfloat16", False)):
-        t = trainer(dtype, dist_opt)
+                                  ("bf16", "bfloat16", False), ("fp16_dist_opt", "float16", True),
+                                  ("fp16", "float16", False)):
+        scaled = {"loss_scale": {"initial": 65536.0}} if dtype == "float16" else {}
+        t = trainer(dtype, dist_opt, **scaled)
         torch.cuda.synchronize()
         start = time.perf_counter()
         ms = [t.train_step(copy.deepcopy(b)) for b in batches]
@@ -317,6 +321,9 @@ def check_bf16_policy(path: str) -> dict:
         out[name] = {"k3_step1": ms[0]["mismatch/k3"], "grad_norm": [m["grad_norm"] for m in ms],
                      "loss": [m["loss"] for m in ms], "s_per_step": (time.perf_counter() - start) / 3,
                      "param_dtypes": sorted({str(p.dtype) for p in t.model.module.parameters()})}
+        if dtype == "float16":
+            out[name]["loss_scale"] = [m["train/loss_scale"] for m in ms]
+            out[name]["skipped_steps"] = sum(m["train/skipped_steps"] for m in ms)
         del t
     moves = {}
     for dtype in ("bfloat16", "float32"):
@@ -340,7 +347,8 @@ def check_bf16_policy(path: str) -> dict:
     finite = all(all(map(lambda v: v == v and abs(v) < 1e4, r["grad_norm"] + r["loss"]))
                  for k, r in out.items() if isinstance(r, dict))
     close = all(abs(out[k]["grad_norm"][0] - out["f32"]["grad_norm"][0])
-                <= 0.05 * out["f32"]["grad_norm"][0] for k in ("bf16", "bf16_dist_opt"))
+                <= 0.05 * out["f32"]["grad_norm"][0]
+                for k in ("bf16", "bf16_dist_opt", "fp16", "fp16_dist_opt"))
     ok = finite and close and out["ema_policy_bf16_vs_f32_rel_diff"] < 5e-3
     return {"status": "pass" if ok else "fail", **out}
 
