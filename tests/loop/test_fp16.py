@@ -73,3 +73,28 @@ def test_fp16_run_resumes_exactly_with_the_loss_scaler(tmp_path, model_dir):
     assert rows[0]["train/skipped_steps"] == 1 and rows[0]["train/loss_scale"] < 2.0 ** 32
     final, resumed = _weights(whole / "run" / "final_hf"), _weights(parts / "run" / "final_hf")
     assert all(v.dtype == torch.float16 and torch.equal(v, resumed[k]) for k, v in final.items())
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+def test_a_loss_scale_at_its_minimum_ends_the_run_with_one_line(tmp_path, model_dir):
+    """The first RL step overflows at 2^32, the scale halves to its minimum (2^31, hysteresis
+    1): `moe-rl train` exits 1 with one line naming trainer.loss_scale.min, no traceback."""
+    import subprocess
+    import sys
+    from tests.helpers import engine_base_port
+    work = _workdir(tmp_path, model_dir, "run")
+    res = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "train", "--config", "tiny_cpu.yaml",
+         f"model.path={work / 'model'}", f"logging.dir={work / 'run'}", "trainer.steps=2",
+         "trainer.sft_warmup_steps=0", "logging.progress=false",
+         f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=4",
+         "rollout.n_samples_per_prompt=4", "model.dtype=float16",
+         "rollout.engine_dtype=float16", "trainer.loss_scale.initial=4294967296",
+         "trainer.loss_scale.min=2147483648", "trainer.loss_scale.hysteresis=1"],
+        cwd=work, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("moe-rl train: trainer.loss_scale.min: the float16 loss scale fell "
+                           "to its minimum (2.14748e+09)"), last
+    assert "Traceback" not in res.stderr
