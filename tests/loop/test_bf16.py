@@ -48,6 +48,18 @@ def _weights(folder):
     return out
 
 
+def whole_and_resumed(tmp_path, model_dir, *overrides):
+    """Four deterministic steps in one go ("whole") and two, a stop and `--resume` for two more
+    ("parts"): the two work directories."""
+    det = ("rollout.sglang.deterministic_inference=true", *overrides)
+    whole = _workdir(tmp_path, model_dir, "whole")
+    train_cli(whole, 4, *det)
+    parts = _workdir(tmp_path, model_dir, "parts")
+    train_cli(parts, 2, *det)
+    train_cli(parts, 4, *det, resume=True)
+    return whole, parts
+
+
 @pytest.mark.loop
 @pytest.mark.e2e
 def test_bf16_run_resumes_exactly_and_round_trips_in_bf16(tmp_path, model_dir):
@@ -56,12 +68,7 @@ def test_bf16_run_resumes_exactly_and_round_trips_in_bf16(tmp_path, model_dir):
     state come back from the checkpoint). The export is bfloat16 and says so; converting the
     last checkpoint gives the same tensors; the engine (bf16) and the trainer (bf16) differ a
     little (k3 > 0) but route alike."""
-    det = ("rollout.sglang.deterministic_inference=true", *BF16)
-    whole = _workdir(tmp_path, model_dir, "whole")
-    train_cli(whole, 4, *det)
-    parts = _workdir(tmp_path, model_dir, "parts")
-    train_cli(parts, 2, *det)
-    train_cli(parts, 4, *det, resume=True)
+    whole, parts = whole_and_resumed(tmp_path, model_dir, *BF16)
     rows = _rows(whole)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows == _rows(parts)

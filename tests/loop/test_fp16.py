@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import train_cli
 from tests.loop import test_bf16
-from tests.loop.test_bf16 import WEIGHTS_ONLY, _rows, _weights, _workdir
+from tests.loop.test_bf16 import WEIGHTS_ONLY, _rows, _weights, _workdir, whole_and_resumed
 
 model_dir = test_bf16.model_dir   # the tiny CPU model, written once for the module
 
@@ -61,13 +61,8 @@ def test_fp16_run_resumes_exactly_with_the_loss_scaler(tmp_path, model_dir):
     """Megatron's default initial scale (2^32) skips the first steps (warm start included):
     four deterministic steps in one go equal two, a stop and `--resume` for two more, every
     logged value (loss scale and skipped steps too) and the final float16 weights."""
-    det = ("rollout.sglang.deterministic_inference=true", "model.dtype=float16",
-           "rollout.engine_dtype=float16")
-    whole = _workdir(tmp_path, model_dir, "whole")
-    train_cli(whole, 4, *det)
-    parts = _workdir(tmp_path, model_dir, "parts")
-    train_cli(parts, 2, *det)
-    train_cli(parts, 4, *det, resume=True)
+    whole, parts = whole_and_resumed(tmp_path, model_dir, "model.dtype=float16",
+                                     "rollout.engine_dtype=float16")
     rows = _rows(whole)
     assert rows == _rows(parts)
     assert rows[0]["train/skipped_steps"] == 1 and rows[0]["train/loss_scale"] < 2.0 ** 32
