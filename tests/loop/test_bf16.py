@@ -5,59 +5,22 @@ weights, and every replay mode and correction runs. `make test-loop` (CI) runs R
 corrections and the shipped Qwen3 config; `make test-slow` adds R2, replay off, the other
 corrections and the shipped DeepSeek-style config."""
 import json
-import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.helpers import train_cli
+from tests.loop.precision_runs import (ROOT, WEIGHTS_ONLY, rows_of, weights_in,
+                                      whole_and_resumed, workdir, write_tiny_cpu_model)
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 BF16 = ("model.dtype=bfloat16", "rollout.engine_dtype=bfloat16")
-WEIGHTS_ONLY = {"token_tis", "seq_tis", "snis"}   # reweight; is/* shows them
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bf16_model") / "model"
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(out)],
-                   check=True, capture_output=True, timeout=120)
-    return out
-
-
-def _workdir(tmp_path, model_dir, name):
-    work = tmp_path / name
-    work.mkdir()
-    (work / "model").symlink_to(model_dir)
-    return work
-
-
-def _rows(work):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("timing/")}
-            for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
-
-
-def _weights(folder):
-    out = {}
-    for f in sorted(pathlib.Path(folder).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def whole_and_resumed(tmp_path, model_dir, *overrides):
-    """Four deterministic steps in one go ("whole") and two, a stop and `--resume` for two more
-    ("parts"): the two work directories."""
-    det = ("rollout.sglang.deterministic_inference=true", *overrides)
-    whole = _workdir(tmp_path, model_dir, "whole")
-    train_cli(whole, 4, *det)
-    parts = _workdir(tmp_path, model_dir, "parts")
-    train_cli(parts, 2, *det)
-    train_cli(parts, 4, *det, resume=True)
-    return whole, parts
+    return write_tiny_cpu_model(tmp_path_factory)
 
 
 @pytest.mark.loop
@@ -69,14 +32,14 @@ def test_bf16_run_resumes_exactly_and_round_trips_in_bf16(tmp_path, model_dir):
     last checkpoint gives the same tensors; the engine (bf16) and the trainer (bf16) differ a
     little (k3 > 0) but route alike."""
     whole, parts = whole_and_resumed(tmp_path, model_dir, *BF16)
-    rows = _rows(whole)
+    rows = rows_of(whole)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert rows == _rows(parts)
+    assert rows == rows_of(parts)
     assert all(0 < r["mismatch/k3"] < 1e-3 and r["routing/agreement"] > 0.95 for r in rows)
     assert json.loads((whole / "run" / "final_hf" / "config.json").read_text())["dtype"] == \
         "bfloat16"
-    final, resumed = _weights(whole / "run" / "final_hf"), _weights(parts / "run" / "final_hf")
-    start = _weights(model_dir)
+    final, resumed = weights_in(whole / "run" / "final_hf"), weights_in(parts / "run" / "final_hf")
+    start = weights_in(model_dir)
     assert final.keys() == resumed.keys() == start.keys()
     assert all(v.dtype == torch.bfloat16 and torch.equal(v, resumed[k]) for k, v in final.items())
     assert any(not torch.equal(v, start[k].to(torch.bfloat16)) for k, v in final.items())
@@ -84,7 +47,7 @@ def test_bf16_run_resumes_exactly_and_round_trips_in_bf16(tmp_path, model_dir):
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "convert", "--to", "hf", "--checkpoint",
                     str(whole / "run" / "checkpoints"), "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
-    converted = _weights(out)
+    converted = weights_in(out)
     assert all(torch.equal(converted[k], v) for k, v in final.items())
 
 
@@ -99,7 +62,7 @@ def test_bf16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corr
     weights synced over the process group: finite metrics, each correction's own metrics
     logged; with the EMA policy (decay 0.9 from step 0) the served policy moves off the initial
     weights."""
-    work = _workdir(tmp_path, model_dir, "run")
+    work = workdir(tmp_path, model_dir, "run")
     extra = ["trainer.ema_decay=0.9", "trainer.ema_policy=true"] if ema else []
     extra += ["algorithm.correction.opsm_delta=1e-3", "algorithm.correction.trm_delta=1e-3"]
     res = train_cli(work, 2, *BF16, f"algorithm.replay={replay}",
@@ -108,7 +71,7 @@ def test_bf16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corr
     # the bf16 policy's buckets go into the float32 checkpoint the engine started from (as into
     # SGLang, which loads an announced dtype into its own): no sync falls back to disk
     assert "weight sync (distributed) of version" not in res.stdout + res.stderr
-    rows = _rows(work)
+    rows = rows_of(work)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert all(v is None or v == v for v in r.values() if isinstance(v, float))
@@ -116,7 +79,7 @@ def test_bf16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corr
         for name in set(corrections.strip("[]").split(",")) - WEIGHTS_ONLY:   # masks log theirs
             assert 0 <= r[f"correction/{name}/masked_token_frac"] <= 1, name
         assert r["grad_norm"] >= 0 and r["mismatch/k3"] < 1e-3
-    final, start = _weights(work / "run" / "final_hf"), _weights(model_dir)
+    final, start = weights_in(work / "run" / "final_hf"), weights_in(model_dir)
     assert any(not torch.equal(v, start[k].to(torch.bfloat16)) for k, v in final.items())
 
 
@@ -172,11 +135,11 @@ def test_bf16_partial_rollouts(tmp_path, model_dir):
     """Partial rollouts in the GPU configs' precision (bfloat16 engine and policy, fp32 master
     weights): responses span weight versions, each segment scored at its own version (R3 with
     the kept set); the same-version mismatch stays at bf16's level and nothing goes unscored."""
-    work = _workdir(tmp_path, model_dir, "run")
+    work = workdir(tmp_path, model_dir, "run")
     train_cli(work, 6, *BF16, "rollout.partial=true", "rollout.max_staleness=2",
               "rollout.max_new_tokens=40", "algorithm.keep_sampling_mask=true",
               "rollout.top_k=20")
-    rows = _rows(work)
+    rows = rows_of(work)
     assert max(r["rollout/partial_frac"] for r in rows) > 0.0
     for r in rows:
         assert 0 <= r["mismatch/k3"] < 1e-3 and r["routing/agreement"] > 0.95, r

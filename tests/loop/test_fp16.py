@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from tests.helpers import train_cli
-from tests.loop import test_bf16
-from tests.loop.test_bf16 import WEIGHTS_ONLY, _rows, _weights, _workdir, whole_and_resumed
+from tests.loop.precision_runs import (WEIGHTS_ONLY, rows_of, weights_in, whole_and_resumed,
+                                      workdir, write_tiny_cpu_model)
 
-model_dir = test_bf16.model_dir   # the tiny CPU model, written once for the module
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_cpu_model(tmp_path_factory)
 
 FP16 = ("model.dtype=float16", "model.fp32_output_layer=true",
         "trainer.loss_scale.initial=65536")
@@ -29,7 +32,7 @@ def test_fp16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corr
     correction's own metrics, the loss scale and the skipped steps logged (none skipped at
     2^16), the engine started with the fp32 head, the export float16; a bfloat16 engine is
     warned about by name."""
-    work = _workdir(tmp_path, model_dir, "run")
+    work = workdir(tmp_path, model_dir, "run")
     extra = ["trainer.ema_decay=0.9", "trainer.ema_policy=true"] if replay == "r3" else []
     extra += ["algorithm.correction.opsm_delta=1e-3", "algorithm.correction.trm_delta=1e-3"]
     res = train_cli(work, 2, *FP16, f"rollout.engine_dtype={engine}",
@@ -40,7 +43,7 @@ def test_fp16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corr
     assert ("float16 and bfloat16 round to different grids" in res.stderr) == \
         (engine == "bfloat16")
     assert "--enable-fp32-lm-head" in (work / "run" / "plan.json").read_text()
-    rows = _rows(work)
+    rows = rows_of(work)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert all(v is None or v == v for v in r.values() if isinstance(v, float))
@@ -49,7 +52,7 @@ def test_fp16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corr
         for name in set(corrections.strip("[]").split(",")) - WEIGHTS_ONLY:
             assert 0 <= r[f"correction/{name}/masked_token_frac"] <= 1, name
         assert r["grad_norm"] >= 0 and r["mismatch/k3"] < 1e-3
-    final, start = _weights(work / "run" / "final_hf"), _weights(model_dir)
+    final, start = weights_in(work / "run" / "final_hf"), weights_in(model_dir)
     assert all(v.dtype == torch.float16 for v in final.values())
     assert any(not torch.equal(v, start[k].to(torch.float16)) for k, v in final.items())
 
@@ -63,10 +66,10 @@ def test_fp16_run_resumes_exactly_with_the_loss_scaler(tmp_path, model_dir):
     logged value (loss scale and skipped steps too) and the final float16 weights."""
     whole, parts = whole_and_resumed(tmp_path, model_dir, "model.dtype=float16",
                                      "rollout.engine_dtype=float16")
-    rows = _rows(whole)
-    assert rows == _rows(parts)
+    rows = rows_of(whole)
+    assert rows == rows_of(parts)
     assert rows[0]["train/skipped_steps"] == 1 and rows[0]["train/loss_scale"] < 2.0 ** 32
-    final, resumed = _weights(whole / "run" / "final_hf"), _weights(parts / "run" / "final_hf")
+    final, resumed = weights_in(whole / "run" / "final_hf"), weights_in(parts / "run" / "final_hf")
     assert all(v.dtype == torch.float16 and torch.equal(v, resumed[k]) for k, v in final.items())
 
 
@@ -78,7 +81,7 @@ def test_a_loss_scale_at_its_minimum_ends_the_run_with_one_line(tmp_path, model_
     import subprocess
     import sys
     from tests.helpers import engine_base_port
-    work = _workdir(tmp_path, model_dir, "run")
+    work = workdir(tmp_path, model_dir, "run")
     res = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config", "tiny_cpu.yaml",
          f"model.path={work / 'model'}", f"logging.dir={work / 'run'}", "trainer.steps=2",

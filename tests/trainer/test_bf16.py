@@ -8,36 +8,12 @@ import copy
 import pytest
 import torch
 
-from moe_rl.config import config_from_dict
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu
 from moe_rl.trainer.policy import PolicyTrainer
 from tests.helpers import engine_samples
+from tests.trainer.mixed_precision import LOSSES, main_weights, make_cfg
 
 pytestmark = pytest.mark.usefixtures("parallel_state")
-
-
-def make_cfg(path, dtype="bfloat16", algorithm=None, **trainer):
-    tree = {"model": {"path": path, "dtype": dtype},
-            "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-            "trainer": {"lr": 1e-3, "micro_batch_size": 2, "steps": 4, "seed": 3,
-                        "distributed_optimizer": False, **trainer},   # CUDA: Float16Optimizer too
-            "algorithm": {"replay": "r3", "corrections": ["token_tis"], **(algorithm or {})}}
-    return config_from_dict(tree)
-
-
-LOSSES = {"ppo": {},
-          "dppo_tv": {"loss": "dppo_tv"},
-          "rspo": {"loss": "gmpo", "clip_low": 0.4, "clip_high": 0.4,
-                   "aggregation": "seq-mean-token-mean", "router_shift": {"enabled": True}},
-          "cispo": {"loss": "cispo", "rollout_penalty": {"coef": 1e-3}},
-          "sapo": {"loss": "sapo"},
-          "qae": {"advantage": "qae"}}
-
-
-def main_weights(p):
-    """The float32 master copy megatron's mixed-precision optimizer keeps for a bf16 weight."""
-    main = getattr(p, "main_param", None)
-    return p if main is None else main
 
 
 class GroupStepAdam(torch.optim.Optimizer):

@@ -11,7 +11,7 @@ from moe_rl.errors import LossScaleCollapsed
 from moe_rl.trainer.policy import PolicyTrainer
 from moe_rl.trainer.sharded_state import optimizer_step_count
 from tests.helpers import engine_samples
-from tests.trainer.test_bf16 import LOSSES, main_weights, make_cfg
+from tests.trainer.mixed_precision import LOSSES, main_weights, make_cfg
 
 pytestmark = pytest.mark.usefixtures("parallel_state")
 
