@@ -113,14 +113,15 @@ class PolicyUpdate:
         return out
 
     def _stop_at_the_minimum_scale(self) -> None:
-        """float16: a step skipped for an overflow at the scaler's minimum ends the run (every
-        scale down to ``trainer.loss_scale.min`` overflowed; the weights stay as they were)."""
+        """float16: a step skipped for an overflow that leaves the scale at its minimum ends the
+        run (the scale came down to ``trainer.loss_scale.min`` through overflows; the weights
+        stay as they were)."""
         floor = self.cfg.trainer.loss_scale.min
         if float(self.optimizer.get_loss_scale()) <= floor:
             raise LossScaleCollapsed(
                 f"trainer.loss_scale.min: the float16 loss scale fell to its minimum ({floor:g}) "
-                f"and the gradients still overflow; the step was skipped and the run stops "
-                f"(train in bfloat16, or lower trainer.lr)")
+                f"after the gradients overflowed at every larger scale; the step was skipped and "
+                f"the run stops (train in bfloat16, or lower trainer.lr)")
 
     def _covariance_selection(self, batch: StepBatch, mini: list[int]) -> torch.Tensor | None:
         """Clip-Cov / KL-Cov tokens chosen over the whole mini-batch (not per micro-batch, where
