@@ -79,21 +79,22 @@ def optimizer_step_count(optimizer) -> int:
     return 0
 
 
+def _loss_scalers(optimizer) -> list:
+    """float16's dynamic loss scaler of each leaf optimizer (none in bfloat16, float32)."""
+    return [leaf.grad_scaler for leaf in _leaf_optimizers(optimizer)
+            if getattr(leaf, "grad_scaler", None) is not None]
+
+
 def loss_scaler_state(optimizer) -> list[dict]:
-    """float16's dynamic loss scaler per leaf optimizer (scale, growth and hysteresis trackers)
-    as plain numbers; empty without one (bfloat16, float32)."""
+    """The loss scalers' scale, growth and hysteresis trackers as plain numbers."""
     return [{"scale": float(s.scale), "growth_tracker": int(s._growth_tracker),
-             "hysteresis_tracker": int(s._hysteresis_tracker)}
-            for s in (getattr(leaf, "grad_scaler", None) for leaf in _leaf_optimizers(optimizer))
-            if s is not None]
+             "hysteresis_tracker": int(s._hysteresis_tracker)} for s in _loss_scalers(optimizer)]
 
 
 def restore_loss_scaler(optimizer, states: list[dict]) -> None:
     """Put :func:`loss_scaler_state`'s numbers back (megatron's own ``load_state_dict`` moves
     the scale to CUDA, which a CPU trainer has not)."""
-    scalers = [s for s in (getattr(leaf, "grad_scaler", None)
-                           for leaf in _leaf_optimizers(optimizer)) if s is not None]
-    for scaler, state in zip(scalers, states):
+    for scaler, state in zip(_loss_scalers(optimizer), states):
         scaler._scale = torch.full_like(scaler._scale, state["scale"])
         scaler._growth_tracker = state["growth_tracker"]
         scaler._hysteresis_tracker = state["hysteresis_tracker"]
