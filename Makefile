@@ -19,6 +19,10 @@ XDIST_RUNS ?= -n 2 --dist loadgroup
 # and weight-check runs each failed once so, 2026-11-28)
 XDIST_SGLANG ?= -n 2 --dist loadgroup
 
+# the contract tests share one module: each test's judge is its own SGLang process (~20 s of
+# imports, one core), so they spread one test at a time
+XDIST_CONTRACT ?= -n 2
+
 SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
@@ -86,7 +90,7 @@ $(SGLANG_STAMP): $(STAMP) moe_rl/engines/sglang/cpu_requirements.txt moe_rl/engi
 	touch $(SGLANG_STAMP)
 
 test-contract: $(STAMP) $(SGLANG_STAMP) bytecode
-	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q -m contract $(PYTEST_ARGS) tests/contract
+	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q $(XDIST_CONTRACT) -m contract $(PYTEST_ARGS) $(DURATIONS) tests/contract
 
 # the real SGLang serving on CPU: its shims, the engine contract, the loop through `moe-rl train`
 test-sglang: $(STAMP) $(SGLANG_STAMP) bytecode
@@ -105,7 +109,14 @@ test-upstream: $(UPSTREAM_STAMP)
 	$(UPSTREAM_PY) -m compileall -q -j 0 moe_rl tests > /dev/null
 	$(UPSTREAM_PY) -m pytest -q $(XDIST) -m "not slow and (not loop or upstream)" $(PYTEST_ARGS) $(DURATIONS) $(UPSTREAM_TESTS)
 
-test-slow: $(STAMP) $(SGLANG_STAMP) bytecode
+# W&B only where its runs are tested (`make test-slow`): megatron-core imports it when it is
+# installed (~1.4 s of CPU in every trainer process here), so the other targets go without it
+WANDB_STAMP := $(VENV)/.wandb-installed
+$(WANDB_STAMP): $(STAMP) setup.py
+	$(PY) -m pip install --quiet -e ".[wandb]"
+	touch $(WANDB_STAMP)
+
+test-slow: $(STAMP) $(SGLANG_STAMP) $(WANDB_STAMP) bytecode
 	MOE_RL_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q $(XDIST) -m "slow" $(PYTEST_ARGS) $(DURATIONS) tests
 
 test-all: $(STAMP)

@@ -44,7 +44,7 @@ setup(
     extras_require={
         "test": ["pytest>=8,<9", "pytest-timeout>=2.3,<3", "pytest-xdist>=3.5,<4",
                  "filelock>=3.12,<5", "triton>=3.2,<4", "packaging>=23,<27",
-                 "wandb>=0.19,<1", "radon>=6,<7"],
+                 "radon>=6,<7"],
         "sglang": ["sglang>=0.5.23,<0.6"],
         "te": ["transformer-engine[pytorch]>=2.0,<3"],
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10"],

@@ -21,13 +21,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, TypeVar
 
-import torch
-
 from moe_rl.engines.process import CommandServer
-from moe_rl.moe_shape import MoEShape
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # torch only in annotations: a process that starts a server needs none
+    import torch
+
     from moe_rl.config import Config
+    from moe_rl.moe_shape import MoEShape
 
 T = TypeVar("T")
 
@@ -151,7 +151,7 @@ class WeightReceiver(ABC):
         GPUs it shares with the trainer)."""
 
 
-Bucket = list[tuple[str, torch.Tensor]]   # HF-named tensors sent together
+Bucket = list[tuple[str, "torch.Tensor"]]   # HF-named tensors sent together
 
 
 class WeightSender(ABC):

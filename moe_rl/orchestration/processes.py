@@ -15,7 +15,8 @@ from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.failures import RunFailed, lost_process
 from moe_rl.orchestration.placement import Plan, PlannedProcess
 from moe_rl.orchestration.sharding import per_rank
-from moe_rl.orchestration.workers import EngineHost, RolloutWorker, TrainerWorker
+from moe_rl.orchestration.engine_host import EngineHost
+from moe_rl.orchestration.workers import RolloutWorker, TrainerWorker
 from moe_rl.trainer.parallel import free_port
 from moe_rl.types import RolloutBatch, Sample
 

@@ -110,61 +110,6 @@ def served_checkpoint(cfg, path: str, fp8_dir: str | None = None) -> str:
     return write_fp8_checkpoint(path, fp8_dir or os.path.join(path, "fp8"))
 
 
-def startup_timeout(cfg) -> float:
-    """How long a starting or restarted engine server may take to answer /health:
-    ``rollout.startup_timeout_s``, else ``rollout.health_timeout_s``."""
-    r = cfg.rollout
-    return r.health_timeout_s if r.startup_timeout_s is None else r.startup_timeout_s
-
-
-@ray.remote
-class EngineHost:
-    """One engine server, started on the node and GPUs the plan gave it: binds the node's
-    address on a multi-node run, takes the first free port from the planned one on this node,
-    and restarts the server when asked."""
-
-    def __init__(self, cfg_tree: dict, planned: dict, nodes: int, model_path: str,
-                 log_path: str):
-        from moe_rl.engines.factory import engine_kind
-        from moe_rl.engines.process import bind_first_free
-        from moe_rl.orchestration.placement import PlannedProcess, engine_command, engine_host
-        cfg = config_from_dict(cfg_tree)
-        self.cfg = cfg
-        proc = PlannedProcess(**planned)
-        proc.host = engine_host(cfg, nodes, ray.util.get_node_ip_address())
-        # the port is held from here to the launch: hosts sharing an address never collide
-        self.sock = bind_first_free(proc.host, proc.port)
-        proc.port = self.sock.getsockname()[1]
-        proc.argv, proc.env = engine_command(cfg, proc, model_path)
-        self.planned = proc
-        self.server = engine_kind(cfg).server_process(proc.argv, proc.env, proc.host, proc.port,
-                                                      log_path)
-
-    def placed(self) -> dict:
-        """The process as placed (its address and the port it holds)."""
-        import dataclasses
-        return dataclasses.asdict(self.planned)
-
-    def start(self) -> dict:
-        """Start the server on the held port and wait for its /health; returns
-        :meth:`placed`."""
-        sock, self.sock = self.sock, None
-        self.server.start(startup_timeout(self.cfg), sock=sock)
-        return self.placed()
-
-    def url(self) -> str:
-        return self.server.url
-
-    def restart(self) -> None:
-        self.server.restart(startup_timeout(self.cfg))
-
-    def restarts(self) -> int:
-        return self.server.restarts
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
 def check_served_version(served: list[str], started: set[str], version: int, step: int) -> None:
     """Every server must report weight ``version`` (before the first sync, a version a server
     started with counts as 0); else RuntimeError: a weight update that did not land where the

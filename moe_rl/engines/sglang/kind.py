@@ -3,18 +3,20 @@ reference engine, which imitates it): their engine, weight receiver and weight s
 running servers (:class:`SGLangProtocolKind`); and SGLang's own kind (:class:`SGLangKind`)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from moe_rl.config import ConfigError
 from moe_rl.engines.base import EngineKind
 from moe_rl.engines.needs import requests_routing, requests_sampling_mask
 from moe_rl.engines.sglang.checks import check_config
-from moe_rl.engines.sglang.client import SGLangEngine, SGLangWeightReceiver
 from moe_rl.engines.sglang.launcher import sglang_argv, sglang_env
 from moe_rl.engines.sglang.node_check import check_sglang_environment
-from moe_rl.engines.sglang.pool import ServerPool
-from moe_rl.engines.sglang.sender import DistributedSender, TensorSender
-from moe_rl.moe_shape import MoEShape
+
+if TYPE_CHECKING:   # the client, pool and senders (torch) load where a run connects: the
+    # process that only starts a server (the engine host) goes without torch
+    from moe_rl.engines.sglang.client import SGLangEngine, SGLangWeightReceiver
+    from moe_rl.engines.sglang.pool import ServerPool
+    from moe_rl.moe_shape import MoEShape
 
 # SGLang 0.5.23 under --enable-dp-attention on one node also binds port+233 (its ZMQ_TCP_PORT_DELTA)
 # and port+234..port+239 (server_args.py:728,818-846)
@@ -26,6 +28,7 @@ class SGLangProtocolKind(EngineKind):
     set serves them all."""
 
     def _pool_factory(self, urls: list[str], restarters=None) -> Callable[[], ServerPool]:
+        from moe_rl.engines.sglang.pool import ServerPool
         r = self.cfg.rollout
         return lambda: ServerPool(urls, api_key=r.api_key, timeout=r.request_timeout_s,
                                   max_retries=r.max_retries, concurrency=r.concurrency,
@@ -33,15 +36,18 @@ class SGLangProtocolKind(EngineKind):
                                   weight_timeout=r.weight_load_timeout_s)
 
     def connect(self, urls, layout: MoEShape, restarters=None) -> SGLangEngine:
+        from moe_rl.engines.sglang.client import SGLangEngine
         return SGLangEngine(self._pool_factory(urls, restarters), layout,
                             need_routing=requests_routing(self.cfg),
                             need_mask=requests_sampling_mask(self.cfg),
                             ranks_per_server=self.weight_ranks_per_server())
 
     def receiver(self, urls) -> SGLangWeightReceiver:
+        from moe_rl.engines.sglang.client import SGLangWeightReceiver
         return SGLangWeightReceiver(self._pool_factory(urls), self.weight_ranks_per_server())
 
     def sender(self, urls, rank, sources=None):
+        from moe_rl.engines.sglang.sender import DistributedSender, TensorSender
         c, r = self.cfg.cluster, self.cfg.rollout
         fp8 = r.quantization == "fp8"
         if c.weight_sync == "distributed":
