@@ -37,15 +37,20 @@ def _eval_cli(workdir, out, *source):
     return json.loads(out.read_text())
 
 
-def test_eval_through_train_resume_and_moe_rl_eval(tmp_path):
+def _train_with_evaluation(tmp_path):
+    """Two steps of the tiny math model evaluated at the start and after every step; the
+    finished process and its evaluation rows."""
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "tiny_math_cpu.yaml"), "--out",
                     str(tmp_path / "model")], check=True, capture_output=True, timeout=120)
     res = train_cli(tmp_path, 2, *EVAL_KEYS, config="tiny_math_cpu.yaml")
-    rows = _rows(tmp_path / "run")
-    evals = [r for r in rows if r.get("kind") == "eval"]
+    return res, [r for r in _rows(tmp_path / "run") if r.get("kind") == "eval"]
+
+
+def test_eval_through_train_and_moe_rl_eval_of_its_checkpoint(tmp_path):
+    res, evals = _train_with_evaluation(tmp_path)
     assert [r["step"] for r in evals] == [0, 1, 2]   # at start, every step (the end included)
-    assert [r["step"] for r in rows if "kind" not in r] == [0, 1]
+    assert [r["step"] for r in _rows(tmp_path / "run") if "kind" not in r] == [0, 1]
     for r in evals:   # greedy: both samples of a prompt agree, so pass@2 = pass@1
         assert r["eval/held_out/pass@2"] == pytest.approx(r["eval/held_out/pass@1"])
         assert 0 <= r["eval/held_out/pass@1"] <= 1
@@ -56,21 +61,28 @@ def test_eval_through_train_resume_and_moe_rl_eval(tmp_path):
     from moe_rl.report import read_scalars
     tb = read_scalars(str(tmp_path / "run"))
     assert list(tb["eval/held_out/pass@1"][0]) == [0, 1, 2]
-    # the same evaluation without training, on the exported final policy: the same numbers
-    # (greedy evaluation of the same weights), twice
-    final = _eval_cli(tmp_path, tmp_path / "e1.json", "--hf", str(tmp_path / "run" / "final_hf"))
-    again = _eval_cli(tmp_path, tmp_path / "e2.json", "--checkpoint",
+    # the same evaluation without training, on the last checkpoint: the same numbers (greedy
+    # evaluation of the same weights)
+    again = _eval_cli(tmp_path, tmp_path / "e.json", "--checkpoint",
                       str(tmp_path / "run" / "checkpoints"))
     for key in ("pass@1", "pass@2", "reward_mean", "response_len_mean", "truncated_frac"):
+        assert again[f"eval/held_out/{key}"] == pytest.approx(evals[-1][f"eval/held_out/{key}"])
+
+
+@pytest.mark.slow   # `make test-slow`: the run above and its checkpoint's evaluation stay in CI
+def test_eval_of_the_export_and_through_a_resume(tmp_path):
+    """`moe-rl eval` of the exported final policy gives the run's last evaluation; a resumed
+    run evaluates at the same steps: the step-2 evaluation (its rows are dropped with the
+    steps after the checkpoint) is repeated, with the same numbers, and the summary covers
+    the whole run."""
+    _, evals = _train_with_evaluation(tmp_path)
+    final = _eval_cli(tmp_path, tmp_path / "e1.json", "--hf", str(tmp_path / "run" / "final_hf"))
+    for key in ("pass@1", "pass@2", "reward_mean", "response_len_mean", "truncated_frac"):
         assert final[f"eval/held_out/{key}"] == pytest.approx(evals[-1][f"eval/held_out/{key}"])
-        assert again[f"eval/held_out/{key}"] == final[f"eval/held_out/{key}"]
-    # a resumed run evaluates at the same steps: the step-2 evaluation (its rows are dropped
-    # with the steps after the checkpoint) is repeated, with the same numbers
     res = train_cli(tmp_path, 3, *EVAL_KEYS, config="tiny_math_cpu.yaml", resume=True)
     resumed = [r for r in _rows(tmp_path / "run") if r.get("kind") == "eval"]
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert resumed[2]["eval/held_out/pass@1"] == evals[2]["eval/held_out/pass@1"]
-    # the summary after the resume covers the whole run: its steps and its first evaluation
     assert "run finished: 3 RL steps (steps 0-2) in " in res.stdout
     assert "resumed at step 2" in res.stdout
     assert f"  eval: held_out pass@1 {evals[0]['eval/held_out/pass@1']:.3f} (after 0 updates) " \

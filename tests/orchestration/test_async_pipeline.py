@@ -132,8 +132,9 @@ def test_train_with_max_staleness_1_through_the_loop(tmp_path):
     """`moe-rl train` with rollout.max_staleness=1 and dynamic sampling (float32 engine, R3):
     step 0 trains on version-0 samples, every later step on samples one version old; the
     same-version mismatch stays ~0 and nothing is corrected away (nor does the weight check
-    fire), the lag shows in staleness/*;
-    the checkpoint keeps the data order of the consumed steps."""
+    fire), the lag shows in staleness/*; groups whose rewards are all equal are dropped and
+    replaced from the oversampling reserve (rollout.max_oversample), each step training on
+    prompts_per_step groups; the checkpoint keeps the data order of the consumed steps."""
     import subprocess
     import sys
     from moe_rl.data.prompts import PromptSampler
@@ -141,7 +142,7 @@ def test_train_with_max_staleness_1_through_the_loop(tmp_path):
                     str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
                    check=True, capture_output=True, timeout=120)
     train_cli(tmp_path, 4, "rollout.max_staleness=1", "rollout.dynamic_sampling=true",
-              "rollout.weight_check=true")
+              "rollout.max_oversample=4", "rollout.weight_check=true")
     rows = _metrics(tmp_path / "run")
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     # the weight check of each version runs when its load is confirmed (the next sync): the
@@ -153,7 +154,11 @@ def test_train_with_max_staleness_1_through_the_loop(tmp_path):
         assert abs(r["mismatch/k3"]) < 1e-6
         assert r["correction/seq_mis/masked_seq_frac"] == 0.0
         assert r["staleness/unscored_samples"] == 0.0
-        assert r["rollout/generated_groups"] - r["rollout/dropped_groups"] == 4
+        generated, dropped = r["rollout/generated_groups"], r["rollout/dropped_groups"]
+        assert 4 <= generated <= 8 and generated - dropped == 4
+        assert r["rollout/filled_groups"] <= 4
+    assert sum(r["rollout/dropped_groups"] for r in rows) > 0   # a 2-step warm start: many
+    # groups are all-zero
     assert all("staleness/k3" in r for r in rows[1:])
     state = json.loads((tmp_path / "run" / "checkpoints" / "iter_0000002" /
                         "loop_state.json").read_text())
@@ -165,6 +170,7 @@ def test_train_with_max_staleness_1_through_the_loop(tmp_path):
 
 @pytest.mark.loop
 @pytest.mark.e2e
+@pytest.mark.slow   # `make test-slow`: the staleness-1 run above holds dynamic sampling in CI
 def test_train_with_dynamic_sampling_through_the_loop(tmp_path):
     """`moe-rl train` with rollout.dynamic_sampling=true (synchronous loop): groups whose
     rewards are all equal are dropped and replaced from the oversampling reserve; each step
