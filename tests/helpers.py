@@ -166,6 +166,19 @@ def sample_from_response(resp: dict, prompt: list[int], layout, *, need_routing:
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def init_tiny_model(out, config="tiny_cpu.yaml", *overrides) -> pathlib.Path:
+    """What `moe-rl init-model --config CONFIG --out OUT` writes, written in this process: a
+    new process takes ~9 s of CPU to import what the model's writing needs, a test worker that
+    wrote one before ~0.05 s. (``config``: a path or a shipped config's name; the command's own
+    path is run by the session's ``trained_run``.)"""
+    from moe_rl.config import load_config
+    from moe_rl.models.tiny import write_tiny_model
+    if isinstance(config, str) and config.endswith(".yaml") and "/" not in config:
+        config = ROOT / "configs" / config
+    write_tiny_model(load_config(str(config), list(overrides)).model.init, str(out))
+    return pathlib.Path(out)
+
+
 def train_cli(workdir, steps, *extra, resume=False, config="tiny_cpu.yaml"):
     """`moe-rl train` of the tiny CPU config (or ``config`` of configs/) in ``workdir`` (model in workdir/model, run in
     workdir/run): SFT warm start, checkpoints every 2 steps; returns the finished process.
@@ -241,9 +254,7 @@ def train_tiny(tmp_path, steps: int, samples: int, *overrides):
     import os
     import subprocess
     import sys
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     res = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config",
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",

@@ -16,6 +16,7 @@ import torch
 from moe_rl.algo import (gmpo_loss, gspo_loss, ppo_clip_loss, router_log_scores,
                          router_shift_metrics, router_shift_weight)
 from moe_rl.config import ConfigError, load_config
+from tests.helpers import init_tiny_model
 from tests.helpers import engine_base_port
 
 F64 = torch.float64
@@ -214,8 +215,7 @@ def test_rspo_through_moe_rl_train_with_the_routers_moving(tmp_path):
     after the first optimizer step, so tokens get gamma < 1, never below the floor, while the
     first mini-batch's ratio is still 1."""
     model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config", "tiny_cpu",
-                    "--out", str(model)], check=True, capture_output=True, timeout=300)
+    init_tiny_model(str(model))
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config", "tiny_cpu",
            f"model.path={model}", f"logging.dir={run}", "trainer.steps=2",

@@ -13,6 +13,7 @@ import torch
 
 from moe_rl.engines.reference import split_kv
 from moe_rl.trainer.parallel import free_port
+from tests.helpers import init_tiny_model
 from tests.helpers import engine_base_port
 from tests.helpers import assert_serves_like, write_tiny_qwen
 
@@ -91,9 +92,7 @@ def _train(model, run_dir, *overrides):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     out = tmp_path_factory.mktemp("numerics") / "model"
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(out)], check=True,
-                   capture_output=True, timeout=300)
+    init_tiny_model(str(out))
     return out
 
 

@@ -3,11 +3,10 @@ tests/loop/test_fp16.py): the tiny CPU model, a work directory per run, its metr
 and the whole-versus-resumed pair of runs."""
 import json
 import pathlib
-import subprocess
-import sys
 
 from safetensors.torch import load_file
 
+from tests.helpers import init_tiny_model
 from tests.helpers import train_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -17,9 +16,7 @@ WEIGHTS_ONLY = {"token_tis", "seq_tis", "snis"}   # reweight; is/* shows them
 def write_tiny_cpu_model(tmp_path_factory):
     """The tiny CPU config's model, written once for a module."""
     out = tmp_path_factory.mktemp("precision_model") / "model"
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(out)],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(out))
     return out
 
 

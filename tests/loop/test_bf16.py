@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import init_tiny_model
 from tests.helpers import train_cli
 from tests.loop.precision_runs import (ROOT, WEIGHTS_ONLY, rows_of, weights_in,
                                       whole_and_resumed, workdir, write_tiny_cpu_model)
@@ -106,9 +107,7 @@ def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_c
     and the biased router, PPO with dual clip, pi_old the mean of 4 engine passes over 32-token
     windows, the keep-sampling mask, IcePop + seq-MIS, the off-policy-corrected k3 KL) for
     three RL steps, weights synced over the process group with no fallback."""
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / model_config), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"), str(ROOT / "configs" / model_config))
     from tests.helpers import engine_base_port
     res = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(ROOT / "configs" / config),

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests.helpers import init_tiny_model
 from tests.helpers import ROOT, train_cli
 from tests.helpers import train_tiny
 from tests.helpers import RewardServer
@@ -40,9 +41,7 @@ def _eval_cli(workdir, out, *source):
 def _train_with_evaluation(tmp_path):
     """Two steps of the tiny math model evaluated at the start and after every step; the
     finished process and its evaluation rows."""
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_math_cpu.yaml"), "--out",
-                    str(tmp_path / "model")], check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"), "tiny_math_cpu.yaml")
     res = train_cli(tmp_path, 2, *EVAL_KEYS, config="tiny_math_cpu.yaml")
     return res, [r for r in _rows(tmp_path / "run") if r.get("kind") == "eval"]
 

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from moe_rl.engines.sglang.cpu_shims import CALL_MARKER
+from tests.helpers import init_tiny_model
 from tests.helpers import engine_base_port
 from tests.helpers import on_sglang
 from tests.loop.zero_mismatch import (CONFIG, check_invariant, covering_set,
@@ -55,8 +56,7 @@ def no_kernel_called(run_dir: pathlib.Path) -> None:
 
 def _model(tmp_path_factory, config: pathlib.Path, label: str) -> pathlib.Path:
     out = tmp_path_factory.mktemp(label) / "model"
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config", str(config),
-                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    init_tiny_model(str(out), str(config))
     return out
 
 

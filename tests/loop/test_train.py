@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import init_tiny_model
 from tests.helpers import engine_base_port
 from tests.helpers import KILLER_REWARD, train_cli
 
@@ -133,9 +134,7 @@ def test_saved_steps_convert_to_hf_and_exports_every_n_steps(trained_run, tmp_pa
 @pytest.mark.loop
 @pytest.mark.e2e
 def test_loop_with_distributed_weight_sync_and_colocated_engines(tmp_path):
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     _train(tmp_path, 3, "cluster.weight_sync=distributed", "cluster.colocate=true",
            "rollout.num_servers=2", "trainer.export_hf=false",
            "cluster.weight_sync_bucket_mb=0.02")   # ~20 KB buckets: the model in many pieces
@@ -155,9 +154,7 @@ def test_ema_policy_and_trust_region_masking_through_moe_rl_train(tmp_path):
     """trainer.ema_policy from step 1 with Trust Region Masking: the engines serve the smoothed
     weights the trainer continues from (the float32 engine equals the trainer: k3 ~ 0, TRM
     removes nothing), one final policy is exported (it is the EMA)."""
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     res = _train(tmp_path, 3, "trainer.ema_decay=0.5", "trainer.ema_policy=true",
                  "trainer.ema_start_step=1", "algorithm.corrections=[trm]",
                  "algorithm.correction.trm_delta=1e-3", "cluster.weight_sync=distributed")
@@ -173,9 +170,7 @@ def test_ema_policy_and_trust_region_masking_through_moe_rl_train(tmp_path):
 
 def _reward_run_command(tmp_path) -> list[str]:
     """A tiny model in tmp_path/model and the `moe-rl train` command of 3 steps over it."""
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     return [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
            f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
@@ -253,9 +248,7 @@ def _run_with_a_killer_reward(tmp_path, reward: str, *overrides: str) -> list[di
     """`moe-rl train` of the tiny config (3 steps, 2 prompts x 2) whose reward ``reward`` (a
     module's source) SIGKILLs the reference engine at its fifth call; each step's metrics."""
     import os
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     (tmp_path / "killer_reward.py").write_text(reward)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
                KILL_AT="4", KILL_MATCH=str(tmp_path / "model"), KILL_ARGV="serve-reference")
@@ -322,9 +315,7 @@ def test_an_engine_killed_mid_batch_in_the_async_pipeline_serves_the_version_it_
 def test_two_deterministic_runs_are_bit_identical(tmp_path):
     """Same config, deterministic inference: every logged value of every step is equal (the
     reference engine's batch composition, the only run-to-run difference, is taken out)."""
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     runs = []
     for name in ("a", "b"):
         work = tmp_path / name
@@ -345,9 +336,7 @@ def test_expert_parallel_export_streams_sharded_checkpoints_and_resumes_on_one_r
     """Two trainer ranks with expert parallel 2, disk sync in ~20 KB shards: each expert is
     sent by its owner to the exporting rank, the engines load the sharded checkpoint, and the
     float32 engine equals the trainer at every step; the run resumes on one rank."""
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     _train(tmp_path, 2, "cluster.trainer_workers=2", "trainer.expert_parallel=2",
            "cluster.weight_sync_bucket_mb=0.02", "trainer.export_hf=false",
            "trainer.sft_warmup_steps=1")
@@ -390,9 +379,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
     import signal
     import time
     from safetensors.torch import load_file
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     steps = 16
 
     def command(run, resume):

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
 from moe_rl.config import ConfigError, load_config
+from tests.helpers import init_tiny_model
 from tests.loop.zero_mismatch import (CONFIG, _pairs, all_combos, check_invariant, covering_set,
                                       every_value_and_both_masks, name, overrides, refused,
                                       run_all, train_steps)
@@ -31,8 +30,7 @@ CI_RUNS = every_value_and_both_masks()
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_mismatch") / "model"
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config", str(CONFIG),
-                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    init_tiny_model(str(out), str(CONFIG))
     return out
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from moe_rl.config import ConfigError, config_from_dict, load_config
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
+from tests.helpers import init_tiny_model
 from tests.helpers import ROOT, train_cli
 from tests.helpers import engine_samples, write_tiny_qwen
 
@@ -135,12 +136,8 @@ def test_train_with_max_staleness_1_through_the_loop(tmp_path):
     fire), the lag shows in staleness/*; groups whose rewards are all equal are dropped and
     replaced from the oversampling reserve (rollout.max_oversample), each step training on
     prompts_per_step groups; the checkpoint keeps the data order of the consumed steps."""
-    import subprocess
-    import sys
     from moe_rl.data.prompts import PromptSampler
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     train_cli(tmp_path, 4, "rollout.max_staleness=1", "rollout.dynamic_sampling=true",
               "rollout.max_oversample=4", "rollout.weight_check=true")
     rows = _metrics(tmp_path / "run")
@@ -175,11 +172,7 @@ def test_train_with_dynamic_sampling_through_the_loop(tmp_path):
     """`moe-rl train` with rollout.dynamic_sampling=true (synchronous loop): groups whose
     rewards are all equal are dropped and replaced from the oversampling reserve; each step
     trains on prompts_per_step groups."""
-    import subprocess
-    import sys
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     train_cli(tmp_path, 3, "rollout.dynamic_sampling=true", "rollout.max_oversample=4")
     rows = _metrics(tmp_path / "run")
     for r in rows:

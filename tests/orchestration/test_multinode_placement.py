@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.helpers import init_tiny_model
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GPUS = 4
 
@@ -45,9 +47,7 @@ def _shim(tmp_path, records) -> str:
 def test_train_places_engines_on_their_nodes_and_gpus_as_planned(cluster, tmp_path):
     c, labels = cluster
     model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(model)], check=True,
-                   capture_output=True)
+    init_tiny_model(str(model))
     shim_dir = tmp_path / "shim"
     shim_dir.mkdir()
     overrides = [f"model.path={model}", f"logging.dir={tmp_path / 'run'}",

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.helpers import init_tiny_model
 from tests.helpers import ROOT
 from tests.helpers import engine_base_port
 
@@ -23,8 +24,7 @@ SMALL = ["rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     out = tmp_path_factory.mktemp("lifecycle") / "model"
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config", CONFIG,
-                    "--out", str(out)], check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(out), CONFIG)
     return out
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from moe_rl.orchestration.weight_check import probe_figures
+from tests.helpers import init_tiny_model
 from tests.helpers import engine_base_port
 from moe_rl.types import Sample
 from tests.helpers import ROOT
@@ -90,9 +91,7 @@ def test_probe_figures_hand_worked():
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     out = tmp_path_factory.mktemp("weight_check") / "model"
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(out)], check=True,
-                   capture_output=True, timeout=300)
+    init_tiny_model(str(out))
     return out
 
 

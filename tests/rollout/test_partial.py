@@ -17,6 +17,7 @@ from moe_rl.data.prompts import PromptRecord
 from moe_rl.rollout.partial import PartialRollout
 from moe_rl.rollout.trajectories import TrajectoryLimits
 from moe_rl.types import RecordError, RolloutBatch, Sample, compact_routing
+from tests.helpers import init_tiny_model
 from tests.helpers import ROOT, train_cli
 from tests.helpers import engine_samples, write_tiny_qwen
 from tests.helpers import TwoTurnEnv
@@ -387,11 +388,7 @@ def test_train_with_partial_rollouts_keeps_every_segment_exact_and_resumes(tmp_p
     max_staleness ahead) and only the later ones continue a response under newer weights (four
     steps gave none beside another run, 2026-11-28). Resumed from the step-6 checkpoint, the
     run starts without partial responses (the documented rule) and finishes."""
-    import subprocess
-    import sys
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     # 4 requests at a time, so the groups finish apart and some response is always in flight
     # when the step has its groups (with every request in one batch, whether one is depends on
     # how the engine happened to batch them: seen 0 partial responses beside another xdist run)

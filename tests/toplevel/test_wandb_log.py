@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.helpers import init_tiny_model
 from tests.helpers import ROOT
 
 pytest.importorskip("wandb")
@@ -69,9 +70,7 @@ def _train(tmp, steps, *extra):
 @pytest.mark.loop
 @pytest.mark.slow   # `make test-slow`: two runs for an optional logger (CI time, 2026-11-28)
 def test_offline_wandb_run_holds_every_scalar_and_the_config(tmp_path):
-    subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
-                    str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(tmp_path / "model")],
-                   check=True, capture_output=True, timeout=120)
+    init_tiny_model(str(tmp_path / "model"))
     held = tmp_path / "held.jsonl"
     held.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+1=", "answer": "3"}\n')
     _train(tmp_path, 1, f"eval.sets=[{{path: {held}}}]", "eval.at_start=true")
