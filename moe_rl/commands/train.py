@@ -6,7 +6,7 @@ import sys
 import shlex
 
 from moe_rl.config import iter_keys, load_config
-from moe_rl.config.checks import precision_pair_warning
+from moe_rl.config.checks import clip_range_warning, precision_pair_warning
 from moe_rl.errors import UserError
 from moe_rl.run_inputs import load_run_inputs, unknown_characters
 
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = load_run_inputs(cfg)
     from moe_rl.engines.factory import engine_kind
     for warning in (unknown_characters(inputs), precision_pair_warning(cfg),
-                    *engine_kind(cfg).config_warnings()):
+                    clip_range_warning(cfg), *engine_kind(cfg).config_warnings()):
         if warning:
             print(warning, file=sys.stderr, flush=True)
     from moe_rl.orchestration.placement import make_plan

@@ -178,6 +178,34 @@ def precision_pair_warning(cfg: Config) -> str | None:
             f"(set both to float16, or both to bfloat16, to match them)")
 
 
+# the clip ranges each ratio is clipped at in its paper: GSPO's sequence ratio (3e-4 / 4e-4)
+# sits ~1000 times closer to 1 than PPO's token ratio (DAPO's 0.2 / 0.28)
+GSPO_CLIP, PPO_CLIP = (3e-4, 4e-4), (0.2, 0.28)
+CLIP_SCALE_APART = 0.01   # ranges at or above it are token-sized, below it sequence-sized
+
+
+def clip_range_warning(cfg: Config) -> str | None:
+    """A loss with the other loss's clip ranges (``algorithm.loss`` switched, its ranges kept):
+    GSPO with token-sized ranges clips almost no sequence, PPO with sequence-sized ranges almost
+    every token. Allowed (a range is the user's to choose), said."""
+    a = cfg.algorithm
+    widest = max(a.clip_low, a.clip_high)
+    if a.loss == "gspo" and widest >= CLIP_SCALE_APART:
+        sized, effect, (low, high), source = (
+            "a token's ratio", "GSPO's sequence ratio (a geometric mean over the response) "
+            "almost never leaves them, so almost nothing is clipped", GSPO_CLIP, "the GSPO paper")
+    elif a.loss == "ppo" and 0 < widest < CLIP_SCALE_APART:
+        sized, effect, (low, high), source = (
+            "GSPO's sequence ratio", "a token's ratio almost always leaves them, so almost every "
+            "token is clipped", PPO_CLIP, "PPO with DAPO's clip-higher")
+    else:
+        return None
+    return (f"warning: algorithm.loss={a.loss} with algorithm.clip_low/clip_high = "
+            f"{a.clip_low:g}/{a.clip_high:g}, ranges sized for {sized}: {effect} ({source}: "
+            f"{low:g}/{high:g}; set algorithm.clip_low={low:g} algorithm.clip_high={high:g} "
+            f"unless meant)")
+
+
 def check_micro_batches(cfg: Config) -> None:
     """A micro-batch is bounded by rows, by tokens, or both."""
     t = cfg.trainer

@@ -155,3 +155,21 @@ def test_every_argument_of_every_command_is_described():
     missing = [f"{name} {a.option_strings or a.dest}" for name, p in commands.items()
                for a in p._actions if a.dest != "help" and not (a.help or "").strip()]
     assert not missing, missing
+
+
+def test_train_says_when_the_loss_has_the_other_losss_clip_ranges(tmp_path):
+    """`moe-rl train` prints the warning before anything starts (here it then refuses
+    --overwrite with --resume: nothing runs)."""
+    from tests.helpers import ROOT, init_tiny_model
+    init_tiny_model(tmp_path / "model", "tiny_math_cpu.yaml")
+    res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config",
+                          str(ROOT / "configs" / "tiny_math_cpu.yaml"),
+                          f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
+                          "algorithm.loss=gspo", "algorithm.aggregation=seq-mean-token-mean",
+                          "--overwrite", "--resume"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.count("\n") == 2, res.stderr[-2000:]
+    warning, refusal = res.stderr.strip().splitlines()
+    assert warning.startswith("warning: algorithm.loss=gspo with algorithm.clip_low/clip_high"
+                              " = 0.2/0.28, ranges sized for a token's ratio")
+    assert "--overwrite" in refusal and not (tmp_path / "run").exists()

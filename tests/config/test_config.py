@@ -650,3 +650,39 @@ def test_a_data_file_not_under_the_working_directory_is_found_beside_the_config(
     (work / "data").mkdir()
     (work / "data" / "train.jsonl").write_text("{}\n")   # one here wins
     assert load_config(str(conf / "run.yaml")).data.path == str(work / "data" / "train.jsonl")
+
+
+GSPO_KEYS = ["algorithm.loss=gspo", "algorithm.aggregation=seq-mean-token-mean"]
+
+
+@pytest.mark.parametrize("overrides,said", [
+    (GSPO_KEYS + ["algorithm.clip_low=0.2", "algorithm.clip_high=0.28"],
+     "algorithm.loss=gspo with algorithm.clip_low/clip_high = 0.2/0.28, ranges sized for a "
+     "token's ratio: GSPO's sequence ratio (a geometric mean over the response) almost never "
+     "leaves them, so almost nothing is clipped (the GSPO paper: 0.0003/0.0004; set "
+     "algorithm.clip_low=0.0003 algorithm.clip_high=0.0004 unless meant)"),
+    (GSPO_KEYS + ["algorithm.clip_low=3e-4", "algorithm.clip_high=0.01"], "0.0003/0.01"),
+    (["algorithm.loss=ppo", "algorithm.clip_low=3e-4", "algorithm.clip_high=4e-4"],
+     "algorithm.loss=ppo with algorithm.clip_low/clip_high = 0.0003/0.0004, ranges sized for "
+     "GSPO's sequence ratio: a token's ratio almost always leaves them, so almost every token "
+     "is clipped (PPO with DAPO's clip-higher: 0.2/0.28; set algorithm.clip_low=0.2 "
+     "algorithm.clip_high=0.28 unless meant)"),
+    (GSPO_KEYS + ["algorithm.clip_low=3e-4", "algorithm.clip_high=4e-4"], None),
+    (GSPO_KEYS + ["algorithm.clip_low=3e-4", "algorithm.clip_high=0.0099"], None),
+    (["algorithm.loss=ppo", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28"], None),
+    (["algorithm.loss=ppo", "algorithm.clip_low=0", "algorithm.clip_high=0"], None),   # no clip
+    (["algorithm.loss=gmpo", "algorithm.aggregation=seq-mean-token-mean"], None),
+])
+def test_a_loss_with_the_other_losss_clip_ranges_is_warned_about(overrides, said):
+    """Switching algorithm.loss between GSPO and PPO keeps the ranges of the other: said."""
+    from moe_rl.config.checks import clip_range_warning
+    got = clip_range_warning(load_config(None, overrides))
+    assert got is None if said is None else (got.startswith("warning: ") and said in got)
+
+
+def test_no_shipped_config_pairs_a_loss_with_the_other_losss_clip_ranges():
+    import pathlib
+    from moe_rl.config.checks import clip_range_warning
+    files = sorted((pathlib.Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert len(files) >= 6
+    assert [f.name for f in files if clip_range_warning(load_config(f))] == []
