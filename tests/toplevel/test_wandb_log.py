@@ -13,8 +13,6 @@ import pytest
 from tests.helpers import init_tiny_model
 from tests.helpers import ROOT
 
-pytest.importorskip("wandb")
-
 
 def wandb_records(path):
     """The records of a W&B run file (``run-<id>.wandb``): a 7-byte header (``:W&B``, magic,
@@ -70,6 +68,7 @@ def _train(tmp, steps, *extra):
 @pytest.mark.loop
 @pytest.mark.slow   # `make test-slow`: two runs for an optional logger (CI time, 2026-11-28)
 def test_offline_wandb_run_holds_every_scalar_and_the_config(tmp_path):
+    pytest.importorskip("wandb")   # installed by `make test-slow`, not by the CI targets
     init_tiny_model(str(tmp_path / "model"))
     held = tmp_path / "held.jsonl"
     held.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+1=", "answer": "3"}\n')
