@@ -2,6 +2,28 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+
+
+def import_user_module(module: str):
+    """``module`` imported, from the directory moe-rl runs from too: that directory is on the
+    import path of the run's Ray actors (and of ``python -m moe_rl.cli``), but not of the
+    ``moe-rl`` console script's own process, which checks the configuration's user code first.
+    It is added (last, so no installed package is shadowed) only when the module is found
+    nowhere else."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        here = os.getcwd()
+        if exc.name != module.split(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)
+        try:
+            return importlib.import_module(module)
+        except ModuleNotFoundError:
+            sys.path.remove(here)
+            raise
 
 
 def load_named(spec: str, key: str, builtin: dict, form: str):
@@ -15,7 +37,7 @@ def load_named(spec: str, key: str, builtin: dict, form: str):
         raise ValueError(f"{key}: expected one of {sorted(builtin)} or {form}, got {spec!r}")
     module, name = target.split(":", 1)
     try:
-        return getattr(importlib.import_module(module), name)
+        return getattr(import_user_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"{key}: cannot load {spec!r}: {exc}") from None
 

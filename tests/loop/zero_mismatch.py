@@ -143,10 +143,11 @@ def train_steps(model: pathlib.Path, run_dir: pathlib.Path, combo: dict,
            "rollout.max_new_tokens=3", f"rollout.base_port={engine_base_port()}",
            "logging.progress=false", "logging.tensorboard=false", *overrides(combo), *engine]
     env = None
-    if combo.get("advantage"):
+    if combo.get("advantage"):   # the reward module in the directory the run starts from,
+        # through the console script a user types, with no PYTHONPATH: found as documented
         (run_dir.parent / "graded_reward.py").write_text(GRADED_REWARD)
-        env = dict(os.environ,
-                   PYTHONPATH=f"{run_dir.parent}:{os.environ.get('PYTHONPATH', '')}")
+        cmd = [str(pathlib.Path(sys.executable).parent / "moe-rl"), *cmd[3:]]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600,
                          env=env)
     assert res.returncode == 0, f"{name(combo)}\n{res.stderr[-2500:]}"
