@@ -2,7 +2,9 @@
 the total (from the table .ci/run prints), line coverage of moe_rl/ by everything and by
 `make test` alone, and every test's duration per target (pytest's --durations=0 sections).
 Writes DIR/summary.json and DIR/durations.tsv; `compare BEFORE AFTER` prints two summaries as
-a markdown table."""
+a markdown table. From the per-test contexts (.coveragerc): `unique DIR [TEXT]` prints how many
+lines only one test covers (tests whose id holds TEXT), `without DIR IDS_FILE` the coverage of
+.ci/run with the tests listed in IDS_FILE taken out and the lines that would go."""
 import json
 import pathlib
 import re
@@ -72,8 +74,51 @@ def compare(before: str, after: str) -> str:
     return "\n".join(rows) + "\n"
 
 
+def lines_by_test(folder: str) -> tuple[dict, int]:
+    """{(file, line): set of test ids} over everything .ci/run measured, and the number of
+    statements; a line run outside any test (set-up, the environments' builds) has the id ''.
+    A forked rank's context is 'its server's test|its own test': the last part counts."""
+    import coverage
+    d = pathlib.Path(folder)
+    data = coverage.CoverageData(basename=str(d / "all.combined"))
+    data.read()
+    by_line = {}
+    for path in data.measured_files():
+        rel = path[path.rindex("moe_rl/"):]
+        for line, contexts in data.contexts_by_lineno(path).items():
+            by_line.setdefault((rel, line), set()).update(c.split("|")[-1] for c in contexts)
+    statements = json.loads((d / "all.json").read_text())["totals"]["num_statements"]
+    return by_line, statements
+
+
+def unique(folder: str, text: str = "") -> str:
+    by_line, _ = lines_by_test(folder)
+    only = {}
+    for key, tests in by_line.items():
+        if len(tests) == 1:
+            only.setdefault(next(iter(tests)), []).append(key)
+    rows = sorted(((len(v), t) for t, v in only.items() if t and text in t), reverse=True)
+    return "".join(f"{n}\t{t}\n" for n, t in rows)
+
+
+def without(folder: str, ids_file: str) -> str:
+    by_line, statements = lines_by_test(folder)
+    gone = set(pathlib.Path(ids_file).read_text().split())
+    lost = sorted(key for key, tests in by_line.items() if not tests - gone)
+    covered = len(by_line)
+    out = [f"{key[0]}:{key[1]}" for key in lost]
+    out.append(f"covered {covered} of {statements} ({100 * covered / statements:.2f} %); "
+               f"without the {len(gone)} tests {covered - len(lost)} "
+               f"({100 * (covered - len(lost)) / statements:.2f} %)")
+    return "\n".join(out) + "\n"
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "compare":
         print(compare(sys.argv[2], sys.argv[3]), end="")
+    elif sys.argv[1] == "unique":
+        print(unique(*sys.argv[2:]), end="")
+    elif sys.argv[1] == "without":
+        print(without(sys.argv[2], sys.argv[3]), end="")
     else:
         main(sys.argv[1])

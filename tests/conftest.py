@@ -6,7 +6,17 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, train_cli
+from tests.helpers import ROOT, measure_as, train_cli
+
+
+@pytest.fixture(autouse=True)
+def coverage_context(request, monkeypatch):
+    """Under `make coverage`: the lines each test runs are recorded under its id, in the test
+    process and in every process it starts (.coveragerc reads MOE_RL_TEST_CONTEXT)."""
+    if os.environ.get("COVERAGE_PROCESS_START"):
+        monkeypatch.setenv("MOE_RL_TEST_CONTEXT", request.node.nodeid)
+        measure_as(request.node.nodeid)
+    yield
 
 
 @pytest.fixture(scope="session")

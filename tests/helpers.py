@@ -40,7 +40,18 @@ def start_ranks(worker, args: tuple, nprocs: int) -> None:
 def _rank_in_environment(rank: int, worker, environ: dict, args: tuple) -> None:
     os.environ.clear()
     os.environ.update(environ)
+    measure_as(environ.get("MOE_RL_TEST_CONTEXT"))
     worker(rank, *args)
+
+
+def measure_as(context: str | None) -> None:
+    """Record this process's further lines under a test's id when coverage.py measures it
+    (`make coverage`); nothing otherwise."""
+    if context and "coverage" in sys.modules:
+        import coverage
+        running = coverage.Coverage.current()
+        if running is not None:
+            running.switch_context(context)
 
 
 def engine_base_port() -> int:
