@@ -105,9 +105,11 @@ def load_eval_sets(cfg: Config, tokenizer) -> list[tuple[str, list[PromptRecord]
     return out
 
 
-def load_run_inputs(cfg: Config) -> RunInputs:
+def load_run_inputs(cfg: Config, training: bool = True) -> RunInputs:
     """The run's tokenizer, prompts, reward function and environment class; ConfigError naming the key whose file,
-    module or content is missing or unreadable."""
+    module or content is missing or unreadable. ``training=False`` (``moe-rl eval``): the
+    training data (``data.path``, ``data.sets``) and the warm start are neither read nor
+    checked, and the inputs hold no training prompts."""
     from transformers import AutoTokenizer
     path = cfg.model.path
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -133,12 +135,14 @@ def load_run_inputs(cfg: Config) -> RunInputs:
             environment = load_environment(cfg.data.environment)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if cfg.trainer.sft_warmup_steps and not callable(getattr(environment, "demonstration",
-                                                                 None)):
+        if training and cfg.trainer.sft_warmup_steps and not callable(
+                getattr(environment, "demonstration", None)):
             raise ConfigError(f"trainer.sft_warmup_steps: the warm start of a multi-turn run "
                               f"trains on the environment's demonstrations, and "
                               f"{cfg.data.environment!r} has no demonstration(prompt) method; "
                               f"set trainer.sft_warmup_steps=0")
+    if not training:
+        return RunInputs(tokenizer, [], reward, environment, [], load_eval_sets(cfg, tokenizer))
     if cfg.data.source != "toy" and not os.path.isfile(cfg.data.path or ""):
         raise ConfigError(f"data.path: {cfg.data.path!r} is not a readable file")
     for i, entry in enumerate(cfg.data.sets):

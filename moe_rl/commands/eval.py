@@ -41,8 +41,8 @@ def evaluate_model(cfg) -> dict:
     and evaluate it; the servers are stopped afterwards."""
     import ray
     from moe_rl.orchestration.placement import at_addresses, make_plan
-    from moe_rl.orchestration.processes import (place_engines, start_rollout_worker,
-                                                stop_engines)
+    from moe_rl.orchestration.processes import (engine_hosts, start_engines,
+                                                start_rollout_worker, stop_engines)
     from moe_rl.orchestration.ray_placement import reserve, start_ray
     from moe_rl.orchestration.workers import served_checkpoint
     plan = make_plan(cfg)
@@ -53,8 +53,9 @@ def evaluate_model(cfg) -> dict:
         try:
             served = served_checkpoint(cfg, cfg.model.path, os.path.join(scratch, "fp8"))
             plan = at_addresses(plan, cfg, reservation.addresses, served)
-            hosts = place_engines(cfg, plan, reservation, served, os.path.join(scratch, "logs"))
-            rollout = start_rollout_worker(cfg, plan, reservation, hosts)
+            hosts = engine_hosts(cfg, plan, reservation, served, os.path.join(scratch, "logs"))
+            start_engines(plan, hosts)
+            rollout = start_rollout_worker(cfg, plan, reservation, hosts, training=False)
             return ray.get(rollout.evaluate.remote(0, version=0))
         finally:
             stop_engines(hosts)
@@ -86,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         if not cfg.eval.sets:
             raise UserError("eval.sets: no held-out set to evaluate; add eval.sets=[{path: "
                             "FILE}] to the config or the command line")
-        load_run_inputs(cfg)   # every set's rows checked before anything starts
+        # every set's rows checked before anything starts; the training data is not used
+        load_run_inputs(cfg, training=False)
         metrics = evaluate_model(cfg)
     for key in sorted(metrics):
         print(f"{key:40s} {metrics[key]:.4f}")

@@ -110,13 +110,14 @@ class ServerProcess(ABC):
         taken is stopped at once (SGLang does not exit then: uvicorn's exit waits for the
         engine's other threads), not waited for until ``timeout``."""
         deadline = time.monotonic() + timeout
+        proc = self.proc
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         log_start = os.path.getsize(self.log_path) if self.log_path and os.path.exists(
             self.log_path) else 0
         while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
+            if proc is not None and proc.poll() is not None:   # stop() from another thread too
                 raise RuntimeError(f"engine server on port {self.port} exited with code "
-                                   f"{self.proc.returncode} (log: {self.log_path})")
+                                   f"{proc.returncode} (log: {self.log_path})")
             if not self.inherits_socket and self._bind_failed(log_start):
                 self.stop()
                 raise RuntimeError(f"engine server on port {self.port}: another process took "

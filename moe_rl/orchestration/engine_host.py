@@ -17,11 +17,12 @@ def startup_timeout(cfg) -> float:
     return r.health_timeout_s if r.startup_timeout_s is None else r.startup_timeout_s
 
 
-@ray.remote
+@ray.remote(max_concurrency=2)
 class EngineHost:
     """One engine server, started on the node and GPUs the plan gave it: binds the node's
     address on a multi-node run, takes the first free port from the planned one on this node,
-    and restarts the server when asked."""
+    and restarts the server when asked. Two calls may run at once: a stop ends a server that
+    is still loading (its start then fails at once) instead of waiting behind it."""
 
     def __init__(self, cfg_tree: dict, planned: dict, nodes: int, model_path: str,
                  log_path: str):

@@ -93,6 +93,7 @@ class StepLoop:
         metrics.update(timer.metrics)
         metrics["timing/step_s"] = time.perf_counter() - t0
         metrics.update(rollout_metrics(summary))
+        metrics.update(throughput(metrics))
         restarts = ray.get(run.rollout.restarts.remote())
         if restarts > (run.history[-1]["rollout/engine_restarts"] if run.history else 0):
             print(f"step {step}: engine servers restarted so far: {restarts} (a server stopped "
@@ -136,6 +137,20 @@ class StepLoop:
         every = cfg.trainer.export_hf_interval
         if every and (step + 1) % every == 0:
             run.trainers.export(os.path.join(run.dir, "hf", f"iter_{step + 1:07d}"))
+
+
+def throughput(metrics: dict) -> dict[str, float]:
+    """``throughput/tokens_per_s``: the response tokens the model generated for the step over
+    the step's wall time; ``throughput/rollout_tokens_per_s``: the same tokens over the time of
+    their generation (``timing/rollout_s``; in the asynchronous pipeline it ran beside an
+    earlier step's training)."""
+    tokens = metrics.get("rollout/generated_tokens")
+    if tokens is None:
+        return {}
+    out = {"throughput/tokens_per_s": tokens / metrics["timing/step_s"]}
+    if metrics.get("timing/rollout_s", 0) > 0:
+        out["throughput/rollout_tokens_per_s"] = tokens / metrics["timing/rollout_s"]
+    return out
 
 
 def rollout_metrics(summary: dict) -> dict[str, float]:

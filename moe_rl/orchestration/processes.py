@@ -27,26 +27,43 @@ def cfg_tree(cfg: Config) -> dict:
     return yaml.safe_load(dump_config(cfg))
 
 
-def place_engines(cfg: Config, plan: Plan, reservation, model_path: str, log_dir: str) -> list:
-    """Start every engine server of ``plan`` on its node (an :class:`EngineHost` actor each, in
-    its node's bundle); returns the hosts once every server answers /health, with the plan's
-    engine entries updated to the address and port each server took."""
+def engine_hosts(cfg: Config, plan: Plan, reservation, model_path: str, log_dir: str) -> list:
+    """An :class:`EngineHost` actor for every engine server of ``plan``, on its node (in its
+    node's bundle), each holding its server's port; the servers are not started yet
+    (:func:`start_engines`)."""
     os.makedirs(log_dir, exist_ok=True)
     tree = cfg_tree(cfg)
-    hosts = [EngineHost.options(**reservation.options(p)).remote(
+    return [EngineHost.options(**reservation.options(p)).remote(
         tree, dataclasses.asdict(p), plan.nodes, model_path,
         os.path.join(log_dir, f"engine_{p.index}.log")) for p in plan.of("engine")]
+
+
+def get_unless_stopped(refs: list, stop=None) -> list:
+    """``ray.get(refs)``; with ``stop`` (the run's StopRequest) in short waits, so that a stop
+    signal during the start-up ends it at once (Abandoned) instead of after the loads."""
+    pending = list(refs)
+    while stop is not None and pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+        stop.check_startup()
+    return ray.get(refs)
+
+
+def start_engines(plan: Plan, hosts: list, stop=None) -> None:
+    """Start the servers of ``hosts`` and wait until every one answers /health (a stop signal
+    ends the wait: :func:`get_unless_stopped`); the plan's engine entries are updated to the
+    address and port each server took."""
     ray.get([h.placed.remote() for h in hosts])   # every port held before any is released
-    placed = ray.get([h.start.remote() for h in hosts])
+    placed = get_unless_stopped([h.start.remote() for h in hosts], stop)
     engines = iter(PlannedProcess(**d) for d in placed)
     plan.processes = [next(engines) if p.role == "engine" else p for p in plan.processes]
-    return hosts
 
 
-def start_rollout_worker(cfg: Config, plan: Plan, reservation, hosts: list):
-    """The rollout worker actor, on the node the plan gives it, driving ``hosts``."""
+def start_rollout_worker(cfg: Config, plan: Plan, reservation, hosts: list,
+                         training: bool = True):
+    """The rollout worker actor, on the node the plan gives it, driving ``hosts``
+    (``training=False``: for an evaluation only, the training data not read)."""
     return RolloutWorker.options(**reservation.options(plan.of("rollout")[0])).remote(
-        cfg_tree(cfg), hosts)
+        cfg_tree(cfg), hosts, training)
 
 
 def stop_engines(hosts: list, timeout_s: float = 60.0) -> None:
@@ -96,11 +113,12 @@ class Trainers:
         self.data_ranks: list[int] = []
         self.n_data = 0
 
-    def ready(self) -> None:
+    def ready(self, stop=None) -> None:
         """Wait until every rank has built its model (the actors build it in their constructor,
-        while the driver goes on placing the engines)."""
+        while the driver goes on placing the engines); a stop signal ends the wait
+        (:func:`get_unless_stopped`)."""
         if not self.data_ranks:
-            self.data_ranks = ray.get(self._data_ranks)
+            self.data_ranks = get_unless_stopped(self._data_ranks, stop)
             self.n_data = max(self.data_ranks) + 1
 
     def unreachable(self, timeout_s: float = 30.0) -> str | None:

@@ -28,7 +28,8 @@ from moe_rl.metrics_log import MetricsLogger
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.failures import RunFailed, lost_process
 from moe_rl.orchestration.placement import at_addresses, make_plan
-from moe_rl.orchestration.processes import (Trainers, place_engines, start_rollout_worker,
+from moe_rl.orchestration.processes import (Trainers, engine_hosts, start_engines,
+                                             start_rollout_worker,
                                             stop_engines, write_plan)
 from moe_rl.orchestration.ray_placement import reserve, start_ray, stopped_from_outside
 from moe_rl.orchestration.stop import Abandoned, RunStopped, StopRequest, abandoned_in
@@ -106,6 +107,7 @@ class Run:
         self._own_ray = start_ray(self.cfg, self.plan)
         self.reservation = reserve(self.plan)
         self._exit.enter_context(self.stop)
+        self.stop.starting = True   # until place() is done
         return self
 
     def place(self) -> None:
@@ -114,13 +116,15 @@ class Run:
         cfg = self.cfg
         self.trainers = Trainers(cfg, self.plan, self.reservation)
         if cfg.cluster.colocate:   # the servers size their memory with the trainer's in place
-            self.trainers.ready()
+            self.trainers.ready(self.stop)
         # FP8 rollouts: the engines serve the block-wise FP8 checkpoint of the weights
         served = served_checkpoint(cfg, cfg.model.path, os.path.join(self.dir, "fp8_start"))
         self.plan = at_addresses(self.plan, cfg, self.reservation.addresses, served)
-        self.hosts = place_engines(cfg, self.plan, self.reservation, served,
-                                   os.path.join(self.dir, "logs"))
-        self.trainers.ready()   # built meanwhile (apart from colocated engines)
+        # the hosts are the run's before their servers start: a stop ends them mid-load
+        self.hosts = engine_hosts(cfg, self.plan, self.reservation, served,
+                                  os.path.join(self.dir, "logs"))
+        start_engines(self.plan, self.hosts, self.stop)
+        self.trainers.ready(self.stop)   # built meanwhile (apart from colocated engines)
         write_plan(self.plan, self.reservation, os.path.join(self.dir, "plan.json"),
                    self.trainers.addresses())
         self.rollout = start_rollout_worker(cfg, self.plan, self.reservation, self.hosts)
@@ -136,6 +140,7 @@ class Run:
             self.weights.check = WeightCheck(cfg, self.trainers, self.rollout)
             self.weights.check.record_trainer(self.start_step)
             self.weights.check.passes(self.start_step)
+        self.stop.starting = False
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
@@ -191,7 +196,9 @@ class Run:
             raise RunFailed(f"lost a process of the run during step {done} ({self.lost}): "
                             f"{where}")
         if self.stop.signum:
-            what = (f"{done} of {cfg.trainer.steps} steps done, the next one abandoned "
+            what = (f"during start-up, before step {done} of {cfg.trainer.steps}"
+                    if self.abandoned == StopRequest.STARTUP else
+                    f"{done} of {cfg.trainer.steps} steps done, the next one abandoned "
                     f"({self.abandoned})" if self.abandoned
                     else f"after step {done} of {cfg.trainer.steps}")
             raise RunStopped(f"stopped by {self.stop.name}, {what}: {where}{again}",

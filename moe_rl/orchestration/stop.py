@@ -2,8 +2,10 @@
 ``scancel``) and SIGUSR1 (``sbatch --signal``) ask the loop to stop after the current step and
 to checkpoint that step (nothing since the last save is lost).
 The step and its checkpoint get ``trainer.stop_grace_s`` seconds; past them, or on a second
-signal, the step is abandoned (nothing more is saved). The run then stops its engines and Ray
-and ``moe-rl`` prints one line: where the last checkpoint is and the command that resumes."""
+signal, the step is abandoned (nothing more is saved). During the run's start-up (engines
+loading, the trainer built, the warm start) there is no step to finish: the first signal ends
+it at once. The run then stops its engines and Ray and ``moe-rl`` prints one line: where the
+last checkpoint is and the command that resumes."""
 from __future__ import annotations
 
 import signal
@@ -45,9 +47,12 @@ class StopRequest:
     :attr:`signum` instead of killing the process; the loop looks at it between steps. Outside
     the main thread (a library caller's worker thread) nothing is installed."""
 
+    STARTUP = "during start-up"   # what an Abandoned raised before the first step says
+
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
         self.signum: int | None = None
+        self.starting = False   # the run's start-up: a signal abandons it at once
         self._previous: dict = {}
 
     @property
@@ -90,11 +95,23 @@ class StopRequest:
         if self.signum is not None:
             raise Abandoned(f"a second {signal.Signals(signum).name}")
         self.signum = signum
+        if self.starting:   # the start-up's waits see it (check_startup) and end it
+            print(f"{self.name}: stopping the start-up (no step has run yet)", file=sys.stderr,
+                  flush=True)
+            signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+            return
         print(f"{self.name}: finishing the current step (at most {self.grace_s:g} s, "
               f"trainer.stop_grace_s), then checkpoint it, stop; send it again to abandon the "
               f"step now",
               file=sys.stderr, flush=True)
         signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+
+    def check_startup(self) -> None:
+        """During the start-up, once a stop signal came: Abandoned (the start-up's waits call
+        it between short waits; an exception raised by the handler inside Ray's C code can be
+        lost there)."""
+        if self.starting and self.signum is not None:
+            raise Abandoned(self.STARTUP)
 
     def _on_alarm(self, signum, frame) -> None:
         raise Abandoned(f"the grace period of {self.grace_s:g} s (trainer.stop_grace_s) ran out")

@@ -127,7 +127,7 @@ class RolloutWorker:
     asynchronous pipeline relies on it: a weight update queued behind a batch waits for it),
     except the status reads (``restarts``), which answer at once from their own thread."""
 
-    def __init__(self, cfg_tree: dict, hosts: list):
+    def __init__(self, cfg_tree: dict, hosts: list, training: bool = True):
         from moe_rl.engines.base import SamplingConfig
         from moe_rl.engines.factory import engine_kind
         cfg = config_from_dict(cfg_tree)
@@ -155,11 +155,11 @@ class RolloutWorker:
         self.engine = kind.connect(self.server_urls, shape,
                                    [restarter(h, u) for h, u in zip(hosts, self.server_urls)])
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
-        self.inputs = load_run_inputs(cfg)   # tokenizer, prompts, reward function
+        self.inputs = load_run_inputs(cfg, training)   # tokenizer, prompts, reward function
         self.eval_scorer = None   # eval.reward (made at the first evaluation)
         self.started_versions = set(self.engine.weight_versions())   # version 0, unsynced
         self.partial = None   # rollout.partial: the responses in flight between steps
-        if r.partial:
+        if r.partial and training:
             from moe_rl.rollout.partial import partial_rollout
             self.partial = partial_rollout(cfg, self.engine, self.inputs)
 
@@ -216,7 +216,8 @@ class RolloutWorker:
         (:meth:`check_serving`)."""
         import time
         from moe_rl.orchestration.sharding import shard_by_group
-        from moe_rl.rollout.groups import retraction_counts
+        from moe_rl.config import set_name
+        from moe_rl.rollout.groups import retraction_counts, reward_by_set
         from moe_rl.sample_log import shown_samples
         self.check_serving(version, step)
         cfg, inp = self.cfg, self.inputs
@@ -234,6 +235,8 @@ class RolloutWorker:
         samples, counts, reward_s = groups.samples, groups.counts, groups.reward_s
         counts.update(retraction_counts(samples, cfg.rollout.retracted == "mask"
                                         and cfg.algorithm.replay == "r3"))
+        counts.update(reward_by_set(samples, [set_name(e) for e in cfg.data.sets],
+                                    inp.set_sizes))
         env_error = groups.first_env_error
         timing["timing/rollout_s"] = time.perf_counter() - t0 - reward_s
         timing["timing/reward_s"] = reward_s

@@ -139,3 +139,20 @@ def retraction_counts(samples: list, mask: bool) -> dict[str, float]:
             s.loss_mask = s.loss_mask.new_zeros(s.loss_mask.shape)
     return {"rollout/retracted": float(len(hit)),
             "rollout/retracted_masked_tokens": float(masked)}
+
+
+def reward_by_set(samples: list, names: list[str], sizes: list[int]) -> dict[str, float]:
+    """``reward/<set>/mean``: with several training sets (``data.sets``), the mean reward of the
+    step's samples drawn from each set (``names``, ``sizes`` prompts each, one after the other);
+    a set no sample of the step came from is left out."""
+    if len(names) < 2:
+        return {}
+    sums, counts = [0.0] * len(names), [0] * len(names)
+    for s in samples:
+        index, i = s.metadata["prompt_index"], 0
+        while index >= sizes[i]:
+            index -= sizes[i]
+            i += 1
+        sums[i] += float(s.reward)
+        counts[i] += 1
+    return {f"reward/{name}/mean": total / n for name, total, n in zip(names, sums, counts) if n}

@@ -3,6 +3,7 @@ through `moe-rl train` (and `moe-rl eval`) on the tiny model."""
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -30,10 +31,13 @@ def _rows(run):
 
 
 def _eval_cli(workdir, out, *source):
-    res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "eval", "--config",
-                          str(ROOT / "configs" / "tiny_math_cpu.yaml"), *source, "--out",
-                          str(out), *EVAL_KEYS], cwd=workdir, capture_output=True, text=True,
-                         timeout=600)
+    """`moe-rl eval` (the console script) with the run's keys, its training data gone: an
+    evaluation does not read it."""
+    gone = f"data.sets=[{{path: {workdir / 'gone.jsonl'}, name: math}}]"
+    res = subprocess.run([str(pathlib.Path(sys.executable).with_name("moe-rl")), "eval",
+                          "--config", str(ROOT / "configs" / "tiny_math_cpu.yaml"), *source,
+                          "--out", str(out), *EVAL_KEYS, gone], cwd=workdir,
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -49,7 +53,13 @@ def _train_with_evaluation(tmp_path):
 def test_eval_through_train_and_moe_rl_eval_of_its_checkpoint(tmp_path):
     res, evals = _train_with_evaluation(tmp_path)
     assert [r["step"] for r in evals] == [0, 1, 2]   # at start, every step (the end included)
-    assert [r["step"] for r in _rows(tmp_path / "run") if "kind" not in r] == [0, 1]
+    steps = [r for r in _rows(tmp_path / "run") if "kind" not in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    for r in steps:   # the throughput, and each training set's reward beside the batch's
+        assert r["throughput/rollout_tokens_per_s"] >= r["throughput/tokens_per_s"] > 0
+        sets = [r[f"reward/{name}/mean"] for name in ("math", "extra")
+                if f"reward/{name}/mean" in r]
+        assert sets and min(sets) - 1e-9 <= r["reward/mean"] <= max(sets) + 1e-9, r
     for r in evals:   # greedy: both samples of a prompt agree, so pass@2 = pass@1
         assert r["eval/held_out/pass@2"] == pytest.approx(r["eval/held_out/pass@1"])
         assert 0 <= r["eval/held_out/pass@1"] <= 1

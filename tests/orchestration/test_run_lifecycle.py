@@ -221,6 +221,61 @@ def test_ctrl_c_twice_abandons_the_step_and_stops_everything(model, tmp_path):
     assert _port_closed(port)
 
 
+SLOW_ENGINE_START = """
+import os, signal, sys, time
+if "serve-reference" in sys.argv and os.environ.get("SLOW_ENGINE_START_S"):
+    # a checkpoint that loads for long, deaf to the terminal's Ctrl-C: the run must end it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    time.sleep(float(os.environ["SLOW_ENGINE_START_S"]))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+"""
+
+
+@pytest.mark.loop
+def test_ctrl_c_while_the_engines_load_stops_the_start_up_at_once(model, tmp_path):
+    """Ctrl-C while the engine server is still loading (here it takes 600 s to start, against
+    a grace period of 300 s): no step to finish, so the run stops its start-up at once (it
+    waited for the load, then the grace period), ends the loading server and says so in one
+    line, without a traceback."""
+    import psutil
+    run = tmp_path / "run"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_ENGINE_START)
+    env = dict(os.environ, SLOW_ENGINE_START_S="600",
+               PYTHONPATH=f"{tmp_path / 'site'}:{os.environ.get('PYTHONPATH', '')}")
+    args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
+            "trainer.steps=5", "trainer.stop_grace_s=300", "rollout.startup_timeout_s=900",
+            f"rollout.base_port={engine_base_port()}", *SMALL]
+    proc = _start(tmp_path, args, session=True, env=env)
+
+    def loading_servers():
+        found = []
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if "serve-reference" in p.cmdline():
+                    found.append(p)
+            except psutil.Error:   # a process of Ray's start-up that has just ended
+                pass
+        return found
+    deadline = time.monotonic() + 300
+    while not loading_servers():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    server = loading_servers()[0]
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert time.monotonic() - sent < 60, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "SIGINT: stopping the start-up (no step has run yet)" in err
+    last = [line for line in err.splitlines() if line.startswith("moe-rl train: stopped")]
+    assert last == ["moe-rl train: stopped by SIGINT, during start-up, before step 0 of 5: no "
+                    "checkpoint was written"], err[-3000:]
+    assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+    assert not (run / "metrics.jsonl").exists() or steps_of(run) == []
+
+
 @pytest.mark.loop
 def test_a_run_whose_ray_is_stopped_from_outside_says_so(model, tmp_path):
     """Another job's `ray stop` (here: SIGTERM to the run's own raylet) is named as what it is,

@@ -42,6 +42,23 @@ def test_second_signal_abandons_at_once_and_stop_clock_disarms_the_grace():
         assert stop.signum == signal.SIGTERM
 
 
+def test_a_signal_during_the_start_up_is_seen_by_its_next_wait(capsys):
+    """Start-up: the handler only records the signal (an exception raised inside Ray's C code
+    can be lost); the start-up's wait raises Abandoned at its next check. Before the signal,
+    and once the start-up is over, the check passes."""
+    with StopRequest(grace_s=60) as stop:
+        stop.starting = True
+        stop.check_startup()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert stop.signum == signal.SIGINT
+        with pytest.raises(Abandoned, match="during start-up"):
+            stop.check_startup()
+        stop.starting = False
+        stop.check_startup()
+    assert "SIGINT: stopping the start-up (no step has run yet)" in capsys.readouterr().err
+
+
 def test_exit_code_is_128_plus_the_signal():
     assert RunStopped("x", signal.SIGTERM).exit_code == 143
     assert RunStopped("x", signal.SIGINT).exit_code == 130

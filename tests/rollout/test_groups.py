@@ -91,3 +91,24 @@ def test_without_dynamic_sampling_the_drawn_groups_are_the_batch():
     assert prompts_of(g) == [0, 1] and g.counts["rollout/dropped_groups"] == 0.0
     assert [s.reward for s in g.samples] == [1.0, 1.0, 0.0, 1.0]
     assert all(s.metadata["prompt_index"] in (0, 1) for s in g.samples)
+
+
+def test_each_training_set_gets_the_mean_reward_of_its_samples():
+    """Sets a (prompts 0-1), b (2-4), c (5): the step drew prompts 1, 2 and 4, so a's mean is
+    prompt 1's, b's that of prompts 2 and 4 together, c is left out; one set: nothing."""
+    from moe_rl.rollout.groups import reward_by_set
+    rewards = {1: [0.0, 1.0], 2: [1.0, 1.0], 4: [0.0, 0.5], 0: [0, 0], 3: [0, 0], 5: [0, 0]}
+    g = run(rewards, [1, 2, 4], [], dynamic=False)
+    assert reward_by_set(g.samples, ["a", "b", "c"], [2, 3, 1]) == {
+        "reward/a/mean": 0.5, "reward/b/mean": 2.5 / 4}
+    assert reward_by_set(g.samples, ["a"], [6]) == {}
+
+
+def test_throughput_is_the_generated_tokens_over_the_step_and_over_their_generation():
+    from moe_rl.orchestration.loop import throughput
+    m = {"rollout/generated_tokens": 120.0, "timing/step_s": 4.0, "timing/rollout_s": 1.5}
+    assert throughput(m) == {"throughput/tokens_per_s": 30.0,
+                             "throughput/rollout_tokens_per_s": 80.0}
+    assert throughput({"rollout/generated_tokens": 8.0, "timing/step_s": 2.0}) == {
+        "throughput/tokens_per_s": 4.0}
+    assert throughput({"timing/step_s": 2.0}) == {}   # a step without a batch summary

@@ -150,6 +150,27 @@ def test_data_sets_and_eval_sets_are_read_with_their_own_keys(tmp_path):
         load_run_inputs(cfg)
 
 
+def test_an_evaluation_reads_its_sets_and_not_the_training_data(tmp_path):
+    """`moe-rl eval` loads the inputs with training=False: a training set that is gone, or one
+    whose answers cannot fit the warm start, is not read; the eval sets still are."""
+    from moe_rl.models.tiny import write_tiny_model
+    from moe_rl.run_inputs import load_run_inputs
+    model = write_tiny_model(cfg_init := load_config("tiny_cpu.yaml").model.init,
+                             str(tmp_path / "model"))
+    held = _write(tmp_path / "held.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 3)
+    long = _write(tmp_path / "long.jsonl", [{"prompt": "1+1=", "answer": "9" * 4000}])
+    for train in ([f"data.sets=[{{path: {tmp_path / 'gone.jsonl'}}}]"],
+                  ["data.source=jsonl", f"data.path={long}"]):
+        cfg = load_config("tiny_cpu.yaml", [f"model.path={model}", *train,
+                                            "trainer.sft_warmup_steps=5",
+                                            f"eval.sets=[{{path: {held}, name: held}}]"])
+        with pytest.raises(ConfigError, match=r"data\.(sets\[0\]\.path|answer_key)"):
+            load_run_inputs(cfg)
+        inputs = load_run_inputs(cfg, training=False)
+        assert inputs.prompts == [] and [(n, len(p)) for n, p in inputs.eval_sets] == [("held", 3)]
+    assert cfg_init.max_position_embeddings < 4000
+
+
 def test_the_worked_example_reads_its_shipped_data_from_the_repository_root(tmp_path,
                                                                              monkeypatch):
     """configs/tiny_math_cpu.yaml, as README runs it: chat rows with \\boxed{} answers that
