@@ -1,13 +1,18 @@
-"""``moe-rl plan --config FILE [overrides] [--nodes N] [--gpus-per-node G] [--json]``: every
-process the run would start (role, node, GPUs; engines' command lines and environment) and the
-weight-update group, without starting anything. ``moe-rl train`` places its processes by the same
+"""``moe-rl plan --config FILE [overrides] [--nodes N] [--gpus-per-node G] [--gpu-memory-gib M]
+[--json]``: every process the run would start (role, node, GPUs; engines' command lines and
+environment) and the weight-update group, without starting anything; then each trainer rank's
+place in the parallel groups, the memory one trainer GPU and one SGLang GPU will hold
+(estimated) and the GPUs the plan leaves idle. ``moe-rl train`` places its processes by the same
 plan."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from moe_rl.config import load_config
+from moe_rl.config import load_config, response_cap
+from moe_rl.engines.factory import engine_kind
+from moe_rl.memory_estimate import GIB, format_memory, param_counts, trainer_memory
 from moe_rl.run_inputs import load_run_inputs
 
 
@@ -17,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nodes (default: cluster.num_nodes)")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="GPUs per node (default: cluster.gpus_per_node)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                        help="memory of one GPU, for the estimates (default 80: an H100)")
     parser.add_argument("--json", action="store_true",
                         help='print {"processes": [{"role", "node", "gpus", "argv", "env", ...}], '
                              '"weight_update_group": ...}')
@@ -28,15 +35,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_rl.orchestration.placement import format_plan, make_plan
+    from moe_rl.orchestration.placement import format_plan, idle_gpus, make_plan
+    from moe_rl.orchestration.trainer_layout import format_layout, trainer_layout
     overrides = list(args.overrides)
     if args.nodes is not None:
         overrides.append(f"cluster.num_nodes={args.nodes}")
     if args.gpus_per_node is not None:
         overrides.append(f"cluster.gpus_per_node={args.gpus_per_node}")
     cfg = load_config(args.config, overrides)
-    if not args.no_inputs:
-        load_run_inputs(cfg)
+    inputs = None if args.no_inputs else load_run_inputs(cfg)
     plan = make_plan(cfg)
-    print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=1))
+        return 0
+    print(format_plan(plan))
+    print(format_layout(trainer_layout(cfg)))
+    for line in _memory_lines(cfg, inputs, args.gpu_memory_gib * GIB):
+        print(line)
+    idle = idle_gpus(plan)
+    if idle:
+        print(f"warning: {idle} of the {plan.nodes} x {plan.gpus_per_node} GPUs are idle in "
+              f"this plan: raise cluster.trainer_workers or rollout.num_servers, or ask for "
+              f"fewer nodes")
     return 0
+
+
+def _memory_lines(cfg, inputs, gpu_bytes: float) -> list[str]:
+    """The memory estimates, for a model whose config.json is at hand; sequences as long as
+    the longest prompt (when the inputs were read) plus the response cap, within the model's
+    context."""
+    hf_file = os.path.join(cfg.model.path, "config.json")
+    if not os.path.isfile(hf_file):
+        return [f"no memory estimate: no config.json in model.path ({cfg.model.path})"]
+    with open(hf_file, encoding="utf-8") as fh:
+        hf = json.load(fh)
+    context = int(hf.get("max_position_embeddings") or 0)
+    prompt = max((len(p.ids) for p in inputs.prompts), default=0) if inputs else 0
+    seq_len = prompt + response_cap(cfg) if inputs else context
+    seq_len = min(seq_len, context) if context else seq_len
+    counts = param_counts(hf)
+    engine = engine_kind(cfg).gpu_memory(hf, counts.total, gpu_bytes)
+    return format_memory(trainer_memory(cfg, hf, counts, seq_len), engine, gpu_bytes)

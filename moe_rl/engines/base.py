@@ -252,6 +252,12 @@ class EngineKind(ABC):
         apart)."""
         return 1
 
+    def gpu_memory(self, hf: dict, params: int, gpu_bytes: float):
+        """What one GPU of a server holds (``moe_rl.memory_estimate.EngineMemory``) for the
+        model ``hf`` of ``params`` parameters on GPUs of ``gpu_bytes``; None for a kind
+        without GPUs."""
+        return None
+
     def weight_ranks_per_server(self) -> int:
         """Ranks one server takes in the weight-update group."""
         return 1

@@ -244,6 +244,12 @@ def weight_group_plan(cfg: Config, plan: Plan) -> dict | None:
             "world_size": len(ranks), "ranks": ranks}
 
 
+def idle_gpus(plan: Plan) -> int:
+    """GPUs of the plan's nodes that no process of it uses."""
+    used = {(p.node, g) for p in plan.processes for g in p.gpus}
+    return plan.nodes * plan.gpus_per_node - len(used)
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a person reads it."""
     lines = [f"{plan.nodes} node(s) x {plan.gpus_per_node} GPU(s)"]

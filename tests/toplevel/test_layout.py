@@ -16,7 +16,7 @@ LAYERS = [
     {"families"},
     {"moe_shape"},
     {"types", "config", "report", "metrics_log"},
-    {"packing", "data", "rewards", "weights", "algo", "run_dir", "wandb_log"},
+    {"packing", "data", "rewards", "weights", "algo", "run_dir", "wandb_log", "memory_estimate"},
     {"envs", "models", "engines", "sample_log"},
     {"trainer", "rollout", "run_inputs", "run_summary", "node_checks"},
     {"evaluation"},

@@ -79,6 +79,27 @@ class SGLangKind(SGLangProtocolKind):
         dp = 1 if "--enable-dp-attention" in g.extra_args else g.dp_size
         return g.tp_size * dp
 
+    def gpu_memory(self, hf: dict, params: int, gpu_bytes: float):
+        """One GPU of a server of ``tp_size`` GPUs: its share of the weights, and the KV pool
+        ``--mem-fraction-static`` of the GPU leaves beside them (KV heads split over the GPUs;
+        an MLA model's latent is not split); none on CPU."""
+        from moe_rl.memory_estimate import DTYPE_BYTES, EngineMemory
+        g = self.cfg.rollout.sglang
+        if g.device == "cpu":
+            return None
+        b = DTYPE_BYTES[self.cfg.rollout.engine_dtype]
+        weights = params * b / g.tp_size
+        pool = max(g.mem_fraction_static * gpu_bytes - weights, 0.0)
+        layers = int(hf["num_hidden_layers"])
+        if hf.get("kv_lora_rank"):   # MLA: the compressed latent and the rope key per token
+            per_token = layers * (int(hf["kv_lora_rank"]) + int(hf["qk_rope_head_dim"])) * b
+        else:
+            heads = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+            head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) //
+                           int(hf["num_attention_heads"]))
+            per_token = 2 * layers * max(heads // g.tp_size, 1) * head_dim * b
+        return EngineMemory(weights, pool, int(pool // per_token))
+
     def port_span(self) -> int:
         """1, or with ``--enable-dp-attention`` the :data:`DP_ATTENTION_PORT_SPAN` that SGLang
         derives from it (servers on one node are spaced by this, or the second cannot bind)."""

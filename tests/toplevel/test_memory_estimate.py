@@ -1,0 +1,104 @@
+"""The memory estimates of `moe-rl plan` (moe_rl/memory_estimate.py): parameters counted on
+transformers' model of Qwen3-30B-A3B's published config.json (built on the meta device), each
+term of one trainer GPU and one SGLang GPU worked by hand, and the command printing them with
+the idle-GPU warning."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moe_rl.config import load_config
+from moe_rl.engines.factory import engine_kind
+from moe_rl.memory_estimate import ParamCounts, param_counts, trainer_memory
+from tests.helpers import ROOT
+
+QWEN3_30B_A3B = {   # its config.json (the keys that shape the parameters)
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 128,
+    "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "moe_intermediate_size": 768, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "vocab_size": 151936, "attention_bias": False}
+GIB = 1 << 30
+COUNTS = ParamCounts(experts=48 * 128 * 3 * 2048 * 768, embedding=2 * 151936 * 2048,
+                     dense=918_763_520)
+
+
+def test_qwen3_30b_a3b_counts_its_published_30_5b_parameters():
+    """Experts: 48 layers x 128 x (gate, up, down) of 2048 x 768; the embedding and the untied
+    head 151936 x 2048 each; the rest (attention, norms, routers) from the model itself."""
+    counts = param_counts(QWEN3_30B_A3B)
+    assert counts == COUNTS
+    assert counts.total == 30_532_122_624   # "30.5B in total" (the model card)
+    per_layer_attention = 2048 * 32 * 128 * 2 + 2048 * 4 * 128 * 2 + 2 * 128
+    per_layer = per_layer_attention + 2 * 2048 + 128 * 2048   # norms, router
+    assert counts.dense == 48 * per_layer + 2048   # and the final norm
+
+
+def test_one_trainer_gpu_of_the_four_node_config_worked_by_hand():
+    """16 ranks, EP 8, bfloat16, distributed optimizer, EMA, recompute, 16384-token
+    micro-batches (configs/qwen3_30b_a3b_r3_gspo.yaml)."""
+    cfg = load_config(str(ROOT / "configs" / "qwen3_30b_a3b_r3_gspo.yaml"))
+    m = trainer_memory(cfg, QWEN3_30B_A3B, COUNTS, seq_len=4096)
+    dense, experts = COUNTS.dense + COUNTS.embedding, COUNTS.experts / 8
+    params = dense + experts
+    assert m.weights == pytest.approx(2 * params)
+    assert m.gradients == pytest.approx(4 * params)   # float32 gradient buffers
+    # Adam m, v and the float32 master weights, sharded: dense over DP 16, experts over
+    # expert DP 16 / 8 = 2
+    assert m.optimizer == pytest.approx(12 * (dense / 16 + experts / 2))
+    assert m.extra_copies == pytest.approx(4 * params)   # the float32 EMA
+    assert m.tokens == 16384
+    # recompute: 2h bytes kept per token and layer, and one MoE layer's 15h + 19h * 8 * 768 / 4h
+    one_layer = 15 * 2048 + 19 * 2048 * (8 * 768) / (4 * 2048)
+    assert m.activations == pytest.approx(16384 * (2 * 2048 * 48 + one_layer))
+    assert m.logits == pytest.approx(1024 * 151936 * 4 * 2 + 16384 * 2048 * 4)
+    assert 70 * GIB < m.total < 80 * GIB
+
+
+def test_without_recompute_every_layer_keeps_its_activations_and_tp_cp_split_them():
+    cfg = load_config(str(ROOT / "configs" / "qwen3_30b_a3b_r3_gspo.yaml"), [
+        "trainer.recompute_activations=false", "trainer.tensor_parallel=2",
+        "trainer.sequence_parallel=true", "trainer.context_parallel=2",
+        "trainer.expert_parallel=4", "trainer.distributed_optimizer=false",
+        "trainer.ema_decay=null"])
+    m = trainer_memory(cfg, QWEN3_30B_A3B, COUNTS, seq_len=4096)
+    params = (COUNTS.dense + COUNTS.embedding) / 2 + COUNTS.experts / 8
+    assert m.optimizer == pytest.approx(12 * params) and m.extra_copies == 0
+    one_layer = 15 * 2048 + 19 * 2048 * (8 * 768) / (4 * 2048)
+    assert m.tokens == 16384 / 2
+    assert m.activations == pytest.approx(8192 * 48 * one_layer / 2)
+
+
+def test_one_sglang_gpu_holds_its_weight_share_and_the_rest_of_its_fraction_as_kv():
+    cfg = load_config(str(ROOT / "configs" / "qwen3_30b_a3b_r3_gspo.yaml"))
+    e = engine_kind(cfg).gpu_memory(QWEN3_30B_A3B, COUNTS.total, 80 * GIB)   # TP 4, 0.8
+    assert e.weights == pytest.approx(COUNTS.total * 2 / 4)
+    assert e.kv_pool == pytest.approx(0.8 * 80 * GIB - e.weights)
+    # K and V of 48 layers, 4 KV heads over 4 GPUs, head_dim 128, bfloat16
+    assert e.kv_tokens == int(e.kv_pool // (2 * 48 * 1 * 128 * 2))
+    mla = dict(QWEN3_30B_A3B, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert engine_kind(cfg).gpu_memory(mla, COUNTS.total, 80 * GIB).kv_tokens == \
+        int(e.kv_pool // (48 * (512 + 64) * 2))
+    cpu = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"))
+    assert engine_kind(cpu).gpu_memory(QWEN3_30B_A3B, COUNTS.total, 80 * GIB) is None
+
+
+def test_moe_rl_plan_prints_the_layout_the_memory_and_the_idle_gpus(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "plan", "--config",
+                          str(ROOT / "configs" / "qwen3_30b_a3b_r3_gspo.yaml"), "--no-inputs",
+                          f"model.path={tmp_path}", "--nodes", "8", "--gpu-memory-gib", "40"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    assert ("trainer ranks: TP 1 x CP 1 x DP 16 x PP 1 (experts: EP 8 x expert DP 2 x PP 1)"
+            in out)
+    assert "  trainer 9    tp 0  cp 0  dp 9  pp 0  ep 1  edp 1" in out
+    assert "memory per trainer GPU (estimate, micro-batches of 16384 tokens): weights 9.6 GiB" \
+        in out and "total 74.6 GiB of 40.0 GiB" in out
+    assert "warning: the trainer's estimate (74.6 GiB) exceeds the 40.0 GiB of a GPU" in out
+    assert "memory per SGLang GPU (estimate): weights 14.2 GiB, KV pool 17.8 GiB" in out
+    assert "warning: 32 of the 8 x 8 GPUs are idle in this plan" in out
