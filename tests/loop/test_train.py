@@ -133,35 +133,24 @@ def test_saved_steps_convert_to_hf_and_exports_every_n_steps(trained_run, tmp_pa
 
 @pytest.mark.loop
 @pytest.mark.e2e
-def test_loop_with_distributed_weight_sync_and_colocated_engines(tmp_path):
+def test_colocated_engines_synced_over_gloo_serve_the_ema_policy_and_trm_removes_nothing(
+        tmp_path):
+    """Two colocated engines (they give their memory to the trainer for each update) get each
+    version broadcast over gloo in ~20 KB buckets; trainer.ema_policy from step 1 makes them
+    serve the smoothed weights the trainer continues from, under Trust Region Masking: every
+    step's samples come from the previous update's weights, the float32 engine equals the
+    trainer (k3 ~ 0) and TRM removes nothing; one final policy is exported (the EMA)."""
     init_tiny_model(str(tmp_path / "model"))
-    _train(tmp_path, 3, "cluster.weight_sync=distributed", "cluster.colocate=true",
-           "rollout.num_servers=2", "trainer.export_hf=false",
-           "cluster.weight_sync_bucket_mb=0.02")   # ~20 KB buckets: the model in many pieces
+    res = _train(tmp_path, 3, "cluster.weight_sync=distributed", "cluster.colocate=true",
+                 "rollout.num_servers=2", "cluster.weight_sync_bucket_mb=0.02",
+                 "trainer.ema_decay=0.5", "trainer.ema_policy=true", "trainer.ema_start_step=1",
+                 "algorithm.corrections=[trm]", "algorithm.correction.trm_delta=1e-3")
     rows = [json.loads(line) for line in
             (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    # every step's samples come from the weights of the previous update, broadcast over gloo
-    # bucket by bucket; the float32 engine then equals the trainer bit for bit (k3 ~ 0)
     assert [r["weight_version/min"] for r in rows] == [0.0, 1.0, 2.0]
     assert all(r["rollout/stale_samples"] == 0 for r in rows)
     assert all(r["mismatch/k3"] < 1e-6 for r in rows)   # float32 engine = trained weights
     assert all(r["timing/engine_release_s"] > 0 and r["timing/engine_resume_s"] > 0 for r in rows)
-
-
-@pytest.mark.loop
-@pytest.mark.e2e
-def test_ema_policy_and_trust_region_masking_through_moe_rl_train(tmp_path):
-    """trainer.ema_policy from step 1 with Trust Region Masking: the engines serve the smoothed
-    weights the trainer continues from (the float32 engine equals the trainer: k3 ~ 0, TRM
-    removes nothing), one final policy is exported (it is the EMA)."""
-    init_tiny_model(str(tmp_path / "model"))
-    res = _train(tmp_path, 3, "trainer.ema_decay=0.5", "trainer.ema_policy=true",
-                 "trainer.ema_start_step=1", "algorithm.corrections=[trm]",
-                 "algorithm.correction.trm_delta=1e-3", "cluster.weight_sync=distributed")
-    rows = [json.loads(line) for line in
-            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["weight_version/min"] for r in rows] == [0.0, 1.0, 2.0]
-    assert all(r["mismatch/k3"] < 1e-6 for r in rows)
     assert all(r["correction/trm/masked_seq_frac"] == 0.0 for r in rows)
     assert (tmp_path / "run" / "final_hf" / "config.json").exists()
     assert not (tmp_path / "run" / "final_hf_raw").exists()
