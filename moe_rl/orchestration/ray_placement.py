@@ -7,13 +7,16 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 import ray
 
 from moe_rl.config import Config
+from moe_rl.errors import first_line
 from moe_rl.leftovers import mark_ray_session, reap_orphaned_ray_agents
+from moe_rl.orchestration.failures import RunFailed
 from moe_rl.orchestration.placement import Plan, PlannedProcess
 
 # Trainer ranks choose their GPU themselves (the plan's index, torch.cuda.set_device); Ray must
@@ -40,17 +43,27 @@ def start_ray(cfg: Config, plan: Plan) -> bool:
     if ray.is_initialized():
         return False
     if cfg.cluster.ray_address:
-        ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
-    else:
-        for line in reap_orphaned_ray_agents():
-            print(line, file=sys.stderr)
-        choose_local_ray_auth()
-        need = sum(b["CPU"] for b in plan.node_resources())
-        # address="local": a new Ray of its own, never a cluster another run left behind
+        try:
+            ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
+        except Exception as exc:   # noqa: BLE001  (Ray's own errors, of many kinds)
+            raise RunFailed(f"cluster.ray_address: could not join the Ray cluster at "
+                            f"{cfg.cluster.ray_address}: {first_line(exc)}; is `ray start "
+                            f"--head` running there, reachable from this node?") from None
+        return True
+    for line in reap_orphaned_ray_agents():
+        print(line, file=sys.stderr)
+    choose_local_ray_auth()
+    need = sum(b["CPU"] for b in plan.node_resources())
+    try:   # address="local": a new Ray of its own, never a cluster another run left behind
         ray.init(address="local", num_cpus=max(math.ceil(need), os.cpu_count() or 1),
                  log_to_driver=False, include_dashboard=False)
-        mark_ray_session(ray._private.worker.global_worker.node.get_session_dir_path(),
-                         cfg.logging.dir)
+    except Exception as exc:   # noqa: BLE001  (a bare Exception when its node does not come up)
+        temp = os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "ray")
+        raise RunFailed(f"Ray did not start on this node: {first_line(exc)} (a machine too "
+                        f"busy for Ray's processes to start within its 30 s does this: try "
+                        f"again; Ray's own logs are under {temp}/session_latest/logs)") from None
+    mark_ray_session(ray._private.worker.global_worker.node.get_session_dir_path(),
+                     cfg.logging.dir)
     return True
 
 

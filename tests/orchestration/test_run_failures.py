@@ -81,3 +81,26 @@ def test_moe_rl_prints_one_line_and_exits_1(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err == ("moe-rl plan: lost a process of the run during step 3 (trainer rank 1: "
                    "gone): last checkpoint runs/x/checkpoints/iter_0000003\n")
+
+
+def test_a_ray_that_does_not_start_is_one_line_through_the_command(tmp_path):
+    """Ray failing to start (here its temporary directory is a file; under load, its node not
+    up within 30 s) ends `moe-rl train` (the console script) in one line naming what and what
+    to do, exit 1, no traceback."""
+    import pathlib
+    import subprocess
+    import sys
+    from tests.helpers import ROOT, init_tiny_model
+    init_tiny_model(str(tmp_path / "model"))
+    (tmp_path / "not_a_dir").write_text("")
+    res = subprocess.run([str(pathlib.Path(sys.executable).with_name("moe-rl")), "train",
+                          "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+                          f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
+                          "trainer.steps=1"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, RAY_TMPDIR=str(tmp_path / "not_a_dir")))
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("moe-rl train: Ray did not start on this node: [Errno 20] Not a "
+                           "directory") and "try again" in last, last
+    assert f"{tmp_path / 'not_a_dir'}/ray/session_latest/logs" in last
