@@ -686,3 +686,35 @@ def test_no_shipped_config_pairs_a_loss_with_the_other_losss_clip_ranges():
     files = sorted((pathlib.Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
     assert len(files) >= 6
     assert [f.name for f in files if clip_range_warning(load_config(f))] == []
+
+
+def test_the_config_to_start_from_in_own_data_md_runs_its_checks_and_the_gpu_one_resolves(
+        tmp_path, monkeypatch):
+    """docs/own-data.md's first config (model, data, reward, run directory; the rest defaults)
+    passes `moe-rl config` on the tiny model it names; with the GPU keys merged over it, it
+    resolves for one node of 8 GPUs."""
+    import re
+    import subprocess
+    import sys
+    import yaml
+    from moe_rl.models.tiny import write_tiny_model
+    from tests.helpers import ROOT
+    text = (ROOT / "docs" / "own-data.md").read_text()
+    start = text.index("**A config to start from.**")
+    cpu_block, gpu_block = re.findall(r"```yaml\n(.*?)```", text[start:], re.S)[:2]
+    cpu, gpu = (yaml.safe_load("\n".join(line[3:] for line in block.splitlines()))
+                for block in (cpu_block, gpu_block))
+    monkeypatch.chdir(tmp_path)
+    write_tiny_model(load_config("tiny_math_cpu.yaml").model.init, cpu["model"]["path"])
+    (tmp_path / cpu["data"]["path"]).write_text(
+        '{"prompt": "What is 2+3?", "answer": "5"}\n{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "my.yaml").write_text(yaml.safe_dump(cpu))
+    res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", "--config", "my.yaml"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "inputs checked: " in res.stderr and "2 training prompts" in res.stderr
+    merged = {k: {**cpu.get(k, {}), **gpu.get(k, {})} for k in {*cpu, *gpu}}
+    (tmp_path / "gpu.yaml").write_text(yaml.safe_dump(merged))
+    cfg = load_config(str(tmp_path / "gpu.yaml"))
+    assert (cfg.cluster.gpus_per_node, cfg.rollout.engine, cfg.trainer.expert_parallel) == \
+        (8, "sglang", 4)
