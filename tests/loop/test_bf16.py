@@ -97,7 +97,11 @@ CPU_SCALE = ["rollout.engine=reference", "rollout.num_servers=1", "rollout.engin
     ("qwen3_30b_a3b_r3_gspo.yaml", "tiny_cpu.yaml",
      ["rollout.max_oversample=8", "trainer.max_tokens_per_micro_batch=64"]),
     pytest.param("deepseek_style_r3_grpo.yaml", "deepseek_tiny_cpu.yaml", ["rollout.top_k=16"],
-                 marks=pytest.mark.slow)])   # CI runs the Qwen3 config; make test-slow both
+                 marks=pytest.mark.slow),
+    # the one-GPU config (colocated, tensor sync on the shared GPU): on CPU the reference engine
+    # is colocated too and synced from disk (the tensor sync needs SGLang on GPUs)
+    pytest.param("tiny_one_gpu.yaml", "tiny_one_gpu.yaml", ["cluster.weight_sync=disk"],
+                 marks=pytest.mark.slow)])   # CI runs the Qwen3 config; make test-slow all
 def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_config, extra):
     """Each shipped GPU config, run as shipped except for its scale (tiny model, one reference
     engine, 2 trainer ranks with expert parallel 2 instead of 16 with 8, toy data, gloo): its
