@@ -347,9 +347,9 @@ def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
     exact (k3 ~0, agreement 1.0, nothing unscored, no token more than two versions old); the
     slow load restarts nothing; each response that met its abort at EOS is finished there
     (finish ``stop``), never continued past its end; the log names the restarts and the syncs
-    redone from disk. (A server killed while a batch generates, in this asynchronous pipeline
-    with in-memory sync, is restored with the wrong version label: issue 62's defect, still
-    open.)"""
+    redone from disk. (A server killed while a batch generates, in the asynchronous pipeline
+    with in-memory sync, serves the version its samples are labelled with:
+    tests/loop/test_train.py on the reference engine.)"""
     import json as _json
     eos = _json.loads((model_dir / "config.json").read_text())["eos_token_id"]
     (tmp_path / "site").mkdir()
