@@ -190,6 +190,11 @@ def init_tiny_model(out, config="tiny_cpu.yaml", *overrides) -> pathlib.Path:
     return pathlib.Path(out)
 
 
+# metric names of wall-clock figures (phase times, throughput): they differ between two runs
+# that are otherwise identical, and between a run and its resume
+WALL_CLOCK = ("timing/", "throughput/")
+
+
 def train_cli(workdir, steps, *extra, resume=False, config="tiny_cpu.yaml"):
     """`moe-rl train` of the tiny CPU config (or ``config`` of configs/) in ``workdir`` (model in workdir/model, run in
     workdir/run): SFT warm start, checkpoints every 2 steps; returns the finished process.

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests.helpers import WALL_CLOCK
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "slurm_multinode.sbatch"
 STEPS = 6
@@ -60,7 +62,7 @@ def _rows(run: pathlib.Path) -> dict[int, dict]:
     out = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out[r["step"]] = {k: v for k, v in r.items() if not k.startswith("timing/")}
+        out[r["step"]] = {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
     return out
 
 

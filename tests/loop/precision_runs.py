@@ -7,7 +7,7 @@ import pathlib
 from safetensors.torch import load_file
 
 from tests.helpers import init_tiny_model
-from tests.helpers import train_cli
+from tests.helpers import WALL_CLOCK, train_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WEIGHTS_ONLY = {"token_tis", "seq_tis", "snis"}   # reweight; is/* shows them
@@ -28,7 +28,7 @@ def workdir(tmp_path, model_dir, name):
 
 
 def rows_of(work):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("timing/")}
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(WALL_CLOCK)}
             for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.helpers import init_tiny_model
-from tests.helpers import ROOT, train_cli
+from tests.helpers import ROOT, WALL_CLOCK, train_cli
 from tests.helpers import train_tiny
 from tests.helpers import RewardServer
 
@@ -184,7 +184,7 @@ def test_evaluation_leaves_training_untouched_in_the_asynchronous_pipeline(tmp_p
     # float32 engine = trainer: routing agrees at each sample's own version (stale or not)
     assert all(r["routing/agreement"] >= 0.999 for r in runs["plain"])
     assert any("staleness/routing_agreement" in r for r in runs["plain"])
-    train = {name: [{k: v for k, v in r.items() if not k.startswith("timing/")}
+    train = {name: [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
                     for r in rows if "kind" not in r] for name, rows in runs.items()}
     assert len(train["eval"]) == len(train["plain"]) == 3
     for with_eval, plain in zip(train["eval"], train["plain"]):

@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers import init_tiny_model
 from tests.helpers import engine_base_port
-from tests.helpers import KILLER_REWARD, train_cli
+from tests.helpers import KILLER_REWARD, WALL_CLOCK, train_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -314,7 +314,7 @@ def test_two_deterministic_runs_are_bit_identical(tmp_path):
                "trainer.sft_warmup_steps=1")
         rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text()
                 .splitlines()]
-        runs.append([{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows])
+        runs.append([{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows])
     assert len(runs[0]) == 2 and runs[0] == runs[1]
 
 
@@ -384,7 +384,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
         out = {}
         for line in (run / "metrics.jsonl").read_text().splitlines():
             r = json.loads(line)
-            out[r["step"]] = {k: v for k, v in r.items() if not k.startswith("timing/")
+            out[r["step"]] = {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)
                               and k != "rollout/engine_restarts"}
         return out
     base = tmp_path / "base"
