@@ -209,6 +209,7 @@ def test_router_scores_are_the_routers_log_softmax_as_transformers_computes_it(t
 
 @pytest.mark.loop
 @pytest.mark.e2e
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_rspo_through_moe_rl_train_with_the_routers_moving(tmp_path):
     """`moe-rl train` with GMPO and the router-shift weight, routing free (replay off: the
     weight is read at the experts pi_old chose), two epochs of two mini-batches: the routers move

@@ -157,6 +157,22 @@ def test_every_argument_of_every_command_is_described():
     assert not missing, missing
 
 
+def test_train_refuses_an_allowed_change_of_a_key_that_does_not_exist(tmp_path, capsys):
+    """`moe-rl train --resume --allow-change KEY` with a misspelt KEY: one line naming it,
+    exit 2, before anything starts (the CLI's entry point, in this process)."""
+    from moe_rl.cli import main
+    from tests.helpers import ROOT, init_tiny_model
+    init_tiny_model(tmp_path / "model")
+    capsys.readouterr()   # the model writer's progress
+    code = main(["train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+                 f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
+                 "--resume", "--allow-change", "trainer.lr,trainer.lrr"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["moe-rl train: --allow-change trainer.lrr: not a config key "
+                                 "(see moe-rl config --keys)"], err
+    assert not (tmp_path / "run").exists()
+
+
 def test_train_says_when_the_loss_has_the_other_losss_clip_ranges(tmp_path):
     """`moe-rl train` prints the warning before anything starts (here it then refuses
     --overwrite with --resume: nothing runs)."""

@@ -76,6 +76,7 @@ def test_convert_refuses_garbage_crafted_and_missing_inputs_in_one_line(tmp_path
 
 @pytest.mark.loop   # a real run (`moe-rl train`): make test-loop
 @pytest.mark.e2e
+@pytest.mark.slow   # `make test-slow`; CI: the crafted-metadata resume (test_checkpoint_hostile)
 def test_resume_of_a_damaged_or_crafted_checkpoint_is_one_line(trained_run, tmp_path):
     """`--resume-from` a step with a truncated shard (its manifest forged to match) and
     `--resume` of a run whose every step is refused: one line naming the step, exit 2."""

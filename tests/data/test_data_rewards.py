@@ -352,6 +352,7 @@ def graded(prompt, response, answer, metadata):
 
 
 @pytest.mark.loop
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_messages_rows_and_metadata_through_moe_rl_train(tmp_path):
     """`moe-rl train` on chat-message rows with a per-row column handed to the reward: every
     reward call gets the rendered chat and the row's metadata (no reward errors), and the

@@ -74,6 +74,7 @@ def group(served):
     close_group(joined["g"])
 
 
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_end_during_a_receive_waits_and_a_commit_takes_one_session_only(served, models, group):
     """The probe's sequence: /end_weight_update while bucket 1 is being received, then a new
     session that sends only the last bucket. End waits for the receive and drops the bucket;

@@ -376,6 +376,7 @@ def test_fp8_checkpoint_format_and_the_engine_serves_its_values(tmp_path):
     assert eng.checkpoint_spec == spec     # updates are checked against the FP8 names
 
 
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_fp8_weights_over_the_distributed_path(tmp_path):
     """An engine serving an FP8 checkpoint takes a distributed update of E4M3 weights and
     scales (gloo carries their bytes) and then serves exactly the new FP8 checkpoint."""

@@ -18,6 +18,7 @@ from moe_rl.engines.reference.launcher import ReferenceServer
 from moe_rl.trainer.parallel import free_port
 
 
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 @pytest.mark.multiproc
 def test_killed_server_loses_and_duplicates_nothing_and_restarts(tmp_path):
     model = str(tmp_path / "m")

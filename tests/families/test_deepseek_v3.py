@@ -341,6 +341,7 @@ def test_a_deepseek_v3_without_query_lora_trains_with_r3_and_gspo(tmp_path):
     assert any(r["grad_norm"] > 0 for r in rows)
 
 
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_convert_round_trip_through_the_cli_is_bit_identical(tmp_path):
     """`moe-rl convert --to megatron` then `--to hf`: every tensor of the DeepSeek-V3
     checkpoint (MLA projections, shared experts, expert bias) comes back bit-identical."""

@@ -26,6 +26,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.loop
 @pytest.mark.e2e
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_bf16_run_resumes_exactly_and_round_trips_in_bf16(tmp_path, model_dir):
     """Four deterministic steps in one go equal two steps, a stop and `--resume` for two more:
     every logged value and the final bfloat16 weights (the float32 master weights and Adam's
@@ -54,10 +55,12 @@ def test_bf16_run_resumes_exactly_and_round_trips_in_bf16(tmp_path, model_dir):
 
 @pytest.mark.loop
 @pytest.mark.e2e
-@pytest.mark.parametrize("replay,corrections,ema", [   # CI runs the first; make test-slow all
+# `make test-slow`; CI runs bfloat16 in the shipped Qwen3 config's run and on SGLang
+@pytest.mark.slow
+@pytest.mark.parametrize("replay,corrections,ema", [
     ("r3", "[token_tis,seq_mis,icepop,geo_rs]", True),
-    pytest.param("r2", "[seq_tis,seq_rs,opsm,metropolis]", False, marks=pytest.mark.slow),
-    pytest.param("off", "[trm,snis]", False, marks=pytest.mark.slow)])
+    ("r2", "[seq_tis,seq_rs,opsm,metropolis]", False),
+    ("off", "[trm,snis]", False)])
 def test_bf16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corrections, ema):
     """Every replay mode and every correction through `moe-rl train` in bfloat16, two RL steps,
     weights synced over the process group: finite metrics, each correction's own metrics

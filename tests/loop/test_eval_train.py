@@ -98,6 +98,7 @@ def test_eval_of_the_export_and_through_a_resume(tmp_path):
         f"-> {resumed[3]['eval/held_out/pass@1']:.3f} (after 3)" in res.stdout
 
 
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_reward_service_through_train(tmp_path):
     """Rewards from a service that fails its first request (retried) and answers every third
     one with garbage, every fifth with strings, booleans and numbers too large for a float, and

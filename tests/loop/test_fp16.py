@@ -21,10 +21,12 @@ FP16 = ("model.dtype=float16", "model.fp32_output_layer=true",
 
 @pytest.mark.loop
 @pytest.mark.e2e
-@pytest.mark.parametrize("replay,corrections,engine", [   # CI runs the first; make test-slow all
+# `make test-slow`; CI runs float16 in the loss scaler's run below and on SGLang
+@pytest.mark.slow
+@pytest.mark.parametrize("replay,corrections,engine", [
     ("r3", "[token_tis,seq_mis,icepop,geo_rs]", "float16"),
-    pytest.param("r2", "[seq_tis,seq_rs,opsm,metropolis]", "bfloat16", marks=pytest.mark.slow),
-    pytest.param("off", "[trm,snis]", "float16", marks=pytest.mark.slow)])
+    ("r2", "[seq_tis,seq_rs,opsm,metropolis]", "bfloat16"),
+    ("off", "[trm,snis]", "float16")])
 def test_fp16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corrections,
                                                engine):
     """Every replay mode and correction through `moe-rl train` in float16, two RL steps after

@@ -49,6 +49,7 @@ def installed(tmp_path_factory):
     return wheel, tmp / "venv" / "bin", work
 
 
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_wheel_ships_the_configs_and_runs_outside_the_source_tree(installed):
     wheel, bin_dir, work = installed
     names = zipfile.ZipFile(wheel).namelist()

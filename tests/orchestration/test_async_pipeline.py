@@ -129,6 +129,9 @@ def _metrics(run_dir):
 
 @pytest.mark.loop
 @pytest.mark.e2e
+# `make test-slow`; CI: the shipped Qwen3 config's run (staleness 1, dynamic sampling) and the
+# asynchronous killed-engine run
+@pytest.mark.slow
 def test_train_with_max_staleness_1_through_the_loop(tmp_path):
     """`moe-rl train` with rollout.max_staleness=1 and dynamic sampling (float32 engine, R3):
     step 0 trains on version-0 samples, every later step on samples one version old; the

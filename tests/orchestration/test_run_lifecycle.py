@@ -38,6 +38,7 @@ def steps_of(run) -> list[int]:
 
 
 @pytest.mark.loop
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     run = tmp_path / "run"
     base = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=1",
@@ -175,6 +176,7 @@ def test_a_signal_finishes_the_step_checkpoints_it_and_the_printed_command_resum
 
 
 @pytest.mark.loop
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_ctrl_c_twice_abandons_the_step_and_stops_everything(model, tmp_path):
     """Ctrl-C as a terminal sends it: SIGINT to the whole process group (Ray's processes
     and the engines must survive the first one); the second abandons the step at once."""

@@ -164,9 +164,10 @@ WRONG_UPDATES = {"once": (("once", True, "disk", ("rollout.temperature=0.7",)), 
 @pytest.mark.loop
 @pytest.mark.e2e
 # one run each (xdist spreads them); in `make test-slow`: the run without the check (the
-# control) and the broadcast sync's (the chaos run on SGLang redoes failed broadcasts from disk)
+# control), the broadcast sync's (the chaos run on SGLang redoes failed broadcasts from disk)
+# and the one-off corruption (every line it runs is run by the persistent one's)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
-                                  if n in ("unchecked", "distributed") else n
+                                  if n in ("unchecked", "distributed", "once") else n
                                   for n in WRONG_UPDATES])
 def test_a_wrong_engine_update_is_redone_or_stops_the_run(model, tmp_path, name):
     args, holds = WRONG_UPDATES[name]

@@ -371,6 +371,7 @@ def test_sglang_is_started_with_every_flag_its_requests_need(replay, mask, pi_ol
         (replay == "r3") == requests_routing(off)
 
 
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_reference_engine_omits_routing_unless_started_with_the_flag(tiny_dir, layout):
     proc = ReferenceServer(tiny_dir, free_port(), return_routed_experts=False).start()
     try:

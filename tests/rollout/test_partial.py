@@ -90,6 +90,11 @@ def test_a_three_version_record_holds_together_and_round_trips(tmp_path):
     view = s.segment_view(1)
     assert view.response_len == 3 and view.weight_version == 5 and view.token_versions is None
     assert torch.equal(view.routing, s.routing_of_segment(1)[:3 + 3 - 1])
+    import dataclasses   # with kept sets (one id each: the token): the view's are its tokens'
+    kept = dataclasses.replace(s, sampling_mask_offsets=torch.arange(7),
+                               sampling_mask_ids=s.response_ids.clone()).segment_view(1)
+    assert kept.sampling_mask_offsets.tolist() == [0, 1, 2, 3]
+    assert kept.sampling_mask_ids.tolist() == [6, 7, 8]
     back = RolloutBatch.from_bytes(RolloutBatch([s, engine_samples(model)[0]]).to_bytes())
     assert torch.equal(back.samples[0].token_versions, s.token_versions)
     assert all(torch.equal(a, b) for a, b in zip(back.samples[0].segment_routing,
@@ -377,6 +382,7 @@ def _metrics(run_dir):
 
 @pytest.mark.loop
 @pytest.mark.e2e
+@pytest.mark.slow   # `make test-slow`; CI: the agentic partial run, SGLang's chaos run
 def test_train_with_partial_rollouts_keeps_every_segment_exact_and_resumes(tmp_path):
     """`moe-rl train` with partial rollouts (k = 2, R3, keep-sampling-mask, float32 engine =
     trainer, responses up to 40 tokens): responses span versions, and at every step the

@@ -97,6 +97,7 @@ def _agents_left_by_a_killed(driver: str, cwd) -> list:
     return agents
 
 
+@pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 @pytest.mark.e2e
 def test_agents_of_a_killed_run_are_stopped_at_the_next_start_and_nothing_else(tmp_path, capsys):
     """A moe_rl driver SIGKILLed leaves its DashboardAgent and RuntimeEnvAgent running,
