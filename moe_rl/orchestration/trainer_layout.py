@@ -25,13 +25,8 @@ class RankPlace:
 
 @dataclass(frozen=True)
 class Layout:
-    """The group sizes and every rank's place."""
-    tp: int
-    cp: int
-    dp: int
-    pp: int
-    ep: int
-    edp: int
+    """The group sizes (by :class:`RankPlace`'s field names) and every rank's place."""
+    sizes: dict[str, int]
     ranks: list[RankPlace]
 
 
@@ -57,13 +52,14 @@ def trainer_layout(cfg: Config) -> Layout:
         r_tp, r_cp, r_dp, r_pp = _digits(rank, (tp, cp, dp, pp))
         _, r_ep, r_edp, _ = _digits(rank, (tp, ep, edp, pp))
         ranks.append(RankPlace(rank, r_tp, r_cp, r_dp, r_pp, r_ep, r_edp))
-    return Layout(tp, cp, dp, pp, ep, edp, ranks)
+    return Layout(dict(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, edp=edp), ranks)
 
 
 def format_layout(layout: Layout) -> str:
     """The layout as a person reads it: the sizes, then one line per rank."""
-    lines = [f"trainer ranks: TP {layout.tp} x CP {layout.cp} x DP {layout.dp} x PP "
-             f"{layout.pp} (experts: EP {layout.ep} x expert DP {layout.edp} x PP {layout.pp})"]
+    n = layout.sizes
+    lines = [f"trainer ranks: TP {n['tp']} x CP {n['cp']} x DP {n['dp']} x PP {n['pp']} "
+             f"(experts: EP {n['ep']} x expert DP {n['edp']} x PP {n['pp']})"]
     for r in layout.ranks:
         lines.append(f"  trainer {r.rank:<4} tp {r.tp}  cp {r.cp}  dp {r.dp}  pp {r.pp}  "
                      f"ep {r.ep}  edp {r.edp}")

@@ -35,7 +35,8 @@ def test_every_rank_sits_where_megatrons_rank_generator_puts_it(world, tp, pp, c
     for place in layout.ranks:
         for field in ("tp", "cp", "dp", "pp", "ep", "edp"):
             assert getattr(place, field) == seen[place.rank, field], (place, field)
-    assert (layout.dp, layout.edp) == (world // (tp * cp * pp), world // (tp * ep * pp))
+    assert layout.sizes == dict(tp=tp, cp=cp, dp=world // (tp * cp * pp), pp=pp, ep=ep,
+                                edp=world // (tp * ep * pp))
 
 
 def test_the_layout_reads_as_sizes_then_one_line_per_rank():
