@@ -26,6 +26,14 @@ from tests.helpers import assert_serves_like, fake_cuda_ipc, start_ranks
 
 
 @pytest.mark.multiproc
+def assert_same_policy(got, want):
+    """Same tokens, log-probs equal to float32 rounding: a later request may land on the other
+    server, whose CPU kernels can round the last bit differently under load (seen once in CI);
+    other weights move them by far more."""
+    assert got.response_ids.tolist() == want.response_ids.tolist()
+    torch.testing.assert_close(got.rollout_logprobs, want.rollout_logprobs, rtol=0, atol=1e-5)
+
+
 def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     scratch = tmp_path / "tmp"   # the servers' temporary directory: empty once they stopped
@@ -83,7 +91,7 @@ def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
         assert r.status_code == 400 and "released" in r.json()["error"]["message"]
         eng.resume_memory()
         again = generate_samples(eng, prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
-        assert torch.equal(again.rollout_logprobs, want.rollout_logprobs)
+        assert_same_policy(again, want)
         # bad update bodies are refused with the field named
         w.begin()
         with pytest.raises(EngineHTTPError, match="group_name"):
@@ -98,7 +106,7 @@ def test_broadcast_update_and_memory_release(tmp_path, monkeypatch):
         w.end()
         assert eng.weight_versions() == ["5", "5"]
         kept = generate_samples(eng, prompt, 1, SamplingConfig(max_new_tokens=4), seed=3)[0]
-        assert torch.equal(kept.rollout_logprobs, want.rollout_logprobs)
+        assert_same_policy(kept, want)
         # a session closed before the last bucket drops what it staged
         w.begin()
         send(named[:half], False)
