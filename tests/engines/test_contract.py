@@ -9,6 +9,7 @@ import json
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -55,15 +56,21 @@ class Started:
         self.cfg = config_from_dict({
             "model": {"path": model}, "cluster": {"gpus_per_node": gpus},
             "rollout": engine, "algorithm": {"replay": "r3", "keep_sampling_mask": True}})
-        self.procs = []
         engine_type = engine_kind(self.cfg)
+        procs = []
         for i in range(2):
             argv, env = engine_type.server_command("127.0.0.1", engine_base_port(),
                                                    [0] if gpus else [], i, model)
             port = int(argv[argv.index("--port") + 1])
-            proc = engine_type.server_process(argv, env, "127.0.0.1", port,
-                                              str(logs / f"server{i}.log"))
-            self.procs.append(proc.start(300))
+            procs.append(engine_type.server_process(argv, env, "127.0.0.1", port,
+                                                    str(logs / f"server{i}.log")))
+        try:
+            with ThreadPoolExecutor(len(procs)) as pool:   # side by side, as a run starts them
+                self.procs = list(pool.map(lambda p: p.start(300), procs))
+        except Exception:
+            for p in procs:
+                p.stop()
+            raise
         shape = MoEShape.from_hf(json.loads(open(f"{model}/config.json").read()))
         self.engine: Engine = engine_type.connect([p.url for p in self.procs], shape,
                                                   [p.restart for p in self.procs])

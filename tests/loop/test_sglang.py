@@ -19,21 +19,11 @@ from moe_rl.engines.sglang.cpu_shims import CALL_MARKER
 from tests.helpers import init_tiny_model
 from tests.helpers import engine_base_port
 from tests.helpers import on_sglang
-from tests.loop.zero_mismatch import (CONFIG, check_invariant, covering_set,
-                                      every_value_and_both_masks, name, run_all)
+from tests.loop.zero_mismatch import (CONFIG, SGLANG_FACTORS as FACTORS, check_invariant,
+                                      covering_set, every_value_and_both_masks, name, run_all)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 AGENTIC = ROOT / "configs" / "tiny_agentic_cpu.yaml"
-
-FACTORS = {
-    "temperature": (1.0, 0.7),
-    "sampling": ("full", "top_k", "top_k_top_p_min_p"),
-    "mask": (False, True),
-    "pi_old": ("trainer", "rollout", "engine_avg"),
-    "replay": ("off", "r2", "r3"),
-    "loss": ("ppo", "gspo"),
-    "sync": ("disk", "distributed"),
-}
 
 pytestmark = [pytest.mark.sglang, pytest.mark.loop, pytest.mark.e2e]
 
@@ -75,12 +65,6 @@ def _zero_mismatch_on_sglang(model_dir, tmp_path, combos):
             check_real_engine(name(combo), m)
         no_kernel_called(tmp_path / name(combo))
     return results
-
-
-def test_the_runs_hold_every_value_and_both_masks_in_four():
-    combos = every_value_and_both_masks(FACTORS)
-    assert len(combos) <= 4
-    assert all(any(c[k] == v for c in combos) for k, values in FACTORS.items() for v in values)
 
 
 @pytest.mark.parametrize("combo", every_value_and_both_masks(FACTORS), ids=name)   # xdist spreads them
@@ -340,9 +324,9 @@ def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
     the EOS and says abort), one server SIGKILLed in the middle of the broadcast sync of
     version 3 and one bucket of version 5's refused by one server (:data:`CHAOS_ENGINE`; the
     other server, left inside that bucket's collective, answers /health 503 until restarted),
-    each sync then redone from disk, and the disk load of version 5 taking 35 s in SGLang's
-    scheduler against rollout.request_timeout_s=2 and health_timeout_s=30 (:data:`SLOW_LOAD`;
-    SGLang's /health cannot answer during a load: the old pool waited 2 s, then 30 for /health,
+    each sync then redone from disk, and the disk load of version 5 taking 18 s in SGLang's
+    scheduler against rollout.request_timeout_s=2 and health_timeout_s=12 (:data:`SLOW_LOAD`;
+    SGLang's /health cannot answer during a load: the old pool waited 2 s, then 12 for /health,
     and killed both servers mid-load, again on every retry). The run finishes; every step is
     exact (k3 ~0, agreement 1.0, nothing unscored, no token more than two versions old); the
     slow load restarts nothing; each response that met its abort at EOS is finished there
@@ -359,7 +343,7 @@ def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
            "ABORT_AT_EOS_ID": str(eos), "ABORT_AT_EOS_LOG": str(hits),
            "CHAOS_KILL_VERSION": "3", "CHAOS_KILLED_MARK": str(tmp_path / "killed"),
            "CHAOS_REFUSE_VERSION": "5", "CHAOS_REFUSED_MARK": str(tmp_path / "refused"),
-           "SLOW_LOAD_VERSION": "5", "SLOW_LOAD_S": "35"}
+           "SLOW_LOAD_VERSION": "5", "SLOW_LOAD_S": "18"}
     run = tmp_path / "run"
     res, rows = _train(CONFIG, model_dir, run, "rollout.num_servers=2", "rollout.partial=true",
                        "rollout.max_staleness=2", "rollout.partial_extra_groups=6",
@@ -370,7 +354,7 @@ def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
                        "logging.samples_per_step=64",
                        # the two servers' start-up, side by side, has its own wait (~40 s
                        # on 2 cores; 88 s on a slower machine, 2026-11-28)
-                       "rollout.request_timeout_s=2", "rollout.health_timeout_s=30",
+                       "rollout.request_timeout_s=2", "rollout.health_timeout_s=12",
                        "rollout.startup_timeout_s=300",
                        'rollout.sglang.extra_args=[--max-running-requests, "4"]', steps=8,
                        env=env)
@@ -381,7 +365,7 @@ def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
     # the killed server; at most one more per failed sync (left inside its collective)
     assert 1.0 <= restarts[-1] <= 3.0
     slow = recovered.index(2.0)   # the step whose sync loaded version 5 slowly from disk
-    assert rows[slow]["timing/step_s"] > 35
+    assert rows[slow]["timing/step_s"] > 18
     assert restarts[slow] - restarts[slow - 1] <= 1.0   # the slow load killed neither server
     assert sum(m["rollout/partial_aborted"] for m in rows) > 0
     assert max(m["rollout/partial_frac"] for m in rows) > 0.0   # responses span versions

@@ -5,9 +5,9 @@ the replay mode, the loss and sequence packing, every log-prob compared describe
 distribution, so every mismatch metric is ~0, no correction removes anything, the first
 mini-batch's ratio is 1, and the weight check's probe reads ~0 and never fires.
 
-`make test-loop` runs four of the runs of a covering set in which every pair of option values
-appears together at least once: every value of every option, and both kept sets scored with the
-mask; `make test-slow` runs the rest of that set and the full product. A combination the
+`make test-loop` runs three runs that hold every value of every option and score both kept sets
+with the mask; `make test-slow` runs a covering set in which every pair of option values appears
+together at least once, and the full product. A combination the
 configuration refuses is asserted refused with its message."""
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import pytest
 
 from moe_rl.config import ConfigError, load_config
 from tests.helpers import init_tiny_model
-from tests.loop.zero_mismatch import (CONFIG, _pairs, all_combos, check_invariant, covering_set,
-                                      every_value_and_both_masks, name, overrides, refused,
-                                      run_all, train_steps)
+from tests.loop.zero_mismatch import (CONFIG, FACTORS, SGLANG_FACTORS, _pairs, all_combos,
+                                      check_invariant, covering_set, every_value_and_both_masks,
+                                      name, overrides, refused, run_all, train_steps)
 
 
-# the runs of the covering set that `make test-loop` runs (the rest: `make test-slow`)
+# the runs `make test-loop` runs (the covering set: `make test-slow`)
 CI_RUNS = every_value_and_both_masks()
 
 
@@ -32,6 +32,15 @@ def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_mismatch") / "model"
     init_tiny_model(str(out), str(CONFIG))
     return out
+
+
+@pytest.mark.parametrize("factors", [FACTORS, SGLANG_FACTORS], ids=["reference", "sglang"])
+def test_the_ci_runs_hold_every_value_and_both_masks_in_three(factors):
+    combos = every_value_and_both_masks(factors)
+    assert len(combos) == 3 and not any(refused(c) for c in combos)
+    assert all(any(c[k] == v for c in combos) for k, values in factors.items() for v in values)
+    for sampling in ("top_k", "top_k_top_p_min_p"):
+        assert any(c["mask"] and c["sampling"] == sampling for c in combos), sampling
 
 
 def test_covering_set_covers_every_valid_pair():

@@ -30,6 +30,10 @@ FACTORS = {
     "pack": (False, True),
 }
 
+# on SGLang: R2 too, and the weights synced from disk or over a process group
+SGLANG_FACTORS = {**{k: v for k, v in FACTORS.items() if k != "pack"},
+                  "replay": ("off", "r2", "r3"), "sync": ("disk", "distributed")}
+
 
 SAMPLING = {"full": [], "top_k": ["rollout.top_k=5"],
             "top_k_top_p_min_p": ["rollout.top_k=6", "rollout.top_p=0.9", "rollout.min_p=0.05"]}
@@ -65,27 +69,14 @@ def covering_set(factors: dict = FACTORS) -> list[dict]:
     return chosen
 
 
-def every_value_once(factors: dict) -> list[dict]:
-    """A few combinations of the pairwise covering set in which every value of every factor
-    appears at least once."""
-    todo = {(k, v) for k, values in factors.items() for v in values}
-    chosen = []
-    for combo in sorted(covering_set(factors), key=lambda c: -len(set(c.items()) & todo)):
-        if set(combo.items()) & todo:
-            chosen.append(combo)
-            todo -= set(combo.items())
-    assert not todo, todo
-    return chosen
-
-
 def every_value_and_both_masks(factors: dict = FACTORS) -> list[dict]:
-    """Every value of every factor at least once, and the kept set of top-k and of top-k +
-    top-p + min-p each scored with the mask (4 runs)."""
-    combos = every_value_once(factors)
-    for sampling in ("top_k", "top_k_top_p_min_p"):
-        if not any(c["mask"] and c["sampling"] == sampling for c in combos):
-            combos.append(next(c for c in covering_set(factors)
-                               if c["mask"] and c["sampling"] == sampling))
+    """The fewest runs that hold every value of every factor and score the kept sets of top-k
+    and of top-k + top-p + min-p with the mask: as many runs as the factor with the most values,
+    run i taking each factor's value i (cycling), the mask on wherever the sampling truncates."""
+    n = max(len(values) for values in factors.values())
+    combos = [{k: values[i % len(values)] for k, values in factors.items()} for i in range(n)]
+    for combo in combos:
+        combo["mask"] = combo["sampling"] != "full"
     return combos
 
 
