@@ -264,9 +264,10 @@ class RewardServer:
         self.httpd.server_close()
 
 
-def train_tiny(tmp_path, steps: int, samples: int, *overrides):
+def train_tiny(tmp_path, steps: int, samples: int, *overrides, exit_code: int = 0):
     """`moe-rl train` of a fresh tiny model in ``tmp_path`` (its modules importable) with
-    ``overrides``; returns the finished process and the metrics rows."""
+    ``overrides``, ending with ``exit_code``; returns the finished process and the metrics
+    rows."""
     import os
     import subprocess
     import sys
@@ -280,7 +281,7 @@ def train_tiny(tmp_path, steps: int, samples: int, *overrides):
          f"rollout.n_samples_per_prompt={samples}", *overrides],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"))
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == exit_code, res.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     return res, rows
 

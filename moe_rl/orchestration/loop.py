@@ -259,8 +259,8 @@ def check_batch(cfg: Config, summary: dict, failed_batches: int) -> None:
             f"First error: {first_line(summary['first_env_error'] or '')}")
     raise RunFailed(
         f"{reward_setting(cfg.data)[0]} failed on every sample of {failed_batches} batch(es) "
-        f"in a row ({limit}); training on zero rewards would learn nothing. First error: "
-        f"{first_line(summary['first_reward_error'] or '')}")
+        f"in a row ({limit}); training on zero rewards would learn nothing. Last error: "
+        f"{first_line(summary['last_reward_error'] or '')}")
 
 
 def export_final(cfg: Config, trainers: Trainers) -> None:

@@ -247,7 +247,7 @@ class RolloutWorker:
                    "reward_errors_total": inp.reward.errors,
                    "reward_timeouts_total": inp.reward.timeouts,
                    "reward_clipped_total": inp.reward.clipped,
-                   "first_reward_error": inp.reward.first_error, "first_env_error": env_error,
+                   "last_reward_error": inp.reward.last_error, "first_env_error": env_error,
                    "stale_samples": sum(s.weight_version < step for s in samples),
                    "counts": counts,
                    "shown": shown_samples(samples, inp.tokenizer, inp.prompts,

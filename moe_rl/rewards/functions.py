@@ -40,16 +40,18 @@ class RewardCounts:
     """What went wrong while scoring: ``errors`` (exceptions, non-finite or non-numeric values:
     scored 0, metric ``reward/errors``), ``timeouts`` (samples dropped, metric
     ``reward/timeouts``), ``clipped`` (rewards beyond +-``abs_max``, clipped to it: metric
-    ``reward/clipped``) and the first message; the first message of each kind is logged."""
+    ``reward/clipped``), the first and the latest message; the first of each kind is logged."""
 
     def __init__(self, spec: str, abs_max: float = 1e12):
         self.spec, self.abs_max = spec, abs_max
         self.errors = self.timeouts = self.clipped = 0
         self.first_error: str | None = None
+        self.last_error: str | None = None
 
     def error(self, message: str, n: int = 1) -> float:
         """``n`` samples failed with ``message``: each scores 0."""
         self.errors += n
+        self.last_error = message
         if self.first_error is None:
             self.first_error = message
             log.warning("reward %s failed (scored 0): %s", self.spec, message)
@@ -58,6 +60,7 @@ class RewardCounts:
     def timeout(self, message: str, n: int = 1) -> None:
         """``n`` samples lost to a timeout: dropped (None)."""
         self.timeouts += n
+        self.last_error = message
         if self.timeouts == n:
             log.warning("reward %s %s: sample dropped", self.spec, message)
         if self.first_error is None:

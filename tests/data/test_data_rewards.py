@@ -162,6 +162,8 @@ def every_fifth_hangs(prompt, response, answer, metadata):
 async def async_blocks_or_exits(prompt, response, answer, metadata):
     global calls
     calls += 1
+    if calls > 32:
+        raise KeyError("answer_field")   # the third step's batch: every sample fails
     if calls % 5 == 0:
         time.sleep(3600)   # blocks (no await): must hold neither the rollout nor the bound
     if calls % 7 == 0:
@@ -241,14 +243,20 @@ def test_a_hanging_reward_through_moe_rl_train(tmp_path):
     """`moe-rl train` with an ``async def`` reward that blocks (time.sleep, no await) on every
     fifth call, calls sys.exit on every seventh and returns -+1.7e308 on every eleventh: the
     first are dropped and counted (reward/timeouts), the others counted (reward/errors,
-    reward/clipped), the log names each once, the run finishes."""
+    reward/clipped), the log names each once, the steps finish. On the third step it raises on
+    every sample: the run stops after data.max_failed_reward_batches in one line naming the
+    reward and its error, exit 1, no traceback, nothing of that step written."""
     (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
-    res, rows = train_tiny(tmp_path, 2, 4, "data.reward=hanging_rewards:async_blocks_or_exits",
-                            "data.reward_timeout_s=1")
+    res, rows = train_tiny(tmp_path, 3, 4, "data.reward=hanging_rewards:async_blocks_or_exits",
+                           "data.reward_timeout_s=1", exit_code=1)
     assert [r["reward/timeouts"] for r in rows] == [3.0, 6.0]   # 16 calls a step
     assert [r["reward/errors"] for r in rows] == [2.0, 4.0]
     assert [r["reward/clipped"] for r in rows] == [1.0, 2.0]   # calls 11 and 22
     assert res.stdout.count("did not return within the time allowed (data.reward_timeout_s=1)") == 1
+    assert "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("moe-rl train: data.reward: hanging_rewards:async_blocks_or_exits "
+                           "failed on every sample of 1 batch(es)") and "KeyError" in last, last
 
 
 def test_jsonl_and_parquet_with_chat_template(tmp_path):

@@ -169,6 +169,8 @@ def _reward_run_command(tmp_path) -> list[str]:
 
 @pytest.mark.loop
 @pytest.mark.e2e
+@pytest.mark.slow   # `make test-slow`: the async reward of tests/data/test_data_rewards.py's
+# hanging-reward run fails on a whole batch at its third step and stops it the same way
 def test_a_reward_failing_on_a_whole_batch_stops_the_run_with_the_reason(tmp_path):
     """A Python reward that raises on every sample: the run stops after
     data.max_failed_reward_batches in one line naming the reward and its error, exit 1, no
