@@ -176,6 +176,9 @@ def test_a_node_lost_mid_run_requeues_the_job_which_resumes_where_it_was(cluster
     print(f"job {job}: failed and requeued {failed_after:.0f} s after the node was killed")
     out = (work / f"lost-{job}.out").read_text()
     assert "Traceback" not in out, out[-4000:]
+    # the head's Ray stopped at once, not after Ray's drain of up to 30 s (the requeue waits)
+    head_log = (run / "logs" / f"slurm-{job}.0" / "ray-n1.log").read_text()
+    assert "Draining for up to" not in head_log, head_log[-2000:]
     # the node comes back; Slurm holds a requeued job ~2 min before it may start again: now
     cluster.start_node("n2")
     cluster.scontrol("update", f"JobId={job}", "StartTime=now")
