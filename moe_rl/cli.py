@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("report", "plot and summarise runs from their TensorBoard events"),
     "plan": ("plan", "print every process a run would start: node, GPUs, engine command lines"),
     "doctor": ("doctor", "check this node before a run: torch/CUDA, GPUs, megatron-core, TE, SGLang, NCCL, disk, shared filesystem, ports"),
+    "check-model": ("check_model", "check that a HF checkpoint is aligned in moe_rl: transformers, the trainer (and engines) on the same prompts, routing and log-probs per layer"),
     "config": ("show_config", "print the resolved configuration, or the table of every key"),
 }
 

@@ -56,6 +56,11 @@ QWEN = dict(model_type="qwen3_moe", vocab_size=48, hidden_size=32, num_hidden_la
             mlp_only_layers=[1], norm_topk_prob=True, max_position_embeddings=64,
             rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
+MIXTRAL = dict(model_type="mixtral", vocab_size=48, hidden_size=32, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=16,
+               num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+               rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
 
 def write_hf_model(tmp_path, cfg, seed=0, old_rope_layout=False):
     """A random transformers model of ``cfg`` saved as a HF checkpoint; returns (dir, model).

@@ -19,7 +19,7 @@ LAYERS = [
     {"packing", "data", "rewards", "weights", "algo", "run_dir", "wandb_log", "memory_estimate"},
     {"envs", "models", "engines", "sample_log"},
     {"trainer", "rollout", "run_inputs", "run_summary", "node_checks"},
-    {"evaluation"},
+    {"evaluation", "model_check"},
     {"orchestration"},
     {"commands"},
     {"cli"},

@@ -17,12 +17,7 @@ from moe_rl.trainer.context_parallel import chunk_positions
 from moe_rl.trainer.replay import (ReplayController,
                                    sequence_parallel_slice)
 from moe_rl.types import Sample
-from tests.hf_models import QWEN, write_hf_model
-
-MIXTRAL = dict(model_type="mixtral", vocab_size=48, hidden_size=32, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=16,
-               num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-               rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+from tests.hf_models import MIXTRAL, QWEN, write_hf_model
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,0 +1,221 @@
+"""``moe-rl check-model``: whether a Hugging Face checkpoint is aligned in moe_rl before GPUs are
+spent on it. The same prompts go through transformers (the reference), moe_rl's megatron-core
+model built and loaded from the checkpoint, and, when given, an engine server speaking SGLang's
+protocol (SGLang itself or the reference engine). For each side it measures, per MoE layer, how
+often the side's routers pick the experts transformers' routers picked (every token), and how far
+its next-token log-probs are from transformers': the trainer's with transformers' routing
+replayed (R3, what training uses) and with its own; the engine's as it scores them."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moe_rl.algo.metrics import routing_agreement
+from moe_rl.engines.base import EngineError
+from moe_rl.errors import UserError
+from moe_rl.moe_shape import MoEShape
+from moe_rl.types import Sample, routing_dtype
+
+# the thresholds of the verdict (float32 on both sides; a 16-bit engine needs looser ones)
+MIN_AGREEMENT = 0.99
+MAX_ABS_DELTA = 1e-3
+
+# prompts of its own when none are given: words, digits and symbols, short and longer
+OWN_PROMPTS = (
+    "The capital of France is Paris, and the capital of Italy is",
+    "12+35=47, 8*7=56, 100-1=",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Mixture-of-Experts models route each token to a few experts; the router",
+)
+
+
+@dataclasses.dataclass
+class SideReport:
+    """One side against transformers: routing agreement per MoE layer (HF layer index), the
+    max and mean |delta log-prob| over every scored token."""
+    name: str
+    agreement: dict[int, float]
+    max_abs_delta: float
+    mean_abs_delta: float
+
+    def failures(self, min_agreement: float, max_abs_delta: float) -> list[str]:
+        """What falls short of the thresholds, in words (empty: aligned)."""
+        out = [f"layer {layer}: routing agreement {a:.4f} < {min_agreement}"
+               for layer, a in self.agreement.items() if a < min_agreement]
+        if not self.max_abs_delta <= max_abs_delta:   # NaN fails too
+            out.append(f"max |delta log-prob| {self.max_abs_delta:.3g} > {max_abs_delta}")
+        return out
+
+
+@dataclasses.dataclass
+class Reference:
+    """transformers' answer on each prompt: log-probs of tokens 1.. [S-1] and its routers'
+    choices at positions ..S-2 [S-1, MoE layers, K]."""
+    prompts: list[list[int]]
+    logprobs: list[torch.Tensor]
+    routing: list[torch.Tensor]
+
+
+def prompt_ids(path: str, context: int, data: str | None = None, prompt_key: str = "prompt",
+               max_prompts: int = 16) -> list[list[int]]:
+    """The prompts as token ids in the checkpoint's tokenizer, no chat template: the first
+    ``max_prompts`` rows of ``data`` (JSONL or Parquet, its ``prompt_key`` text; a bad row is
+    refused naming the file, the row and the key), else :data:`OWN_PROMPTS`; each cut to
+    ``context`` - 1 tokens (an engine's request must fit the model's context), those of fewer
+    than two tokens left out."""
+    from transformers import AutoTokenizer
+    from moe_rl.config import DataConfig
+    from moe_rl.data.prompts import encode_prompt, load_prompts
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if data is None:
+        ids = [encode_prompt(tokenizer, text, False) for text in OWN_PROMPTS]
+    else:
+        source = "parquet" if data.endswith(".parquet") else "jsonl"
+        ids = [r.ids for r in load_prompts(DataConfig(source=source, path=data,
+                                                      prompt_key=prompt_key,
+                                                      chat_template=False), tokenizer)]
+    out = [list(x)[:context - 1] for x in ids[:max_prompts] if len(x) >= 2]
+    if not out:
+        raise UserError(f"--data: no prompt of two tokens or more in {data or 'its own prompts'}")
+    return out
+
+
+def _router_choice(output) -> torch.Tensor:
+    """The integer tensor (top-k expert ids) in a transformers router's output."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    for t in outputs:
+        if torch.is_tensor(t) and not t.is_floating_point():
+            return t
+    raise TypeError("the router's output holds no expert ids")
+
+
+def transformers_reference(path: str, prompts: list[list[int]], shape: MoEShape) -> Reference:
+    """Run every prompt through transformers' own model (float32) and record its routers'
+    choices (``model.layers.<i>.mlp.gate`` of each MoE layer)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    model.eval()
+    picks: dict[int, torch.Tensor] = {}
+    hooks = []
+    for layer in shape.moe_layers:
+        gate = model.get_submodule(f"model.layers.{layer}.mlp.gate")
+        hooks.append(gate.register_forward_hook(
+            lambda _m, _i, out, layer=layer: picks.__setitem__(layer, _router_choice(out))))
+    ref = Reference(prompts, [], [])
+    try:
+        for ids in prompts:
+            picks.clear()
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+            lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])
+            ref.logprobs.append(lp[:, 0])
+            chosen = torch.stack([picks[layer].reshape(len(ids), -1) for layer in shape.moe_layers], 1)
+            ref.routing.append(chosen[:-1])
+    finally:
+        for h in hooks:
+            h.remove()
+    return ref
+
+
+def _deltas(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[float, float]:
+    d = torch.cat([(g.double() - w.double()).abs() for g, w in zip(got, want)])
+    return float(d.max()), float(d.mean())
+
+
+def _per_layer(agreement: dict[str, float], layers: tuple[int, ...]) -> dict[int, float]:
+    return {layer: agreement[f"routing/agreement_layer_{layer}"] for layer in layers}
+
+
+def check_trainer(path: str, ref: Reference, shape: MoEShape) -> tuple[SideReport, SideReport]:
+    """moe_rl's megatron-core model of ``path`` (one process): transformers' routing replayed
+    (R3), then its own routing; the agreement is its routers' own choice either way."""
+    from moe_rl.packing import pack_one
+    from moe_rl.trainer.forward import forward_logprobs
+    from moe_rl.trainer.model_builder import build_model
+    from moe_rl.trainer.parallel import init_distributed, init_model_parallel
+    from moe_rl.trainer.replay import ReplayController
+    from moe_rl.weights.hf import load_hf_into_megatron
+    init_distributed()
+    init_model_parallel()
+    model, spec = build_model(path)
+    load_hf_into_megatron(model, spec, path)
+    model.eval()
+    dtype = routing_dtype(shape.num_experts)
+    samples = [Sample(prompt_ids=torch.tensor(ids[:1]), response_ids=torch.tensor(ids[1:]),
+                      rollout_logprobs=torch.zeros(len(ids) - 1), routing=r.to(dtype))
+               for ids, r in zip(ref.prompts, ref.routing)]
+    mb = pack_one(samples, list(range(len(samples))), pad_token_id=0,
+                  num_experts=shape.num_experts)
+    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
+    reports = []
+    try:
+        for mode in ("replayed", "own"):
+            if mode == "replayed":
+                ctl.replay(mb.replay_indices())
+            else:
+                ctl.record()
+            with torch.no_grad():
+                lp, _ = forward_logprobs(model, mb)
+            own = ctl.own_choice() if mode == "replayed" else ctl.recorded()
+            ctl.finish_forward()
+            agreement = ctl.agreement(mb.replay_indices(), mb.routing_valid_router_order(),
+                                      trainer=own)
+            got = [lp[b, :len(ids) - 1] for b, ids in enumerate(ref.prompts)]
+            reports.append(SideReport(f"trainer, {mode} routing",
+                                      _per_layer(agreement, shape.moe_layers),
+                                      *_deltas(got, ref.logprobs)))
+    finally:
+        ctl.close()
+    return reports[0], reports[1]
+
+
+def check_engine(url: str, ref: Reference, shape: MoEShape, model_path: str) -> SideReport:
+    """The engine server at ``url``: its routing of each prompt (positions ..S-2) and its
+    scoring of tokens 1.. (one pass, temperature 1)."""
+    from moe_rl.config import config_from_dict
+    from moe_rl.engines.factory import engine_kind
+    # any server speaking SGLang's protocol: the protocol's client, routing requested
+    cfg = config_from_dict({"model": {"path": model_path}, "rollout": {"engine": "reference"},
+                            "algorithm": {"replay": "r3"}})
+    engine = engine_kind(cfg).connect([url], shape)
+    samples = [Sample(prompt_ids=torch.tensor(ids[:1]), response_ids=torch.tensor(ids[1:]),
+                      rollout_logprobs=torch.zeros(len(ids) - 1)) for ids in ref.prompts]
+
+    async def routings(session):
+        return [await session.routing(ids, 0, server=0) for ids in ref.prompts]
+    try:
+        engine.score(samples, 1)
+        chosen = engine.run(routings)
+    except EngineError as exc:
+        raise UserError(f"--engine {url}: {exc}") from None
+    got = [s.pass_logprobs[0] for s in samples]
+    agreement = routing_agreement(torch.cat(chosen), torch.cat(ref.routing),
+                                  layer_names=list(shape.moe_layers))
+    return SideReport(f"engine at {url}", _per_layer(agreement, shape.moe_layers),
+                      *_deltas(got, ref.logprobs))
+
+
+def format_report(reports: list[SideReport], tokens: int, prompts: int) -> list[str]:
+    """The table: one row per side and MoE layer."""
+    lines = [f"{prompts} prompts, {tokens} scored tokens; against transformers (float32):",
+             f"{'side':<34} {'layer':>5} {'agreement':>9} {'max |dlp|':>10} {'mean |dlp|':>10}"]
+    for r in reports:
+        for i, (layer, a) in enumerate(r.agreement.items()):
+            deltas = (f"{r.max_abs_delta:>10.3g} {r.mean_abs_delta:>10.3g}" if i == 0
+                      else f"{'':>10} {'':>10}")
+            lines.append(f"{r.name if i == 0 else '':<34} {layer:>5} {a:>9.4f} {deltas}")
+    return lines
+
+
+def verdict(reports: list[SideReport], min_agreement: float, max_abs_delta: float
+            ) -> tuple[bool, str]:
+    """(aligned, the verdict line)."""
+    failed = [f"{r.name}: {f}" for r in reports for f in r.failures(min_agreement, max_abs_delta)]
+    if failed:
+        return False, "NOT ALIGNED: " + "; ".join(failed)
+    worst = max(r.max_abs_delta for r in reports)
+    low = min(min(r.agreement.values()) for r in reports)
+    return True, (f"aligned: routing agreement >= {low:.4f} on every layer (threshold "
+                  f"{min_agreement}), max |delta log-prob| {worst:.3g} (threshold "
+                  f"{max_abs_delta})")

@@ -1,0 +1,138 @@
+"""`moe-rl check-model`: transformers, moe_rl's trainer and an engine server on the same prompts;
+aligned on every tiny family, and not aligned (exit 1, naming the side and the layer) when one
+side's weights were deliberately made to differ."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe_rl.cli import main
+from moe_rl.engines.reference.launcher import ReferenceServer
+from moe_rl.model_check import (SideReport, check_trainer, transformers_reference, verdict)
+from moe_rl.moe_shape import MoEShape
+from moe_rl.trainer.parallel import free_port
+from tests.hf_models import MIXTRAL, write_hf_model
+from tests.helpers import init_tiny_model
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return init_tiny_model(tmp_path_factory.mktemp("check_qwen") / "model")
+
+
+def _check(capsys, *argv):
+    code = main(["check-model", *map(str, argv)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    """side -> its layer numbers, from the printed table."""
+    sides, side = {}, None
+    for line in out.splitlines()[2:-1]:
+        parts = line.split()
+        if not line.startswith(" "):
+            side = line[:34].strip()
+            sides[side] = []
+        sides[side].append(parts[-4] if not line.startswith(" ") else parts[0])
+    return sides
+
+
+@pytest.mark.parametrize("config", ["tiny_cpu.yaml", "deepseek_tiny_cpu.yaml"],
+                         ids=["qwen3_moe", "deepseek_v3"])
+def test_every_tiny_family_is_aligned(tmp_path, capsys, config):
+    model = init_tiny_model(tmp_path / "model", config)
+    moe_layers = [str(i) for i in MoEShape.from_hf(
+        json.loads((model / "config.json").read_text())).moe_layers]
+    code, out, _ = _check(capsys, model)
+    assert code == 0, out
+    assert _rows(out) == {"trainer, replayed routing": moe_layers,
+                          "trainer, own routing": moe_layers}
+    last = out.splitlines()[-1]
+    assert last.startswith("aligned: routing agreement >= 1.0000 on every layer"), last
+    assert float(last.split("max |delta log-prob| ")[1].split()[0]) < 1e-4
+
+
+def test_mixtral_is_aligned(tmp_path):
+    """Mixtral has no tiny model of `moe-rl init-model` (and no tokenizer): its token ids
+    straight into the check."""
+    path, _ = write_hf_model(tmp_path, MIXTRAL)
+    with open(f"{path}/config.json") as fh:
+        shape = MoEShape.from_hf(json.load(fh))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 48, (n,), generator=g).tolist() for n in (30, 17)]
+    ref = transformers_reference(path, prompts, shape)
+    replayed, own = check_trainer(path, ref, shape)
+    assert replayed.agreement == own.agreement == {layer: 1.0 for layer in shape.moe_layers}
+    assert replayed.max_abs_delta < 1e-4 and own.max_abs_delta < 1e-4
+    assert verdict([replayed, own], 0.99, 1e-3)[0]
+
+
+def test_an_engine_serving_other_weights_is_not_aligned(qwen, tmp_path, capsys):
+    """The same model on the reference engine agrees; an engine serving another seed's weights
+    (a sync that never landed) fails the check, naming the engine."""
+    other = init_tiny_model(tmp_path / "other", "tiny_cpu.yaml", "model.init.seed=7")
+    same, wrong = ReferenceServer(str(qwen), free_port()), ReferenceServer(str(other), free_port())
+    try:
+        same.start()
+        wrong.start()
+        code, out, _ = _check(capsys, qwen, "--engine", same.url)
+        assert code == 0, out
+        assert f"engine at {same.url}" in _rows(out)
+        code, out, _ = _check(capsys, qwen, "--engine", wrong.url, "--max-prompts", "2")
+    finally:
+        same.stop()
+        wrong.stop()
+    assert code == 1
+    last = out.splitlines()[-1]
+    assert last.startswith(f"NOT ALIGNED: engine at {wrong.url}: "), last
+    assert "max |delta log-prob|" in last and "trainer" not in last
+
+
+def test_a_trainer_loaded_wrong_is_not_aligned(qwen, capsys, monkeypatch):
+    """A conversion that gets the first MoE layer's router wrong (its rows permuted: the experts
+    renamed) is named: that layer's agreement falls, the log-probs move."""
+    from moe_rl.weights import hf
+    load = hf.load_hf_into_megatron
+
+    def wrong(model, spec, path):
+        load(model, spec, path)
+        router = next(layer.mlp.router for layer in model.decoder.layers
+                      if hasattr(layer.mlp, "router"))
+        with torch.no_grad():
+            router.weight.copy_(router.weight.roll(1, 0))
+    monkeypatch.setattr(hf, "load_hf_into_megatron", wrong)
+    code, out, _ = _check(capsys, qwen)
+    assert code == 1
+    last = out.splitlines()[-1]
+    assert last.startswith("NOT ALIGNED: trainer, replayed routing: layer 0: routing agreement"), last
+    assert "trainer, own routing: layer 0:" in last and "max |delta log-prob|" in last
+
+
+def test_the_verdict_names_every_failure_and_nan_fails():
+    ok = SideReport("a", {0: 1.0, 2: 0.995}, 1e-5, 1e-6)
+    bad = SideReport("b", {0: 0.9, 2: 1.0}, float("nan"), float("nan"))
+    assert verdict([ok], 0.99, 1e-3)[0]
+    aligned, line = verdict([ok, bad], 0.99, 1e-3)
+    assert not aligned
+    assert line == ("NOT ALIGNED: b: layer 0: routing agreement 0.9000 < 0.99; "
+                    "b: max |delta log-prob| nan > 0.001")
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    code, _, err = _check(capsys, tmp_path / "nowhere")
+    assert code == 2 and err.startswith("moe-rl check-model: PATH: expected a Hugging Face "
+                                        "checkpoint directory with config.json"), err
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    code, _, err = _check(capsys, tmp_path / "llama")
+    assert code == 2 and "'llama' is not supported" in err
+
+
+def test_an_engine_that_does_not_answer_is_one_line(qwen, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    code, _, err = _check(capsys, qwen, "--engine", url, "--max-prompts", "1")
+    assert code == 2 and err.splitlines()[-1].startswith(f"moe-rl check-model: --engine {url}: "), err
+    assert "Traceback" not in err
