@@ -224,6 +224,19 @@ def _comparable(started) -> SamplingConfig:
                                                           max_new_tokens=8)
 
 
+def test_check_model_finds_each_server_aligned_with_transformers(started, capsys):
+    """`moe-rl check-model` against both servers (before any weight update: they serve model
+    a): their routing and scoring agree with transformers and the trainer."""
+    from moe_rl.cli import main
+    urls = [p.url for p in started.procs]
+    code = main(["check-model", str(started.models / "a"), "--max-prompts", "2",
+                 *[x for url in urls for x in ("--engine", url)]])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert all(f"engine at {url}" in out for url in urls)
+    assert out.splitlines()[-1].startswith("aligned: routing agreement >= 1.0000"), out
+
+
 def test_weights_from_disk_and_from_a_group_land_everywhere(started):
     eng, w = started.engine, started.engine.weights
     b = str(started.models / "b")
