@@ -3,6 +3,7 @@ layout, DeepSeek-V3 with YaRN), and transformers' own forward pass as the refere
 from __future__ import annotations
 
 import json
+import pathlib
 
 import torch
 
@@ -17,22 +18,39 @@ DEEPSEEK = dict(vocab_size=48, hidden_size=32, intermediate_size=48, moe_interme
                 num_nextn_predict_layers=0, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
+GLM4_MOE = dict(vocab_size=48, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False,
+                n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, n_group=2,
+                topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                norm_topk_prob=True, max_position_embeddings=64, rms_norm_eps=1e-6,
+                tie_word_embeddings=False)
+
+
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 
 
-def write_deepseek(path, seed=0, bias_std=0.1, **overrides):
-    """A random DeepseekV3ForCausalLM (non-trivial norms, confident routers, a non-zero expert
-    bias) saved to ``path``; returns the transformers model."""
+def write_deepseek(path, seed=0, bias_std=0.1, glm=False, **overrides):
+    """A random DeepseekV3ForCausalLM (or, with ``glm``, Glm4MoeForCausalLM: DeepSeek-V3's
+    router under grouped-query attention; non-trivial norms and attention biases, confident
+    routers, a non-zero expert bias) saved to ``path``; returns the transformers model."""
     import transformers
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(
-        transformers.DeepseekV3Config(**{**DEEPSEEK, **overrides}))
+    if glm:
+        model = transformers.Glm4MoeForCausalLM(
+            transformers.Glm4MoeConfig(**{**GLM4_MOE, **overrides}))
+    else:
+        model = transformers.DeepseekV3ForCausalLM(
+            transformers.DeepseekV3Config(**{**DEEPSEEK, **overrides}))
     sharpen(model)
     with torch.no_grad():
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape) * bias_std)
+        for n, p in model.named_parameters():
+            if n.endswith("_proj.bias"):   # attention biases, zero at initialisation
+                p.copy_(torch.randn(p.shape) * 0.5)
     model.eval()
     model.save_pretrained(path)
     return model
@@ -84,3 +102,20 @@ def write_hf_model(tmp_path, cfg, seed=0, old_rope_layout=False):
         conf.update(rope_theta=params["rope_theta"], rope_scaling=None)
         (path / "config.json").write_text(json.dumps(conf))
     return str(path), model
+
+
+def write_glm_beside(tiny: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """A GLM-4.5-style model (:data:`GLM4_MOE`'s layout, confident routers, attention biases)
+    of the tiny model's vocabulary, special ids and context, with its tokenizer: what `moe-rl
+    train` can run on in place of the tiny Qwen3-MoE."""
+    import shutil
+    conf = json.loads((tiny / "config.json").read_text())
+    write_deepseek(out, glm=True, vocab_size=conf["vocab_size"],
+                   max_position_embeddings=conf["max_position_embeddings"],
+                   eos_token_id=conf["eos_token_id"], pad_token_id=conf["pad_token_id"],
+                   bos_token_id=conf.get("bos_token_id"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+              "generation_config.json"):
+        if (tiny / f).exists():
+            shutil.copy(tiny / f, out / f)
+    return out

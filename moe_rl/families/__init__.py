@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from moe_rl.families import deepseek_v3, mixtral, qwen3_moe
+from moe_rl.families import deepseek_v3, glm4_moe, mixtral, qwen3_moe
 
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen3_moe, mixtral, deepseek_v3)}
+FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen3_moe, mixtral, deepseek_v3,
+                                                               glm4_moe)}
 SUPPORTED = tuple(FAMILIES)
 TINY_FAMILIES = tuple(t for t, m in FAMILIES.items() if m.TINY)   # `moe-rl init-model` builds
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from moe_rl.errors import ConfigError
 from moe_rl.families.names import GATED_MLP_EXPERTS
 from moe_rl.families.rope import rope_table
+from moe_rl.families.sigmoid_router import shared_expert_names, sigmoid_router_settings
 
 MODEL_TYPE = "deepseek_v3"
 MULTI_LATENT_ATTENTION = True
@@ -59,44 +60,19 @@ def _mla_and_router(spec, sizes, bias_update_rate: float) -> dict:
         "attention_bias": (bool(hf.get("attention_bias")), "attention biases are not built"),
         "rope_interleave": (hf.get("rope_interleave", True) is False,
                             "megatron-core's MLA rotates interleaved pairs only"),
-        "scoring_func": (hf.get("scoring_func", "sigmoid") != "sigmoid",
-                         "only the sigmoid router is built"),
-        "topk_method": (hf.get("topk_method", "noaux_tc") != "noaux_tc",
-                        "only 'noaux_tc' (biased, group-limited) selection is built"),
-        "norm_topk_prob": (not hf.get("norm_topk_prob", True) and spec.facts.topk > 1,
-                           "megatron-core always renormalises the sigmoid top-k gates"),
-        "hidden_act": (hf.get("hidden_act", "silu") != "silu", "only SiLU experts are built"),
     }
     for key, (bad, why) in refuse.items():
         if bad:
             raise ValueError(f"{key}: {hf.get(key)!r} is not supported for DeepSeek-V3: {why}")
+    router = sigmoid_router_settings(spec, bias_update_rate, "DeepSeek-V3")
     if sizes.tensor > 1:
         raise ValueError("trainer.tensor_parallel: > 1 is not supported for DeepSeek-V3 (MLA) "
                          "models yet; use expert and data parallelism")
-    n_exp, topk = spec.facts.num_experts, spec.facts.topk
-    groups, group_topk = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
-    if groups > 1 and n_exp % groups:
-        raise ValueError(f"n_group: {groups} does not divide n_routed_experts {n_exp}")
-    limited = 1 < groups and group_topk < groups
-    if limited and (topk % group_topk or topk // group_topk != 2 or n_exp // groups < 2):
-        # transformers ranks a group by its top-2 scores, megatron-core by its top-(k/groups)
-        raise ValueError(f"topk_group: group-limited routing needs num_experts_per_tok / "
-                         f"topk_group == 2 (both rank a group by its two best experts); got "
-                         f"{topk} / {group_topk}")
-    shared = int(hf.get("n_shared_experts") or 0)
-    moe_ffn = int(hf["moe_intermediate_size"])
     return dict(
         multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"),
         kv_lora_rank=int(hf["kv_lora_rank"]), qk_head_dim=int(hf["qk_nope_head_dim"]),
         qk_pos_emb_head_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
-        kv_channels=int(hf["v_head_dim"]), **mla_rope_settings(hf),
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        moe_router_bias_update_rate=float(bias_update_rate),
-        moe_router_num_groups=groups if limited else None,
-        moe_router_group_topk=group_topk if limited else None,
-        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
-        moe_router_dtype="fp32",
-        moe_shared_expert_intermediate_size=moe_ffn * shared if shared else None)
+        kv_channels=int(hf["v_head_dim"]), **mla_rope_settings(hf), **router)
 
 
 def hf_attention_names(prefix: str) -> dict:
@@ -115,11 +91,7 @@ def hf_attention_names(prefix: str) -> dict:
         "self_attention.kv_layernorm.weight": kv_norm,
         "self_attention.linear_kv_up_proj.layer_norm_weight": kv_norm,
         "self_attention.linear_kv_up_proj.weight": ("copy", [a + "kv_b_proj.weight"]),
-        "mlp.shared_experts.linear_fc1.weight":
-            ("cat", [prefix + "mlp.shared_experts.gate_proj.weight",
-                     prefix + "mlp.shared_experts.up_proj.weight"]),
-        "mlp.shared_experts.linear_fc2.weight":
-            ("copy", [prefix + "mlp.shared_experts.down_proj.weight"]),
+        **shared_expert_names(prefix),
     }
 
 

@@ -44,7 +44,10 @@ def _ranks():
 
 
 def qkv_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """HF q/k/v projections -> megatron's fused QKV, grouped as [q heads of g, k_g, v_g] per g."""
+    """HF q/k/v projections -> megatron's fused QKV, grouped as [q heads of g, k_g, v_g] per g
+    (weights [rows, hidden], or biases [rows])."""
+    if q.dim() == 1:
+        return qkv_merge(q[:, None], k[:, None], v[:, None], n_groups)[:, 0]
     qs = q.reshape(n_groups, -1, q.shape[-1])
     ks = k.reshape(n_groups, -1, k.shape[-1])
     vs = v.reshape(n_groups, -1, v.shape[-1])
@@ -54,6 +57,9 @@ def qkv_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_groups: int) 
 def qkv_split(qkv: torch.Tensor, n_groups: int, head_dim: int, heads_per_group: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`qkv_merge`."""
+    if qkv.dim() == 1:
+        q, k, v = qkv_split(qkv[:, None], n_groups, head_dim, heads_per_group)
+        return q[:, 0], k[:, 0], v[:, 0]
     g = qkv.reshape(n_groups, (heads_per_group + 2) * head_dim, qkv.shape[-1])
     q = g[:, :heads_per_group * head_dim].reshape(-1, qkv.shape[-1])
     k = g[:, heads_per_group * head_dim:(heads_per_group + 1) * head_dim].reshape(-1, qkv.shape[-1])
@@ -95,7 +101,8 @@ def tp_merge(shards: list[torch.Tensor], kind: str) -> torch.Tensor:
 
 
 def _sharding(local_name: str) -> str:
-    if local_name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight",
+    if local_name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight",
+                            "output_layer.weight",
                             "linear_q_proj.weight", "linear_q_up_proj.weight",
                             "linear_kv_up_proj.weight")):
         return "column"

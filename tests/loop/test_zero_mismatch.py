@@ -18,13 +18,16 @@ import pytest
 
 from moe_rl.config import ConfigError, load_config
 from tests.helpers import init_tiny_model
+from tests.hf_models import write_glm_beside
 from tests.loop.zero_mismatch import (CONFIG, FACTORS, SGLANG_FACTORS, _pairs, all_combos,
                                       check_invariant, covering_set, every_value_and_both_masks,
                                       name, overrides, refused, run_all, train_steps)
 
 
-# the runs `make test-loop` runs (the covering set: `make test-slow`)
-CI_RUNS = every_value_and_both_masks()
+# the runs `make test-loop` runs (the covering set: `make test-slow`); the R3 one on a
+# GLM-4.5-style model (attention biases, partial rotary, DeepSeek-V3's router, shared experts)
+CI_RUNS = [dict(c, family="glm4_moe") if c["replay"] == "r3" else c
+           for c in every_value_and_both_masks()]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +35,13 @@ def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_mismatch") / "model"
     init_tiny_model(str(out), str(CONFIG))
     return out
+
+
+@pytest.fixture(scope="module")
+def models(model_dir, tmp_path_factory):
+    """family -> model directory: the tiny Qwen3-MoE, and a GLM-4.5-style model beside it."""
+    glm = write_glm_beside(model_dir, tmp_path_factory.mktemp("zero_mismatch_glm") / "model")
+    return {"qwen3_moe": model_dir, "glm4_moe": glm}
 
 
 @pytest.mark.parametrize("factors", [FACTORS, SGLANG_FACTORS], ids=["reference", "sglang"])
@@ -62,8 +72,9 @@ def test_refused_combinations_name_the_reason(combo):
 @pytest.mark.parametrize("combo", CI_RUNS + [pytest.param(c, marks=pytest.mark.slow)
                                              for c in covering_set() if c not in CI_RUNS],
                          ids=name)   # one run each: xdist spreads them
-def test_zero_mismatch_covering_set(model_dir, tmp_path, combo):
-    check_invariant(combo, train_steps(model_dir, tmp_path / name(combo), combo)[0])
+def test_zero_mismatch_covering_set(models, tmp_path, combo):
+    model = models[combo.get("family", "qwen3_moe")]
+    check_invariant(combo, train_steps(model, tmp_path / name(combo), combo)[0])
 
 
 # `make test-slow`: the DPPO and RSPO runs (tests/algo/test_dppo.py holds binary TV and KL to a

@@ -1,0 +1,59 @@
+"""GLM-4.5 (GLM-4.5-Air, 4.6 and 4.7 share the layout): grouped-query attention with q/k/v
+biases (``attention_bias``) and optional q/k RMSNorm (``use_qk_norm``), rotary embedding on the
+first ``partial_rotary_factor`` of each head (not interleaved), DeepSeek-V3's router (sigmoid,
+expert bias, group-limited top-k, ``routed_scaling_factor``) with shared experts, and
+``first_k_dense_replace`` dense leading layers. The multi-token-prediction layers a released
+checkpoint carries beyond ``num_hidden_layers`` are not trained."""
+from __future__ import annotations
+
+from moe_rl.families.names import GATED_MLP_EXPERTS
+from moe_rl.families.rope import gpt_rotary
+from moe_rl.families.sigmoid_router import shared_expert_names, sigmoid_router_settings
+
+MODEL_TYPE = "glm4_moe"
+MULTI_LATENT_ATTENTION = False
+TINY = False
+HF_MOE_BLOCK = "mlp"
+HF_EXPERT = GATED_MLP_EXPERTS
+
+
+def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
+    """TransformerConfig settings of this family: the attention's biases and q/k norm, the
+    router and the shared experts."""
+    hf = spec.hf_config
+    moe_ffn = int(hf["moe_intermediate_size"])
+    return dict(ffn_hidden_size=int(hf.get("intermediate_size") or moe_ffn),
+                moe_ffn_hidden_size=moe_ffn, moe_router_pre_softmax=False,
+                add_qkv_bias=bool(hf.get("attention_bias")),
+                qk_layernorm=bool(hf.get("use_qk_norm")),
+                **sigmoid_router_settings(spec, bias_update_rate, "GLM-4.5"))
+
+
+def rotary(hf: dict) -> dict:
+    return gpt_rotary(hf)   # partial_rotary_factor: megatron's rotary_percent
+
+
+def hf_attention_names(prefix: str) -> dict:
+    """Rows of the megatron -> HF name table beyond the shared attention ones: the fused QKV
+    bias, the shared experts."""
+    a = prefix + "self_attn."
+    return {"self_attention.linear_qkv.bias": ("qkv", [a + "q_proj.bias", a + "k_proj.bias",
+                                                       a + "v_proj.bias"]),
+            **shared_expert_names(prefix)}
+
+
+def engine_fused_key(hf: dict, name: str) -> str | None:
+    """SGLang loads each of this family's tensors on its own."""
+    return None
+
+
+def fp8_head_dim(hf: dict, heads: int) -> int | None:
+    return int(hf.get("head_dim") or hf["hidden_size"] // heads)
+
+
+def fp8_moe_intermediate(hf: dict) -> int:
+    return int(hf.get("moe_intermediate_size") or 0)
+
+
+def fp8_dense_mlp(hf: dict, experts: int) -> bool:
+    return not experts or int(hf.get("first_k_dense_replace") or 0) > 0
