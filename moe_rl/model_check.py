@@ -17,10 +17,6 @@ from moe_rl.errors import UserError
 from moe_rl.moe_shape import MoEShape
 from moe_rl.types import Sample, routing_dtype
 
-# the thresholds of the verdict (float32 on both sides; a 16-bit engine needs looser ones)
-MIN_AGREEMENT = 0.99
-MAX_ABS_DELTA = 1e-3
-
 # prompts of its own when none are given: words, digits and symbols, short and longer
 OWN_PROMPTS = (
     "The capital of France is Paris, and the capital of Italy is",

@@ -9,9 +9,12 @@ import os
 
 from moe_rl.errors import UserError
 
+# the verdict's thresholds (float32 on both sides; a 16-bit engine needs looser ones)
+MIN_AGREEMENT = 0.99
+MAX_ABS_DELTA = 1e-3
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from moe_rl.model_check import MAX_ABS_DELTA, MIN_AGREEMENT
     parser.add_argument("path", metavar="PATH",
                         help="the Hugging Face checkpoint (config.json, safetensors, tokenizer)")
     parser.add_argument("--data", default=None, metavar="FILE",

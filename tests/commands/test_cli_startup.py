@@ -20,6 +20,7 @@ def _modules_after(code: str) -> set[str]:
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["serve-reference", "--help"],
                                   ["init-model", "--help"], ["report", "--help"],
+                                  ["check-model", "--help"],
                                   ["config", "--config", "configs/tiny_cpu.yaml", "--no-inputs"]])
 def test_no_heavy_import_before_work(argv):
     code = ("import contextlib, io\nfrom moe_rl import cli\n"
