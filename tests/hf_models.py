@@ -68,6 +68,45 @@ def hf_forward(model, ids):
     return torch.log_softmax(out.logits.float()[0], -1), torch.stack(picks, 1)
 
 
+def assert_scores_as_transformers(model, spec, hf_model, prompt_len: int = 5) -> list:
+    """megatron-core ``model`` scores two random sequences (40 and 29 tokens: the rotary
+    embedding shows at length) as transformers' ``hf_model`` does (atol 1e-4), with
+    transformers' routing replayed and with its own, whose choice must then be transformers'
+    (confident routers). Returns the sequences."""
+    from moe_rl.packing import pack_one
+    from moe_rl.trainer.forward import forward_logprobs
+    from moe_rl.trainer.replay import ReplayController
+    from moe_rl.types import Sample
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, hf_model.config.vocab_size, (n,), generator=g) for n in (40, 29)]
+    P = prompt_len
+    refs = [hf_forward(hf_model, ids) for ids in seqs]
+    samples = [Sample(prompt_ids=ids[:P], response_ids=ids[P:],
+                      rollout_logprobs=-torch.ones(len(ids) - P),
+                      routing=routing[:-1].to(torch.uint8))
+               for ids, (_, routing) in zip(seqs, refs)]
+    mb = pack_one(samples, [0, 1], pad_token_id=0, num_experts=spec.facts.num_experts)
+    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
+    model.eval()
+    for mode in ("replay", "own routing"):
+        if mode == "replay":   # transformers' (biased, group-limited) choice replayed
+            ctl.replay(mb.replay_indices())
+        else:   # the trainer's own choice must then be the same on these confident routers
+            ctl.off()
+        with torch.no_grad():
+            lp, _ = forward_logprobs(model, mb)
+        if mode == "replay":
+            agreement = ctl.agreement(mb.replay_indices(), mb.routing_valid_router_order())
+            assert agreement["routing/agreement"] == 1.0
+        ctl.finish_forward()
+        for b, (ids, (ref, _)) in enumerate(zip(seqs, refs)):
+            want = ref[P - 1:len(ids) - 1].gather(1, ids[P:, None]).squeeze(1)
+            got = lp[b, P - 1:len(ids) - 1]
+            assert torch.allclose(got, want, atol=1e-4), (mode, (got - want).abs().max())
+    ctl.close()
+    return seqs
+
+
 QWEN = dict(model_type="qwen3_moe", vocab_size=48, hidden_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
             moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,

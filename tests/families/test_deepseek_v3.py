@@ -19,7 +19,7 @@ from moe_rl.trainer.model_builder import build_model, transformer_config
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.types import RolloutBatch, Sample
-from tests.hf_models import DEEPSEEK, YARN, hf_forward, write_deepseek
+from tests.hf_models import DEEPSEEK, YARN, assert_scores_as_transformers, hf_forward, write_deepseek
 from tests.helpers import start_ranks
 
 
@@ -43,33 +43,7 @@ def test_round_trip_and_equivalence_with_transformers(tmp_path, overrides):
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in exported
     for k, v in original.items():
         assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 48, (n,), generator=g) for n in (40, 29)]
-    P = 5
-    refs = [hf_forward(hf_model, ids) for ids in seqs]
-    samples = [Sample(prompt_ids=ids[:P], response_ids=ids[P:],
-                      rollout_logprobs=-torch.ones(len(ids) - P),
-                      routing=routing[:-1].to(torch.uint8))
-               for ids, (_, routing) in zip(seqs, refs)]
-    mb = pack_one(samples, [0, 1], pad_token_id=0, num_experts=16)
-    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
-    model.eval()
-    for mode in ("replay", "own routing"):
-        if mode == "replay":   # transformers' group-limited, biased choice replayed
-            ctl.replay(mb.replay_indices())
-        else:   # the trainer's own choice must then be the same on these confident routers
-            ctl.off()
-        with torch.no_grad():
-            lp, _ = forward_logprobs(model, mb)
-        if mode == "replay":
-            agreement = ctl.agreement(mb.replay_indices(), mb.routing_valid_router_order())
-            assert agreement["routing/agreement"] == 1.0
-        ctl.finish_forward()
-        for b, (ids, (ref, _)) in enumerate(zip(seqs, refs)):
-            want = ref[P - 1:len(ids) - 1].gather(1, ids[P:, None]).squeeze(1)
-            got = lp[b, P - 1:len(ids) - 1]
-            assert torch.allclose(got, want, atol=1e-4), (mode, (got - want).abs().max())
-    ctl.close()
+    assert_scores_as_transformers(model, spec, hf_model)
 
 
 def _router_reference(x, weight, bias, ids, scale):

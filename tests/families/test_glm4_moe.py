@@ -12,14 +12,10 @@ from safetensors.torch import load_file
 
 from moe_rl.model_check import check_trainer, transformers_reference, verdict
 from moe_rl.moe_shape import MoEShape
-from moe_rl.packing import pack_one
-from moe_rl.trainer.forward import forward_logprobs
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
-from moe_rl.trainer.replay import ReplayController
-from moe_rl.types import Sample
 from moe_rl.weights.hf import load_hf_into_megatron, megatron_to_hf
-from tests.hf_models import hf_forward, write_deepseek
+from tests.hf_models import assert_scores_as_transformers, write_deepseek
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,33 +44,7 @@ def test_round_trip_and_equivalence_with_transformers(tmp_path, overrides):
     assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in exported
     for k, v in original.items():
         assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 48, (n,), generator=g) for n in (40, 29)]   # rotary shows at length
-    P = 5
-    refs = [hf_forward(hf_model, ids) for ids in seqs]
-    samples = [Sample(prompt_ids=ids[:P], response_ids=ids[P:],
-                      rollout_logprobs=-torch.ones(len(ids) - P),
-                      routing=routing[:-1].to(torch.uint8))
-               for ids, (_, routing) in zip(seqs, refs)]
-    mb = pack_one(samples, [0, 1], pad_token_id=0, num_experts=8)
-    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
-    model.eval()
-    for mode in ("replay", "own routing"):
-        if mode == "replay":   # transformers' biased (and group-limited) choice replayed
-            ctl.replay(mb.replay_indices())
-        else:   # the trainer's own choice must then be the same on these confident routers
-            ctl.off()
-        with torch.no_grad():
-            lp, _ = forward_logprobs(model, mb)
-        if mode == "replay":
-            agreement = ctl.agreement(mb.replay_indices(), mb.routing_valid_router_order())
-            assert agreement["routing/agreement"] == 1.0
-        ctl.finish_forward()
-        for b, (ids, (ref, _)) in enumerate(zip(seqs, refs)):
-            want = ref[P - 1:len(ids) - 1].gather(1, ids[P:, None]).squeeze(1)
-            got = lp[b, P - 1:len(ids) - 1]
-            assert torch.allclose(got, want, atol=1e-4), (mode, (got - want).abs().max())
-    ctl.close()
+    seqs = assert_scores_as_transformers(model, spec, hf_model)
     # and `moe-rl check-model`'s trainer side finds it aligned
     shape = MoEShape.from_hf(conf)
     ref = transformers_reference(path, [s.tolist() for s in seqs], shape)
