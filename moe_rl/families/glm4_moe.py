@@ -7,6 +7,8 @@ checkpoint carries beyond ``num_hidden_layers`` are not trained."""
 from __future__ import annotations
 
 from moe_rl.families.names import GATED_MLP_EXPERTS
+# as Qwen3-MoE: no tensor waits for another in an update; head_dim and the expert width from config.json
+from moe_rl.families.qwen3_moe import engine_fused_key, fp8_head_dim, fp8_moe_intermediate  # noqa: F401
 from moe_rl.families.rope import gpt_rotary
 from moe_rl.families.sigmoid_router import shared_expert_names, sigmoid_router_settings
 
@@ -40,19 +42,6 @@ def hf_attention_names(prefix: str) -> dict:
     return {"self_attention.linear_qkv.bias": ("qkv", [a + "q_proj.bias", a + "k_proj.bias",
                                                        a + "v_proj.bias"]),
             **shared_expert_names(prefix)}
-
-
-def engine_fused_key(hf: dict, name: str) -> str | None:
-    """SGLang loads each of this family's tensors on its own."""
-    return None
-
-
-def fp8_head_dim(hf: dict, heads: int) -> int | None:
-    return int(hf.get("head_dim") or hf["hidden_size"] // heads)
-
-
-def fp8_moe_intermediate(hf: dict) -> int:
-    return int(hf.get("moe_intermediate_size") or 0)
 
 
 def fp8_dense_mlp(hf: dict, experts: int) -> bool:
