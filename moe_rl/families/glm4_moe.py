@@ -7,7 +7,7 @@ checkpoint carries beyond ``num_hidden_layers`` are not trained."""
 from __future__ import annotations
 
 from moe_rl.families.names import GATED_MLP_EXPERTS
-# as Qwen3-MoE: no tensor waits for another in an update; head_dim and the expert width from config.json
+# as Qwen3-MoE: each tensor loaded alone; head_dim, expert width from config.json
 from moe_rl.families.qwen3_moe import engine_fused_key, fp8_head_dim, fp8_moe_intermediate  # noqa: F401
 from moe_rl.families.rope import gpt_rotary
 from moe_rl.families.sigmoid_router import shared_expert_names, sigmoid_router_settings
