@@ -123,6 +123,15 @@ def _per_layer(agreement: dict[str, float], layers: tuple[int, ...]) -> dict[int
     return {layer: agreement[f"routing/agreement_layer_{layer}"] for layer in layers}
 
 
+def _samples(ref: Reference, routing: list[torch.Tensor] | None = None) -> list[Sample]:
+    """Each prompt as a sample whose first token is the prompt and the rest the scored
+    response (tokens 1..), with ``routing`` when given."""
+    return [Sample(prompt_ids=torch.tensor(ids[:1]), response_ids=torch.tensor(ids[1:]),
+                   rollout_logprobs=torch.zeros(len(ids) - 1),
+                   routing=None if routing is None else routing[i])
+            for i, ids in enumerate(ref.prompts)]
+
+
 def check_trainer(path: str, ref: Reference, shape: MoEShape) -> tuple[SideReport, SideReport]:
     """moe_rl's megatron-core model of ``path`` (one process): transformers' routing replayed
     (R3), then its own routing; the agreement is its routers' own choice either way."""
@@ -138,9 +147,7 @@ def check_trainer(path: str, ref: Reference, shape: MoEShape) -> tuple[SideRepor
     load_hf_into_megatron(model, spec, path)
     model.eval()
     dtype = routing_dtype(shape.num_experts)
-    samples = [Sample(prompt_ids=torch.tensor(ids[:1]), response_ids=torch.tensor(ids[1:]),
-                      rollout_logprobs=torch.zeros(len(ids) - 1), routing=r.to(dtype))
-               for ids, r in zip(ref.prompts, ref.routing)]
+    samples = _samples(ref, [r.to(dtype) for r in ref.routing])
     mb = pack_one(samples, list(range(len(samples))), pad_token_id=0,
                   num_experts=shape.num_experts)
     ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
@@ -175,8 +182,7 @@ def check_engine(url: str, ref: Reference, shape: MoEShape, model_path: str) -> 
     cfg = config_from_dict({"model": {"path": model_path}, "rollout": {"engine": "reference"},
                             "algorithm": {"replay": "r3"}})
     engine = engine_kind(cfg).connect([url], shape)
-    samples = [Sample(prompt_ids=torch.tensor(ids[:1]), response_ids=torch.tensor(ids[1:]),
-                      rollout_logprobs=torch.zeros(len(ids) - 1)) for ids in ref.prompts]
+    samples = _samples(ref)
 
     async def routings(session):
         return [await session.routing(ids, 0, server=0) for ids in ref.prompts]
