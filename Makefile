@@ -16,7 +16,8 @@ XDIST ?= -n 2 --dist loadfile
 XDIST_RUNS ?= -n 2 --dist loadgroup
 # the real SGLang two tests at a time, then those marked `alone` one at a time: a second run
 # beside them changes the timing their aborts, retractions and kills rely on (the partial-rollout
-# and weight-check runs each failed once so, 2026-11-28)
+# and weight-check runs each failed once so, 2026-11-28; the partial one's abort now meets
+# retracted requests by construction)
 XDIST_SGLANG ?= -n 2 --dist loadgroup
 
 # the contract tests share one module: each test's judge is its own SGLang process (~20 s of

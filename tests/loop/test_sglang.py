@@ -211,22 +211,52 @@ def test_a_16_bit_trainer_syncs_into_sglang_of_its_precision(model_dir, tmp_path
     assert ("--enable-fp32-lm-head" in json.dumps(plan)) == head
 
 
-@pytest.mark.alone   # the retractions and the aborts that meet them depend on the timing
-# with partial rollouts: `make test-slow` until an abort meeting a retracted request no longer
-# rests on the machine's timing (it failed once so in CI on 2 slow cores, 2026-11-28)
-@pytest.mark.parametrize("partial", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["whole", "partial"])
+RETRACT_AT_ABORT = '''
+import importlib.util, os
+if importlib.util.find_spec("moe_rl_sglang_cpu_shims") is not None:   # the SGLang process
+    from sglang.srt.managers import scheduler as _sched
+    from sglang.srt.managers.io_struct import (ContinueGenerationReqInput,
+                                               PauseGenerationReqInput)
+    _abort = _sched.Scheduler.abort_request
+
+    def abort_request(self, recv_req):
+        # KV-pool pressure at the moment of the abort: every running request goes back to the
+        # waiting queue with its output so far (SGLang's own retraction, through its
+        # pause_generation(mode="retract")), so abort_all answers it "Abort in waiting queue"
+        if recv_req.abort_all:
+            running = [r for r in self.running_batch.reqs if r.output_ids and not r.finished()]
+            self.pause_generation(PauseGenerationReqInput(mode="retract"))
+            self.continue_generation(ContinueGenerationReqInput())
+            with open(os.environ["RETRACT_AT_ABORT_LOG"], "a") as fh:
+                fh.write("".join(f"{r.rid} {len(r.output_ids)}\\n" for r in running))
+        return _abort(self, recv_req)
+    _sched.Scheduler.abort_request = abort_request
+'''
+
+
+@pytest.mark.alone   # SGLang's 2 processes and the trainer's beside another run: over 2 cores
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
 def test_retraction_under_a_small_kv_pool_stays_exact(model_dir, tmp_path, partial):
     """The real SGLang with a KV pool of 192 tokens and 40-token responses: it retracts running
     requests (back to its waiting queue, re-prefilled later, their routing recomputed). In
     float32 with R3 and the kept sets every step stays exact (k3 ~0, agreement 1.0) and the
-    retractions are counted. ``SGLANG_FORCE_STREAM_INTERVAL=4`` makes SGLang hand its tokenizer
-    the tokens of a running request every 4 (on GPUs: every 50, responses longer than that):
-    with partial rollouts, the abort then answers a retracted request from the waiting queue with
-    ids and log-probs but no routing and no kept sets, which must count as no progress (it
-    ended the step). Without partial rollouts ``rollout.retracted: mask`` takes the retracted
-    samples' tokens out of the loss."""
+    retractions are counted. Without partial rollouts ``rollout.retracted: mask`` takes the
+    retracted samples' tokens out of the loss. With partial rollouts every step ends with
+    ``abort_all``; :data:`RETRACT_AT_ABORT` retracts whatever is running just before each abort
+    (so the abort meets retracted requests by construction, not by the machine's timing) and
+    SGLang answers them from the waiting queue with ids and log-probs but no routing and no
+    kept sets, which must count as no progress (it ended the step).
+    ``SGLANG_FORCE_STREAM_INTERVAL=4`` makes SGLang hand its tokenizer the tokens of a running
+    request every 4 (on GPUs: every 50, responses longer than that), so those answers carry
+    tokens."""
     run = tmp_path / "run"
+    env = {"SGLANG_FORCE_STREAM_INTERVAL": "4"}
+    retracted_log = tmp_path / "retracted_at_abort.txt"
+    if partial:
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text(RETRACT_AT_ABORT)
+        env.update(PYTHONPATH=f"{tmp_path / 'site'}:{os.environ.get('PYTHONPATH', '')}",
+                   RETRACT_AT_ABORT_LOG=str(retracted_log))
     mode = (["rollout.partial=true", "rollout.max_staleness=2", "rollout.partial_extra_groups=12"]
             if partial else ["rollout.retracted=mask", "rollout.prompts_per_step=8",
                              "rollout.n_samples_per_prompt=8"])
@@ -235,10 +265,11 @@ def test_retraction_under_a_small_kv_pool_stays_exact(model_dir, tmp_path, parti
                      "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
                      "rollout.top_k=20", *mode,
                      'rollout.sglang.extra_args=[--schedule-conservativeness, "0.01"]',
-                     steps=3 if partial else 2, env={"SGLANG_FORCE_STREAM_INTERVAL": "4"})
+                     steps=3 if partial else 2, env=env)
     log = (run / "logs" / "engine_0.log").read_text(errors="replace")
     assert "KV cache pool is full. Retract requests." in log
     if partial:   # the aborts met retracted requests: answered without routing, discarded
+        assert retracted_log.read_text().strip(), "no abort met a running request"
         assert sum(m["rollout/partial_discarded_tokens"] for m in rows) > 0
     else:
         assert sum(m["rollout/retracted"] for m in rows) > 0
