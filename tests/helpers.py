@@ -177,6 +177,11 @@ def sample_from_response(resp: dict, prompt: list[int], layout, *, need_routing:
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+# the tiny GLM-4.5 of `moe-rl init-model`: tiny_cpu.yaml's shape with GLM's attention (biases,
+# q/k norm, half the head rotary) and model.init.deepseek's router (4 groups, 2 per token, top-4)
+GLM_INIT = ("model.init.architecture=glm4_moe", "model.init.num_experts_per_tok=4")
+
+
 def init_tiny_model(out, config="tiny_cpu.yaml", *overrides) -> pathlib.Path:
     """What `moe-rl init-model --config CONFIG --out OUT` writes, written in this process: a
     new process takes ~9 s of CPU to import what the model's writing needs, a test worker that

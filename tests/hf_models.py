@@ -3,7 +3,6 @@ layout, DeepSeek-V3 with YaRN), and transformers' own forward pass as the refere
 from __future__ import annotations
 
 import json
-import pathlib
 
 import torch
 
@@ -141,20 +140,3 @@ def write_hf_model(tmp_path, cfg, seed=0, old_rope_layout=False):
         conf.update(rope_theta=params["rope_theta"], rope_scaling=None)
         (path / "config.json").write_text(json.dumps(conf))
     return str(path), model
-
-
-def write_glm_beside(tiny: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    """A GLM-4.5-style model (:data:`GLM4_MOE`'s layout, confident routers, attention biases)
-    of the tiny model's vocabulary, special ids and context, with its tokenizer: what `moe-rl
-    train` can run on in place of the tiny Qwen3-MoE."""
-    import shutil
-    conf = json.loads((tiny / "config.json").read_text())
-    write_deepseek(out, glm=True, vocab_size=conf["vocab_size"],
-                   max_position_embeddings=conf["max_position_embeddings"],
-                   eos_token_id=conf["eos_token_id"], pad_token_id=conf["pad_token_id"],
-                   bos_token_id=conf.get("bos_token_id"))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-              "generation_config.json"):
-        if (tiny / f).exists():
-            shutil.copy(tiny / f, out / f)
-    return out

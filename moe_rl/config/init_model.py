@@ -12,7 +12,8 @@ from moe_rl.families import TINY_FAMILIES, family
 
 @dataclass
 class DeepseekInitConfig:
-    """DeepSeek-V3-only shape of the tiny model (``model.init.architecture: deepseek_v3``)."""
+    """DeepSeek-V3's shape of the tiny model (``model.init.architecture: deepseek_v3``): MLA
+    and the router; GLM-4.5 (``glm4_moe``) shares the router fields (n_group on)."""
     q_lora_rank: int | None = _f(32, "query LoRA rank of MLA (null = full query projection)",
                                  **_rng(1))
     kv_lora_rank: int = _f(32, "compressed key/value (latent) size of MLA", **_rng(1))
@@ -32,11 +33,25 @@ class DeepseekInitConfig:
 
 
 @dataclass
+class GlmInitConfig:
+    """GLM-4.5-only shape of the tiny model (``model.init.architecture: glm4_moe``); its router
+    and leading dense layers come from ``model.init.deepseek``'s n_group ... expert_bias_std."""
+    partial_rotary_factor: float = _f(0.5, "fraction of each head's dimension the rotary "
+                                      "embedding turns (head_dim x it must be even)",
+                                      **_rng(0, 1, lo_open=True))
+    attention_bias: bool = _f(True, "biases on the q, k and v projections")
+    use_qk_norm: bool = _f(True, "RMSNorm on each head's query and key")
+
+
+@dataclass
 class ModelInitConfig:
-    """Shape of the tiny model written by ``moe-rl init-model`` (Qwen3-MoE or DeepSeek-V3)."""
+    """Shape of the tiny model written by ``moe-rl init-model`` (Qwen3-MoE, DeepSeek-V3 or
+    GLM-4.5)."""
     architecture: Literal[TINY_FAMILIES] = _f(
-        "qwen3_moe", "qwen3_moe, or deepseek_v3 (MLA, sigmoid router with expert bias, "
-        "group-limited top-k, shared experts; shaped further by model.init.deepseek)")
+        "qwen3_moe", "qwen3_moe, deepseek_v3 (MLA, sigmoid router with expert bias, "
+        "group-limited top-k, shared experts; shaped further by model.init.deepseek) or "
+        "glm4_moe (grouped-query attention with biases, q/k norm and partial rotary: "
+        "model.init.glm; DeepSeek-V3's router: model.init.deepseek's router fields)")
     hidden_size: int = _f(64, "hidden size", **_rng(1))
     num_hidden_layers: int = _f(2, "decoder layers", **_rng(1))
     num_attention_heads: int = _f(4, "attention heads", **_rng(1))
@@ -53,14 +68,16 @@ class ModelInitConfig:
     rms_norm_eps: float = _f(1e-6, "RMSNorm epsilon", **_rng(0, lo_open=True))
     tie_word_embeddings: bool = _f(False, "tie input and output embeddings")
     seed: int = _f(0, "weight initialisation seed")
-    deepseek: DeepseekInitConfig = _sub(DeepseekInitConfig, "DeepSeek-V3-only shape "
+    deepseek: DeepseekInitConfig = _sub(DeepseekInitConfig, "DeepSeek-V3's shape "
                                         "(num_key_value_heads, head_dim, decoder_sparse_step "
-                                        "do not apply to it)")
+                                        "do not apply to it); its router fields shape GLM-4.5")
+    glm: GlmInitConfig = _sub(GlmInitConfig, "GLM-4.5-only shape (decoder_sparse_step does "
+                              "not apply to it)")
 
 
 def init_hf_fields(init: ModelInitConfig) -> dict:
     """The ``model.init`` shape under the names of the architecture's HF ``config.json``."""
     fields = as_dict(init)
-    deepseek = fields.pop("deepseek")
+    sections = {k: fields.pop(k) for k in ("deepseek", "glm")}
     fields["model_type"] = fields.pop("architecture")
-    return family(init.architecture).tiny_init_fields(fields, deepseek)
+    return family(init.architecture).tiny_init_fields(fields, sections)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from moe_rl.errors import ConfigError
 from moe_rl.families.names import GATED_MLP_EXPERTS
 from moe_rl.families.rope import rope_table
-from moe_rl.families.sigmoid_router import shared_expert_names, sigmoid_router_settings
+from moe_rl.families.sigmoid_router import (check_tiny_router, shared_expert_names,
+                                            sigmoid_router_settings)
 
 MODEL_TYPE = "deepseek_v3"
 MULTI_LATENT_ATTENTION = True
@@ -120,10 +121,10 @@ def fp8_dense_mlp(hf: dict, experts: int) -> bool:
     return not experts or int(hf.get("first_k_dense_replace") or 0) > 0
 
 
-def tiny_init_fields(fields: dict, extra: dict) -> dict:
+def tiny_init_fields(fields: dict, sections: dict) -> dict:
     """The ``model.init`` fields under DeepSeek-V3's config.json names, with its section
-    ``extra`` (``model.init.deepseek``)."""
-    extra = dict(extra)
+    ``model.init.deepseek`` (``sections``: the families' sections by name)."""
+    extra = dict(sections["deepseek"])
     extra.pop("expert_bias_std")
     for key in ("num_key_value_heads", "head_dim", "decoder_sparse_step"):
         fields.pop(key)
@@ -133,24 +134,10 @@ def tiny_init_fields(fields: dict, extra: dict) -> dict:
 
 def check_tiny_init(init) -> None:
     """model.init.deepseek: a DeepSeek-V3 shape both transformers and megatron-core build."""
-    d = init.deepseek
-    if d.qk_rope_head_dim % 2:
+    if init.deepseek.qk_rope_head_dim % 2:
         raise ConfigError(f"model.init.deepseek.qk_rope_head_dim: must be even, got "
-                          f"{d.qk_rope_head_dim}")
-    if init.num_experts % d.n_group:
-        raise ConfigError(f"model.init.deepseek.n_group: {d.n_group} must divide "
-                          f"model.init.num_experts ({init.num_experts})")
-    if d.topk_group > d.n_group:
-        raise ConfigError(f"model.init.deepseek.topk_group: {d.topk_group} exceeds n_group "
-                          f"({d.n_group})")
-    if d.topk_group < d.n_group and init.num_experts_per_tok != 2 * d.topk_group:
-        raise ConfigError(f"model.init.deepseek.topk_group: group-limited routing needs "
-                          f"num_experts_per_tok = 2 x topk_group (both transformers and "
-                          f"megatron-core rank a group by its best experts), got "
-                          f"{init.num_experts_per_tok} and {d.topk_group}")
-    if d.first_k_dense_replace >= init.num_hidden_layers:
-        raise ConfigError(f"model.init.deepseek.first_k_dense_replace: {d.first_k_dense_replace} "
-                          f"leaves no MoE layer of {init.num_hidden_layers}")
+                          f"{init.deepseek.qk_rope_head_dim}")
+    check_tiny_router(init)
 
 
 def tiny_hf_config(transformers, common: dict, fields: dict, init):

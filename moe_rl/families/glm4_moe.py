@@ -3,18 +3,21 @@ biases (``attention_bias``) and optional q/k RMSNorm (``use_qk_norm``), rotary e
 first ``partial_rotary_factor`` of each head (not interleaved), DeepSeek-V3's router (sigmoid,
 expert bias, group-limited top-k, ``routed_scaling_factor``) with shared experts, and
 ``first_k_dense_replace`` dense leading layers. The multi-token-prediction layers a released
-checkpoint carries beyond ``num_hidden_layers`` are not trained."""
+checkpoint carries beyond ``num_hidden_layers`` are not trained. ``moe-rl init-model`` builds a
+tiny one (``model.init.glm``, the router from ``model.init.deepseek``)."""
 from __future__ import annotations
 
+from moe_rl.errors import ConfigError
 from moe_rl.families.names import GATED_MLP_EXPERTS
 # as Qwen3-MoE: each tensor loaded alone; head_dim, expert width from config.json
 from moe_rl.families.qwen3_moe import engine_fused_key, fp8_head_dim, fp8_moe_intermediate  # noqa: F401
 from moe_rl.families.rope import gpt_rotary
-from moe_rl.families.sigmoid_router import shared_expert_names, sigmoid_router_settings
+from moe_rl.families.sigmoid_router import (ROUTER_INIT_FIELDS, check_tiny_router,
+                                            shared_expert_names, sigmoid_router_settings)
 
 MODEL_TYPE = "glm4_moe"
 MULTI_LATENT_ATTENTION = False
-TINY = False
+TINY = True
 HF_MOE_BLOCK = "mlp"
 HF_EXPERT = GATED_MLP_EXPERTS
 
@@ -46,3 +49,32 @@ def hf_attention_names(prefix: str) -> dict:
 
 def fp8_dense_mlp(hf: dict, experts: int) -> bool:
     return not experts or int(hf.get("first_k_dense_replace") or 0) > 0
+
+
+def tiny_init_fields(fields: dict, sections: dict) -> dict:
+    """The ``model.init`` fields under GLM-4.5's config.json names: ``model.init.glm`` and the
+    router fields of ``model.init.deepseek`` (``sections``: the families' sections by name)."""
+    fields.pop("decoder_sparse_step")
+    router = {k: sections["deepseek"][k] for k in ROUTER_INIT_FIELDS}
+    fields.update(sections["glm"], **router, n_routed_experts=fields.pop("num_experts"))
+    return fields
+
+
+def check_tiny_init(init) -> None:
+    """model.init.glm and the router: a GLM-4.5 shape both transformers and megatron-core
+    build."""
+    if init.num_attention_heads % init.num_key_value_heads:
+        raise ConfigError("model.init.num_key_value_heads: must divide model.init."
+                          f"num_attention_heads ({init.num_attention_heads})")
+    rotary = init.head_dim * init.glm.partial_rotary_factor
+    if rotary != int(rotary) or int(rotary) % 2 or not rotary:
+        raise ConfigError(f"model.init.glm.partial_rotary_factor: head_dim x it must be an even "
+                          f"number of dimensions, got {init.head_dim} x "
+                          f"{init.glm.partial_rotary_factor} = {rotary:g}")
+    check_tiny_router(init)
+
+
+def tiny_hf_config(transformers, common: dict, fields: dict, init):
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta"),
+                                 "partial_rotary_factor": fields.pop("partial_rotary_factor")}
+    return transformers.Glm4MoeConfig(**common, num_mtp_layers=0, **fields)

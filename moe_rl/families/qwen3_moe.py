@@ -56,8 +56,8 @@ def fp8_dense_mlp(hf: dict, experts: int) -> bool:
             or int(hf.get("decoder_sparse_step") or 1) > 1)
 
 
-def tiny_init_fields(fields: dict, extra: dict) -> dict:
-    """The ``model.init`` fields under this family's config.json names (``extra``: the
+def tiny_init_fields(fields: dict, sections: dict) -> dict:
+    """The ``model.init`` fields under this family's config.json names (``sections``: the
     other families' sections, unused here)."""
     return fields
 

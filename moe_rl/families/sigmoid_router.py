@@ -3,6 +3,11 @@
 renormalised and scaled by ``routed_scaling_factor``, shared experts beside the routed ones."""
 from __future__ import annotations
 
+from moe_rl.errors import ConfigError
+
+ROUTER_INIT_FIELDS = ("n_group", "topk_group", "n_shared_experts", "first_k_dense_replace",
+                      "routed_scaling_factor")   # model.init.deepseek's, as config.json names them
+
 
 def sigmoid_router_settings(spec, bias_update_rate: float, name: str) -> dict:
     """megatron-core's router settings for the HF config of ``spec`` (family ``name``, for the
@@ -52,3 +57,23 @@ def shared_expert_names(prefix: str) -> dict:
         "mlp.shared_experts.linear_fc2.weight":
             ("copy", [prefix + "mlp.shared_experts.down_proj.weight"]),
     }
+
+
+def check_tiny_router(init) -> None:
+    """model.init.deepseek's router fields: a group-limited router and leading dense layers that
+    both transformers and megatron-core build."""
+    d = init.deepseek
+    if init.num_experts % d.n_group:
+        raise ConfigError(f"model.init.deepseek.n_group: {d.n_group} must divide "
+                          f"model.init.num_experts ({init.num_experts})")
+    if d.topk_group > d.n_group:
+        raise ConfigError(f"model.init.deepseek.topk_group: {d.topk_group} exceeds n_group "
+                          f"({d.n_group})")
+    if d.topk_group < d.n_group and init.num_experts_per_tok != 2 * d.topk_group:
+        raise ConfigError(f"model.init.deepseek.topk_group: group-limited routing needs "
+                          f"num_experts_per_tok = 2 x topk_group (both transformers and "
+                          f"megatron-core rank a group by its best experts), got "
+                          f"{init.num_experts_per_tok} and {d.topk_group}")
+    if d.first_k_dense_replace >= init.num_hidden_layers:
+        raise ConfigError(f"model.init.deepseek.first_k_dense_replace: {d.first_k_dense_replace} "
+                          f"leaves no MoE layer of {init.num_hidden_layers}")

@@ -10,11 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from moe_rl.config import ConfigError, init_hf_fields, load_config
 from moe_rl.model_check import check_trainer, transformers_reference, verdict
 from moe_rl.moe_shape import MoEShape
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.weights.hf import load_hf_into_megatron, megatron_to_hf
+from tests.helpers import GLM_INIT
 from tests.hf_models import assert_scores_as_transformers, write_deepseek
 
 
@@ -49,3 +51,23 @@ def test_round_trip_and_equivalence_with_transformers(tmp_path, overrides):
     shape = MoEShape.from_hf(conf)
     ref = transformers_reference(path, [s.tolist() for s in seqs], shape)
     assert verdict(list(check_trainer(path, ref, shape)), 0.99, 1e-4)[0]
+
+
+def test_glm_init_shape_is_checked_at_config_time():
+    """`moe-rl init-model`'s GLM-4.5 shape: what transformers or megatron-core could not build
+    the same way is refused at load time, naming the key."""
+    glm = ["model.path=/nonexistent/glm", *GLM_INIT]
+    bad = {"model.init.glm.partial_rotary_factor=0.3": "model.init.glm.partial_rotary_factor",
+           "model.init.glm.partial_rotary_factor=0": "model.init.glm.partial_rotary_factor",
+           "model.init.num_key_value_heads=3": "model.init.num_key_value_heads",
+           "model.init.deepseek.n_group=3": "model.init.deepseek.n_group",
+           "model.init.num_experts_per_tok=2": "model.init.deepseek.topk_group"}
+    for override, key in bad.items():
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [*glm, override])
+    init = load_config(None, glm).model.init
+    assert init_hf_fields(init) == {**init_hf_fields(init), "model_type": "glm4_moe",
+                                    "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
+                                    "partial_rotary_factor": 0.5, "attention_bias": True,
+                                    "use_qk_norm": True, "first_k_dense_replace": 1}
+    assert "decoder_sparse_step" not in init_hf_fields(init)

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from moe_rl.engines.sglang.cpu_shims import CALL_MARKER
-from tests.helpers import init_tiny_model
+from tests.helpers import GLM_INIT, init_tiny_model
 from tests.helpers import engine_base_port
 from tests.helpers import on_sglang
 from tests.loop.zero_mismatch import (CONFIG, SGLANG_FACTORS as FACTORS, check_invariant,
@@ -55,6 +55,12 @@ def model_dir(tmp_path_factory):
     return _model(tmp_path_factory, CONFIG, "sglang_loop")
 
 
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    """The tiny GLM-4.5 of `moe-rl init-model`."""
+    return init_tiny_model(tmp_path_factory.mktemp("sglang_glm") / "model", CONFIG, *GLM_INIT)
+
+
 def _zero_mismatch_on_sglang(model_dir, tmp_path, combos):
     """Two steps each (the second on weights synced by disk or over gloo)."""
     combos = [dict(c, passes=3) if c["pi_old"] == "engine_avg" else c for c in combos]
@@ -67,10 +73,15 @@ def _zero_mismatch_on_sglang(model_dir, tmp_path, combos):
     return results
 
 
-@pytest.mark.parametrize("combo", every_value_and_both_masks(FACTORS), ids=name)   # xdist spreads them
-def test_zero_mismatch_every_option_value_on_sglang(model_dir, tmp_path, combo):
+# the R2 and R3 runs (the R2 one syncs over gloo) on the tiny GLM-4.5, served by SGLang's
+# glm4_moe.py: `moe-rl init-model`'s GLM trains on both engines at zero mismatch
+@pytest.mark.parametrize("combo", [dict(c, family="glm4_moe") if c["replay"] != "off" else c
+                                   for c in every_value_and_both_masks(FACTORS)],
+                         ids=name)   # xdist spreads them
+def test_zero_mismatch_every_option_value_on_sglang(model_dir, glm_dir, tmp_path, combo):
     """`make test-sglang`: one run of the set above, two steps."""
-    (rows,) = _zero_mismatch_on_sglang(model_dir, tmp_path, [combo]).values()
+    model = glm_dir if combo.get("family") == "glm4_moe" else model_dir
+    (rows,) = _zero_mismatch_on_sglang(model, tmp_path, [combo]).values()
     assert len(rows) == 2
 
 

@@ -17,15 +17,15 @@ import math
 import pytest
 
 from moe_rl.config import ConfigError, load_config
-from tests.helpers import init_tiny_model
-from tests.hf_models import write_glm_beside
+from tests.helpers import GLM_INIT, init_tiny_model
 from tests.loop.zero_mismatch import (CONFIG, FACTORS, SGLANG_FACTORS, _pairs, all_combos,
                                       check_invariant, covering_set, every_value_and_both_masks,
                                       name, overrides, refused, run_all, train_steps)
 
 
-# the runs `make test-loop` runs (the covering set: `make test-slow`); the R3 one on a
-# GLM-4.5-style model (attention biases, partial rotary, DeepSeek-V3's router, shared experts)
+# the runs `make test-loop` runs (the covering set: `make test-slow`); the R3 one on the tiny
+# GLM-4.5 of `moe-rl init-model` (attention biases, q/k norm, partial rotary, DeepSeek-V3's
+# router, shared experts, a dense first layer)
 CI_RUNS = [dict(c, family="glm4_moe") if c["replay"] == "r3" else c
            for c in every_value_and_both_masks()]
 
@@ -39,8 +39,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(model_dir, tmp_path_factory):
-    """family -> model directory: the tiny Qwen3-MoE, and a GLM-4.5-style model beside it."""
-    glm = write_glm_beside(model_dir, tmp_path_factory.mktemp("zero_mismatch_glm") / "model")
+    """family -> model directory: the tiny Qwen3-MoE and the tiny GLM-4.5."""
+    glm = init_tiny_model(tmp_path_factory.mktemp("zero_mismatch_glm") / "model", CONFIG,
+                          *GLM_INIT)
     return {"qwen3_moe": model_dir, "glm4_moe": glm}
 
 

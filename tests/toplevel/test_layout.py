@@ -198,7 +198,7 @@ def test_every_family_module_has_the_whole_interface():
         assert module.MODEL_TYPE == model_type
         wanted = FAMILY_INTERFACE + (TINY_INTERFACE if module.TINY else ())
         assert [a for a in wanted if not hasattr(module, a)] == [], model_type
-    assert set(TINY_FAMILIES) == {"qwen3_moe", "deepseek_v3"}
+    assert set(TINY_FAMILIES) == {"qwen3_moe", "deepseek_v3", "glm4_moe"}
     with pytest.raises(ValueError, match="model_type: 'gpt_oss' is not supported"):
         family("gpt_oss")
 
