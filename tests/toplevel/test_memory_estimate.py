@@ -102,3 +102,36 @@ def test_moe_rl_plan_prints_the_layout_the_memory_and_the_idle_gpus(tmp_path):
     assert "warning: the trainer's estimate (74.6 GiB) exceeds the 40.0 GiB of a GPU" in out
     assert "memory per SGLang GPU (estimate): weights 14.2 GiB, KV pool 17.8 GiB" in out
     assert "warning: 32 of the 8 x 8 GPUs are idle in this plan" in out
+
+
+GLM45_AIR = {   # zai-org/GLM-4.5-Air's config.json (the keys that shape the parameters)
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+    "head_dim": 128, "hidden_size": 4096, "partial_rotary_factor": 0.5,
+    "intermediate_size": 10944, "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1408, "norm_topk_prob": True, "num_attention_heads": 96,
+    "n_group": 1, "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+    "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+    "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+    "use_qk_norm": False, "vocab_size": 151552}
+
+
+def test_the_glm45_air_config_fits_its_80_gib_gpus():
+    """configs/glm45_air_r3_gspo.yaml: GLM-4.5-Air's 106.9B parameters (its card: 106B; the
+    MTP layer is not built) on 64 trainer ranks, TP 2 x DP 32, EP 16 x expert DP 2 (each expert
+    split over the tensor-parallel pair too, megatron-core's default), and two
+    SGLang servers of TP 8, each GPU's estimate inside 80 GiB with room to spare."""
+    cfg = load_config(str(ROOT / "configs" / "glm45_air_r3_gspo.yaml"))   # layout checked
+    counts = param_counts(GLM45_AIR)
+    # 45 MoE layers x 128 experts x (gate, up, down) of 4096 x 1408
+    assert counts.experts == 45 * 128 * 3 * 4096 * 1408
+    assert counts.embedding == 2 * 151552 * 4096
+    assert round(counts.total / 1e9, 1) == 106.9
+    m = trainer_memory(cfg, GLM45_AIR, counts, seq_len=4096)
+    dense, experts = (counts.dense + counts.embedding) / 2, counts.experts / (16 * 2)
+    assert m.weights == pytest.approx(2 * (dense + experts))
+    assert m.optimizer == pytest.approx(12 * (dense / 32 + experts / 2))
+    assert 55 * GIB < m.total < 65 * GIB
+    e = engine_kind(cfg).gpu_memory(GLM45_AIR, counts.total, 80 * GIB)   # TP 8, 0.7
+    assert e.weights == pytest.approx(counts.total * 2 / 8)
+    assert e.kv_pool == pytest.approx(0.7 * 80 * GIB - e.weights) and e.kv_pool > 30 * GIB
