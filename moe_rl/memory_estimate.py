@@ -31,9 +31,10 @@ def param_counts(hf_config: dict) -> ParamCounts:
     """Count the parameters of the model ``hf_config`` describes on transformers' own class
     (built on the meta device; tied embeddings counted once)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    fields = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures")}
-    config = AutoConfig.for_model(hf_config["model_type"], **fields)
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.families import transformers_config
+    config = transformers_config(hf_config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     experts = embedding = dense = 0

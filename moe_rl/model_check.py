@@ -8,6 +8,8 @@ replayed (R3, what training uses) and with its own; the engine's as it scores th
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import torch
 
@@ -90,7 +92,12 @@ def transformers_reference(path: str, prompts: list[list[int]], shape: MoEShape)
     """Run every prompt through transformers' own model (float32) and record its routers'
     choices (``model.layers.<i>.mlp.gate`` of each MoE layer)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+
+    from moe_rl.families import transformers_config
+    with open(os.path.join(path, "config.json")) as fh:
+        config = transformers_config(json.load(fh))
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                 local_files_only=True)
     model.eval()
     picks: dict[int, torch.Tensor] = {}
     hooks = []

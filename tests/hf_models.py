@@ -75,14 +75,14 @@ def assert_scores_as_transformers(model, spec, hf_model, prompt_len: int = 5) ->
     from moe_rl.packing import pack_one
     from moe_rl.trainer.forward import forward_logprobs
     from moe_rl.trainer.replay import ReplayController
-    from moe_rl.types import Sample
+    from moe_rl.types import Sample, routing_dtype
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, hf_model.config.vocab_size, (n,), generator=g) for n in (40, 29)]
     P = prompt_len
     refs = [hf_forward(hf_model, ids) for ids in seqs]
     samples = [Sample(prompt_ids=ids[:P], response_ids=ids[P:],
                       rollout_logprobs=-torch.ones(len(ids) - P),
-                      routing=routing[:-1].to(torch.uint8))
+                      routing=routing[:-1].to(routing_dtype(spec.facts.num_experts)))
                for ids, (_, routing) in zip(seqs, refs)]
     mb = pack_one(samples, [0, 1], pad_token_id=0, num_experts=spec.facts.num_experts)
     ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)

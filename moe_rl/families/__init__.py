@@ -9,17 +9,22 @@ module per family, found by the HF ``config.json``'s ``model_type``:
 - the tiny CPU model of ``moe-rl init-model`` (:func:`tiny_init_fields`, :func:`check_tiny_init`,
   :func:`tiny_hf_config`; ``TINY`` says whether the family has one).
 
-A new family is one module here and one line in :data:`FAMILIES`."""
+A new family is one module here and one line in :data:`FAMILIES`. A checkpoint of a family's
+layout under its own ``model_type`` (Kimi-K2's ``kimi_k2``, DeepSeek-V3's code shipped beside
+it) is one name in its module's ``OTHER_MODEL_TYPES``: transformers then builds it by the
+family's own type (:func:`transformers_config`)."""
 from __future__ import annotations
 
 from types import ModuleType
 
 from moe_rl.families import deepseek_v3, glm4_moe, mixtral, qwen3_moe
 
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen3_moe, mixtral, deepseek_v3,
-                                                               glm4_moe)}
+FAMILIES: dict[str, ModuleType] = {
+    t: m for m in (qwen3_moe, mixtral, deepseek_v3, glm4_moe)
+    for t in (m.MODEL_TYPE, *getattr(m, "OTHER_MODEL_TYPES", ()))}
 SUPPORTED = tuple(FAMILIES)
-TINY_FAMILIES = tuple(t for t, m in FAMILIES.items() if m.TINY)   # `moe-rl init-model` builds
+TINY_FAMILIES = tuple(t for t, m in FAMILIES.items()   # `moe-rl init-model` builds
+                      if m.TINY and t == m.MODEL_TYPE)
 
 
 def family(model_type: str | None) -> ModuleType:
@@ -27,3 +32,11 @@ def family(model_type: str | None) -> ModuleType:
     if model_type not in FAMILIES:
         raise ValueError(f"model_type: {model_type!r} is not supported; supported: {SUPPORTED}")
     return FAMILIES[model_type]
+
+
+def transformers_config(hf: dict):
+    """transformers' config of the config.json ``hf``, built by its family's own model type (a
+    ``kimi_k2`` checkpoint's needs the code shipped beside it otherwise, which is never run)."""
+    from transformers import AutoConfig
+    fields = {k: v for k, v in hf.items() if k not in ("model_type", "architectures", "auto_map")}
+    return AutoConfig.for_model(family(hf.get("model_type")).MODEL_TYPE, **fields)

@@ -1,6 +1,6 @@
-"""DeepSeek-V3 (and Moonlight-style models of its layout): Multi-head Latent Attention, a
-sigmoid router with expert bias and group-limited top-k, shared experts, leading dense layers
-(``first_k_dense_replace``)."""
+"""DeepSeek-V3 (and models of its layout: Kimi-K2, whose config.json says ``kimi_k2``; Moonlight):
+Multi-head Latent Attention, a sigmoid router with expert bias and group-limited top-k, shared
+experts, leading dense layers (``first_k_dense_replace``)."""
 from __future__ import annotations
 
 from moe_rl.errors import ConfigError
@@ -10,6 +10,7 @@ from moe_rl.families.sigmoid_router import (check_tiny_router, shared_expert_nam
                                             sigmoid_router_settings)
 
 MODEL_TYPE = "deepseek_v3"
+OTHER_MODEL_TYPES = ("kimi_k2",)   # Kimi-K2: DeepseekV3ForCausalLM, 384 experts, one group, YaRN
 MULTI_LATENT_ATTENTION = True
 TINY = True
 HF_MOE_BLOCK = "mlp"

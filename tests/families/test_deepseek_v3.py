@@ -16,6 +16,8 @@ from moe_rl.trainer.forward import forward_logprobs
 from moe_rl.weights.hf import load_hf_into_megatron, megatron_to_hf
 from moe_rl.moe_shape import model_spec
 from moe_rl.trainer.model_builder import build_model, transformer_config
+from moe_rl.model_check import check_trainer, transformers_reference, verdict
+from moe_rl.moe_shape import MoEShape
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.types import RolloutBatch, Sample
@@ -59,6 +61,44 @@ def _router_reference(x, weight, bias, ids, scale):
     allowed = torch.zeros_like(group_rank).scatter(1, groups, 1.0).repeat_interleave(4, dim=1)
     own = biased.masked_fill(allowed == 0, -math.inf).topk(4, dim=-1).indices
     return gates, own
+
+
+# Kimi-K2's layout at tiny width: DeepSeek-V3's MLA with q-LoRA, 384 routed experts in one group
+# (no group limit), top-8, routed_scaling_factor 2.827, as many KV heads as heads, YaRN rotary
+# (factor 32, beta_fast = beta_slow = 1, theta 50000); its config.json says kimi_k2
+KIMI_K2 = dict(n_routed_experts=384, n_group=1, topk_group=1, num_experts_per_tok=8,
+               routed_scaling_factor=2.827, num_attention_heads=4, num_key_value_heads=4,
+               rope_parameters=dict(YARN, rope_theta=50000.0, factor=32.0, beta_fast=1.0,
+                                    beta_slow=1.0))
+
+
+def test_kimi_k2_is_the_deepseek_v3_family(tmp_path):
+    """A checkpoint of Kimi-K2's shape under its own ``model_type: kimi_k2`` (architectures
+    DeepseekV3ForCausalLM, its DeepSeek code shipped beside it and never run): the DeepSeek-V3
+    family builds it, the checkpoint round-trips bit for bit, megatron-core scores it as
+    transformers' DeepSeek-V3 does under replayed and its own routing over 384 experts, and
+    `moe-rl check-model`'s trainer side finds it aligned with transformers."""
+    path = tmp_path / "kimi"
+    hf_model = write_deepseek(path, **KIMI_K2)
+    conf = json.loads((path / "config.json").read_text())
+    conf.update(model_type="kimi_k2", auto_map={
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (path / "config.json").write_text(json.dumps(conf))
+    model, spec = build_model(str(path))
+    assert (spec.facts.num_experts, spec.facts.topk, spec.facts.moe_layers) == (384, 8, (1, 2))
+    load_hf_into_megatron(model, spec, str(path))
+    original = load_file(path / "model.safetensors")
+    exported = megatron_to_hf(model, spec)
+    assert set(exported) == set(original)
+    for k, v in original.items():
+        assert torch.equal(exported[k], v), k
+    seqs = assert_scores_as_transformers(model, spec, hf_model)
+    # `moe-rl check-model`'s transformers side loads it by the family's type (no tokenizer here:
+    # the token ids straight in)
+    shape = MoEShape.from_hf(conf)
+    ref = transformers_reference(str(path), [s.tolist() for s in seqs], shape)
+    assert verdict(list(check_trainer(str(path), ref, shape)), 1.0, 1e-4)[0]
 
 
 def test_replayed_sigmoid_router_uses_its_own_unbiased_scores_and_keeps_its_gradient(tmp_path):
