@@ -114,7 +114,9 @@ def engine_samples(model, n_groups: int = 2, group_size: int = 2, seed: int = 0,
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     k = model.config.num_experts_per_tok
-    n_exp = model.config.num_experts
+    # DeepSeek-V3's router (GLM-4.5's too): its biased, group-limited choice, read at the gates
+    sigmoid_router = hasattr(model.config, "n_routed_experts")
+    n_exp = model.config.n_routed_experts if sigmoid_router else model.config.num_experts
     samples = []
     sid = 0
     for grp in range(n_groups):
@@ -129,7 +131,11 @@ def engine_samples(model, n_groups: int = 2, group_size: int = 2, seed: int = 0,
             lp = logp[prompt_len - 1:-1].gather(1, resp[:, None]).squeeze(1)
             if noise:
                 lp = (lp + noise * torch.randn(lp.shape, generator=g)).clamp(max=0.0)
-            routing = torch.stack([rl.topk(k, dim=-1).indices for rl in out.router_logits], 1)
+            if sigmoid_router:
+                from tests.hf_models import hf_forward
+                routing = hf_forward(model, ids[0])[1]
+            else:
+                routing = torch.stack([rl.topk(k, dim=-1).indices for rl in out.router_logits], 1)
             samples.append(Sample(prompt_ids=prompt, response_ids=resp, rollout_logprobs=lp,
                                   routing=compact_routing(routing[:-1], n_exp),
                                   reward=float(torch.rand((), generator=g)), group_id=grp,
