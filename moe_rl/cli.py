@@ -11,7 +11,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "run RL training from a YAML config with key=value overrides"),
     "demo": ("demo", "build the tiny model and run the CPU demo (what `make demo` runs)"),
-    "init-model": ("init_model", "write a tiny MoE model (Qwen3-MoE or DeepSeek-V3 shape) and its tokenizer in HF format"),
+    "init-model": ("init_model", "write a tiny MoE model (Qwen3-MoE, DeepSeek-V3 or GLM-4.5 shape) and its tokenizer in HF format"),
     "serve-reference": ("moe_rl.engines.reference.command", "serve a HF MoE model with SGLang's HTTP protocol on CPU"),
     "sglang-cpu-env": ("moe_rl.engines.sglang.cpu_environment", "prepare an SGLang environment that serves on CPU (CPU torch, SGLang, its import-time shims)"),
     "convert": ("convert", "convert checkpoints between Hugging Face and Megatron layouts"),

@@ -1,5 +1,6 @@
-"""``moe-rl init-model``: write a tiny Qwen3-MoE / DeepSeek-V3 model and its tokenizer in HF
-format, shaped by a config's ``model.init`` or by a named preset (warmed up, cached)."""
+"""``moe-rl init-model``: write a tiny Qwen3-MoE / DeepSeek-V3 / GLM-4.5 model and its
+tokenizer in HF format, shaped by a config's ``model.init`` or by a named preset (warmed up,
+cached)."""
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,6 @@
-"""The tiny Qwen3-MoE or DeepSeek-V3 model and character-level tokenizer of the CPU demo, built
-locally and deterministically (same config -> byte-identical files); nothing is downloaded."""
+"""The tiny Qwen3-MoE, DeepSeek-V3 or GLM-4.5 model and character-level tokenizer of the CPU
+demo, built locally and deterministically (same config -> byte-identical files); nothing is
+downloaded."""
 from __future__ import annotations
 
 import os
@@ -50,8 +51,8 @@ def _hf_config(init: ModelInitConfig, tokenizer):
 
 def write_tiny_model(init: ModelInitConfig, out_dir: str) -> str:
     """Write config.json, model.safetensors and the tokenizer of the tiny model of ``init``
-    (Qwen3-MoE or DeepSeek-V3) to ``out_dir``, deterministically from ``init.seed``. Returns
-    ``out_dir``."""
+    (Qwen3-MoE, DeepSeek-V3 or GLM-4.5) to ``out_dir``, deterministically from ``init.seed``.
+    Returns ``out_dir``."""
     import torch
     import transformers
     tokenizer = build_tokenizer()
