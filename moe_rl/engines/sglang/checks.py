@@ -34,14 +34,17 @@ def check_gpus(cfg: Config) -> None:
             raise ConfigError(f"{key}: SGLang on CPU (rollout.sglang.device=cpu) cannot run "
                               f"with {why}")
     hf = model_hf_fields(cfg.model)
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     fam = FAMILIES.get(hf.get("model_type"))
-    if fam is not None and fam.MULTI_LATENT_ATTENTION and rope.get("rope_type") != "deepseek_yarn":
-        raise ConfigError(f"model.path: SGLang on CPU (rollout.sglang.device=cpu) serves MLA "
-                          f"models ({hf.get('model_type')}) only with deepseek_yarn rotary "
-                          f"scaling (its CPU rotary embedding asserts it, "
-                          f"sglang/srt/layers/rotary_embedding/factory.py); this model's is "
-                          f"{rope.get('rope_type', 'none')!r}; use rollout.engine=reference")
+    if fam is not None and fam.MULTI_LATENT_ATTENTION:
+        # SGLang 0.5.23 on CPU: without rope scaling its rotary embedding asserts deepseek_yarn
+        # (layers/rotary_embedding/factory.py); with YaRN (which its DeepSeek attention turns
+        # into deepseek_yarn) the torch-native attention fails on MLA's first prefill
+        # ("Expected size for first two dimensions of batch2 tensor to be: [4, 24] but got:
+        # [4, 40]", attention/torch_native_backend.py), measured on the tiny DeepSeek-V3
+        raise ConfigError(f"model.path: SGLang on CPU (rollout.sglang.device=cpu) cannot serve "
+                          f"MLA models ({hf.get('model_type')}): its CPU rotary embedding "
+                          f"asserts deepseek_yarn scaling and, with YaRN, its torch-native "
+                          f"attention fails on MLA's prefill; use rollout.engine=reference")
 
 
 def check_weight_updates(cfg: Config) -> None:
