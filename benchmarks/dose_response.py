@@ -232,7 +232,7 @@ def dose_table(model: str, train: pathlib.Path) -> dict:
     from moe_rl.engines.reference.launcher import ReferenceServer
     from moe_rl.engines.sglang.client import SGLangEngine
     from moe_rl.engines.sglang.pool import ServerPool
-    from moe_rl.moe_shape import MoEShape
+    from moe_rl.families.shape import MoEShape
     from moe_rl.rollout.trajectories import generate_samples
     from moe_rl.trainer.parallel import free_port
     from moe_rl.trainer.policy import PolicyTrainer

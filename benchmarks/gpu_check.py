@@ -55,12 +55,12 @@ def check_megatron_cuda(path: str, use_te: bool) -> dict:
     import importlib.util
 
     import transformers
-    from moe_rl.packing import pack_one
+    from moe_rl.trainer.packing import pack_one
     from moe_rl.trainer import model_builder
     from moe_rl.trainer.forward import forward_logprobs
     from moe_rl.weights.hf import load_hf_into_megatron
     from moe_rl.trainer.replay import ReplayController
-    from moe_rl.types import Sample, compact_routing
+    from moe_rl.rollout_record import Sample, compact_routing
     if use_te and importlib.util.find_spec("transformer_engine") is None:
         return {"status": "skipped", "reason": "transformer_engine is not installed"}
     saved = importlib.util.find_spec
@@ -153,10 +153,10 @@ def measure_trainer_throughput(hf: dict, dtype: torch.dtype, *, seq_len: int, mi
     log-prob kernel) and backward on random-initialised weights, ``steps`` timed after one
     warm-up; the optimizer step is not included. ``profile``: also the ten kernels that take
     the most GPU time in one more step (torch.profiler)."""
-    from moe_rl.packing import pack_one
+    from moe_rl.trainer.packing import pack_one
     from moe_rl.trainer import model_builder
     from moe_rl.trainer.forward import forward_logprobs
-    from moe_rl.types import Sample
+    from moe_rl.rollout_record import Sample
     model, spec = model_builder.build_model(hf, dtype=dtype)
     model.train()
     response_len = response_len or seq_len // 2
@@ -418,7 +418,7 @@ def parallel_worker(path: str) -> None:
     init_distributed()
     rank = torch.distributed.get_rank()
     torch.cuda.set_device(rank)
-    from moe_rl.types import Sample
+    from moe_rl.rollout_record import Sample
     g = torch.Generator().manual_seed(1)
     samples = [Sample(prompt_ids=torch.randint(0, 90, (6,), generator=g),
                       response_ids=torch.randint(0, 90, (10,), generator=g),

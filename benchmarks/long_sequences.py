@@ -52,7 +52,7 @@ def make_samples(lengths: list[int], vocab: int, num_experts: int, moe_layers: i
     """Samples of random tokens with the given response lengths, rollout log-probs near the
     uniform distribution's and a valid random route for every routed position."""
     import torch
-    from moe_rl.types import Sample, compact_routing
+    from moe_rl.rollout_record import Sample, compact_routing
     g = torch.Generator().manual_seed(1)
     out = []
     for i, r in enumerate(lengths):

@@ -112,7 +112,7 @@ def model_inputs(name: str, work: str, n_prompts: int):
     from transformers import AutoTokenizer
     from moe_rl.data.prompts import toy_problems
     from moe_rl.models.presets import write_preset
-    from moe_rl.moe_shape import MoEShape
+    from moe_rl.families.shape import MoEShape
     model_dir = tiny_model(f"{work}/tiny") if name == "tiny" else \
         write_preset(name, str(ROOT / "outputs" / f"{name}_moe"))
     hf = json.loads(pathlib.Path(model_dir, "config.json").read_text())

@@ -39,7 +39,7 @@ def mask_bytes(kept: int) -> dict:
 def decode_throughput(positions: int = 4096, repeats: int = 5) -> dict:
     """MB/s of base64 int32 -> compact routing for a Qwen3-30B-A3B-shaped response."""
     from moe_rl.engines.sglang.decode import decode_routing
-    from moe_rl.moe_shape import MoEShape
+    from moe_rl.families.shape import MoEShape
     layout = MoEShape(48, tuple(range(48)), 8, 128)
     rng = np.random.default_rng(0)
     arr = rng.integers(0, 128, (positions, 48, 8), dtype=np.int32)
@@ -57,7 +57,7 @@ def decode_throughput(positions: int = 4096, repeats: int = 5) -> dict:
 def engine_tokens_per_second(n_prompts: int = 32, new_tokens: int = 32) -> dict:
     """Generation throughput of the CPU reference engine on the tiny demo model over HTTP."""
     from moe_rl.config import ModelInitConfig
-    from moe_rl.moe_shape import MoEShape
+    from moe_rl.families.shape import MoEShape
     from moe_rl.models.tiny import write_tiny_model
     from moe_rl.engines.base import SamplingConfig
     from moe_rl.engines.sglang.client import SGLangEngine
@@ -93,7 +93,7 @@ def routing_consistency(dtype: str, n_prompts: int = 32, new_tokens: int = 24) -
     import torch
     from moe_rl.algo.metrics import routing_agreement
     from moe_rl.config import ModelInitConfig
-    from moe_rl.moe_shape import MoEShape
+    from moe_rl.families.shape import MoEShape
     from moe_rl.models.tiny import write_tiny_model
     from moe_rl.engines.sglang.decode import decode_routing
     from moe_rl.engines.base import SamplingConfig

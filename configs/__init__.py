@@ -1,2 +1,2 @@
 """The shipped configs, installed with moe_rl as package data (``moe_rl.configs``); see
-:mod:`moe_rl.shipped`."""
+:mod:`moe_rl.config.shipped`."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_rl.envs import EnvStep
-from moe_rl.types import Sample, compact_routing
+from moe_rl.rollout_record import Sample, compact_routing
 
 TINY_QWEN = dict(vocab_size=48, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, intermediate_size=48,
@@ -374,3 +374,29 @@ def token_draw(seed: int, spread: float, n: int = 64):
     lp = (lp_old + torch.randn(n, generator=g, dtype=torch.float64) * spread).clamp(max=-1e-3)
     adv = torch.randn(n, generator=g, dtype=torch.float64)
     return lp.requires_grad_(), lp_old, adv
+
+
+def random_sample(P=3, R=4, sid=0, group=0, seed=0, routing=True, mask=True, passes=0, vocab=20):
+    """A sample of random ids with routes, kept sets and engine passes as asked."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (P,), generator=g)
+    resp = torch.randint(0, vocab, (R,), generator=g)
+    kw = {}
+    if routing:
+        kw["routing"] = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(
+            (P + R - 1) * 2)]).reshape(P + R - 1, 2, 2).to(torch.uint8)
+    if mask:
+        sets = []
+        for tok in resp.tolist():
+            extra = torch.randperm(vocab, generator=g)[:3].tolist()
+            sets.append(sorted(set(extra) | {tok}))
+        off = [0]
+        for s_ in sets:
+            off.append(off[-1] + len(s_))
+        kw["sampling_mask_offsets"] = torch.tensor(off)
+        kw["sampling_mask_ids"] = torch.tensor([i for s_ in sets for i in s_], dtype=torch.int32)
+    if passes:
+        kw["pass_logprobs"] = -torch.rand(passes, R, generator=g)
+    return Sample(prompt_ids=prompt, response_ids=resp, rollout_logprobs=-torch.rand(R, generator=g),
+                  loss_mask=torch.tensor([True] * (R - 1) + [False]), reward=0.5 * sid,
+                  group_id=group, weight_version=3, sample_id=sid, metadata={"answer": "42"}, **kw)

@@ -72,10 +72,10 @@ def assert_scores_as_transformers(model, spec, hf_model, prompt_len: int = 5) ->
     embedding shows at length) as transformers' ``hf_model`` does (atol 1e-4), with
     transformers' routing replayed and with its own, whose choice must then be transformers'
     (confident routers). Returns the sequences."""
-    from moe_rl.packing import pack_one
+    from moe_rl.trainer.packing import pack_one
     from moe_rl.trainer.forward import forward_logprobs
     from moe_rl.trainer.replay import ReplayController
-    from moe_rl.types import Sample, routing_dtype
+    from moe_rl.rollout_record import Sample, routing_dtype
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, hf_model.config.vocab_size, (n,), generator=g) for n in (40, 29)]
     P = prompt_len

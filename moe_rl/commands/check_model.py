@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moe_rl.families import family
-    from moe_rl.model_check import (check_engine, check_trainer, format_report, prompt_ids,
+    from moe_rl.checks.model import (check_engine, check_trainer, format_report, prompt_ids,
                                     transformers_reference, verdict)
-    from moe_rl.moe_shape import MoEShape
+    from moe_rl.families.shape import MoEShape
     config = os.path.join(args.path, "config.json")
     if not os.path.isfile(config):
         raise UserError(f"PATH: expected a Hugging Face checkpoint directory with config.json, "

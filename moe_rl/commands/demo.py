@@ -9,7 +9,7 @@ import os
 import shlex
 
 from moe_rl.config import load_config
-from moe_rl.shipped import DEFAULT_CONFIG, config_path
+from moe_rl.config.shipped import DEFAULT_CONFIG, config_path
 
 # the demo's engine differs from the float32 trainer as production engines do: FP8 weights and
 # activations (block-wise E4M3), bfloat16 elsewhere; the user's overrides come after these
@@ -29,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(config, [*DEMO_OVERRIDES, *args.overrides])
     from moe_rl.models.tiny import write_tiny_model
     from moe_rl.orchestration.loop import run_training
-    from moe_rl.run_dir import fresh
-    from moe_rl.run_summary import replay_summary
+    from moe_rl.orchestration.run_dir import fresh
+    from moe_rl.outputs.run_summary import replay_summary
     cfg.logging.dir = fresh(cfg.logging.dir)   # each demo is a run of its own
     if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         write_tiny_model(cfg.model.init, cfg.model.path)

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_rl.node_checks import run_checks
+    from moe_rl.checks.node import run_checks
     cfg = load_config(args.config, list(args.overrides))
     findings = run_checks(cfg)
     if args.json:

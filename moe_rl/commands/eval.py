@@ -76,7 +76,7 @@ def check_out_path(out: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moe_rl.config import load_config
-    from moe_rl.run_inputs import load_run_inputs
+    from moe_rl.orchestration.run_inputs import load_run_inputs
     if args.out:
         check_out_path(args.out)
     with tempfile.TemporaryDirectory(prefix="moe-rl-eval-model-") as tmp:

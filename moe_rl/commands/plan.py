@@ -12,8 +12,8 @@ import os
 
 from moe_rl.config import load_config, response_cap
 from moe_rl.engines.factory import engine_kind
-from moe_rl.memory_estimate import GIB, format_memory, param_counts, trainer_memory
-from moe_rl.run_inputs import load_run_inputs
+from moe_rl.config.memory_estimate import GIB, format_memory, param_counts, trainer_memory
+from moe_rl.orchestration.run_inputs import load_run_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_rl.report import make_report
+    from moe_rl.outputs.report import make_report
     print(make_report(args.runs, args.out, args.smooth))
     return 0

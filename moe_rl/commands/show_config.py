@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moe_rl.run_inputs import inputs_summary, load_run_inputs, unknown_characters
+from moe_rl.orchestration.run_inputs import inputs_summary, load_run_inputs, unknown_characters
 from moe_rl.config import Config, ConfigError, dump_config, iter_keys, load_config
 
 

@@ -8,7 +8,7 @@ import shlex
 from moe_rl.config import iter_keys, load_config
 from moe_rl.config.checks import clip_range_warning, precision_pair_warning
 from moe_rl.errors import UserError
-from moe_rl.run_inputs import load_run_inputs, unknown_characters
+from moe_rl.orchestration.run_inputs import load_run_inputs, unknown_characters
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ from moe_rl.config.model_facts import (facts_context, model_moe_facts,
 from moe_rl.families import family
 from moe_rl.config.fields import ConfigError
 from moe_rl.config.schema import CORRECTIONS, Config
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 
 
 

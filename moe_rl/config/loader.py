@@ -239,7 +239,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     """Read YAML ``path`` (optional), apply ``overrides`` and return a validated :class:`Config`."""
     tree: dict = {}
     if path is not None:
-        from moe_rl.shipped import config_path, shipped_configs
+        from moe_rl.config.shipped import config_path, shipped_configs
         path = config_path(os.fspath(path))
         if not os.path.exists(path):
             raise ConfigError(f"config file not found: {path} (shipped configs, usable by name: "

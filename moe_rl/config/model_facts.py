@@ -7,7 +7,7 @@ import os
 
 from moe_rl.config.init_model import init_hf_fields
 from moe_rl.config.schema import Config, ModelConfig
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 
 
 def response_cap(cfg: Config) -> int:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:   # torch only in annotations: a process that starts a server 
     import torch
 
     from moe_rl.config import Config
-    from moe_rl.moe_shape import MoEShape
+    from moe_rl.families.shape import MoEShape
 
 T = TypeVar("T")
 
@@ -253,7 +253,7 @@ class EngineKind(ABC):
         return 1
 
     def gpu_memory(self, hf: dict, params: int, gpu_bytes: float):
-        """What one GPU of a server holds (``moe_rl.memory_estimate.EngineMemory``) for the
+        """What one GPU of a server holds (``moe_rl.config.memory_estimate.EngineMemory``) for the
         model ``hf`` of ``params`` parameters on GPUs of ``gpu_bytes``; None for a kind
         without GPUs."""
         return None

@@ -10,14 +10,14 @@ import ray
 
 from moe_rl.config import Config
 from moe_rl.errors import first_line
-from moe_rl.evaluation import eval_due
-from moe_rl.metrics_log import MetricsLogger, PhaseTimer, StepProgress, step_fields
+from moe_rl.rollout.evaluation import eval_due
+from moe_rl.outputs.metrics_log import MetricsLogger, PhaseTimer, StepProgress, step_fields
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.failures import RunFailed
 from moe_rl.orchestration.processes import Trainers
 from moe_rl.orchestration.run import Run
 from moe_rl.rewards.service import reward_setting
-from moe_rl.run_inputs import RunInputs
+from moe_rl.orchestration.run_inputs import RunInputs
 
 
 def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = False,

@@ -18,7 +18,7 @@ from moe_rl.orchestration.sharding import per_rank
 from moe_rl.orchestration.engine_host import EngineHost
 from moe_rl.orchestration.workers import RolloutWorker, TrainerWorker
 from moe_rl.trainer.parallel import free_port
-from moe_rl.types import RolloutBatch, Sample
+from moe_rl.rollout_record import RolloutBatch, Sample
 
 
 def cfg_tree(cfg: Config) -> dict:

@@ -15,7 +15,7 @@ import ray
 
 from moe_rl.config import Config
 from moe_rl.errors import first_line
-from moe_rl.leftovers import mark_ray_session, reap_orphaned_ray_agents
+from moe_rl.orchestration.ray_leftovers import mark_ray_session, reap_orphaned_ray_agents
 from moe_rl.orchestration.failures import RunFailed
 from moe_rl.orchestration.placement import Plan, PlannedProcess
 

@@ -20,11 +20,11 @@ import time
 
 import ray
 
-from moe_rl import run_dir as run_dir_checks
+from moe_rl.orchestration import run_dir as run_dir_checks
 from moe_rl.config import Config, dump_config
 from moe_rl.data.mixture import make_sampler
 from moe_rl.errors import first_line
-from moe_rl.metrics_log import MetricsLogger
+from moe_rl.outputs.metrics_log import MetricsLogger
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.failures import RunFailed, lost_process
 from moe_rl.orchestration.placement import at_addresses, make_plan
@@ -37,9 +37,9 @@ from moe_rl.orchestration.warm_start import warm_start
 from moe_rl.orchestration.weight_check import WeightCheck
 from moe_rl.orchestration.weight_sync import weight_sync_for
 from moe_rl.orchestration.workers import served_checkpoint
-from moe_rl.run_inputs import RunInputs, load_run_inputs
-from moe_rl.run_summary import run_summary
-from moe_rl.sample_log import SampleLog
+from moe_rl.orchestration.run_inputs import RunInputs, load_run_inputs
+from moe_rl.outputs.run_summary import run_summary
+from moe_rl.outputs.sample_log import SampleLog
 
 
 class Run:
@@ -99,7 +99,7 @@ class Run:
     def _sinks(self) -> list:
         if not self.cfg.logging.wandb.enabled:
             return []
-        from moe_rl.wandb_log import WandbLog
+        from moe_rl.outputs.wandb_log import WandbLog
         return [WandbLog(self.cfg, self.dir)]
 
     # ------------------------------------------------------------------ lifecycle

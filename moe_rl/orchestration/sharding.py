@@ -1,7 +1,7 @@
 """Cutting a step's samples into data-parallel shards (whole prompt groups per rank)."""
 from __future__ import annotations
 
-from moe_rl.types import Sample
+from moe_rl.rollout_record import Sample
 
 
 def shard_by_group(samples: list[Sample], ranks: int) -> list[list[Sample]]:

@@ -6,9 +6,9 @@ import torch
 
 from moe_rl.config import Config
 from moe_rl.data.prompts import PromptSampler
-from moe_rl.metrics_log import StepProgress
-from moe_rl.run_inputs import RunInputs
-from moe_rl.types import Sample
+from moe_rl.outputs.metrics_log import StepProgress
+from moe_rl.orchestration.run_inputs import RunInputs
+from moe_rl.rollout_record import Sample
 
 
 def sft_samples(prompts, indices: list[int], tokenizer, environment: type | None = None,

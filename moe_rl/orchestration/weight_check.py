@@ -25,7 +25,7 @@ import torch
 from moe_rl.config import Config
 from moe_rl.engines.factory import engine_kind
 from moe_rl.orchestration.failures import RunFailed
-from moe_rl.types import RolloutBatch
+from moe_rl.rollout_record import RolloutBatch
 
 
 class WeightCheck:

@@ -9,9 +9,9 @@ import os
 import ray
 
 from moe_rl.config import config_from_dict, engine_avg_refusal, probe_temperature
-from moe_rl.moe_shape import MoEShape
-from moe_rl.run_inputs import load_run_inputs
-from moe_rl.types import RolloutBatch
+from moe_rl.families.shape import MoEShape
+from moe_rl.orchestration.run_inputs import load_run_inputs
+from moe_rl.rollout_record import RolloutBatch
 
 
 @ray.remote
@@ -218,7 +218,7 @@ class RolloutWorker:
         from moe_rl.orchestration.sharding import shard_by_group
         from moe_rl.config import set_name
         from moe_rl.rollout.groups import retraction_counts, reward_by_set
-        from moe_rl.sample_log import shown_samples
+        from moe_rl.outputs.sample_log import shown_samples
         self.check_serving(version, step)
         cfg, inp = self.cfg, self.inputs
         timing = {}
@@ -268,7 +268,7 @@ class RolloutWorker:
         (the policy after ``done`` updates); rewards by ``eval.reward``, else the run's reward,
         counted apart from the training's reward errors."""
         import time
-        from moe_rl.evaluation import evaluate
+        from moe_rl.rollout.evaluation import evaluate
         from moe_rl.rewards.service import reward_scorer
         self.check_serving(version, done)
         if self.eval_scorer is None:

@@ -5,7 +5,7 @@ token, with the weight version that sampled each token; the next step continues 
 its prefix under whatever weights the engines then serve. So a long response never holds a step:
 it spans several weight versions instead.
 
-The record of a response that spans versions (see :class:`moe_rl.types.Sample`):
+The record of a response that spans versions (see :class:`moe_rl.rollout_record.Sample`):
 
 - every token's log-prob, kept set and version as sampled;
 - the routing of every position as the engine routed it when it sampled there (a continuation's
@@ -51,7 +51,7 @@ from moe_rl.rewards.functions import score_samples
 from moe_rl.rollout.groups import StepGroups
 from moe_rl.rollout.trajectories import (Episode, TrajectoryLimits, TrajectoryStats, env_call,
                                          Trajectory, keep_turn)
-from moe_rl.types import Sample
+from moe_rl.rollout_record import Sample
 
 ABORT_REPEAT_S = 0.2   # how often the abort is sent again while requests are still answering
 CONTINUATION_SEED = 1_000_003   # a continuation's sampling seed moves by this per request

@@ -38,7 +38,7 @@ import torch
 from moe_rl.envs import EnvError, check_step
 from moe_rl.plugins import PluginTimeout, call_bounded_async
 from moe_rl.engines.base import Engine, EngineSession, ResponseError, SamplingConfig, Turn
-from moe_rl.types import Sample
+from moe_rl.rollout_record import Sample
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_rl.packing import MicroBatch
+from moe_rl.trainer.packing import MicroBatch
 from moe_rl_kernels import KeptSets
 
 

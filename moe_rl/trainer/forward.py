@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from moe_rl.packing import MicroBatch
+from moe_rl.trainer.packing import MicroBatch
 from moe_rl.trainer import context_parallel as cp_maps
 from moe_rl_kernels import logprob_entropy
 

@@ -8,13 +8,13 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import Config
-from moe_rl.packing import MicroBatch, pack_one, plan
+from moe_rl.trainer.packing import MicroBatch, pack_one, plan
 from moe_rl.trainer.dp import dp_max
 from moe_rl.trainer.context_parallel import local_positions
 from moe_rl.trainer.forward import forward_logprobs
 from moe_rl.trainer.replay import ReplayController
 from moe_rl.trainer.replay_plan import Route
-from moe_rl.types import Sample
+from moe_rl.rollout_record import Sample
 
 
 class Forwarder:

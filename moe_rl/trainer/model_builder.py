@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from moe_rl.config.checks import CP_NEEDS_TE
 from moe_rl.families import family
-from moe_rl.moe_shape import ModelSpec, model_spec
+from moe_rl.families.shape import ModelSpec, model_spec
 from moe_rl.trainer.cpu_compat import apply_cpu_shims, check_cpu_settings, cuda_absent
 from moe_rl.trainer.parallel import ParallelSizes
 

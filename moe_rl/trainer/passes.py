@@ -13,7 +13,7 @@ import torch
 
 from moe_rl.algo import kept_set_sizes
 from moe_rl.config import Config, probe_temperature
-from moe_rl.packing import MicroBatch
+from moe_rl.trainer.packing import MicroBatch
 from moe_rl.trainer.dp import dp_group, dp_max, every_rank_sum
 from moe_rl.trainer.forwarder import Forwarder
 from moe_rl.trainer.loss import PolicyLoss
@@ -23,7 +23,7 @@ from moe_rl.trainer.router_rows import micro_batch_rows, response_rows
 from moe_rl.trainer.step import (StepRows, gather_rows, sample_notes, step_inputs,
                                  version_metrics)
 from moe_rl.trainer.versions import WeightVersions
-from moe_rl.types import Sample, compact_routing
+from moe_rl.rollout_record import Sample, compact_routing
 
 
 def pad_rows(rows: list[torch.Tensor], fill: float = 0.0, dtype=torch.float32) -> torch.Tensor:

@@ -27,7 +27,7 @@ from moe_rl.trainer.replay_plan import ReplayPlan
 from moe_rl.trainer.state import TrainerState
 from moe_rl.trainer.update import PolicyUpdate
 from moe_rl.trainer.versions import WeightVersions
-from moe_rl.types import MODEL_DTYPES, Sample
+from moe_rl.rollout_record import MODEL_DTYPES, Sample
 from moe_rl.weights.hf import load_hf_into_megatron
 
 

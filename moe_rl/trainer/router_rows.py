@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_rl.packing import MicroBatch
+from moe_rl.trainer.packing import MicroBatch
 from moe_rl.trainer import context_parallel as cp_maps
 
 

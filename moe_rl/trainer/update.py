@@ -11,7 +11,7 @@ import torch
 from moe_rl.algo import Normalisers, aggregate, count_normalisers, router_shift_weight
 from moe_rl.config import Config, response_cap
 from moe_rl.errors import LossScaleCollapsed
-from moe_rl.packing import MicroBatch
+from moe_rl.trainer.packing import MicroBatch
 from moe_rl.trainer.cpu_compat import cuda_factories_on_cpu
 from moe_rl.trainer.dp import dp_group, dp_sum
 from moe_rl.trainer.forwarder import Forwarder
@@ -21,7 +21,7 @@ from moe_rl.trainer.replay import ReplayController
 from moe_rl.trainer.replay_plan import ReplayPlan
 from moe_rl.trainer.router_rows import micro_batch_rows, response_rows
 from moe_rl.trainer.step import reduce_sums
-from moe_rl.types import Sample
+from moe_rl.rollout_record import Sample
 
 
 def finalize_grads(model) -> None:

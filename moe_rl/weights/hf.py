@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_rl.families import family
-from moe_rl.moe_shape import ModelSpec
+from moe_rl.families.shape import ModelSpec
 from moe_rl.owned_dirs import claim
 
 

@@ -164,12 +164,12 @@ def test_router_shift_config_checks(tmp_path):
 def test_router_scores_are_the_routers_log_softmax_as_transformers_computes_it(tmp_path):
     """The scores the controller reads from megatron's routers (at the experts they chose, then
     at given ones) equal log-softmax of transformers' own router logits for the same weights."""
-    from moe_rl.packing import pack_one
+    from moe_rl.trainer.packing import pack_one
     from moe_rl.trainer.forward import forward_logprobs
     from moe_rl.trainer.model_builder import build_model
     from moe_rl.trainer.parallel import init_distributed, init_model_parallel
     from moe_rl.trainer.replay import ReplayController
-    from moe_rl.types import Sample
+    from moe_rl.rollout_record import Sample
     from moe_rl.weights.hf import load_hf_into_megatron
     from tests.hf_models import QWEN, write_hf_model
     init_distributed()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moe_rl import node_checks
+from moe_rl.checks import node as node_checks
 from moe_rl.cli import main
 from moe_rl.config import load_config
 from tests.helpers import sglang_cpu_python

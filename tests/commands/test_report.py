@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from moe_rl.metrics_log import MetricsLogger
-from moe_rl.report import degradation_step, make_report
+from moe_rl.outputs.metrics_log import MetricsLogger
+from moe_rl.outputs.report import degradation_step, make_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -101,7 +101,7 @@ def test_mismatch_axes_are_logarithmic_so_float32_and_fp8_runs_both_show():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from moe_rl.report import _scale
+    from moe_rl.outputs.report import _scale
     steps = np.arange(3)
     runs = {"f32": {"mismatch/k3": (steps, np.array([1e-14, 2e-14, 3e-14])),
                     "mismatch/k1": (steps, np.array([-1e-9, 0.0, 2e-9])),
@@ -120,7 +120,7 @@ def test_an_always_zero_series_is_linear_and_a_wide_symlog_axis_has_few_ticks():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from moe_rl.report import _scale
+    from moe_rl.outputs.report import _scale
     steps = np.arange(3)
     runs = {"a": {"mismatch/extreme_frac": (steps, np.zeros(3)),
                   "mismatch/k1": (steps, np.array([-1e-12, 0.0, 3e-2]))}}
@@ -151,7 +151,7 @@ def test_plots_are_laid_out_in_rows_of_three(tmp_path):
 
 
 def test_smoothing_matches_tensorboards_debiased_ema():
-    from moe_rl.report import smooth
+    from moe_rl.outputs.report import smooth
     rng = np.random.default_rng(0)
     v = rng.normal(size=40)
     for w in (0.0, 0.6, 0.9):
@@ -177,7 +177,7 @@ def test_eval_metrics_get_their_own_panel(tmp_path):
 
 
 def test_the_eval_plot_shows_success_and_reward_of_every_set_first():
-    from moe_rl.report import eval_panel
+    from moe_rl.outputs.report import eval_panel
     tags = ["eval/time_s"] + [f"eval/{s}/{m}" for s in ("a", "b") for m in
                               ("pass@1", "pass@8", "reward_mean", "response_len_mean",
                                "truncated_frac")]

@@ -8,7 +8,7 @@ import yaml
 
 from moe_rl.config import (Config, ConfigError, config_from_dict, dump_config, iter_keys, load_config, parse_override)
 from moe_rl.errors import UserError
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 
 
 def _err(overrides, path=None):
@@ -388,7 +388,7 @@ def test_yaml_aliases_are_refused_in_files_overrides_and_saved_configs(tmp_path,
     """An alias bomb (a few hundred bytes expanding to 9^8 nodes when the config is copied)
     under data.chat_template_kwargs is one line, in the config file, in an override, and in a
     checkpoint's config.yaml read by a resume; the config moe_rl dumps holds no alias."""
-    from moe_rl import run_dir
+    from moe_rl.orchestration import run_dir
     from moe_rl.cli import main
     nested = "".join("  " + line + "\n" for line in BOMB.splitlines())
     (tmp_path / "bomb.yaml").write_text(f"data:\n  chat_template_kwargs:\n{nested}")

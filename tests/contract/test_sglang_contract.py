@@ -17,7 +17,7 @@ import torch
 
 from moe_rl.config import config_from_dict, load_config
 from moe_rl.engines.sglang.client import FLUSH_WAIT_S
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 from moe_rl.orchestration.placement import make_plan
 from moe_rl.engines.base import SamplingConfig
 from moe_rl.engines.sglang.client import SGLangEngine

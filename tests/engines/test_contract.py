@@ -20,7 +20,7 @@ from moe_rl.engines.factory import engine_kind
 from moe_rl.engines.sglang.pool import ServerPool
 from moe_rl.engines.sglang.weights import broadcast_tensors, close_group, open_group
 from moe_rl.models.tiny import write_tiny_model
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 from moe_rl.rollout.trajectories import generate_samples
 from moe_rl.trainer.parallel import free_port
 from tests.helpers import engine_base_port, sglang_cpu_python

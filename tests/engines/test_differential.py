@@ -18,7 +18,7 @@ from moe_rl.engines.reference.engine import kept_set
 from moe_rl.engines.reference.launcher import ReferenceServer
 from moe_rl.engines.sglang.decode import decode_routing
 from moe_rl.models.tiny import write_tiny_model
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 from moe_rl.trainer.parallel import free_port
 from tests.helpers import engine_base_port, sglang_cpu_python
 

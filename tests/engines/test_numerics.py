@@ -382,7 +382,7 @@ def test_fp8_weights_over_the_distributed_path(tmp_path):
     scales (gloo carries their bytes) and then serves exactly the new FP8 checkpoint."""
     import threading
     from safetensors.torch import load_file
-    from moe_rl.moe_shape import MoEShape
+    from moe_rl.families.shape import MoEShape
     from moe_rl.engines.sglang.client import SGLangEngine
     from moe_rl.weights.fp8 import quantise_named, write_fp8_checkpoint
     from moe_rl.engines.sglang.pool import ServerPool

@@ -9,7 +9,7 @@ import pytest
 
 from moe_rl.config import ModelInitConfig
 from moe_rl.models.tiny import write_tiny_model
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 from moe_rl.engines.base import SamplingConfig
 from moe_rl.engines.sglang.client import SGLangEngine
 from moe_rl.rollout.trajectories import generate_samples

@@ -14,7 +14,7 @@ from moe_rl.engines.base import SamplingConfig
 from moe_rl.engines.sglang.client import SGLangEngine, SGLangSession
 from moe_rl.engines.sglang.decode import decode_turn
 from moe_rl.engines.sglang.pool import EngineHTTPError
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 from moe_rl.rollout.groups import retraction_counts
 from moe_rl.rollout.partial import PartialRollout
 from moe_rl.rollout.trajectories import sample_of_turn
@@ -199,7 +199,7 @@ def test_the_weight_check_probe_never_lists_the_whole_vocabulary(mask, temperatu
     pool = _CannedPool([[{"meta_info": {"input_token_logprobs": [None, [-0.5, 5, None]]}}]])
     engine = _CannedEngine(pool)
     engine.run_with_pool = lambda coro_fn: asyncio.run(coro_fn(pool))
-    from moe_rl.types import Sample
+    from moe_rl.rollout_record import Sample
     s = Sample(prompt_ids=[1, 3], response_ids=[5], rollout_logprobs=[-0.5])
     engine.score([s], 1, temperature=probe_temperature(cfg))
     assert "token_ids_logprob" not in pool.bodies[0] and s.pass_logprobs.tolist() == [[-0.5]]

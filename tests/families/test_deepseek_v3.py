@@ -11,16 +11,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl.packing import pack_one
+from moe_rl.trainer.packing import pack_one
 from moe_rl.trainer.forward import forward_logprobs
 from moe_rl.weights.hf import load_hf_into_megatron, megatron_to_hf
-from moe_rl.moe_shape import model_spec
+from moe_rl.families.shape import model_spec
 from moe_rl.trainer.model_builder import build_model, transformer_config
-from moe_rl.model_check import check_trainer, transformers_reference, verdict
-from moe_rl.moe_shape import MoEShape
+from moe_rl.checks.model import check_trainer, transformers_reference, verdict
+from moe_rl.families.shape import MoEShape
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.replay import ReplayController
-from moe_rl.types import RolloutBatch, Sample
+from moe_rl.rollout_record import RolloutBatch, Sample
 from tests.hf_models import DEEPSEEK, YARN, assert_scores_as_transformers, hf_forward, write_deepseek
 from tests.helpers import start_ranks
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from moe_rl.config import ConfigError, init_hf_fields, load_config
-from moe_rl.model_check import check_trainer, transformers_reference, verdict
-from moe_rl.moe_shape import MoEShape
+from moe_rl.checks.model import check_trainer, transformers_reference, verdict
+from moe_rl.families.shape import MoEShape
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.weights.hf import load_hf_into_megatron, megatron_to_hf

@@ -67,7 +67,7 @@ def test_eval_through_train_and_moe_rl_eval_of_its_checkpoint(tmp_path):
         assert r["eval/held_out/reward_mean"] == pytest.approx(r["eval/held_out/pass@1"])
     assert "eval after 2 updates: held_out/reward_mean" in res.stdout
     assert "  eval: held_out pass@1" in res.stdout   # the run's summary
-    from moe_rl.report import read_scalars
+    from moe_rl.outputs.report import read_scalars
     tb = read_scalars(str(tmp_path / "run"))
     assert list(tb["eval/held_out/pass@1"][0]) == [0, 1, 2]
     # the same evaluation without training, on the last checkpoint: the same numbers (greedy

@@ -218,7 +218,7 @@ def test_a_reward_service_failing_on_whole_batches_stops_the_run_with_its_url(tm
 
 def test_shard_by_group_keeps_groups_whole_and_balances_tokens():
     from moe_rl.orchestration.sharding import shard_by_group
-    from moe_rl.types import Sample
+    from moe_rl.rollout_record import Sample
     samples = [Sample(prompt_ids=[1] * (g + 1), response_ids=[2] * (3 + (i % 2)),
                       rollout_logprobs=[-0.1] * (3 + (i % 2)), group_id=g, sample_id=4 * g + i)
                for g in range(5) for i in range(4)]

@@ -31,7 +31,7 @@ for engine in ("reference", "sglang"):
     argv, env = engine_command(cfg, proc, "/models/m")
     engine_kind(cfg).server_process(argv, env, proc.host, proc.port, "/tmp/engine.log")
     assert "--port" in argv, argv
-print(sorted(m for m in ("torch", "transformers", "moe_rl.types") if m in sys.modules))
+print(sorted(m for m in ("torch", "transformers", "moe_rl.rollout_record") if m in sys.modules))
 """
 
 

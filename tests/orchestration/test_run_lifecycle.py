@@ -98,7 +98,7 @@ def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == ["iter_0000001"]
     assert sorted(p.name for p in (old / "checkpoints").glob("iter_*")) == \
         ["iter_0000002", "iter_0000003"]
-    from moe_rl.report import read_scalars   # one run's events per directory, no mixing
+    from moe_rl.outputs.report import read_scalars   # one run's events per directory, no mixing
     assert list(read_scalars(str(run))["reward/mean"][0]) == [0]
     assert list(read_scalars(str(old))["reward/mean"][0]) == [0, 1, 2]
 

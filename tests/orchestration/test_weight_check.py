@@ -19,7 +19,7 @@ import torch
 from moe_rl.orchestration.weight_check import probe_figures
 from tests.helpers import init_tiny_model
 from tests.helpers import engine_base_port
-from moe_rl.types import Sample
+from moe_rl.rollout_record import Sample
 from tests.helpers import ROOT
 
 CORRUPT_ENGINE = '''

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from moe_rl.config import ModelInitConfig
 from moe_rl.models.tiny import write_tiny_model
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 from moe_rl.engines.base import SamplingConfig
 from moe_rl.engines.sglang.client import SGLangEngine, broadcast_tolerant
 from moe_rl.rollout.trajectories import generate_samples
@@ -355,7 +355,7 @@ def test_sharded_checkpoint_loads_back(tmp_path):
     """Cut into small shards: files named as HF does, an index mapping every tensor, and
     every tensor read back bit for bit (the engines load it as any HF checkpoint)."""
     from moe_rl.weights.hf import HFCheckpoint, save_hf_checkpoint
-    from moe_rl.moe_shape import model_spec
+    from moe_rl.families.shape import model_spec
     src = tmp_path / "src"
     write_tiny_model(ModelInitConfig(seed=4), str(src))
     tensors = load_file(str(src / "model.safetensors"))

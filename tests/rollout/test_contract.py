@@ -12,7 +12,7 @@ import torch
 from moe_rl.config import ModelInitConfig
 from moe_rl.config import config_from_dict
 from moe_rl.models.tiny import write_tiny_model
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 from moe_rl.engines.base import ResponseError, SamplingConfig
 from moe_rl.engines.sglang.client import SGLangEngine
 from moe_rl.engines.sglang.decode import decode_routing

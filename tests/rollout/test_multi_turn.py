@@ -22,7 +22,7 @@ from moe_rl.config import ConfigError, load_config
 from moe_rl.data.prompts import PromptRecord
 from moe_rl.envs import EnvError, EnvStep, check_step, demonstration_segments, load_environment
 from moe_rl.envs.calculator import CalculatorEnv, _evaluate
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 from moe_rl.engines.sglang.decode import ResponseError
 from moe_rl.engines.base import SamplingConfig
 from moe_rl.engines.sglang.client import SGLangEngine, SGLangSession

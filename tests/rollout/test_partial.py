@@ -12,11 +12,11 @@ from moe_rl.config import ConfigError, config_from_dict, load_config
 from moe_rl.engines.base import SamplingConfig, Turn
 from moe_rl.engines.sglang.decode import decode_turn, decode_weight_versions
 from moe_rl.engines.base import ResponseError
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 from moe_rl.data.prompts import PromptRecord
 from moe_rl.rollout.partial import PartialRollout
 from moe_rl.rollout.trajectories import TrajectoryLimits
-from moe_rl.types import RecordError, RolloutBatch, Sample, compact_routing
+from moe_rl.rollout_record import RecordError, RolloutBatch, Sample, compact_routing
 from tests.helpers import init_tiny_model
 from tests.helpers import ROOT, train_cli
 from tests.helpers import engine_samples, write_tiny_qwen

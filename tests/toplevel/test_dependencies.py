@@ -49,7 +49,7 @@ def test_installed_versions_lie_in_the_ranges_and_sglangs_pins_too():
 
 def test_no_deprecation_warning_from_the_engine_or_the_trainer_config(tmp_path):
     from moe_rl.engines.reference.engine import ReferenceEngine, Request, SamplingParams
-    from moe_rl.moe_shape import model_spec
+    from moe_rl.families.shape import model_spec
     from moe_rl.trainer.model_builder import load_hf_config, transformer_config
     from tests.helpers import write_tiny_qwen
     import megatron.core.transformer   # noqa: F401  (its import-time warnings are not ours)

@@ -10,16 +10,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "moe_rl"
 
 # lowest first; a unit may import only units of lower layers
 LAYERS = [
-    {"errors", "shipped", "plugins", "launch_tools", "supported_versions"},
+    {"errors", "plugins", "launch_tools"},
     {"owned_dirs"},
-    {"leftovers"},
     {"families"},
-    {"moe_shape"},
-    {"types", "config", "report", "metrics_log"},
-    {"packing", "data", "rewards", "weights", "algo", "run_dir", "wandb_log", "memory_estimate"},
-    {"envs", "models", "engines", "sample_log"},
-    {"trainer", "rollout", "run_inputs", "run_summary", "node_checks"},
-    {"evaluation", "model_check"},
+    {"rollout_record", "config"},
+    {"data", "rewards", "weights", "algo"},
+    {"envs", "models", "engines"},
+    {"trainer", "rollout", "outputs"},
+    {"checks"},
     {"orchestration"},
     {"commands"},
     {"cli"},
@@ -240,3 +238,21 @@ def test_the_schemas_algorithm_choices_are_the_registries_keys():
     kl = typing.get_type_hints(hints["kl"])
     assert set(typing.get_args(kl["estimator"])) == set(algo.KL_ESTIMATORS)
     assert set(schema.CORRECTIONS) == set(algo.CORRECTIONS)
+
+
+def layout_row_units(readme: str) -> list[str]:
+    """The units README's layout table names in its ``moe_rl/`` row, in their order."""
+    row = next(line for line in readme.splitlines() if line.startswith("| `moe_rl/` |"))
+    names = re.findall(r"`([a-z_]+)/?`", row.split("|")[2])
+    return [n for n in names if n not in ("sglang", "reference")]
+
+
+def test_readmes_layout_table_is_the_house_plan():
+    """README's ``moe_rl/`` row names every unit of LAYERS once, lowest layer first."""
+    for page in ("README.md", "docs/index.md"):
+        units = layout_row_units((ROOT.parent / page).read_text())
+        assert sorted(units) == sorted(LAYER_OF), page
+        layers = [LAYER_OF[u] for u in units]
+        assert layers == sorted(layers), f"{page}: out of layer order: {units}"
+    with pytest.raises(AssertionError):
+        assert sorted(layout_row_units("| `moe_rl/` | `cli`, `errors` |")) == sorted(LAYER_OF)

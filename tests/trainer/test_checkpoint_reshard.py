@@ -16,7 +16,7 @@ def _worker(rank, world, port, model_dir, base, load_from, save_to):
     from moe_rl.config import config_from_dict
     from moe_rl.trainer.parallel import ParallelSizes, destroy, init_distributed, \
         init_model_parallel
-    from moe_rl.types import RolloutBatch
+    from moe_rl.rollout_record import RolloutBatch
     init_distributed(rank=rank, world_size=world)
     init_model_parallel(ParallelSizes(expert=world))
     from moe_rl.trainer.policy import PolicyTrainer
@@ -61,7 +61,7 @@ def test_ep2_dp2_checkpoint_loads_with_ep1_dp1_and_back(tmp_path, family):
     model_dir = tmp_path / family
     hf = (write_tiny_qwen(model_dir, seed=41) if family == "qwen3_moe"
           else write_deepseek(model_dir, seed=41, glm=True))
-    from moe_rl.types import RolloutBatch
+    from moe_rl.rollout_record import RolloutBatch
     RolloutBatch(engine_samples(hf, n_groups=2, group_size=2, seed=42)).save(
         str(tmp_path / "samples.st"))
     args = (str(model_dir), str(tmp_path))

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from moe_rl.packing import pack_one
+from moe_rl.trainer.packing import pack_one
 from moe_rl.trainer.context_parallel import every_rank_positions, local_kept, local_positions
 from moe_rl.trainer.parallel import free_port
 from moe_rl.trainer.replay import context_parallel_slice
-from moe_rl.types import Sample
+from moe_rl.rollout_record import Sample
 from tests.helpers import start_ranks
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moe_rl.packing import pack_one
+from moe_rl.trainer.packing import pack_one
 from moe_rl.trainer.forward import forward_logprobs
 from moe_rl.weights.hf import (load_hf_into_megatron, megatron_to_hf, qkv_merge, qkv_split,
                                        save_hf_checkpoint, tp_merge, tp_split)
@@ -16,7 +16,7 @@ from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.context_parallel import chunk_positions
 from moe_rl.trainer.replay import (ReplayController,
                                    sequence_parallel_slice)
-from moe_rl.types import Sample
+from moe_rl.rollout_record import Sample
 from tests.hf_models import MIXTRAL, QWEN, write_hf_model
 
 
@@ -215,7 +215,7 @@ def test_save_hf_checkpoint_loads_in_transformers(tmp_path):
     ids = torch.randint(0, 48, (1, 6))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, hf_model(ids).logits)
-    from moe_rl.moe_shape import MoEShape
+    from moe_rl.families.shape import MoEShape
     facts = MoEShape.from_hf(json.loads((out / "config.json").read_text()))
     assert facts.num_experts == 8 and facts.moe_layers == (0, 2)
     assert load_hf_config(str(out))["model_type"] == "qwen3_moe"

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moe_rl.packing import pack_one, plan, plan_micro_batches, plan_packed_micro_batches
+from moe_rl.trainer.packing import pack_one, plan, plan_micro_batches, plan_packed_micro_batches
 from moe_rl.trainer.forward import forward_logprobs
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.replay import ReplayController
-from moe_rl.types import Sample, compact_routing
+from moe_rl.rollout_record import Sample, compact_routing
 from moe_rl.weights.hf import load_hf_into_megatron
 from tests.helpers import engine_samples, write_tiny_qwen
 from tests.hf_models import YARN, hf_forward, write_deepseek

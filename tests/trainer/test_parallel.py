@@ -12,7 +12,7 @@ from tests.helpers import engine_samples, start_ranks, write_tiny_qwen
 def _worker(rank, port, model_dir, out_dir, mode):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from moe_rl.config import config_from_dict
-    from moe_rl.packing import pack_one
+    from moe_rl.trainer.packing import pack_one
     from moe_rl.trainer.forward import forward_logprobs
     from moe_rl.weights.hf import (iter_hf_buckets, load_hf_into_megatron,
                                            megatron_to_hf)
@@ -20,7 +20,7 @@ def _worker(rank, port, model_dir, out_dir, mode):
     from moe_rl.trainer.parallel import ParallelSizes, destroy, init_distributed, \
         init_model_parallel
     from moe_rl.trainer.replay import ReplayController
-    from moe_rl.types import RolloutBatch
+    from moe_rl.rollout_record import RolloutBatch
     init_distributed(rank=rank, world_size=2)
     samples = RolloutBatch.load(os.path.join(out_dir, "samples.st")).samples
     if mode == "ep":
@@ -85,7 +85,7 @@ def _spawn(tmp_path, mode):
     from moe_rl.trainer.parallel import free_port
     model_dir = tmp_path / "qwen"
     hf = write_tiny_qwen(model_dir, seed=21)
-    from moe_rl.types import RolloutBatch
+    from moe_rl.rollout_record import RolloutBatch
     samples = engine_samples(hf, n_groups=2, group_size=2, seed=22)
     RolloutBatch(samples).save(str(tmp_path / "samples.st"))
     start_ranks(_worker, (free_port(), str(model_dir), str(tmp_path), mode), 2)
@@ -95,7 +95,7 @@ def _spawn(tmp_path, mode):
 @pytest.mark.multiproc
 def test_expert_parallel_2_matches_single_process(tmp_path):
     model_dir, samples = _spawn(tmp_path, "ep")
-    from moe_rl.packing import pack_one
+    from moe_rl.trainer.packing import pack_one
     from moe_rl.trainer.forward import forward_logprobs
     from moe_rl.weights.hf import load_hf_into_megatron
     from moe_rl.trainer.model_builder import build_model

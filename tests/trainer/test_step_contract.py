@@ -27,7 +27,7 @@ def _worker(rank, port, model_dir, out_dir, case):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from moe_rl.trainer.parallel import destroy, init_distributed, init_model_parallel
     from moe_rl.trainer.policy import PolicyTrainer
-    from moe_rl.types import RolloutBatch
+    from moe_rl.rollout_record import RolloutBatch
     init_distributed(rank=rank, world_size=2)
     init_model_parallel()
     samples = RolloutBatch.load(os.path.join(out_dir, f"{case}.st")).samples
@@ -44,7 +44,7 @@ def _worker(rank, port, model_dir, out_dir, case):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from moe_rl.types import RolloutBatch
+    from moe_rl.rollout_record import RolloutBatch
     tmp = tmp_path_factory.mktemp("contract")
     model_dir = tmp / "qwen"
     hf = write_tiny_qwen(model_dir, seed=31)

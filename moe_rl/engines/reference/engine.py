@@ -32,14 +32,14 @@ import torch
 from transformers import DynamicCache
 
 from moe_rl.errors import first_line
-from moe_rl.leftovers import engine_scratch, sweep_engine_scratch
-from moe_rl.moe_shape import MoEShape
+from moe_rl.engines.reference.scratch import engine_scratch, sweep_engine_scratch
+from moe_rl.families.shape import MoEShape
 from moe_rl.plugins import PluginTimeout, call_bounded
 from moe_rl.engines.reference import split_kv
 from moe_rl.engines.reference.fp8_inference import apply_fp8
 from moe_rl.engines.reference.mxfp4_inference import apply_mxfp4
 from moe_rl.engines.reference.prefix_cache import CacheHit, PrefixCache
-from moe_rl.types import MODEL_DTYPES
+from moe_rl.rollout_record import MODEL_DTYPES
 from moe_rl.weights.fp8 import is_fp8_checkpoint, read_fp8_checkpoint, write_dequantised_checkpoint
 from moe_rl.weights.serialize import parse_dtype
 

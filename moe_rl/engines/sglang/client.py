@@ -17,8 +17,8 @@ from moe_rl.engines.sglang.decode import (decode_listed_logprobs, decode_routing
 from moe_rl.engines.sglang.pool import EngineHTTPError, ServerPool
 from moe_rl.engines.sglang.weights import (init_group_request, tensor_update_request,
                                            update_request)
-from moe_rl.moe_shape import MoEShape
-from moe_rl.types import Sample
+from moe_rl.families.shape import MoEShape
+from moe_rl.rollout_record import Sample
 
 SCORE_BATCH_MAX = 1024   # inputs per batched scoring call (below the engine's request limits)
 FLUSH_WAIT_S = 60.0   # how long a server may wait for its last requests before flushing

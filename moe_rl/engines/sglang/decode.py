@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from moe_rl.engines.base import ResponseError, Turn
-from moe_rl.moe_shape import MoEShape
-from moe_rl.types import compact_routing
+from moe_rl.families.shape import MoEShape
+from moe_rl.rollout_record import compact_routing
 
 R3_FIX = ("start SGLang with --enable-return-routed-experts and send return_routed_experts: "
           "true (routing replay r3 needs the routing of every token)")

@@ -16,7 +16,7 @@ if TYPE_CHECKING:   # the client, pool and senders (torch) load where a run conn
     # process that only starts a server (the engine host) goes without torch
     from moe_rl.engines.sglang.client import SGLangEngine, SGLangWeightReceiver
     from moe_rl.engines.sglang.pool import ServerPool
-    from moe_rl.moe_shape import MoEShape
+    from moe_rl.families.shape import MoEShape
 
 # SGLang 0.5.23 under --enable-dp-attention on one node also binds port+233 (its ZMQ_TCP_PORT_DELTA)
 # and port+234..port+239 (server_args.py:728,818-846)
@@ -83,7 +83,7 @@ class SGLangKind(SGLangProtocolKind):
         """One GPU of a server of ``tp_size`` GPUs: its share of the weights, and the KV pool
         ``--mem-fraction-static`` of the GPU leaves beside them (KV heads split over the GPUs;
         an MLA model's latent is not split); none on CPU."""
-        from moe_rl.memory_estimate import DTYPE_BYTES, EngineMemory
+        from moe_rl.config.memory_estimate import DTYPE_BYTES, EngineMemory
         g = self.cfg.rollout.sglang
         if g.device == "cpu":
             return None

@@ -9,7 +9,7 @@ import sys
 
 from moe_rl.config import Config
 from moe_rl.engines.sglang.launcher import sglang_argv, sglang_env
-from moe_rl.supported_versions import in_range, supported_range
+from moe_rl.config.supported_versions import in_range, supported_range
 
 
 def check_sglang_environment(cfg: Config, timeout: float = 600.0) -> tuple[str, str, str]:

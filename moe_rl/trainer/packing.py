@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moe_rl.types import Sample
+from moe_rl.rollout_record import Sample
 from moe_rl_kernels import KeptSets
 
 

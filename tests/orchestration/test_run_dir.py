@@ -6,7 +6,7 @@ import pytest
 from moe_rl.config import load_config
 from moe_rl.errors import UserError
 from moe_rl.orchestration.loop import checkpoint_due
-from moe_rl import run_dir
+from moe_rl.orchestration import run_dir
 
 
 def _cfg(tmp_path, *extra):

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
-from moe_rl.moe_shape import MoEShape
+from moe_rl.families.shape import MoEShape
 
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,   # model.dtype, engine dtype
                 "float16": torch.float16}

@@ -3,7 +3,7 @@ and the last), a tqdm bar on stderr when it is, nothing when disabled; the ETA f
 measured step time."""
 import re
 
-from moe_rl.metrics_log import StepProgress, _duration, step_fields
+from moe_rl.outputs.metrics_log import StepProgress, _duration, step_fields
 
 
 def test_lines_when_not_a_terminal_every_interval_and_the_last(capsys):

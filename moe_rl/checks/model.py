@@ -16,8 +16,8 @@ import torch
 from moe_rl.algo.metrics import routing_agreement
 from moe_rl.engines.base import EngineError
 from moe_rl.errors import UserError
-from moe_rl.moe_shape import MoEShape
-from moe_rl.types import Sample, routing_dtype
+from moe_rl.families.shape import MoEShape
+from moe_rl.rollout_record import Sample, routing_dtype
 
 # prompts of its own when none are given: words, digits and symbols, short and longer
 OWN_PROMPTS = (
@@ -142,7 +142,7 @@ def _samples(ref: Reference, routing: list[torch.Tensor] | None = None) -> list[
 def check_trainer(path: str, ref: Reference, shape: MoEShape) -> tuple[SideReport, SideReport]:
     """moe_rl's megatron-core model of ``path`` (one process): transformers' routing replayed
     (R3), then its own routing; the agreement is its routers' own choice either way."""
-    from moe_rl.packing import pack_one
+    from moe_rl.trainer.packing import pack_one
     from moe_rl.trainer.forward import forward_logprobs
     from moe_rl.trainer.model_builder import build_model
     from moe_rl.trainer.parallel import init_distributed, init_model_parallel

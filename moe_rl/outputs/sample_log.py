@@ -8,7 +8,7 @@ import json
 import os
 import re
 
-from moe_rl.metrics_log import lines_before
+from moe_rl.outputs.metrics_log import lines_before
 from moe_rl.rewards.functions import reward_items
 
 TEXT_CHARS = 4000   # a prompt or response longer than this is cut (its length is kept)

@@ -9,7 +9,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from moe_rl.supported_versions import in_range, supported_range
+from moe_rl.config.supported_versions import in_range, supported_range
 from tests.helpers import ROOT, sglang_cpu_python
 
 

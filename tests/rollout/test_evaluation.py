@@ -12,7 +12,7 @@ import pytest
 from moe_rl.config import ConfigError, load_config
 from moe_rl.data.mixture import MixtureSampler, make_sampler
 from moe_rl.data.prompts import PromptSampler
-from moe_rl.evaluation import eval_due, eval_ks, eval_sampling, pass_at_k, set_metrics
+from moe_rl.rollout.evaluation import eval_due, eval_ks, eval_sampling, pass_at_k, set_metrics
 
 
 def test_pass_at_k_against_the_binomial_formula():
@@ -124,7 +124,7 @@ def _write(path, rows):
 def test_data_sets_and_eval_sets_are_read_with_their_own_keys(tmp_path):
     from moe_rl.config import ModelInitConfig
     from moe_rl.models.tiny import write_tiny_model
-    from moe_rl.run_inputs import load_run_inputs
+    from moe_rl.orchestration.run_inputs import load_run_inputs
     model = write_tiny_model(ModelInitConfig(), str(tmp_path / "model"))
     a = _write(tmp_path / "a.jsonl", [{"q": f"{i}+1=", "answer": str(i + 1)} for i in range(3)])
     b = _write(tmp_path / "b.jsonl", [{"messages": [{"role": "user", "content": "2+2="}],
@@ -154,7 +154,7 @@ def test_an_evaluation_reads_its_sets_and_not_the_training_data(tmp_path):
     """`moe-rl eval` loads the inputs with training=False: a training set that is gone, or one
     whose answers cannot fit the warm start, is not read; the eval sets still are."""
     from moe_rl.models.tiny import write_tiny_model
-    from moe_rl.run_inputs import load_run_inputs
+    from moe_rl.orchestration.run_inputs import load_run_inputs
     model = write_tiny_model(cfg_init := load_config("tiny_cpu.yaml").model.init,
                              str(tmp_path / "model"))
     held = _write(tmp_path / "held.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 3)
@@ -178,7 +178,7 @@ def test_the_worked_example_reads_its_shipped_data_from_the_repository_root(tmp_
     model's positions with the response cap."""
     from moe_rl.models.tiny import write_tiny_model
     from moe_rl.rewards.math_answers import math_reward
-    from moe_rl.run_inputs import load_run_inputs
+    from moe_rl.orchestration.run_inputs import load_run_inputs
     from tests.helpers import ROOT
     monkeypatch.chdir(ROOT)
     cfg = load_config("configs/tiny_math_cpu.yaml")

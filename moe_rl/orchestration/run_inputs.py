@@ -106,10 +106,23 @@ def load_eval_sets(cfg: Config, tokenizer) -> list[tuple[str, list[PromptRecord]
 
 
 def load_run_inputs(cfg: Config, training: bool = True) -> RunInputs:
-    """The run's tokenizer, prompts, reward function and environment class; ConfigError naming the key whose file,
-    module or content is missing or unreadable. ``training=False`` (``moe-rl eval``): the
-    training data (``data.path``, ``data.sets``) and the warm start are neither read nor
-    checked, and the inputs hold no training prompts."""
+    """The run's tokenizer, prompts, reward function and environment class; ConfigError naming
+    the key whose file, module or content is missing or unreadable. ``training=False``
+    (``moe-rl eval``): the training data (``data.path``, ``data.sets``) and the warm start are
+    neither read nor checked, and the inputs hold no training prompts."""
+    tokenizer = load_tokenizer(cfg)
+    reward, environment = load_user_code(cfg, training)
+    if not training:
+        return RunInputs(tokenizer, [], reward, environment, [], load_eval_sets(cfg, tokenizer))
+    prompts, sizes = load_training_prompts(cfg, tokenizer, with_answers=(
+        bool(cfg.trainer.sft_warmup_steps) and environment is None))
+    return RunInputs(tokenizer, prompts, reward, environment, sizes,
+                     load_eval_sets(cfg, tokenizer))
+
+
+def load_tokenizer(cfg: Config):
+    """The tokenizer of ``model.path`` (a local HF checkpoint), or ConfigError saying how to get
+    one."""
     from transformers import AutoTokenizer
     path = cfg.model.path
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -120,29 +133,38 @@ def load_run_inputs(cfg: Config, training: bool = True) -> RunInputs:
         raise ConfigError(f"model.path: no local HF model at {path!r} (a directory with "
                           f"config.json); {hint}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.path: no tokenizer loads from {path!r}: {exc}") from None
+
+
+def load_user_code(cfg: Config, training: bool) -> tuple:
+    """The reward scorer (``eval.reward`` checked too) and the environment class (None without
+    ``data.environment``); a multi-turn warm start needs the environment's demonstrations."""
     try:
         reward = reward_scorer(cfg.data)
         if cfg.eval.reward is not None:   # checked now, loaded where the evaluation runs
             reward_scorer(cfg.data, cfg.eval.reward)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    environment = None
-    if cfg.data.environment is not None:
-        try:
-            environment = load_environment(cfg.data.environment)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if training and cfg.trainer.sft_warmup_steps and not callable(
-                getattr(environment, "demonstration", None)):
-            raise ConfigError(f"trainer.sft_warmup_steps: the warm start of a multi-turn run "
-                              f"trains on the environment's demonstrations, and "
-                              f"{cfg.data.environment!r} has no demonstration(prompt) method; "
-                              f"set trainer.sft_warmup_steps=0")
-    if not training:
-        return RunInputs(tokenizer, [], reward, environment, [], load_eval_sets(cfg, tokenizer))
+    if cfg.data.environment is None:
+        return reward, None
+    try:
+        environment = load_environment(cfg.data.environment)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if training and cfg.trainer.sft_warmup_steps and not callable(
+            getattr(environment, "demonstration", None)):
+        raise ConfigError(f"trainer.sft_warmup_steps: the warm start of a multi-turn run "
+                          f"trains on the environment's demonstrations, and "
+                          f"{cfg.data.environment!r} has no demonstration(prompt) method; "
+                          f"set trainer.sft_warmup_steps=0")
+    return reward, environment
+
+
+def load_training_prompts(cfg: Config, tokenizer, with_answers: bool) -> tuple[list, list[int]]:
+    """The training prompts and each set's size, every prompt checked to fit the context with
+    ``rollout.max_new_tokens`` (``with_answers``: its answer too, for the warm start)."""
     if cfg.data.source != "toy" and not os.path.isfile(cfg.data.path or ""):
         raise ConfigError(f"data.path: {cfg.data.path!r} is not a readable file")
     for i, entry in enumerate(cfg.data.sets):
@@ -157,15 +179,14 @@ def load_run_inputs(cfg: Config, training: bool = True) -> RunInputs:
     start = 0
     for i, size in enumerate(sizes):   # each training set on its own, rows numbered in it
         where = (f"data.sets[{i}] ({cfg.data.sets[i].path})" if cfg.data.sets else
-            f"data.path ({cfg.data.path or 'the toy task'})")
+                 f"data.path ({cfg.data.path or 'the toy task'})")
         check_prompt_lengths(prompts[start:start + size], where, facts_context(cfg.model),
                              cfg.rollout.max_new_tokens, "rollout.max_new_tokens")
-        if cfg.trainer.sft_warmup_steps and environment is None:
+        if with_answers:
             check_answer_lengths(prompts[start:start + size], where, facts_context(cfg.model),
                                  tokenizer)
         start += size
-    return RunInputs(tokenizer, prompts, reward, environment, sizes,
-                     load_eval_sets(cfg, tokenizer))
+    return prompts, sizes
 
 
 def unknown_characters(inputs: RunInputs) -> str | None:

@@ -1,4 +1,4 @@
-"""The memory estimates of `moe-rl plan` (moe_rl/memory_estimate.py): parameters counted on
+"""The memory estimates of `moe-rl plan` (moe_rl/config/memory_estimate.py): parameters counted on
 transformers' model of Qwen3-30B-A3B's published config.json (built on the meta device), each
 term of one trainer GPU and one SGLang GPU worked by hand, and the command printing them with
 the idle-GPU warning."""
@@ -10,7 +10,7 @@ import pytest
 
 from moe_rl.config import load_config
 from moe_rl.engines.factory import engine_kind
-from moe_rl.memory_estimate import ParamCounts, param_counts, trainer_memory
+from moe_rl.config.memory_estimate import ParamCounts, param_counts, trainer_memory
 from tests.helpers import ROOT
 
 QWEN3_30B_A3B = {   # its config.json (the keys that shape the parameters)

@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from moe_rl.config import Config
-from moe_rl.supported_versions import in_range, supported_range
+from moe_rl.config.supported_versions import in_range, supported_range
 
 # filesystems every node of a cluster sees (read from /proc/mounts); a local one under a
 # multi-node run's logging.dir leaves the other nodes without checkpoints and weights

@@ -68,7 +68,7 @@ class TrainerMemory:
 def _ffn_widths(hf: dict) -> list[int]:
     """Each layer's feed-forward width per token: the dense layers' intermediate size, the MoE
     layers' top-k x expert size (+ the shared experts')."""
-    from moe_rl.moe_shape import MoEShape
+    from moe_rl.families.shape import MoEShape
     facts = MoEShape.from_hf(hf)
     moe = set(facts.moe_layers)
     expert = int(hf.get("moe_intermediate_size") or hf.get("intermediate_size"))

@@ -10,8 +10,8 @@ import torch
 
 from moe_rl.cli import main
 from moe_rl.engines.reference.launcher import ReferenceServer
-from moe_rl.model_check import (SideReport, check_trainer, transformers_reference, verdict)
-from moe_rl.moe_shape import MoEShape
+from moe_rl.checks.model import (SideReport, check_trainer, transformers_reference, verdict)
+from moe_rl.families.shape import MoEShape
 from moe_rl.trainer.parallel import free_port
 from tests.hf_models import MIXTRAL, write_hf_model
 from tests.helpers import init_tiny_model

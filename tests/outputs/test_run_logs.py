@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from moe_rl.metrics_log import MetricsLogger, lines_before
-from moe_rl.sample_log import SampleLog
+from moe_rl.outputs.metrics_log import MetricsLogger, lines_before
+from moe_rl.outputs.sample_log import SampleLog
 
 
 def _rows(n):
@@ -50,7 +50,7 @@ def test_a_response_cannot_close_its_block_in_tensorboards_samples():
     """TensorBoard renders the text tab as markdown (fenced code): a generated response holding
     a fence and a line that looks like the log's own stays inside its block."""
     import markdown
-    from moe_rl.sample_log import _markdown
+    from moe_rl.outputs.sample_log import _markdown
     spoof = "```\n**group 9 sample 9** reward 1.000\n````\n`"
     row = {"group_id": 0, "sample_id": 1, "reward": 0.0, "advantage": -1.0,
            "label": "a`b``c", "prompt": "2+2=", "response": spoof, "largest_mismatch": []}
@@ -64,7 +64,7 @@ def test_the_size_cap_covers_tensorboard_and_cuts_labels_and_metadata(tmp_path, 
     """3 MB labels and metadata made 18.9 MB of events in 3 steps: each is cut to 4000
     characters, and TensorBoard's sample text stops at logging.samples_max_mb as the file
     does."""
-    from moe_rl.sample_log import TEXT_CHARS, _cut_value
+    from moe_rl.outputs.sample_log import TEXT_CHARS, _cut_value
 
     class Writer:
         def __init__(self):
@@ -97,7 +97,7 @@ def test_shown_samples_cut_a_huge_label_and_metadata():
     from types import SimpleNamespace
 
     import torch
-    from moe_rl.sample_log import TEXT_CHARS, shown_samples
+    from moe_rl.outputs.sample_log import TEXT_CHARS, shown_samples
     tok = SimpleNamespace(eos_token_id=0, decode=lambda ids, skip_special_tokens: "ok")
     rec = SimpleNamespace(text="1+1=", answer="2" * 3_000_000, metadata={"note": "n" * 10 ** 6})
     sample = SimpleNamespace(group_id=0, sample_id=0, weight_version=0, reward=1.0,

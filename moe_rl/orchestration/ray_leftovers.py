@@ -1,60 +1,15 @@
-"""What a killed process leaves behind, swept at the next start: the reference engines' scratch
-directories (named after their owner's pid) and the Ray agents of a local Ray whose moe_rl driver
-was SIGKILLed (its raylet dies with the driver; the agents it started stay, orphaned). Only what
+"""What a SIGKILLed moe_rl driver leaves of a local Ray, swept at the next start: the Ray agents
+of its session (its raylet dies with the driver; the agents it started stay, orphaned). Only what
 can be shown to be a dead moe_rl run's is touched: another program's Ray, or a live run's, never."""
 from __future__ import annotations
 
 import json
 import os
 import re
-import tempfile
 
-from moe_rl.owned_dirs import claim, remove_owned
+import psutil
 
-ENGINE_SCRATCH_PREFIX = "moe_rl_engine_"
-_SCRATCH_NAME = re.compile(re.escape(ENGINE_SCRATCH_PREFIX) + r"(\d+)_")
 RAY_AGENT_TITLES = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's live process
-        return True
-    return True
-
-
-def engine_scratch() -> tempfile.TemporaryDirectory:
-    """A scratch directory for one engine process, named after its pid and marked as moe_rl's
-    (removed at exit; if the process is killed, :func:`sweep_engine_scratch` removes it at a
-    later start)."""
-    scratch = tempfile.TemporaryDirectory(prefix=f"{ENGINE_SCRATCH_PREFIX}{os.getpid()}_")
-    claim(scratch.name)
-    return scratch
-
-
-def sweep_engine_scratch(root: str | None = None) -> list[str]:
-    """Remove the scratch directories under ``root`` (the temp dir) whose owner is dead, that
-    belong to this user and that moe_rl marked; returns the paths removed."""
-    root = root or tempfile.gettempdir()
-    removed = []
-    for name in os.listdir(root):
-        match = _SCRATCH_NAME.match(name)
-        path = os.path.join(root, name)
-        if not match or _alive(int(match.group(1))):
-            continue
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-        except FileNotFoundError:
-            continue
-        if remove_owned(path):
-            removed.append(path)
-    return removed
-
-
 RUN_MARKER = "moe_rl_driver.json"   # in a local Ray's session folder: the run that started it
 _SESSION = re.compile(r"(.*/session_[^/]+)/logs/")
 _RAYLET_SOCKET = re.compile(r"--raylet_socket_name=(.*/session_[^/]+)/sockets/")
@@ -78,7 +33,6 @@ def _session_of(proc) -> str | None:
 
 def _live_raylet_sessions() -> set[str]:
     """The session folders of the raylets running on this machine (from their socket paths)."""
-    import psutil
     sessions = set()
     for proc in psutil.process_iter(["name", "cmdline"]):
         try:
@@ -97,7 +51,6 @@ def orphaned_ray_agents() -> list[tuple[object, dict]]:
     """This user's Ray agent processes that can be shown to be left by a killed moe_rl run:
     their session folder holds the run's marker, the run's driver is gone, and no raylet of
     that session is running. Returns (psutil process, the marker: driver pid, run_dir)."""
-    import psutil
     found, live = [], None
     for proc in psutil.process_iter(["cmdline", "uids"]):
         try:
@@ -114,7 +67,7 @@ def orphaned_ray_agents() -> list[tuple[object, dict]]:
                 continue   # not started by a moe_rl run: never ours to stop
             with open(marker, encoding="utf-8") as fh:
                 owner = json.load(fh)
-            if _alive(int(owner["pid"])):
+            if psutil.pid_exists(int(owner["pid"])):
                 continue
             live = _live_raylet_sessions() if live is None else live
             if session in live:
@@ -128,7 +81,6 @@ def orphaned_ray_agents() -> list[tuple[object, dict]]:
 def reap_orphaned_ray_agents(timeout: float = 5.0) -> list[str]:
     """Terminate (then kill) the Ray agents left by killed moe_rl runs; returns one line per
     killed run saying what was stopped."""
-    import psutil
     found = orphaned_ray_agents()
     procs = [p for p, _ in found]
     for proc in procs:
