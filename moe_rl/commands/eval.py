@@ -44,7 +44,7 @@ def evaluate_model(cfg) -> dict:
     from moe_rl.orchestration.processes import (engine_hosts, start_engines,
                                                 start_rollout_worker, stop_engines)
     from moe_rl.orchestration.ray_placement import reserve, start_ray
-    from moe_rl.orchestration.workers import served_checkpoint
+    from moe_rl.orchestration.rollout_worker import served_checkpoint
     plan = make_plan(cfg)
     start_ray(cfg, plan)
     reservation = reserve(plan)

@@ -253,20 +253,12 @@ def check_cpu(cfg: Config) -> None:
 
 
 def check_weight_sync(cfg: Config) -> None:
-    """cluster.weight_sync against colocation, the engine and the trainer ranks."""
-    r, t = cfg.rollout, cfg.trainer
+    """cluster.weight_sync against colocation and GPUs (the engine checks its own ranks)."""
     if cfg.cluster.weight_sync == "tensor" and not (cfg.cluster.colocate
                                                     and cfg.cluster.gpus_per_node > 0):
         raise ConfigError("cluster.weight_sync: 'tensor' hands CUDA tensors to SGLang on the same "
                           "GPUs: it needs cluster.colocate=true, rollout.engine=sglang and GPUs; "
                           "use 'distributed' or 'disk' otherwise")
-    if (cfg.cluster.weight_sync == "tensor" and
-            t.tensor_parallel * t.context_parallel * t.expert_parallel == 1 and
-            cfg.cluster.trainer_workers != r.num_servers * r.sglang.tp_size):
-        raise ConfigError(f"cluster.trainer_workers: colocated tensor sync builds each SGLang TP "
-                          f"rank's payload on the trainer rank sharing its GPU, so it needs "
-                          f"trainer_workers == rollout.num_servers * rollout.sglang.tp_size "
-                          f"({r.num_servers * r.sglang.tp_size}); got {cfg.cluster.trainer_workers}")
     if (cfg.cluster.colocate and cfg.cluster.weight_sync == "distributed" and
             cfg.cluster.gpus_per_node > 0):
         raise ConfigError("cluster.weight_sync: 'distributed' with cluster.colocate=true puts "

@@ -114,41 +114,13 @@ class EngineSession(ABC):
 
 
 class WeightReceiver(ABC):
-    """How the engine's servers take new weights: a checkpoint on disk, tensors broadcast over
-    a process group joined with the trainer, or tensors handed over on shared GPUs. Sessions
-    (``begin`` .. ``end``) enclose the in-memory paths."""
-
-    ranks_per_server: int = 1   # weight-update group ranks each server takes
+    """How the engine's servers take new weights from disk (every engine). An engine that
+    also takes them in memory says how in its own receiver and sender (SGLang's:
+    :class:`moe_rl.engines.sglang.client.SGLangWeightReceiver`)."""
 
     @abstractmethod
     def load_from_disk(self, path: str, version: int) -> None:
         """Every server loads the HF checkpoint at ``path`` and reports ``version``."""
-
-    @abstractmethod
-    def join_group(self, address: str, port: int, group_name: str, backend: str,
-                   previous: str | None = None) -> None:
-        """Every server joins the trainer's group ``group_name`` (server i: ranks
-        ``1 + i * ranks_per_server ..``; rank 0, the trainer, joins concurrently), leaving
-        ``previous`` first."""
-
-    @abstractmethod
-    def begin(self) -> None:
-        """Open every server's weight-update session."""
-
-    @abstractmethod
-    def end(self, missing_ok: bool = False) -> None:
-        """Close every server's session (``missing_ok``: a server without one is no error)."""
-
-    @abstractmethod
-    def announce_bucket(self, named: list[tuple[str, torch.Tensor]], version: int,
-                        group_name: str, last: bool) -> None:
-        """Every server receives the bucket ``named`` that the trainer broadcasts meanwhile over
-        group ``group_name`` (``last``: the update's final bucket)."""
-
-    @abstractmethod
-    def receive_tensors(self, payloads: list[list[str]], version: int, last: bool) -> None:
-        """Server s loads ``payloads[s]`` (one serialised bucket per TP rank, tensors on the
-        GPUs it shares with the trainer)."""
 
 
 Bucket = list[tuple[str, "torch.Tensor"]]   # HF-named tensors sent together

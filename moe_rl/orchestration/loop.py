@@ -182,7 +182,7 @@ class RolloutPipeline:
     that runs one call at a time, so a weight sync queued behind a batch's generation waits
     until that batch is finished (a barrier between batches; no pause/continue needed). The
     worker checks before each batch that every server reports the version the batch was
-    launched with (``RolloutWorker.check_serving``), so no sample is silently generated from
+    launched with (``RolloutWorker._check_serving``), so no sample is silently generated from
     other weights if that order ever broke."""
 
     def __init__(self, cfg: Config, rollout, sampler, n_shards: int, start_step: int):

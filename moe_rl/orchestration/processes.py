@@ -16,7 +16,8 @@ from moe_rl.orchestration.failures import RunFailed, lost_process
 from moe_rl.orchestration.placement import Plan, PlannedProcess
 from moe_rl.orchestration.sharding import per_rank
 from moe_rl.orchestration.engine_host import EngineHost
-from moe_rl.orchestration.workers import RolloutWorker, TrainerWorker
+from moe_rl.orchestration.rollout_worker import RolloutWorker
+from moe_rl.orchestration.trainer_worker import TrainerWorker
 from moe_rl.trainer.parallel import free_port
 from moe_rl.rollout_record import RolloutBatch, Sample
 

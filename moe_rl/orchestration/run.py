@@ -35,8 +35,8 @@ from moe_rl.orchestration.ray_placement import reserve, start_ray, stopped_from_
 from moe_rl.orchestration.stop import Abandoned, RunStopped, StopRequest, abandoned_in
 from moe_rl.orchestration.warm_start import warm_start
 from moe_rl.orchestration.weight_check import WeightCheck
-from moe_rl.orchestration.weight_sync import weight_sync_for
-from moe_rl.orchestration.workers import served_checkpoint
+from moe_rl.orchestration.weight_sync import WeightSync
+from moe_rl.orchestration.rollout_worker import served_checkpoint
 from moe_rl.orchestration.run_inputs import RunInputs, load_run_inputs
 from moe_rl.outputs.run_summary import run_summary
 from moe_rl.outputs.sample_log import SampleLog
@@ -128,8 +128,8 @@ class Run:
         write_plan(self.plan, self.reservation, os.path.join(self.dir, "plan.json"),
                    self.trainers.addresses())
         self.rollout = start_rollout_worker(cfg, self.plan, self.reservation, self.hosts)
-        self.weights = weight_sync_for(cfg, self.plan, self.trainers, self.rollout,
-                                       os.path.join(self.dir, "weights"))
+        self.weights = WeightSync(cfg, self.plan, self.trainers, self.rollout,
+                                  os.path.join(self.dir, "weights"))
         if self.start_step:
             self.trainers.load(os.path.join(self.resume_path, "trainer"))
             self.weights.sync(self.start_step)

@@ -39,8 +39,7 @@ class WeightCheck:
         self.resyncs = 0
         self.seconds = 0.0   # the last version's check, both sides
         self.metrics: dict[str, float] = {}
-        ray.get(rollout.make_probe.remote())
-        self.probe = ray.put(ray.get(rollout.probe_batch.remote()))   # fixed for the run
+        self.probe = ray.put(ray.get(rollout.make_probe.remote()))   # fixed for the run
 
     @property
     def limit(self) -> float:

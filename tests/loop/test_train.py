@@ -235,9 +235,10 @@ def test_shard_by_group_keeps_groups_whole_and_balances_tokens():
     assert sum(1 for shard in shard_by_group(samples, 7) if not shard) == 2   # 5 groups
 
 
-def _run_with_a_killer_reward(tmp_path, reward: str, *overrides: str) -> list[dict]:
+def _run_with_a_killer_reward(tmp_path, reward: str, *overrides: str) -> tuple[list[dict], str]:
     """`moe-rl train` of the tiny config (3 steps, 2 prompts x 2) whose reward ``reward`` (a
-    module's source) SIGKILLs the reference engine at its fifth call; each step's metrics."""
+    module's source) SIGKILLs the reference engine at its fifth call; each step's metrics and
+    the run's output."""
     import os
     init_tiny_model(str(tmp_path / "model"))
     (tmp_path / "killer_reward.py").write_text(reward)
@@ -253,7 +254,7 @@ def _run_with_a_killer_reward(tmp_path, reward: str, *overrides: str) -> list[di
                          env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return [json.loads(line) for line in
-            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()], res.stdout
 
 
 @pytest.mark.loop
@@ -267,8 +268,8 @@ def test_an_engine_killed_between_phases_comes_back_with_the_current_weights(tmp
     weight sync's health check, or the engine_avg scoring passes) restarts it with the trainer's
     current weights and rebuilds the weight group; the float32 engine then still equals the
     trainer (k3 ~ 0 on every step), nothing is stale, the run ends."""
-    rows = _run_with_a_killer_reward(tmp_path, KILLER_REWARD, f"cluster.weight_sync={sync}",
-                                     f"algorithm.pi_old={pi_old}")
+    rows, _ = _run_with_a_killer_reward(tmp_path, KILLER_REWARD, f"cluster.weight_sync={sync}",
+                                        f"algorithm.pi_old={pi_old}")
     assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]
     assert [r["weight_version/min"] for r in rows] == [0.0, 1.0, 2.0]
     assert all(r["rollout/stale_samples"] == 0 for r in rows)
@@ -291,10 +292,12 @@ def test_an_engine_killed_mid_batch_in_the_async_pipeline_serves_the_version_it_
     # graded rewards: step 0's update moves the weights (the toy task's are all 0 here)
     graded = KILLER_REWARD.replace("return toy_reward(prompt, response, answer, metadata)",
                                    "return (sum(map(ord, response)) % 101) / 100")
-    rows = _run_with_a_killer_reward(tmp_path, graded, "cluster.weight_sync=distributed",
-                                     "rollout.concurrency=2", "rollout.max_new_tokens=8",
-                                     "rollout.max_staleness=1")
+    rows, out = _run_with_a_killer_reward(tmp_path, graded, "cluster.weight_sync=distributed",
+                                          "rollout.concurrency=2", "rollout.max_new_tokens=8",
+                                          "rollout.max_staleness=1")
     assert rows[-1]["rollout/engine_restarts"] == 1.0
+    # the next sync read the restart from the served-weights record and rebuilt the group
+    assert "1 server(s) restarted since the last sync" in out, out[-3000:]
     assert [r["weight_version/min"] for r in rows] == [0.0, 0.0, 1.0]
     assert all(r["mismatch/k3"] < 1e-6 for r in rows), [r["mismatch/k3"] for r in rows]
     assert rows[0]["grad_norm"] > 0   # the weights moved, so a wrong version would show

@@ -185,15 +185,16 @@ class _Remote:
 
 
 def test_the_drivers_in_memory_sync_is_one_call_to_the_trainers(monkeypatch, capsys):
-    """The driver's in-memory sync: a health check, one call to the trainers (which reopen
-    their transport when a server restarted since it was opened), the version check. A sync
-    that fails midway is redone from disk and the transport reopened at the next; a transport
-    opened is named in the driver's log."""
+    """The driver's in-memory sync: one read of the rollout side (health, versions, servers
+    restarted since the last sync), one call to the trainers (which reopen their transport
+    when a server restarted since it was opened), the record's update. A sync that fails
+    midway is redone from disk and the transport reopened at the next; a transport opened and
+    a restarted server are named in the driver's log."""
     import types
     import ray
     from moe_rl.orchestration import weight_sync
     monkeypatch.setattr(ray, "get", lambda x: x)
-    calls, stale, failing = [], [False], [False]
+    calls, restarted, failing = [], [[]], [False]
 
     def send_weights(version, reopen):
         calls.append(("send_weights", (version, reopen)))
@@ -202,39 +203,70 @@ def test_the_drivers_in_memory_sync_is_one_call_to_the_trainers(monkeypatch, cap
         return {"sent": 3, "opened": "weight-update group g" if reopen else None}
 
     rollout = types.SimpleNamespace(**{name: _Remote(calls, name, result) for name, result in [
-        ("urls", ["u0", "u1"]), ("set_weight_source", None), ("health", True),
-        ("take_group_stale", lambda: stale[0]), ("set_version", None),
-        ("update_weights", None)]})
+        ("urls", ["u0", "u1"]), ("set_weight_source", None),
+        ("served_state", lambda: {"versions": ["1", "0"], "restarted": restarted[0]}),
+        ("mark_served", None), ("update_weights", None)]})
     trainers = types.SimpleNamespace(
         actors=["a0"], send_weights=send_weights, export=lambda path: None,
         connect_engines=lambda urls, sources: calls.append(("connect", (urls, sources))),
         abort_weight_update=lambda: calls.append(("abort", ())))
     cfg = types.SimpleNamespace(cluster=types.SimpleNamespace(weight_sync="distributed"))
     plan = types.SimpleNamespace(tensor_sources=None)
-    sync = weight_sync.weight_sync_for(cfg, plan, trainers, rollout, "/nonexistent")
+    sync = weight_sync.WeightSync(cfg, plan, trainers, rollout, "/nonexistent")
+    monkeypatch.setattr(sync.disk, "drop_older", lambda v: None)
     assert calls == [("urls", ()), ("connect", (["u0", "u1"], None)),
                      ("set_weight_source", (["a0"], "/nonexistent"))]
     del calls[:]
     sync.sync(1)
-    assert calls == [("health", ()), ("take_group_stale", ()), ("send_weights", (1, False)),
-                     ("set_version", (1,))]
-    stale[0] = True   # a server restarted since
+    assert calls == [("served_state", ()), ("send_weights", (1, False)), ("mark_served", (1,))]
+    assert sync.version == 1
+    restarted[0] = ["u1"]   # a server restarted since
     del calls[:]
     capsys.readouterr()
     sync.sync(2)
     assert ("send_weights", (2, True)) in calls
-    assert capsys.readouterr().out == "weight-update group g\n"   # the run's log says so
-    stale[0], failing[0] = False, True
-    monkeypatch.setattr(sync, "_sync_disk", lambda v: calls.append(("disk", (v,))))
+    out = capsys.readouterr().out
+    assert "1 server(s) restarted since the last sync (u1" in out
+    assert out.endswith("weight-update group g\n")   # the run's log says so
+    restarted[0], failing[0] = [], True
+    monkeypatch.setattr(sync.disk, "export", lambda v: calls.append(("export", (v,))) or "p")
     del calls[:]
     sync.sync(3)
-    assert [c[0] for c in calls] == ["health", "take_group_stale", "send_weights", "health",
-                                     "abort", "disk"]
-    assert sync.recoveries == 1
+    assert [c[0] for c in calls] == ["served_state", "send_weights", "served_state", "abort",
+                                     "export", "update_weights"]
+    assert sync.recoveries == 1 and sync.version == 3
     failing[0] = False
     del calls[:]
     sync.sync(4)
-    assert ("send_weights", (4, True)) in calls and ("set_version", (4,)) in calls
+    assert ("send_weights", (4, True)) in calls and ("mark_served", (4,)) in calls
+
+
+def test_the_disk_sync_queues_the_read_and_the_load_and_confirms_them_later(monkeypatch,
+                                                                           tmp_path):
+    """Disk sync in the asynchronous pipeline: export, then the rollout side's read and the
+    load queued (not awaited); the next sync (or wait) confirms them, sets the served
+    version and drops the older exports, only those this run marked."""
+    import types
+    import ray
+    from moe_rl.orchestration import weight_sync
+    from moe_rl.owned_dirs import claim
+    got = []
+    monkeypatch.setattr(ray, "get", lambda x: got.append(x) or x)
+    calls = []
+    rollout = types.SimpleNamespace(**{name: _Remote(calls, name, name) for name in
+                                       ("served_state", "update_weights")})
+    trainers = types.SimpleNamespace(export=lambda path: claim(path))
+    cfg = types.SimpleNamespace(cluster=types.SimpleNamespace(weight_sync="disk"))
+    (tmp_path / "users").mkdir()
+    sync = weight_sync.WeightSync(cfg, None, trainers, rollout, str(tmp_path))
+    sync.sync(1, wait=False)
+    assert calls == [("served_state", ()), ("update_weights", (str(tmp_path / "v1"), 1))]
+    assert got == [] and sync.version == 0   # queued, unconfirmed
+    sync.sync(2, wait=False)
+    assert got == [["served_state", "update_weights"]] and sync.version == 1
+    sync.wait()
+    assert sync.version == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["users", "v2"]
 
 
 def test_request_bodies():
@@ -484,17 +516,17 @@ class _ExportFails:
 
 
 def test_a_full_disk_at_the_weight_export_is_one_line_and_leaves_nothing_half_written(tmp_path):
-    from moe_rl.orchestration.weight_sync import DiskSync, ExportError
+    from moe_rl.orchestration.weight_sync import DiskExport, ExportError
     ray_error = RuntimeError("ray::TrainerWorker.export_hf() (pid=1)\nTraceback ...\n  File "
                              "\"hf.py\", line 420\nOSError: [Errno 28] No space left on device: "
                              "'/run/weights/v3/.shard-0.tmp'")
-    sync = DiskSync(None, None, _ExportFails(ray_error), None, str(tmp_path))
+    sync = DiskExport(_ExportFails(ray_error), None, str(tmp_path))
     with pytest.raises(ExportError) as got:
-        sync._export(3)
+        sync.export(3)
     message = str(got.value)
     assert "\n" not in message and "No space left on device" in message
     assert message.startswith(f"exporting the weights of version 3 to {tmp_path}/v3 failed")
     assert not (tmp_path / "v3").exists()
-    other = DiskSync(None, None, _ExportFails(KeyError("a bug")), None, str(tmp_path))
+    other = DiskExport(_ExportFails(KeyError("a bug")), None, str(tmp_path))
     with pytest.raises(KeyError):   # not the disk: raised as it is, for its traceback
-        other._export(4)
+        other.export(4)

@@ -100,10 +100,24 @@ def check_mxfp4(cfg: Config) -> None:
                           "(rollout.engine=reference); with SGLang use fp8 or none")
 
 
+def check_tensor_sync_ranks(cfg: Config) -> None:
+    """Colocated tensor sync without trainer model parallelism: one trainer rank per SGLang TP
+    rank (each builds the payload of the rank sharing its GPU)."""
+    c, r, t = cfg.cluster, cfg.rollout, cfg.trainer
+    if (c.weight_sync == "tensor" and
+            t.tensor_parallel * t.context_parallel * t.expert_parallel == 1 and
+            c.trainer_workers != r.num_servers * r.sglang.tp_size):
+        raise ConfigError(f"cluster.trainer_workers: colocated tensor sync builds each SGLang TP "
+                          f"rank's payload on the trainer rank sharing its GPU, so it needs "
+                          f"trainer_workers == rollout.num_servers * rollout.sglang.tp_size "
+                          f"({r.num_servers * r.sglang.tp_size}); got {c.trainer_workers}")
+
+
 def check_config(cfg: Config) -> None:
     """Every SGLang refusal, in this order."""
     check_gpus(cfg)
     check_weight_updates(cfg)
+    check_tensor_sync_ranks(cfg)
     check_sampling(cfg)
     check_lm_head(cfg)
     check_fp8(cfg)

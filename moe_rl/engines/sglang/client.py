@@ -90,7 +90,9 @@ class SGLangSession(EngineSession):
 
 
 class SGLangWeightReceiver(WeightReceiver):
-    """SGLang's weight-update endpoints on every server of a pool."""
+    """SGLang's weight-update endpoints on every server of a pool: from disk, tensors broadcast
+    over a process group joined with the trainer, or tensors handed over on shared GPUs.
+    Sessions (``begin`` .. ``end``) enclose the in-memory paths."""
 
     def __init__(self, pool_factory: Callable[[], ServerPool], ranks_per_server: int = 1):
         self.pool_factory, self.ranks_per_server = pool_factory, ranks_per_server
@@ -105,6 +107,9 @@ class SGLangWeightReceiver(WeightReceiver):
 
     def join_group(self, address: str, port: int, group_name: str, backend: str,
                    previous: str | None = None) -> None:
+        """Every server joins the trainer's group ``group_name`` (server i: ranks
+        ``1 + i * ranks_per_server ..``; rank 0, the trainer, joins concurrently), leaving
+        ``previous`` first."""
         per = self.ranks_per_server
 
         async def run(pool: ServerPool):
@@ -119,9 +124,11 @@ class SGLangWeightReceiver(WeightReceiver):
         run_with_pool(self.pool_factory, run)
 
     def begin(self) -> None:
+        """Open every server's weight-update session."""
         self._broadcast("/begin_weight_update", {})
 
     def end(self, missing_ok: bool = False) -> None:
+        """Close every server's session (``missing_ok``: a server without one is no error)."""
         if missing_ok:
             run_with_pool(self.pool_factory,
                           lambda pool: broadcast_tolerant(pool, "/end_weight_update", {}))
@@ -130,11 +137,15 @@ class SGLangWeightReceiver(WeightReceiver):
 
     def announce_bucket(self, named: list[tuple[str, torch.Tensor]], version: int,
                         group_name: str, last: bool) -> None:
+        """Every server receives the bucket ``named`` that the trainer broadcasts meanwhile over
+        group ``group_name`` (``last``: the update's final bucket)."""
         self._broadcast("/update_weights_from_distributed",   # a collective: never resent
                         update_request(named, version, group_name, flush_cache=last),
                         resend=False)
 
     def receive_tensors(self, payloads: list[list[str]], version: int, last: bool) -> None:
+        """Server s loads ``payloads[s]`` (one serialised bucket per TP rank, tensors on the
+        GPUs it shares with the trainer)."""
         async def run(pool: ServerPool):
             if len(payloads) != len(pool.servers):
                 raise ValueError(f"receive_tensors: {len(payloads)} payload lists for "

@@ -15,7 +15,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
-from moe_rl.engines.base import Bucket, WeightReceiver, WeightSender
+from moe_rl.engines.base import Bucket, WeightSender
+from moe_rl.engines.sglang.client import SGLangWeightReceiver
 from moe_rl.engines.sglang.weights import (WeightGroup, abort_group, broadcast_tensors,
                                            close_group, open_group)
 from moe_rl.weights import serialize
@@ -25,7 +26,7 @@ from moe_rl.weights.fp8 import quantise_named
 class _SessionSender(WeightSender):
     """Rank 0 opens the servers' weight-update session, hands over the buckets, closes it."""
 
-    def __init__(self, receiver: WeightReceiver, rank: int, fp8: bool):
+    def __init__(self, receiver: SGLangWeightReceiver, rank: int, fp8: bool):
         self.receiver, self.rank, self.fp8 = receiver, rank, fp8
 
     def _served(self, bucket: Bucket) -> Bucket:
@@ -52,7 +53,7 @@ class DistributedSender(_SessionSender):
     """Broadcast each bucket from trainer rank 0 over a process group with every server's ranks
     (NCCL on GPUs, gloo on CPU); the group is (re)built by :meth:`open`."""
 
-    def __init__(self, receiver: WeightReceiver, rank: int, fp8: bool, backend: str,
+    def __init__(self, receiver: SGLangWeightReceiver, rank: int, fp8: bool, backend: str,
                  world: int, timeout_s: float):
         super().__init__(receiver, rank, fp8)
         self.backend, self.world, self.timeout_s = backend, world, timeout_s
@@ -125,7 +126,7 @@ class TensorSender(_SessionSender):
 
     everywhere = True
 
-    def __init__(self, receiver: WeightReceiver, rank: int, fp8: bool,
+    def __init__(self, receiver: SGLangWeightReceiver, rank: int, fp8: bool,
                  sources: list[list[int]]):
         super().__init__(receiver, rank, fp8)
         self.sources = sources

@@ -1,7 +1,7 @@
-"""Ray actors: one trainer worker per rank (torch.distributed inside: gloo on CPU, NCCL on GPU)
-and a rollout worker that owns its engine servers and makes each step's data (samples, rewards,
-engine scoring passes, data-parallel shards). Shards cross actors as safetensors bytes, by
-reference through Ray's object store."""
+"""The rollout side's Ray actor (:class:`RolloutWorker`): it owns the engine servers' client and
+the record of the weights they serve, and makes each step's data (samples, rewards, engine
+scoring passes, data-parallel shards: rollout-record bytes that cross to the trainers by
+reference through Ray's object store)."""
 from __future__ import annotations
 
 import os
@@ -11,93 +11,8 @@ import ray
 from moe_rl.config import config_from_dict, engine_avg_refusal, probe_temperature
 from moe_rl.families.shape import MoEShape
 from moe_rl.orchestration.run_inputs import load_run_inputs
+from moe_rl.rollout.served import ServedWeights
 from moe_rl.rollout_record import RolloutBatch
-
-
-@ray.remote
-class TrainerWorker:
-    """Rank ``rank`` of the trainer: megatron parallel state, the policy, its optimizer."""
-
-    def __init__(self, cfg_tree: dict, rank: int, world: int, master_addr: str,
-                 master_port: int, gpu: int | None = None):
-        from moe_rl.trainer.parallel import ParallelSizes, init_distributed, init_model_parallel
-        from moe_rl.trainer.policy import PolicyTrainer
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        cfg = config_from_dict(cfg_tree)
-        t = cfg.trainer
-        init_distributed(rank=rank, world_size=world, master_addr=master_addr,
-                         master_port=master_port, gpu=gpu)
-        init_model_parallel(ParallelSizes(t.tensor_parallel, t.pipeline_parallel,
-                                          t.expert_parallel, t.context_parallel))
-        self.rank = rank
-        self.trainer = PolicyTrainer(cfg, cfg.model.path)
-
-    def node_ip(self) -> str:
-        return ray.util.get_node_ip_address()
-
-    def data_parallel_rank(self) -> int:
-        """This rank's data-parallel rank (megatron's layout): which shard it trains on."""
-        from megatron.core import parallel_state as ps
-        return ps.get_data_parallel_rank()
-
-    def free_port(self, host: str | None = None) -> int:
-        """A port free on ``host`` of this rank's node (default: the node's address; the
-        weight-update group's rendezvous)."""
-        from moe_rl.trainer.parallel import free_port
-        return free_port(host or ray.util.get_node_ip_address())
-
-    def train_step(self, data: bytes) -> dict:
-        """The step's metrics, and under ``sample_notes`` what the trainer knows of the
-        batch's first samples (for samples.jsonl)."""
-        metrics = self.trainer.train_step(RolloutBatch.from_bytes(data).samples)
-        return {**metrics, "sample_notes": self.trainer.passes.notes}
-
-    def probe(self, data: bytes) -> list[tuple]:
-        """The weight check's trainer side: the probe's log-probs and the trainer's own routing
-        under the current weights (see StepPasses.probe)."""
-        return self.trainer.passes.probe(RolloutBatch.from_bytes(data).samples)
-
-    def sft_step(self, data: bytes, lr: float) -> dict:
-        return self.trainer.sft_step(RolloutBatch.from_bytes(data).samples, lr)
-
-    def export_hf(self, out_dir: str, use_ema: bool = False, version: int | None = None) -> int:
-        """A HF checkpoint of the policy in ``out_dir`` (see :meth:`PolicyTrainer.export_hf`);
-        returns the weight version written."""
-        return self.trainer.export_hf(out_dir, use_ema=use_ema, version=version)
-
-    def connect_engines(self, urls: list[str], sources: list[list[int]] | None,
-                        single_node: bool) -> None:
-        """This rank's weight sender to the engine servers at ``urls`` (the transport of
-        ``cluster.weight_sync``; ``sources``: the plan's tensor sources); ``single_node``: the
-        transport meets on loopback."""
-        from moe_rl.engines.factory import engine_kind
-        self.sender = engine_kind(self.trainer.cfg).sender(urls, self.rank, sources)
-        self.single_node = single_node
-
-    def send_weights(self, version: int, reopen: bool = False) -> dict:
-        """Collective over the trainer ranks: the policy to every server as weight ``version``,
-        in buckets of ``cluster.weight_sync_bucket_mb``. Rank 0 first (re)opens the transport
-        when it has none or ``reopen`` (a server restarted, or the last update failed).
-        Returns the tensors sent and, when it opened one, the transport in words."""
-        opened = None
-        if self.rank == 0 and (reopen or not self.sender.opened):
-            # one node: the servers are local, the group stays on loopback
-            address = "127.0.0.1" if self.single_node else self.node_ip()
-            opened = self.sender.open(address, self.free_port(address))
-        sent = self.sender.send(self.trainer.hf_buckets(everywhere=self.sender.everywhere),
-                                version)
-        return {"sent": sent, "opened": opened}
-
-    def abort_weight_update(self) -> None:
-        """After a failed update: close whatever the servers still have open."""
-        self.sender.abort()
-
-    def save(self, path: str) -> None:
-        self.trainer.save_checkpoint(path)
-
-    def load(self, path: str) -> int:
-        self.trainer.load_checkpoint(path)
-        return self.trainer.step
 
 
 def served_checkpoint(cfg, path: str, fp8_dir: str | None = None) -> str:
@@ -138,17 +53,13 @@ class RolloutWorker:
         self.server_urls = ray.get([h.url.remote() for h in hosts])
         shape = MoEShape.from_model_dir(cfg.model.path)
         engine_avg_refusal(cfg, shape.vocab_size)
-        self.weights_path: str | None = None
-        self.version = 0
-        self.trainer_actors: list = []     # non-disk sync: where a restarted server's weights
-        self.export_dir: str | None = None  # come from
-        self.group_stale = False
+        self.served = ServedWeights(cfg.cluster.weight_sync == "disk")
 
         def restarter(host, url):
             def restart():
                 ray.get(host.restart.remote())
-                restored = self._weights_for_restart()
-                if restored is not None:   # a restarted server serves the version it is labelled with
+                restored = self.served.restore_point(url)
+                if restored is not None:   # it serves the version it is labelled with
                     kind.receiver([url]).load_from_disk(*restored)
             return restart
 
@@ -167,40 +78,24 @@ class RolloutWorker:
         return served_checkpoint(self.cfg, path)
 
     def set_weight_source(self, trainer_actors: list, export_dir: str) -> None:
-        """Non-disk weight sync: a server restarted outside a sync gets the trainer's current
-        weights exported to ``export_dir`` (the trainer ranks are idle then)."""
-        self.trainer_actors, self.export_dir = trainer_actors, export_dir
+        """In-memory weight sync: a server restarted outside a sync is restored from an export
+        of the trainer to ``export_dir`` (see :meth:`ServedWeights.restore_point`)."""
+        def trainer_export(version: int) -> tuple[str, int]:
+            path = os.path.join(export_dir, "restart")
+            written = ray.get([a.export_hf.remote(path, False, version) for a in trainer_actors])
+            return self._served(path), written[0]
+        self.served.trainer_export = trainer_export
 
-    def _weights_for_restart(self) -> tuple[str, int] | None:
-        """The checkpoint a restarted server loads and the version it is: the last disk sync's;
-        for the other sync modes an export of the trainer (its weight group must then be
-        rebuilt) of the version the servers serve, which the asynchronous pipeline's trainer
-        still holds while it trains the next one (else its current weights, labelled with
-        their own version); None inside a sync (the loop recovers the sync itself) or before
-        any sync."""
-        if self.cfg.cluster.weight_sync == "disk":
-            return None if self.weights_path is None else (self.weights_path, self.version)
-        self.group_stale = True
-        if not self.trainer_actors:
-            return None
-        import ray as _ray
-        path = os.path.join(self.export_dir, "restart")
-        written = _ray.get([a.export_hf.remote(path, False, self.version)
-                            for a in self.trainer_actors])
-        return self._served(path), written[0]
-
-    def take_group_stale(self) -> bool:
-        """Whether a server restarted since the weight group was built (and reset the flag)."""
-        stale, self.group_stale = self.group_stale, False
-        return stale
-
-    def health(self) -> bool:
-        """Every server answers /health; a dead one is restarted first (raises when it cannot
-        be)."""
+    def served_state(self) -> dict:
+        """The weight sync's one read of the rollout side: every server answers /health (a
+        dead one is restarted and restored first; raises when it cannot be), then each
+        server's reported version (``versions``) and the servers restarted since the last read
+        (``restarted``)."""
         self.engine.check_health()
-        return True
+        return {"versions": self.engine.weight_versions(),
+                "restarted": self.served.take_restarted()}
 
-    def check_serving(self, version: int, step: int) -> None:
+    def _check_serving(self, version: int, step: int) -> None:
         """The pipeline's invariant, checked before a batch is generated (see
         :func:`check_served_version`)."""
         check_served_version(self.engine.weight_versions(), self.started_versions, version, step)
@@ -213,13 +108,13 @@ class RolloutWorker:
         (``pi_old: engine_avg``), cut whole prompt groups into ``shards`` data-parallel shards.
         Returns (summary, shard bytes ...); call it with ``num_returns = shards + 1`` and hand
         the shard references to the trainer ranks. The engines must serve weight ``version``
-        (:meth:`check_serving`)."""
+        (:meth:`_check_serving`)."""
         import time
         from moe_rl.orchestration.sharding import shard_by_group
         from moe_rl.config import set_name
         from moe_rl.rollout.groups import retraction_counts, reward_by_set
         from moe_rl.outputs.sample_log import shown_samples
-        self.check_serving(version, step)
+        self._check_serving(version, step)
         cfg, inp = self.cfg, self.inputs
         timing = {}
         t0 = time.perf_counter()
@@ -270,7 +165,7 @@ class RolloutWorker:
         import time
         from moe_rl.rollout.evaluation import evaluate
         from moe_rl.rewards.service import reward_scorer
-        self.check_serving(version, done)
+        self._check_serving(version, done)
         if self.eval_scorer is None:
             self.eval_scorer = reward_scorer(self.cfg.data, self.cfg.eval.reward)
         t0 = time.perf_counter()
@@ -279,17 +174,15 @@ class RolloutWorker:
         metrics["eval/time_s"] = time.perf_counter() - t0
         return metrics
 
-    def make_probe(self) -> None:
-        """The weight check's fixed probe: one response to each of the first
-        ``rollout.weight_check_prompts`` training prompts, sampled (seeded) as the run samples,
-        by the weights the engines serve at the run's start."""
+    def make_probe(self) -> bytes:
+        """The weight check's fixed probe, kept here and returned as rollout-batch bytes (for
+        the trainer's side): one response to each of the first ``rollout.weight_check_prompts``
+        training prompts, sampled (seeded) as the run samples, by the weights the engines serve
+        at the run's start."""
         from moe_rl.rollout.trajectories import generate_samples
         n = min(self.cfg.rollout.weight_check_prompts, len(self.inputs.prompts))
         self.probe = generate_samples(self.engine, [p.ids for p in self.inputs.prompts[:n]], 1,
                                       self.sampling, seed=self.cfg.trainer.seed + 7_000_003)
-
-    def probe_batch(self) -> bytes:
-        """The probe as rollout-batch bytes (for the trainer's side of the check)."""
         return RolloutBatch(self.probe).to_bytes()
 
     def score_probe(self) -> bytes:
@@ -317,7 +210,7 @@ class RolloutWorker:
         ``version``; returns the versions they report."""
         path = self._served(path)
         self.engine.weights.load_from_disk(path, version)
-        self.weights_path, self.version = path, version
+        self.served.loaded(path, version)
         return self.engine.weight_versions()
 
     def release_memory(self) -> None:
@@ -329,8 +222,9 @@ class RolloutWorker:
     def urls(self) -> list[str]:
         return list(self.server_urls)
 
-    def set_version(self, version: int) -> list[str]:
-        self.version = version
+    def mark_served(self, version: int) -> list[str]:
+        """Every server took ``version`` in memory; returns the versions they report."""
+        self.served.synced(version)
         return self.engine.weight_versions()
 
     @ray.method(concurrency_group="status")
