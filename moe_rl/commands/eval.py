@@ -40,26 +40,20 @@ def evaluate_model(cfg) -> dict:
     """Serve ``model.path`` on the configured engines (placed as a training run places them)
     and evaluate it; the servers are stopped afterwards."""
     import ray
-    from moe_rl.orchestration.placement import at_addresses, make_plan
-    from moe_rl.orchestration.processes import (engine_hosts, start_engines,
-                                                start_rollout_worker, stop_engines)
+    from moe_rl.orchestration.placement import make_plan
+    from moe_rl.orchestration.processes import ServedEngines
     from moe_rl.orchestration.ray_placement import reserve, start_ray
-    from moe_rl.orchestration.rollout_worker import served_checkpoint
     plan = make_plan(cfg)
     start_ray(cfg, plan)
     reservation = reserve(plan)
-    hosts: list = []
-    with tempfile.TemporaryDirectory(prefix="moe-rl-eval-") as scratch:
-        try:
-            served = served_checkpoint(cfg, cfg.model.path, os.path.join(scratch, "fp8"))
-            plan = at_addresses(plan, cfg, reservation.addresses, served)
-            hosts = engine_hosts(cfg, plan, reservation, served, os.path.join(scratch, "logs"))
-            start_engines(plan, hosts)
-            rollout = start_rollout_worker(cfg, plan, reservation, hosts, training=False)
+    try:
+        with (tempfile.TemporaryDirectory(prefix="moe-rl-eval-") as scratch,
+              ServedEngines(cfg, plan, reservation) as engines):
+            engines.start(cfg.model.path, scratch)
+            rollout = engines.rollout_worker(training=False)
             return ray.get(rollout.evaluate.remote(0, version=0))
-        finally:
-            stop_engines(hosts)
-            reservation.release()
+    finally:
+        reservation.release()
 
 
 def check_out_path(out: str) -> None:

@@ -17,6 +17,7 @@ from moe_rl.orchestration.failures import RunFailed
 from moe_rl.orchestration.processes import Trainers
 from moe_rl.orchestration.run import Run
 from moe_rl.rewards.service import reward_setting
+from moe_rl.rollout.batch import BatchSummary, extra_prompts, step_seed
 from moe_rl.orchestration.run_inputs import RunInputs
 
 
@@ -77,14 +78,14 @@ class StepLoop:
         self.pipeline.launch(version=step)
         with timer.phase("wait_rollout"):
             summary, shards = self.pipeline.next_batch(step)
-        timer.metrics.update(summary["timing"])
+        timer.metrics.update(summary.timing)
         self.check_rollout(step, summary)
         if cfg.cluster.colocate:   # the engines give their memory to the trainer
             with timer.phase("engine_release"):
                 ray.get(run.rollout.release_memory.remote())
         with timer.phase("train"):   # a batch left empty (every trajectory dropped)
-            metrics = run.trainers.train_step(shards) if summary["samples"] else {}
-        run.samples_log.log(step, summary["shown"], metrics.pop("sample_notes", []))
+            metrics = run.trainers.train_step(shards) if summary.samples else {}
+        run.samples_log.log(step, summary.shown, metrics.pop("sample_notes", []))
         if cfg.cluster.colocate:
             with timer.phase("engine_resume"):
                 ray.get(run.rollout.resume_memory.remote())
@@ -92,7 +93,7 @@ class StepLoop:
             run.weights.sync(step + 1, wait=cfg.rollout.max_staleness == 0)
         metrics.update(timer.metrics)
         metrics["timing/step_s"] = time.perf_counter() - t0
-        metrics.update(rollout_metrics(summary))
+        metrics.update(summary.metrics())
         metrics.update(throughput(metrics))
         restarts = ray.get(run.rollout.restarts.remote())
         if restarts > (run.history[-1]["rollout/engine_restarts"] if run.history else 0):
@@ -104,23 +105,23 @@ class StepLoop:
             metrics.update(run.weights.check.metrics)
         return metrics
 
-    def check_rollout(self, step: int, summary: dict) -> None:
+    def check_rollout(self, step: int, summary: BatchSummary) -> None:
         """Stop on batches the reward failed on entirely (:func:`check_batch`); say once that
         rewards timed out, and when trajectories were dropped on environment errors."""
-        self.failed_batches = (self.failed_batches + 1
-                               if summary["reward_failures"] >= summary["reward_calls"] else 0)
+        self.failed_batches = (self.failed_batches + 1 if summary.reward_failed_everywhere
+                               else 0)
         check_batch(self.cfg, summary, self.failed_batches)
-        if summary["reward_timeouts_total"] and not self.timeouts_named:
+        if summary.reward_timeouts_total and not self.timeouts_named:
             self.timeouts_named = True
             scorer, bound = reward_setting(self.cfg.data)
             print(f"step {step}: {scorer} did not return within the time allowed ({bound}) on "
-                  f"{summary['reward_timeouts_total']} sample(s), dropped (counted in "
+                  f"{summary.reward_timeouts_total} sample(s), dropped (counted in "
                   f"reward/timeouts)", flush=True)
-        dropped = (summary["counts"].get("rollout/env_errors", 0)
-                   + summary["counts"].get("rollout/env_timeouts", 0))
-        if dropped and summary["first_env_error"]:
+        dropped = (summary.counts.get("rollout/env_errors", 0)
+                   + summary.counts.get("rollout/env_timeouts", 0))
+        if dropped and summary.first_env_error:
             print(f"step {step}: {int(dropped)} trajectories dropped on environment errors or "
-                  f"timeouts; first: {summary['first_env_error']}", flush=True)
+                  f"timeouts; first: {summary.first_env_error}", flush=True)
 
     def after(self, step: int) -> None:
         """After step ``step``: the checkpoint when due (or when stopping), the evaluation and
@@ -151,15 +152,6 @@ def throughput(metrics: dict) -> dict[str, float]:
     if metrics.get("timing/rollout_s", 0) > 0:
         out["throughput/rollout_tokens_per_s"] = tokens / metrics["timing/rollout_s"]
     return out
-
-
-def rollout_metrics(summary: dict) -> dict[str, float]:
-    """The step's rollout figures from its batch summary."""
-    return {"reward/errors": float(summary["reward_errors_total"]),
-            "reward/timeouts": float(summary["reward_timeouts_total"]),
-            "reward/clipped": float(summary["reward_clipped_total"]),
-            "rollout/stale_samples": float(summary["stale_samples"]),
-            **summary["counts"]}
 
 
 class RolloutPipeline:
@@ -199,21 +191,15 @@ class RolloutPipeline:
         while self.next_step < steps and self.next_step - version <= ahead:
             state = self.sampler.state_dict()
             indices = self.sampler.next_batch()
-            extra = []
-            if r.dynamic_sampling or (r.partial and not self.started):
-                cap = (r.max_oversample if r.dynamic_sampling else r.partial_extra_groups)
-                cap = r.prompts_per_step if cap is None else cap
-                extra = [i for _ in range(-(-cap // r.prompts_per_step))
-                         for i in self.sampler.next_batch()][:cap]
+            extra = extra_prompts(self.cfg, self.sampler, first=not self.started)
             self.started = True
             t = self.next_step
             refs = self.rollout.collect.options(num_returns=self.n_shards + 1).remote(
-                indices, t, version, self.cfg.trainer.seed * 100_003 + t * 10_007,
-                self.n_shards, extra)
+                indices, t, version, step_seed(self.cfg, t), self.n_shards, extra)
             self.pending.append((t, state, refs))
             self.next_step += 1
 
-    def next_batch(self, step: int) -> tuple[dict, list]:
+    def next_batch(self, step: int) -> tuple[BatchSummary, list]:
         """The summary and the shard references of ``step``'s batch (waits for it)."""
         t, _, (summary_ref, *shards) = self.pending.pop(0)
         if t != step:
@@ -246,21 +232,21 @@ def checkpoint_due(cfg: Config, done: int, since_save_s: float) -> bool:
             or bool(t.save_interval_minutes and since_save_s >= 60 * t.save_interval_minutes))
 
 
-def check_batch(cfg: Config, summary: dict, failed_batches: int) -> None:
+def check_batch(cfg: Config, summary: BatchSummary, failed_batches: int) -> None:
     """Stop the run (RunFailed: one line naming the key, exit 1) when the reward or the
     environment failed on everything for ``data.max_failed_reward_batches`` batches in a row."""
     if failed_batches < cfg.data.max_failed_reward_batches:
         return
     limit = f"data.max_failed_reward_batches={cfg.data.max_failed_reward_batches}"
-    if not summary["samples"] and cfg.data.environment is not None:
+    if not summary.samples and cfg.data.environment is not None:
         raise RunFailed(
             f"data.environment: {cfg.data.environment} failed on every trajectory of "
             f"{failed_batches} batch(es) in a row ({limit}); nothing is left to train on. "
-            f"First error: {first_line(summary['first_env_error'] or '')}")
+            f"First error: {first_line(summary.first_env_error or '')}")
     raise RunFailed(
         f"{reward_setting(cfg.data)[0]} failed on every sample of {failed_batches} batch(es) "
         f"in a row ({limit}); training on zero rewards would learn nothing. Last error: "
-        f"{first_line(summary['last_reward_error'] or '')}")
+        f"{first_line(summary.last_reward_error or '')}")
 
 
 def export_final(cfg: Config, trainers: Trainers) -> None:

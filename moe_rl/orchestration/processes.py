@@ -75,6 +75,41 @@ def stop_engines(hosts: list, timeout_s: float = 60.0) -> None:
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
+class ServedEngines:
+    """The engine servers of a run or an evaluation (``with``: stopped at its end, a failed or
+    stopped start included): :meth:`start` places and starts them serving a model, then
+    :meth:`rollout_worker` gives the actor that drives them. Hosts belong to it before their
+    servers start, so a stop signal during the load ends them."""
+
+    def __init__(self, cfg: Config, plan: Plan, reservation):
+        self.cfg, self.plan, self.reservation = cfg, plan, reservation
+        self.hosts: list = []
+
+    def start(self, model_path: str, work_dir: str, stop=None) -> Plan:
+        """Serve ``model_path`` (with FP8 rollouts its FP8 checkpoint, written to
+        ``work_dir/fp8_start``; server logs in ``work_dir/logs``); returns the plan with the
+        servers' addresses and ports."""
+        from moe_rl.orchestration.placement import at_addresses
+        from moe_rl.orchestration.rollout_worker import served_checkpoint
+        cfg = self.cfg
+        served = served_checkpoint(cfg, model_path, os.path.join(work_dir, "fp8_start"))
+        self.plan = at_addresses(self.plan, cfg, self.reservation.addresses, served)
+        self.hosts = engine_hosts(cfg, self.plan, self.reservation, served,
+                                  os.path.join(work_dir, "logs"))
+        start_engines(self.plan, self.hosts, stop)
+        return self.plan
+
+    def rollout_worker(self, training: bool = True):
+        """The rollout worker driving the started servers (see :func:`start_rollout_worker`)."""
+        return start_rollout_worker(self.cfg, self.plan, self.reservation, self.hosts, training)
+
+    def __enter__(self) -> "ServedEngines":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stop_engines(self.hosts)
+
+
 def write_plan(plan: Plan, reservation, path: str, trainer_addresses: list[str]) -> None:
     """The plan as placed (real addresses and ports, each node's Ray node id, the address each
     trainer rank reports from where it runs) to ``path``."""

@@ -102,59 +102,17 @@ class RolloutWorker:
 
     def collect(self, indices: list[int], step: int, version: int, seed: int, shards: int,
                 extra: list[int] = ()) -> tuple:
-        """One step's data, made here so it crosses to the trainers by reference: generate
-        ``n_samples_per_prompt`` samples of the prompts ``indices`` (with dynamic sampling, more
-        from ``extra`` as needed), score their rewards, add the engine's n scoring passes
-        (``pi_old: engine_avg``), cut whole prompt groups into ``shards`` data-parallel shards.
-        Returns (summary, shard bytes ...); call it with ``num_returns = shards + 1`` and hand
-        the shard references to the trainer ranks. The engines must serve weight ``version``
-        (:meth:`_check_serving`)."""
-        import time
+        """One step's data, made here so it crosses to the trainers by reference: the batch of
+        the prompts ``indices`` (and ``extra`` as the strategy uses them; see
+        :func:`moe_rl.rollout.batch.make_batch`), cut by whole prompt groups into ``shards``
+        data-parallel shards. Returns (its :class:`BatchSummary`, shard bytes ...); call it
+        with ``num_returns = shards + 1`` and hand the shard references to the trainer ranks.
+        The engines must serve weight ``version`` (:meth:`_check_serving`)."""
         from moe_rl.orchestration.sharding import shard_by_group
-        from moe_rl.config import set_name
-        from moe_rl.rollout.groups import retraction_counts, reward_by_set
-        from moe_rl.outputs.sample_log import shown_samples
+        from moe_rl.rollout.batch import make_batch
         self._check_serving(version, step)
-        cfg, inp = self.cfg, self.inputs
-        timing = {}
-        t0 = time.perf_counter()
-        errors_before, timeouts_before = inp.reward.errors, inp.reward.timeouts
-        if self.partial is not None:   # extra: groups started beyond this step's
-            from moe_rl.rollout.partial import score_with
-            groups = self.partial.collect(self.engine, inp.prompts, list(indices) + list(extra),
-                                          cfg.rollout.n_samples_per_prompt, self.sampling, step,
-                                          seed, cfg.rollout.prompts_per_step, score_with(inp))
-        else:
-            from moe_rl.rollout.groups import build_groups
-            groups = build_groups(self.engine, cfg, inp, self.sampling, indices, extra, seed)
-        samples, counts, reward_s = groups.samples, groups.counts, groups.reward_s
-        counts.update(retraction_counts(samples, cfg.rollout.retracted == "mask"
-                                        and cfg.algorithm.replay == "r3"))
-        counts.update(reward_by_set(samples, [set_name(e) for e in cfg.data.sets],
-                                    inp.set_sizes))
-        env_error = groups.first_env_error
-        timing["timing/rollout_s"] = time.perf_counter() - t0 - reward_s
-        timing["timing/reward_s"] = reward_s
-        errors = inp.reward.errors - errors_before   # scored 0 (timed-out samples are gone)
-        timeouts = inp.reward.timeouts - timeouts_before
-        summary = {"samples": len(samples), "reward_failures": errors + timeouts,
-                   "reward_calls": len(samples) + timeouts,
-                   "reward_errors_total": inp.reward.errors,
-                   "reward_timeouts_total": inp.reward.timeouts,
-                   "reward_clipped_total": inp.reward.clipped,
-                   "last_reward_error": inp.reward.last_error, "first_env_error": env_error,
-                   "stale_samples": sum(s.weight_version < step for s in samples),
-                   "counts": counts,
-                   "shown": shown_samples(samples, inp.tokenizer, inp.prompts,
-                                          cfg.logging.samples_per_step)}
-        if samples and errors < len(samples) and cfg.algorithm.pi_old == "engine_avg":
-            t2 = time.perf_counter()
-            self.engine.score(samples, cfg.algorithm.pi_old_passes,
-                              temperature=cfg.rollout.temperature,
-                              window=cfg.rollout.score_window_tokens)
-            timing["timing/engine_scoring_s"] = time.perf_counter() - t2
-        timing["timing/collect_s"] = time.perf_counter() - t0
-        summary["timing"] = timing
+        samples, summary = make_batch(self.engine, self.cfg, self.inputs, self.sampling,
+                                      self.partial, indices, extra, step, seed)
         return (summary, *[RolloutBatch(part).to_bytes()
                            for part in shard_by_group(samples, shards)])
 

@@ -27,16 +27,13 @@ from moe_rl.errors import first_line
 from moe_rl.outputs.metrics_log import MetricsLogger
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.failures import RunFailed, lost_process
-from moe_rl.orchestration.placement import at_addresses, make_plan
-from moe_rl.orchestration.processes import (Trainers, engine_hosts, start_engines,
-                                             start_rollout_worker,
-                                            stop_engines, write_plan)
+from moe_rl.orchestration.placement import make_plan
+from moe_rl.orchestration.processes import ServedEngines, Trainers, write_plan
 from moe_rl.orchestration.ray_placement import reserve, start_ray, stopped_from_outside
 from moe_rl.orchestration.stop import Abandoned, RunStopped, StopRequest, abandoned_in
 from moe_rl.orchestration.warm_start import warm_start
 from moe_rl.orchestration.weight_check import WeightCheck
 from moe_rl.orchestration.weight_sync import WeightSync
-from moe_rl.orchestration.rollout_worker import served_checkpoint
 from moe_rl.orchestration.run_inputs import RunInputs, load_run_inputs
 from moe_rl.outputs.run_summary import run_summary
 from moe_rl.outputs.sample_log import SampleLog
@@ -78,7 +75,7 @@ class Run:
         self.evals: list[dict] = []   # the eval rows (step = updates done before it)
         self.saved = self.resume_path   # the last complete checkpoint of this run
         self.started = time.perf_counter()
-        self.hosts: list = []
+        self.engines: ServedEngines | None = None
         self.trainers = self.rollout = self.weights = self.reservation = None
         self.abandoned = self.lost = self.outside = None
         self.stop = StopRequest(cfg.trainer.stop_grace_s)
@@ -117,17 +114,13 @@ class Run:
         self.trainers = Trainers(cfg, self.plan, self.reservation)
         if cfg.cluster.colocate:   # the servers size their memory with the trainer's in place
             self.trainers.ready(self.stop)
-        # FP8 rollouts: the engines serve the block-wise FP8 checkpoint of the weights
-        served = served_checkpoint(cfg, cfg.model.path, os.path.join(self.dir, "fp8_start"))
-        self.plan = at_addresses(self.plan, cfg, self.reservation.addresses, served)
-        # the hosts are the run's before their servers start: a stop ends them mid-load
-        self.hosts = engine_hosts(cfg, self.plan, self.reservation, served,
-                                  os.path.join(self.dir, "logs"))
-        start_engines(self.plan, self.hosts, self.stop)
+        # the engines are the run's before their servers start: a stop ends them mid-load
+        self.engines = ServedEngines(cfg, self.plan, self.reservation)
+        self.plan = self.engines.start(cfg.model.path, self.dir, self.stop)
         self.trainers.ready(self.stop)   # built meanwhile (apart from colocated engines)
         write_plan(self.plan, self.reservation, os.path.join(self.dir, "plan.json"),
                    self.trainers.addresses())
-        self.rollout = start_rollout_worker(cfg, self.plan, self.reservation, self.hosts)
+        self.rollout = self.engines.rollout_worker()
         self.weights = WeightSync(cfg, self.plan, self.trainers, self.rollout,
                                   os.path.join(self.dir, "weights"))
         if self.start_step:
@@ -148,7 +141,8 @@ class Run:
         finally:
             self.stop.closing()
             self.logger.close()
-            stop_engines(self.hosts)
+            if self.engines is not None:
+                self.engines.__exit__(None, None, None)
             self.reservation.release()
             if self._own_ray:   # while a further stop signal is only acknowledged: a second
                 ray.shutdown()   # SIGTERM cannot cut Ray's shutdown (left agents, a traceback)

@@ -102,11 +102,10 @@ def test_a_run_shuts_its_own_ray_down_while_further_signals_are_only_acknowledge
         time.sleep(0.05)
         seen.append(signal.getsignal(signal.SIGTERM))
     monkeypatch.setattr(run_module.ray, "shutdown", shutdown)
-    monkeypatch.setattr(run_module, "stop_engines", lambda hosts: None)
     before = signal.getsignal(signal.SIGTERM)
     for own in (True, False):
         run = run_module.Run.__new__(run_module.Run)
-        run.stop, run.hosts, run._own_ray = StopRequest(grace_s=5), [], own
+        run.stop, run.engines, run._own_ray = StopRequest(grace_s=5), None, own
         run.logger = SimpleNamespace(close=lambda: None)
         run.reservation = SimpleNamespace(release=lambda: None)
         run._exit = contextlib.ExitStack()
