@@ -86,10 +86,10 @@ def check_megatron_cuda(path: str, use_te: bool) -> dict:
         1, ids[16:, None].cuda()).squeeze(1).cpu()
     sample = Sample(prompt_ids=ids[:16], response_ids=ids[16:],
                     rollout_logprobs=torch.zeros(32),
-                    routing=compact_routing(routing[:-1], spec.facts.num_experts))
-    mb = pack_one([sample], [0], pad_token_id=0, num_experts=spec.facts.num_experts)
-    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk,
-                           spec.facts.num_experts)
+                    routing=compact_routing(routing[:-1], spec.moe_shape.num_experts))
+    mb = pack_one([sample], [0], pad_token_id=0, num_experts=spec.moe_shape.num_experts)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, spec.moe_shape.topk,
+                           spec.moe_shape.num_experts)
     ctl.replay(mb.replay_indices())
     with torch.no_grad():
         lp, _ = forward_logprobs(model, mb)
@@ -99,7 +99,7 @@ def check_megatron_cuda(path: str, use_te: bool) -> dict:
     # the same sample twice in one packed row (THD with cu_seqlens)
     te = model_builder.uses_te_spec(model)
     packed = pack_one([sample, sample], [0, 1], pad_token_id=0,
-                      num_experts=spec.facts.num_experts, packed=True, slot_multiple=8)
+                      num_experts=spec.moe_shape.num_experts, packed=True, slot_multiple=8)
     ctl.replay(packed.replay_indices())
     with torch.no_grad():
         lp2, _ = forward_logprobs(model, packed)

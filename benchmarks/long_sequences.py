@@ -132,7 +132,7 @@ def run_arm(model_dir: str, arm: str, n: int) -> dict:
                             "algorithm": {"replay": "r3", "pi_old": "rollout", "loss": "gspo",
                                           "aggregation": "seq-mean-token-mean"}})
     trainer = PolicyTrainer(cfg, model_dir)
-    f = trainer.spec.facts
+    f = trainer.spec.moe_shape
     samples = make_samples(response_lengths(n), trainer.spec.vocab_size, f.num_experts,
                            len(f.moe_layers), f.topk)
     frac, forwarded, n_mb = padded_fraction(trainer, samples)

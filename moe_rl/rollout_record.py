@@ -228,7 +228,7 @@ class Sample:
         if lp.numel() and float(lp.max()) > 1e-4:
             raise self._fail(name, f"log-probs must be <= 0, got {float(lp.max())}")
 
-    def _check_routing(self, spec: MoEShape | None) -> None:
+    def _check_routing(self, moe_shape: MoEShape | None) -> None:
         r = self.routing
         if r.dtype not in (torch.uint8, torch.int16):
             raise self._fail("routing", f"expected dtype uint8 or int16, got {r.dtype}")
@@ -241,18 +241,18 @@ class Sample:
                                         f"got {r.shape[0]}")
         if r.numel() and int(r.min()) < 0:
             raise self._fail("routing", "negative expert id")
-        if spec is not None:
-            if r.shape[1] != spec.num_moe_layers:
-                raise self._fail("routing", f"expected {spec.num_moe_layers} MoE layers, got "
+        if moe_shape is not None:
+            if r.shape[1] != moe_shape.num_moe_layers:
+                raise self._fail("routing", f"expected {moe_shape.num_moe_layers} MoE layers, got "
                                             f"{r.shape[1]}")
-            if r.shape[2] != spec.topk:
-                raise self._fail("routing", f"expected top-k {spec.topk}, got {r.shape[2]}")
-            if r.numel() and int(r.max()) >= spec.num_experts:
+            if r.shape[2] != moe_shape.topk:
+                raise self._fail("routing", f"expected top-k {moe_shape.topk}, got {r.shape[2]}")
+            if r.numel() and int(r.max()) >= moe_shape.num_experts:
                 raise self._fail("routing", f"expert id {int(r.max())} >= num_experts "
-                                            f"{spec.num_experts}")
-            if r.dtype != routing_dtype(spec.num_experts):
-                raise self._fail("routing", f"expected dtype {routing_dtype(spec.num_experts)} "
-                                            f"for {spec.num_experts} experts, got {r.dtype}")
+                                            f"{moe_shape.num_experts}")
+            if r.dtype != routing_dtype(moe_shape.num_experts):
+                raise self._fail("routing", f"expected dtype {routing_dtype(moe_shape.num_experts)} "
+                                            f"for {moe_shape.num_experts} experts, got {r.dtype}")
 
     def _check_sampling_mask(self, vocab_size: int | None) -> None:
         off, ids = self.sampling_mask_offsets, self.sampling_mask_ids

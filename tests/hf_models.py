@@ -82,10 +82,10 @@ def assert_scores_as_transformers(model, spec, hf_model, prompt_len: int = 5) ->
     refs = [hf_forward(hf_model, ids) for ids in seqs]
     samples = [Sample(prompt_ids=ids[:P], response_ids=ids[P:],
                       rollout_logprobs=-torch.ones(len(ids) - P),
-                      routing=routing[:-1].to(routing_dtype(spec.facts.num_experts)))
+                      routing=routing[:-1].to(routing_dtype(spec.moe_shape.num_experts)))
                for ids, (_, routing) in zip(seqs, refs)]
-    mb = pack_one(samples, [0, 1], pad_token_id=0, num_experts=spec.facts.num_experts)
-    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
+    mb = pack_one(samples, [0, 1], pad_token_id=0, num_experts=spec.moe_shape.num_experts)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, spec.moe_shape.topk, spec.moe_shape.num_experts)
     model.eval()
     for mode in ("replay", "own routing"):
         if mode == "replay":   # transformers' (biased, group-limited) choice replayed

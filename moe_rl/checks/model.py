@@ -88,7 +88,7 @@ def _router_choice(output) -> torch.Tensor:
     raise TypeError("the router's output holds no expert ids")
 
 
-def transformers_reference(path: str, prompts: list[list[int]], shape: MoEShape) -> Reference:
+def transformers_reference(path: str, prompts: list[list[int]], moe_shape: MoEShape) -> Reference:
     """Run every prompt through transformers' own model (float32) and record its routers'
     choices (``model.layers.<i>.mlp.gate`` of each MoE layer)."""
     from transformers import AutoModelForCausalLM
@@ -101,7 +101,7 @@ def transformers_reference(path: str, prompts: list[list[int]], shape: MoEShape)
     model.eval()
     picks: dict[int, torch.Tensor] = {}
     hooks = []
-    for layer in shape.moe_layers:
+    for layer in moe_shape.moe_layers:
         gate = model.get_submodule(f"model.layers.{layer}.mlp.gate")
         hooks.append(gate.register_forward_hook(
             lambda _m, _i, out, layer=layer: picks.__setitem__(layer, _router_choice(out))))
@@ -113,7 +113,7 @@ def transformers_reference(path: str, prompts: list[list[int]], shape: MoEShape)
                 logits = model(input_ids=torch.tensor([ids])).logits[0].float()
             lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])
             ref.logprobs.append(lp[:, 0])
-            chosen = torch.stack([picks[layer].reshape(len(ids), -1) for layer in shape.moe_layers], 1)
+            chosen = torch.stack([picks[layer].reshape(len(ids), -1) for layer in moe_shape.moe_layers], 1)
             ref.routing.append(chosen[:-1])
     finally:
         for h in hooks:
@@ -139,7 +139,7 @@ def _samples(ref: Reference, routing: list[torch.Tensor] | None = None) -> list[
             for i, ids in enumerate(ref.prompts)]
 
 
-def check_trainer(path: str, ref: Reference, shape: MoEShape) -> tuple[SideReport, SideReport]:
+def check_trainer(path: str, ref: Reference, moe_shape: MoEShape) -> tuple[SideReport, SideReport]:
     """moe_rl's megatron-core model of ``path`` (one process): transformers' routing replayed
     (R3), then its own routing; the agreement is its routers' own choice either way."""
     from moe_rl.trainer.packing import pack_one
@@ -153,11 +153,11 @@ def check_trainer(path: str, ref: Reference, shape: MoEShape) -> tuple[SideRepor
     model, spec = build_model(path)
     load_hf_into_megatron(model, spec, path)
     model.eval()
-    dtype = routing_dtype(shape.num_experts)
+    dtype = routing_dtype(moe_shape.num_experts)
     samples = _samples(ref, [r.to(dtype) for r in ref.routing])
     mb = pack_one(samples, list(range(len(samples))), pad_token_id=0,
-                  num_experts=shape.num_experts)
-    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
+                  num_experts=moe_shape.num_experts)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, spec.moe_shape.topk, spec.moe_shape.num_experts)
     reports = []
     try:
         for mode in ("replayed", "own"):
@@ -173,14 +173,14 @@ def check_trainer(path: str, ref: Reference, shape: MoEShape) -> tuple[SideRepor
                                       trainer=own)
             got = [lp[b, :len(ids) - 1] for b, ids in enumerate(ref.prompts)]
             reports.append(SideReport(f"trainer, {mode} routing",
-                                      _per_layer(agreement, shape.moe_layers),
+                                      _per_layer(agreement, moe_shape.moe_layers),
                                       *_deltas(got, ref.logprobs)))
     finally:
         ctl.close()
     return reports[0], reports[1]
 
 
-def check_engine(url: str, ref: Reference, shape: MoEShape, model_path: str) -> SideReport:
+def check_engine(url: str, ref: Reference, moe_shape: MoEShape, model_path: str) -> SideReport:
     """The engine server at ``url``: its routing of each prompt (positions ..S-2) and its
     scoring of tokens 1.. (one pass, temperature 1)."""
     from moe_rl.config import config_from_dict
@@ -188,7 +188,7 @@ def check_engine(url: str, ref: Reference, shape: MoEShape, model_path: str) -> 
     # any server speaking SGLang's protocol: the protocol's client, routing requested
     cfg = config_from_dict({"model": {"path": model_path}, "rollout": {"engine": "reference"},
                             "algorithm": {"replay": "r3"}})
-    engine = engine_kind(cfg).connect([url], shape)
+    engine = engine_kind(cfg).connect([url], moe_shape)
     samples = _samples(ref)
 
     async def routings(session):
@@ -200,8 +200,8 @@ def check_engine(url: str, ref: Reference, shape: MoEShape, model_path: str) -> 
         raise UserError(f"--engine {url}: {exc}") from None
     got = [s.pass_logprobs[0] for s in samples]
     agreement = routing_agreement(torch.cat(chosen), torch.cat(ref.routing),
-                                  layer_names=list(shape.moe_layers))
-    return SideReport(f"engine at {url}", _per_layer(agreement, shape.moe_layers),
+                                  layer_names=list(moe_shape.moe_layers))
+    return SideReport(f"engine at {url}", _per_layer(agreement, moe_shape.moe_layers),
                       *_deltas(got, ref.logprobs))
 
 

@@ -11,7 +11,7 @@ from moe_rl.config.loader import (PATH_KEYS, config_from_dict, dump_config, iter
                                   load_config, load_yaml, parse_override, resolve_paths)
 from moe_rl.config.fields import ConfigError, as_dict
 from moe_rl.config.init_model import DeepseekInitConfig, ModelInitConfig, init_hf_fields
-from moe_rl.config.model_facts import (facts_context, model_hf_fields, model_moe_facts,
+from moe_rl.config.model_facts import (facts_context, model_hf_fields, model_moe_shape,
                                        probe_temperature, response_cap)
 from moe_rl.config.schema import (CORRECTIONS, DPPO_DEFAULT_DELTA, AlgorithmConfig,
                                   ClusterConfig, Config, CorrectionParams, DPPOConfig, DataConfig, DataSetConfig,
@@ -25,6 +25,6 @@ __all__ = ["load_yaml", "CORRECTIONS", "DPPO_DEFAULT_DELTA", "DPPOConfig", "Algo
            "KLConfig", "LoggingConfig", "ModelConfig", "ModelInitConfig", "RolloutConfig",
            "SGLangConfig", "TrainerConfig", "PATH_KEYS", "as_dict", "config_from_dict", "dump_config",
            "engine_avg_refusal", "facts_context", "init_hf_fields", "iter_keys", "load_config",
-           "model_hf_fields", "model_moe_facts", "parse_override", "probe_temperature",
+           "model_hf_fields", "model_moe_shape", "parse_override", "probe_temperature",
            "resolve_paths",
            "response_cap", "validate"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 
-from moe_rl.config.model_facts import (facts_context, model_moe_facts,
+from moe_rl.config.model_facts import (facts_context, model_moe_shape,
                                        response_cap)
 from moe_rl.families import family
 from moe_rl.config.fields import ConfigError
@@ -40,13 +40,13 @@ def engine_avg_refusal(cfg: Config, vocab_size: int | None) -> None:
             f"or algorithm.pi_old=trainer")
 
 
-def check_model_fit(cfg: Config, facts: MoEShape) -> None:
+def check_model_fit(cfg: Config, moe_shape: MoEShape) -> None:
     """What the model must have or leave room for: MoE layers to replay, context for a prompt."""
     a, r, m = cfg.algorithm, cfg.rollout, cfg.model
-    if a.replay != "off" and not facts.moe_layers:
+    if a.replay != "off" and not moe_shape.moe_layers:
         raise ConfigError(f"algorithm.replay: '{a.replay}' needs a model with MoE layers, but "
                           f"{m.path} has none; set algorithm.replay=off")
-    if a.router_shift.enabled and not facts.moe_layers:
+    if a.router_shift.enabled and not moe_shape.moe_layers:
         raise ConfigError(f"algorithm.router_shift.enabled: {m.path} has no MoE layer, so no "
                           f"routing to measure")
     context = facts_context(m)
@@ -70,7 +70,7 @@ def check_places(cfg: Config) -> None:
         raise ConfigError("logging.dir: expected a directory path, got an empty string")
 
 
-def check_sampling(cfg: Config, facts: MoEShape) -> None:
+def check_sampling(cfg: Config, moe_shape: MoEShape) -> None:
     """The sampling settings and the distribution pi_old is scored on (one rule for top_k against the mask's cap)."""
     a, r = cfg.algorithm, cfg.rollout
     if r.top_k == 0:
@@ -88,7 +88,7 @@ def check_sampling(cfg: Config, facts: MoEShape) -> None:
         if r.temperature == 0:
             raise ConfigError("algorithm.keep_sampling_mask: greedy sampling (rollout.temperature"
                               "=0) keeps one token; turn the mask off")
-    engine_avg_refusal(cfg, facts.vocab_size)
+    engine_avg_refusal(cfg, moe_shape.vocab_size)
     if a.pi_old_passes < 1:
         raise ConfigError(f"algorithm.pi_old_passes: expected n >= 1 scoring passes, got "
                           f"{a.pi_old_passes}")
@@ -218,16 +218,16 @@ def check_micro_batches(cfg: Config) -> None:
                           "(the length of a packed row)")
 
 
-def check_optimiser_and_layout(cfg: Config, facts: MoEShape) -> None:
+def check_optimiser_and_layout(cfg: Config, moe_shape: MoEShape) -> None:
     """The learning-rate floor and the parallel layouts the trainer runs."""
     t = cfg.trainer
     if t.min_lr > t.lr:
         raise ConfigError(f"trainer.min_lr: {t.min_lr} exceeds trainer.lr = {t.lr}")
     if t.sequence_parallel and t.tensor_parallel == 1:
         raise ConfigError("trainer.sequence_parallel: needs trainer.tensor_parallel > 1")
-    if facts.moe_layers and facts.num_experts % t.expert_parallel:
+    if moe_shape.moe_layers and moe_shape.num_experts % t.expert_parallel:
         raise ConfigError(f"trainer.expert_parallel: {t.expert_parallel} does not divide the "
-                          f"{facts.num_experts} experts")
+                          f"{moe_shape.num_experts} experts")
     if t.pipeline_parallel > 1:
         raise ConfigError("trainer.pipeline_parallel: the training step runs the model without "
                           "megatron's pipeline schedules; use 1 (data, expert, tensor and context "
@@ -267,10 +267,10 @@ def check_weight_sync(cfg: Config) -> None:
                           "tensors handed over on the shared GPUs) or disk, or colocate=false")
 
 
-def check_model_parallel(cfg: Config, facts: MoEShape) -> None:
+def check_model_parallel(cfg: Config, moe_shape: MoEShape) -> None:
     """Tensor parallelism of a MoE model."""
     t = cfg.trainer
-    if t.tensor_parallel > 1 and facts.moe_layers and not t.sequence_parallel:
+    if t.tensor_parallel > 1 and moe_shape.moe_layers and not t.sequence_parallel:
         raise ConfigError("trainer.sequence_parallel: megatron-core's MoE layers need sequence "
                           "parallelism when trainer.tensor_parallel > 1; set it true")
 
@@ -404,18 +404,18 @@ def validate(cfg: Config) -> None:
     check below, in this order (the first refusal is the one reported); then the checks of the
     engine named by ``rollout.engine`` (:func:`check_engine`)."""
     check_model_init(cfg)
-    facts = model_moe_facts(cfg.model)
-    check_model_fit(cfg, facts)
+    moe_shape = model_moe_shape(cfg.model)
+    check_model_fit(cfg, moe_shape)
     check_places(cfg)
-    check_sampling(cfg, facts)
+    check_sampling(cfg, moe_shape)
     check_loss(cfg)
     check_corrections(cfg)
-    check_optimiser_and_layout(cfg, facts)
+    check_optimiser_and_layout(cfg, moe_shape)
     check_micro_batches(cfg)
     check_ema(cfg)
     check_cpu(cfg)
     check_weight_sync(cfg)
-    check_model_parallel(cfg, facts)
+    check_model_parallel(cfg, moe_shape)
     check_async(cfg)
     check_partial(cfg)
     check_ranks(cfg)

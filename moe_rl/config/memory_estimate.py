@@ -69,14 +69,14 @@ def _ffn_widths(hf: dict) -> list[int]:
     """Each layer's feed-forward width per token: the dense layers' intermediate size, the MoE
     layers' top-k x expert size (+ the shared experts')."""
     from moe_rl.families.shape import MoEShape
-    facts = MoEShape.from_hf(hf)
-    moe = set(facts.moe_layers)
+    moe_shape = MoEShape.from_hf(hf)
+    moe = set(moe_shape.moe_layers)
     expert = int(hf.get("moe_intermediate_size") or hf.get("intermediate_size"))
     shared = (int(hf.get("shared_expert_intermediate_size") or 0)
               + int(hf.get("n_shared_experts") or 0) * expert)
     dense = int(hf.get("intermediate_size") or expert)
-    return [facts.topk * expert + shared if i in moe else dense
-            for i in range(facts.num_layers)]
+    return [moe_shape.topk * expert + shared if i in moe else dense
+            for i in range(moe_shape.num_layers)]
 
 
 def trainer_memory(cfg: Config, hf: dict, counts: ParamCounts, seq_len: int) -> TrainerMemory:

@@ -48,6 +48,6 @@ def model_hf_fields(model: ModelConfig) -> dict:
     return init_hf_fields(model.init)
 
 
-def model_moe_facts(model: ModelConfig) -> MoEShape:
+def model_moe_shape(model: ModelConfig) -> MoEShape:
     """Facts of the configured model: its config.json when present, else the ``init`` shape."""
     return MoEShape.from_hf(model_hf_fields(model))

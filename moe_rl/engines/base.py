@@ -159,7 +159,7 @@ class WeightSender(ABC):
 class Engine(ABC):
     """An inference engine of one or more servers, as the rollout and the weight sync use it."""
 
-    layout: MoEShape
+    moe_shape: MoEShape
     need_routing: bool   # every turn returns its routing
     need_mask: bool      # every turn returns its kept sets and post-truncation log-probs
 
@@ -260,7 +260,7 @@ class EngineKind(ABC):
                              api_key=self.cfg.rollout.api_key, log_path=log_path)
 
     @abstractmethod
-    def connect(self, urls: list[str], layout: MoEShape,
+    def connect(self, urls: list[str], moe_shape: MoEShape,
                 restarters: list[Callable[[], None] | None] | None = None) -> Engine:
         """The engine over the servers at ``urls``; ``restarters[i]`` brings server i back
         when it dies."""

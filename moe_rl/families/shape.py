@@ -72,7 +72,7 @@ class ModelSpec:
     architecture."""
     arch: str
     hf_config: dict
-    facts: MoEShape
+    moe_shape: MoEShape
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -82,6 +82,6 @@ class ModelSpec:
 def model_spec(hf: dict) -> ModelSpec:
     """Check the architecture and collect its facts."""
     arch = family(hf.get("model_type")).MODEL_TYPE   # refuses an unsupported one
-    facts = MoEShape.from_hf(hf)
-    return ModelSpec(arch, hf, facts, int(hf["vocab_size"]), int(hf["hidden_size"]),
+    moe_shape = MoEShape.from_hf(hf)
+    return ModelSpec(arch, hf, moe_shape, int(hf["vocab_size"]), int(hf["hidden_size"]),
                      int(hf["num_hidden_layers"]), bool(hf.get("tie_word_embeddings", False)))

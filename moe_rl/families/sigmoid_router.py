@@ -18,14 +18,14 @@ def sigmoid_router_settings(spec, bias_update_rate: float, name: str) -> dict:
                          "only the sigmoid router is built"),
         "topk_method": (hf.get("topk_method", "noaux_tc") != "noaux_tc",
                         "only 'noaux_tc' (biased, group-limited) selection is built"),
-        "norm_topk_prob": (not hf.get("norm_topk_prob", True) and spec.facts.topk > 1,
+        "norm_topk_prob": (not hf.get("norm_topk_prob", True) and spec.moe_shape.topk > 1,
                            "megatron-core always renormalises the sigmoid top-k gates"),
         "hidden_act": (hf.get("hidden_act", "silu") != "silu", "only SiLU experts are built"),
     }
     for key, (bad, why) in refuse.items():
         if bad:
             raise ValueError(f"{key}: {hf.get(key)!r} is not supported for {name}: {why}")
-    n_exp, topk = spec.facts.num_experts, spec.facts.topk
+    n_exp, topk = spec.moe_shape.num_experts, spec.moe_shape.topk
     groups, group_topk = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
     if groups > 1 and n_exp % groups:
         raise ValueError(f"n_group: {groups} does not divide n_routed_experts {n_exp}")

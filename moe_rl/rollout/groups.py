@@ -120,7 +120,7 @@ def _trajectories(engine, cfg: Config, inputs, sampling, queue: list[int], per: 
     limits = TrajectoryLimits(r.max_turns, response_cap(cfg), cfg.data.environment_timeout_s)
     samples, _ = rollout_trajectories(
         engine, lambda: inputs.environment(inputs.tokenizer),
-        [inputs.prompts[i] for i in queue], per, sampling, limits, engine.layout.vocab_size,
+        [inputs.prompts[i] for i in queue], per, sampling, limits, engine.moe_shape.vocab_size,
         group_ids=gids, seed=seed, stats=stats)
     for s in samples:
         s.metadata["prompt_index"] = queue[s.sample_id // per]

@@ -292,7 +292,7 @@ def partial_rollout(cfg, engine: Engine, inputs) -> PartialRollout:
         limits = TrajectoryLimits(r.max_turns, response_cap(cfg), cfg.data.environment_timeout_s)
     return PartialRollout(response_cap(cfg), r.max_staleness, r.partial_stale,
                           r.partial_mask_offpolicy, engine.need_routing, engine.need_mask,
-                          environment, limits, engine.layout.vocab_size)
+                          environment, limits, engine.moe_shape.vocab_size)
 
 
 def score_with(inputs):

@@ -51,14 +51,14 @@ def transformer_config(spec: ModelSpec, *, sizes: ParallelSizes = ParallelSizes(
     check_cpu_settings(tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline,
                        context_parallel=sizes.context, sequence_parallel=sequence_parallel,
                        dispatcher=dispatcher)
-    moe_layers = set(spec.facts.moe_layers)
+    moe_layers = set(spec.moe_shape.moe_layers)
     n_heads = int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or spec.hidden_size // n_heads)
     fam = family(spec.arch)
     kwargs = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=n_heads,
         num_query_groups=int(hf.get("num_key_value_heads") or n_heads), kv_channels=head_dim,
-        num_moe_experts=spec.facts.num_experts, moe_router_topk=spec.facts.topk,
+        num_moe_experts=spec.moe_shape.num_experts, moe_router_topk=spec.moe_shape.topk,
         moe_layer_freq=[1 if i in moe_layers else 0 for i in range(spec.num_layers)],
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0, moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,

@@ -53,9 +53,9 @@ class PolicyTrainer:
         risk = mla_packing_warning(model.config, t.pack_sequences)
         if risk is not None:
             print(f"warning: {risk}", file=sys.stderr, flush=True)
-        facts = self.spec.facts
-        self.moe_shape = facts
-        self.replay = ReplayController(model, facts.moe_layers, facts.topk, facts.num_experts,
+        moe_shape = self.spec.moe_shape
+        self.moe_shape = moe_shape
+        self.replay = ReplayController(model, moe_shape.moe_layers, moe_shape.topk, moe_shape.num_experts,
                                        recompute=t.recompute_activations)
         self.routes = ReplayPlan.from_algorithm(cfg.algorithm)   # each pass's routing
         use_dist_opt = t.distributed_optimizer and not cuda_absent()
@@ -87,8 +87,8 @@ class PolicyTrainer:
             for p in ref.parameters():
                 p.requires_grad_(False)
             self.ref_model = ref
-            self.ref_replay = ReplayController(ref, facts.moe_layers, facts.topk,
-                                               facts.num_experts)
+            self.ref_replay = ReplayController(ref, moe_shape.moe_layers, moe_shape.topk,
+                                               moe_shape.num_experts)
         self.step = 0
         # the asynchronous pipeline scores stale samples at their own version as well
         self.versions = (WeightVersions(model, cfg.rollout.max_staleness)
@@ -97,12 +97,12 @@ class PolicyTrainer:
         self.generator = torch.Generator().manual_seed(t.seed)
         self.loss = PolicyLoss(cfg.algorithm, self.generator)
         # the parts: one forward, the step's no-grad passes, the optimizer steps, the state
-        self.forwarder = Forwarder(cfg, facts.num_experts, model.config.moe_token_dispatcher_type)
+        self.forwarder = Forwarder(cfg, moe_shape.num_experts, model.config.moe_token_dispatcher_type)
         self.state = TrainerState(cfg, self.model, self.spec, hf_path, self.optimizer,
                                   self.scheduler, self)
         self.passes = StepPasses(cfg, self.forwarder, self.model, self.replay, self.ref_model,
                                  self.ref_replay, self.routes, self.loss, self.versions,
-                                 self.spec.vocab_size, facts)
+                                 self.spec.vocab_size, moe_shape)
         self.update = PolicyUpdate(cfg, self.forwarder, self.model, self.replay, self.optimizer,
                                    self.scheduler, self.routes, self.loss, self.state.ema_update)
 

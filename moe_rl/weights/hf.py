@@ -181,9 +181,9 @@ def _layer_numbers(model) -> dict[int, int]:
 
 
 def _local_experts(spec: ModelSpec, ep_size: int) -> int:
-    if spec.facts.num_experts % ep_size:
-        raise ValueError(f"expert_parallel: {ep_size} does not divide {spec.facts.num_experts}")
-    return spec.facts.num_experts // ep_size
+    if spec.moe_shape.num_experts % ep_size:
+        raise ValueError(f"expert_parallel: {ep_size} does not divide {spec.moe_shape.num_experts}")
+    return spec.moe_shape.num_experts // ep_size
 
 
 # ---------------------------------------------------------------------------------------------

@@ -184,7 +184,7 @@ def test_router_scores_are_the_routers_log_softmax_as_transformers_computes_it(t
         out = hf(input_ids=ids[None], output_router_logits=True)
     expect = [torch.log_softmax(t.double().reshape(7, -1), -1) for t in out.router_logits]
     assert len(expect) == 2   # layers 0 and 2 are MoE
-    ctl = ReplayController(model, spec.facts.moe_layers, 2, 8)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, 2, 8)
     with pytest.raises(ValueError, match="say at which experts"):
         ctl.capture_scores(None)   # not recording: the experts must be given
     ctl.record()

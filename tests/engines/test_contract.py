@@ -104,8 +104,8 @@ def test_a_turn_carries_what_the_rollout_needs(started):
     assert 1 <= R <= SAMPLING.max_new_tokens and t.logprobs.shape == (R,)
     assert (t.logprobs <= 0).all() and torch.isfinite(t.logprobs).all()
     # routing of every position the model ran: the prompt and every generated token but the last
-    layout = eng.layout
-    assert t.routing.shape == (len(prompt) + R - 1, len(layout.moe_layers), layout.topk)
+    moe_shape = eng.moe_shape
+    assert t.routing.shape == (len(prompt) + R - 1, len(moe_shape.moe_layers), moe_shape.topk)
     # kept sets: the sampled token is in its set, at most top_k ids, log-mass <= 0
     assert t.kept_offsets.shape == (R + 1,) and int(t.kept_offsets[-1]) == t.kept_ids.numel()
     for j, y in enumerate(t.output_ids):
@@ -188,14 +188,14 @@ def test_an_abort_returns_what_each_request_generated_and_a_continuation_finishe
     turns, after = eng.run(interrupted)
     assert not after.aborted and len(after.output_ids) >= 1   # the abort did not outlive itself
     assert any(t.aborted and t.output_ids for t in turns), [t.finish_reason for t in turns]
-    layout = eng.layout
+    moe_shape = eng.moe_shape
     for prompt, t in zip(prompts, turns):
         R = len(t.output_ids)
         assert R < long.max_new_tokens or not t.aborted
         if not R:
             continue
         assert t.logprobs.shape == (R,) and (t.logprobs <= 0).all()
-        assert t.routing.shape == (len(prompt) + R - 1, len(layout.moe_layers), layout.topk)
+        assert t.routing.shape == (len(prompt) + R - 1, len(moe_shape.moe_layers), moe_shape.topk)
         assert t.kept_offsets.shape == (R + 1,) and t.token_versions is None
     prompt, t = next((p, t) for p, t in zip(prompts, turns) if t.aborted and t.output_ids)
     prefix = prompt + t.output_ids

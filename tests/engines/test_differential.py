@@ -85,7 +85,7 @@ class Pair:
         except BaseException:
             self.ref.stop()
             raise
-        self.layout = MoEShape.from_hf(json.load(open(f"{self.model}/config.json")))
+        self.moe_shape = MoEShape.from_hf(json.load(open(f"{self.model}/config.json")))
 
     def both(self, method: str, path: str, body) -> tuple[httpx.Response, httpx.Response]:
         return tuple(httpx.request(method, p.url + path, json=body, timeout=120)
@@ -151,8 +151,8 @@ def test_generation_and_scoring_answer_as_sglang(pair):
                 n = len(body["input_ids"]) + len(one_sgl["output_ids"]) - 1 \
                     - body.get("routed_experts_start_len", 0)
                 assert torch.equal(decode_routing(one_ref["meta_info"]["routed_experts"], n,
-                                                  pair.layout),
-                                   decode_routing(routed, n, pair.layout)), name
+                                                  pair.moe_shape),
+                                   decode_routing(routed, n, pair.moe_shape)), name
 
 
 def test_a_prefix_hit_is_reported_alike(pair):
@@ -226,10 +226,10 @@ def test_sglangs_routed_experts_are_the_routers_top_k_in_float32(pair):
             "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}}
     meta = httpx.post(pair.sgl.url + "/generate", json=body, timeout=120).json()
     ids = prompt + meta["output_ids"]
-    got = decode_routing(meta["meta_info"]["routed_experts"], len(ids) - 1, pair.layout)
+    got = decode_routing(meta["meta_info"]["routed_experts"], len(ids) - 1, pair.moe_shape)
     with torch.no_grad():
         out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
-    k = pair.layout.topk
+    k = pair.moe_shape.topk
     want = torch.stack([logits.topk(k, dim=-1).indices for logits in out.router_logits], 1)
     assert torch.equal(got.long().sort(-1).values, want.sort(-1).values)
 

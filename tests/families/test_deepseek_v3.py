@@ -37,7 +37,7 @@ def parallel_state():
 def test_round_trip_and_equivalence_with_transformers(tmp_path, overrides):
     hf_model = write_deepseek(tmp_path / "hf", **overrides)
     model, spec = build_model(str(tmp_path / "hf"))
-    assert spec.facts.moe_layers == (1, 2)
+    assert spec.moe_shape.moe_layers == (1, 2)
     load_hf_into_megatron(model, spec, str(tmp_path / "hf"))
     original = load_file(tmp_path / "hf" / "model.safetensors")
     exported = megatron_to_hf(model, spec)
@@ -86,7 +86,7 @@ def test_kimi_k2_is_the_deepseek_v3_family(tmp_path):
         "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
     (path / "config.json").write_text(json.dumps(conf))
     model, spec = build_model(str(path))
-    assert (spec.facts.num_experts, spec.facts.topk, spec.facts.moe_layers) == (384, 8, (1, 2))
+    assert (spec.moe_shape.num_experts, spec.moe_shape.topk, spec.moe_shape.moe_layers) == (384, 8, (1, 2))
     load_hf_into_megatron(model, spec, str(path))
     original = load_file(path / "model.safetensors")
     exported = megatron_to_hf(model, spec)
@@ -106,13 +106,13 @@ def test_replayed_sigmoid_router_uses_its_own_unbiased_scores_and_keeps_its_grad
     model, spec = build_model(str(tmp_path / "hf"))
     load_hf_into_megatron(model, spec, str(tmp_path / "hf"))
     router = model.decoder.layers[1].mlp.router
-    assert spec.facts.moe_layers == (1, 2) and not hasattr(model.decoder.layers[0].mlp, "router")
+    assert spec.moe_shape.moe_layers == (1, 2) and not hasattr(model.decoder.layers[0].mlp, "router")
     g = torch.Generator().manual_seed(3)
     tokens = 24
     x = torch.randn(tokens, 1, 32, generator=g)
     # replay ids that are NOT the router's choice: a random valid top-4 per token
     ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(tokens)])
-    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, spec.moe_shape.topk, spec.moe_shape.num_experts)
     ctl.replay([ids, ids])
     probs, routing_map = router(x)
     model.decoder.layers[2].mlp.router(x)   # every MoE layer routes once per forward
@@ -202,11 +202,11 @@ def test_engine_serves_the_tiny_model_with_dense_layers_as_zeros_and_r3_matches_
         assert all(len(set(row)) == 4 for row in full[:, 1:].reshape(-1, 4).tolist())
         # at most topk_group groups per token (group-limited)
         assert max(len({e // 4 for e in row}) for row in full[:, 1:].reshape(-1, 4).tolist()) <= 2
-        samples.append(sample_from_response(resp, req.input_ids, spec.facts, need_routing=True,
+        samples.append(sample_from_response(resp, req.input_ids, spec.moe_shape, need_routing=True,
                                             need_mask=False, group_id=i, sample_id=i))
     assert samples[0].routing.shape[1:] == (3, 4)   # MoE layers only: dense layer skipped
     mb = pack_one(samples, [0, 1], pad_token_id=0, num_experts=16)
-    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, spec.moe_shape.topk, spec.moe_shape.num_experts)
     model.eval()
     ctl.replay(mb.replay_indices())
     with torch.no_grad():
@@ -384,8 +384,8 @@ def replayed_logprobs(model_dir, samples, sizes=None):
     model, spec = build_model(model_dir, sizes=sizes or ParallelSizes())
     load_hf_into_megatron(model, spec, model_dir)
     mb = pack_one(samples, list(range(len(samples))), pad_token_id=0,
-                  num_experts=spec.facts.num_experts)
-    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
+                  num_experts=spec.moe_shape.num_experts)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, spec.moe_shape.topk, spec.moe_shape.num_experts)
     ctl.replay(mb.replay_indices())
     model.eval()
     with torch.no_grad():

@@ -37,7 +37,7 @@ def test_round_trip_and_equivalence_with_transformers(tmp_path, overrides):
         conf = json.load(fh)
     assert conf["model_type"] == "glm4_moe"
     model, spec = build_model(path)
-    assert spec.facts.moe_layers == (1, 2)
+    assert spec.moe_shape.moe_layers == (1, 2)
     load_hf_into_megatron(model, spec, path)
     original = load_file(f"{path}/model.safetensors")
     exported = megatron_to_hf(model, spec)

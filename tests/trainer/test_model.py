@@ -69,8 +69,8 @@ def test_round_trip_and_equivalence_with_transformers(tmp_path, cfg, old):
     for ids, p in zip(seqs, P):
         routing, _ = hf_routing(hf_model, ids[None])
         samples.append(sample_from(ids, p, routing[0, :-1]))
-    mb = pack_one(samples, [0, 1], pad_token_id=0, num_experts=spec.facts.num_experts)
-    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
+    mb = pack_one(samples, [0, 1], pad_token_id=0, num_experts=spec.moe_shape.num_experts)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, spec.moe_shape.topk, spec.moe_shape.num_experts)
     model.eval()
     ctl.replay(mb.replay_indices())
     with torch.no_grad():
@@ -85,7 +85,7 @@ def test_round_trip_and_equivalence_with_transformers(tmp_path, cfg, old):
     agree = ctl.agreement(mb.replay_indices(), mb.routing_valid_router_order())
     assert agree["routing/agreement"] == 1.0
     assert set(agree) == {"routing/agreement", "routing/token_differs_frac"} | {
-        f"routing/agreement_layer_{i}" for i in spec.facts.moe_layers}
+        f"routing/agreement_layer_{i}" for i in spec.moe_shape.moe_layers}
     assert agree["routing/token_differs_frac"] == 0.0
     ctl.close()
 
@@ -99,7 +99,7 @@ def test_replay_changes_outputs_and_last_position_is_free(tmp_path):
     routing, _ = hf_routing(hf_model, ids[None])
     s = sample_from(ids, 4, routing[0, :-1])
     mb = pack_one([s], [0], pad_token_id=0, num_experts=8)
-    ctl = ReplayController(model, spec.facts.moe_layers, 2, 8)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, 2, 8)
     ctl.replay(mb.replay_indices())
     with torch.no_grad():
         base, _ = forward_logprobs(model, mb)
@@ -131,7 +131,7 @@ def test_record_mode_and_checks(tmp_path):
     ids = torch.randint(0, 48, (7,), generator=torch.Generator().manual_seed(5))
     s = Sample(prompt_ids=ids[:3], response_ids=ids[3:], rollout_logprobs=-torch.ones(4))
     mb = pack_one([s], [0], pad_token_id=0)
-    ctl = ReplayController(model, spec.facts.moe_layers, 2, 8)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, 2, 8)
     assert ctl.num_moe_layers == 2 and ctl.layer_names == [0, 2]
     ctl.record()
     with torch.no_grad():
@@ -161,7 +161,7 @@ def test_backward_replay_with_recomputation(tmp_path):
         model, spec = build_model(path, recompute=recompute)
         load_hf_into_megatron(model, spec, path)
         model.train()
-        ctl = ReplayController(model, spec.facts.moe_layers, 2, 8, recompute=recompute)
+        ctl = ReplayController(model, spec.moe_shape.moe_layers, 2, 8, recompute=recompute)
         ctl.replay(mb.replay_indices())
         lp, _ = forward_logprobs(model, mb)
         ctl.finish_forward()
@@ -180,7 +180,7 @@ def test_fused_router_is_refused(tmp_path):
     model, spec = build_model(path)
     model.decoder.layers[0].mlp.router.config.moe_router_fusion = True
     with pytest.raises(ValueError, match="moe_router_fusion"):
-        ReplayController(model, spec.facts.moe_layers, 2, 8)
+        ReplayController(model, spec.moe_shape.moe_layers, 2, 8)
     model.decoder.layers[0].mlp.router.config.moe_router_fusion = False
 
 
@@ -242,7 +242,7 @@ def test_cpu_compat_refusals_and_shims():
 def test_local_indices_select_this_stage_layers(tmp_path):
     path, _ = write_hf_model(tmp_path, QWEN, seed=10)
     model, spec = build_model(path)
-    ctl = ReplayController(model, spec.facts.moe_layers, 2, 8)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, 2, 8)
     full = [torch.zeros(6, 2, dtype=torch.long), torch.ones(6, 2, dtype=torch.long)]
     local = ctl.local_indices(full, 3, 2)
     assert [int(t[0, 0]) for t in local] == [0, 1]
@@ -274,8 +274,8 @@ def test_replay_inputs_are_checked_as_the_peers_do(tmp_path):
     ids = torch.randint(0, 48, (10,), generator=torch.Generator().manual_seed(5))
     routing, _ = hf_routing(hf_model, ids[None])
     mb = pack_one([sample_from(ids, 4, routing[0, :-1])], [0], pad_token_id=0,
-                  num_experts=spec.facts.num_experts)
-    ctl = ReplayController(model, spec.facts.moe_layers, spec.facts.topk, spec.facts.num_experts)
+                  num_experts=spec.moe_shape.num_experts)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, spec.moe_shape.topk, spec.moe_shape.num_experts)
     good = mb.replay_indices()
     # a row repeating an expert id
     bad = [t.clone() for t in good]

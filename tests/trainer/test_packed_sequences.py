@@ -124,7 +124,7 @@ def _check_packed_equals_padded(model_dir, samples):
     model, spec = build_model(str(model_dir))
     load_hf_into_megatron(model, spec, str(model_dir))
     model.eval()
-    f = spec.facts
+    f = spec.moe_shape
     num_experts = f.num_experts
     ctl = ReplayController(model, f.moe_layers, f.topk, num_experts)
     idx = list(range(len(samples)))

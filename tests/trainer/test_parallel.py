@@ -29,7 +29,7 @@ def _worker(rank, port, model_dir, out_dir, mode):
         load_hf_into_megatron(model, spec, model_dir)
         n_local = sum(1 for n, _ in model.named_parameters() if "local_experts" in n and
                       "decoder.layers.0." in n and "fc1" in n)
-        ctl = ReplayController(model, spec.facts.moe_layers, 2, 8)
+        ctl = ReplayController(model, spec.moe_shape.moe_layers, 2, 8)
         mb = pack_one(samples, list(range(len(samples))), pad_token_id=0, num_experts=8)
         ctl.replay(mb.replay_indices())
         model.eval()
@@ -105,7 +105,7 @@ def test_expert_parallel_2_matches_single_process(tmp_path):
     init_model_parallel()
     model, spec = build_model(model_dir)
     load_hf_into_megatron(model, spec, model_dir)
-    ctl = ReplayController(model, spec.facts.moe_layers, 2, 8)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, 2, 8)
     mb = pack_one(samples, list(range(len(samples))), pad_token_id=0, num_experts=8)
     ctl.replay(mb.replay_indices())
     model.eval()

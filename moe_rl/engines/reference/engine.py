@@ -350,10 +350,10 @@ class ReferenceEngine:
             head = model.get_output_embeddings()
             head.forward = functools.partial(_fp32_linear, head)
         hf = model.config.to_dict()
-        facts = MoEShape.from_hf(hf)
-        if not facts.moe_layers:
+        moe_shape = MoEShape.from_hf(hf)
+        if not moe_shape.moe_layers:
             raise ValueError(f"{model_path}: the reference engine serves MoE models only")
-        routers = self._routers(model, facts)
+        routers = self._routers(model, moe_shape)
         try:   # a model the engine cannot run is refused now, not at every request
             with torch.no_grad(), split_kv.split_policy(self.deterministic):
                 model(input_ids=torch.zeros((1, 2), dtype=torch.long))
@@ -367,7 +367,7 @@ class ReferenceEngine:
         except (OSError, ValueError):
             tokenizer = None
         with self.lock:
-            self.facts = facts
+            self.moe_shape = moe_shape
             self._captured: list[torch.Tensor] = []
             for m in routers:
                 m.register_forward_hook(
@@ -387,12 +387,12 @@ class ReferenceEngine:
 
     # ------------------------------------------------------------------ forward helpers
     @staticmethod
-    def _routers(model, facts) -> list:
+    def _routers(model, moe_shape) -> list:
         """The MoE routers whose expert choice (their third output) is recorded."""
         routers = [m for m in model.modules()
                    if type(m).__name__.lower().endswith("topkrouter")]
-        if len(routers) != len(facts.moe_layers):
-            raise ValueError(f"found {len(routers)} routers for {len(facts.moe_layers)} MoE "
+        if len(routers) != len(moe_shape.moe_layers):
+            raise ValueError(f"found {len(routers)} routers for {len(moe_shape.moe_layers)} MoE "
                              f"layers")
         return routers
 
@@ -408,8 +408,8 @@ class ReferenceEngine:
 
     def _full_routing(self, moe_rows: torch.Tensor) -> np.ndarray:
         """[N, L_moe, K] -> [N, num_hidden_layers, K] with dense layers 0 (SGLang layout)."""
-        full = np.zeros((moe_rows.shape[0], self.facts.num_layers, self.facts.topk), np.int32)
-        full[:, list(self.facts.moe_layers)] = moe_rows.numpy()
+        full = np.zeros((moe_rows.shape[0], self.moe_shape.num_layers, self.moe_shape.topk), np.int32)
+        full[:, list(self.moe_shape.moe_layers)] = moe_rows.numpy()
         return full
 
     def validate(self, req: Request) -> None:

@@ -70,9 +70,9 @@ class SGLangSession(EngineSession):
         if e.need_routing and routing_from is not None:
             body["routed_experts_start_len"] = routing_from
         resp = await self.pool.request("/generate", body, server=self._server(server))
-        turn = decode_turn(resp, len(input_ids), e.layout, need_routing=e.need_routing,
+        turn = decode_turn(resp, len(input_ids), e.moe_shape, need_routing=e.need_routing,
                            need_mask=e.need_mask, routing_start=routing_from or 0)
-        return stopped_before_abort(turn, e.layout.eos_ids + tuple(sampling.stop_token_ids))
+        return stopped_before_abort(turn, e.moe_shape.eos_ids + tuple(sampling.stop_token_ids))
 
     async def abort_all(self) -> None:
         await broadcast_tolerant(self.pool, "/abort_request", {"abort_all": True})
@@ -86,7 +86,7 @@ class SGLangSession(EngineSession):
         if not meta.get("routed_experts"):
             raise ResponseError("routed_experts: missing from the routing follow-up response")
         return decode_routing(meta["routed_experts"], len(input_ids) - 1 - start,
-                              self.engine.layout)
+                              self.engine.moe_shape)
 
 
 class SGLangWeightReceiver(WeightReceiver):
@@ -160,10 +160,10 @@ class SGLangWeightReceiver(WeightReceiver):
 class SGLangEngine(Engine):
     """The engine over a pool of SGLang-protocol servers."""
 
-    def __init__(self, pool_factory: Callable[[], ServerPool], layout: MoEShape, *,
+    def __init__(self, pool_factory: Callable[[], ServerPool], moe_shape: MoEShape, *,
                  need_routing: bool, need_mask: bool, ranks_per_server: int = 1):
         self.pool_factory = pool_factory   # () -> ServerPool (fresh httpx client per call)
-        self.layout = layout
+        self.moe_shape = moe_shape
         self.need_routing = need_routing
         self.need_mask = need_mask
         self._weights = SGLangWeightReceiver(pool_factory, ranks_per_server)
@@ -183,7 +183,7 @@ class SGLangEngine(Engine):
         """Refuse token ids outside the model's vocabulary before they are sent: SGLang's
         embedding lookup fails on one and its scheduler dies with every request in flight
         (a retry would kill the restarted server again)."""
-        vocab = self.layout.vocab_size
+        vocab = self.moe_shape.vocab_size
         bad = [i for i in ids if not 0 <= i < (vocab or i + 1)]
         if bad:
             raise ValueError(f"input_ids: token id {bad[0]} outside the model's vocabulary "
@@ -211,7 +211,7 @@ class SGLangEngine(Engine):
           tokens per request so the listed ids stay few;
         - off, temperature 0 or 1: the engine's prefill log-probs (raw, T = 1) as they are;
         - off, any other temperature: log_softmax(logits / T) renormalised from the raw log-probs
-          of the whole vocabulary (``layout.vocab_size`` ids per position: small vocabularies
+          of the whole vocabulary (``moe_shape.vocab_size`` ids per position: small vocabularies
           only, the configuration refuses large ones).
 
         Pass j of sample i goes to server (i + j) % num_servers; pass j runs after pass j - 1,
@@ -225,12 +225,12 @@ class SGLangEngine(Engine):
             raise ValueError(f"rollout.score_window_tokens: expected >= 1, got {window}")
         T = temperature if temperature > 0 else 1.0
         renorm = self.need_mask or T != 1.0
-        if renorm and not self.need_mask and not self.layout.vocab_size:
+        if renorm and not self.need_mask and not self.moe_shape.vocab_size:
             raise ValueError("scoring at temperature != 1 needs the model's vocab_size")
 
         def listed_ids(s: Sample, w0: int, w1: int) -> list[int]:
             if not self.need_mask:
-                return list(range(int(self.layout.vocab_size)))
+                return list(range(int(self.moe_shape.vocab_size)))
             off = s.sampling_mask_offsets
             return sorted(set(s.sampling_mask_ids[int(off[w0]):int(off[w1])].tolist()))
 

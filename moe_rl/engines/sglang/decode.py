@@ -26,20 +26,20 @@ MASK_FIX = ("start SGLang with --sampling-mask-max-tokens N and send return_samp
             "with a finite top_k (the keep-sampling-mask needs the kept sets)")
 
 
-def decode_routing(payload: str, positions: int, layout: MoEShape) -> torch.Tensor:
+def decode_routing(payload: str, positions: int, moe_shape: MoEShape) -> torch.Tensor:
     """base64 int32 routing -> compact [positions, moe_layers, K] (uint8 / int16)."""
     try:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ResponseError(f"routed_experts: not valid base64: {exc}") from None
-    expect = positions * layout.num_layers * layout.topk * 4
+    expect = positions * moe_shape.num_layers * moe_shape.topk * 4
     if len(raw) != expect:
         raise ResponseError(f"routed_experts: {len(raw)} bytes, expected {expect} for "
-                            f"[{positions}, {layout.num_layers}, {layout.topk}] int32")
-    arr = np.frombuffer(raw, dtype="<i4").reshape(positions, layout.num_layers, layout.topk)
-    moe = torch.from_numpy(arr[:, list(layout.moe_layers)].copy())
+                            f"[{positions}, {moe_shape.num_layers}, {moe_shape.topk}] int32")
+    arr = np.frombuffer(raw, dtype="<i4").reshape(positions, moe_shape.num_layers, moe_shape.topk)
+    moe = torch.from_numpy(arr[:, list(moe_shape.moe_layers)].copy())
     try:
-        return compact_routing(moe, layout.num_experts)
+        return compact_routing(moe, moe_shape.num_experts)
     except ValueError as exc:
         raise ResponseError(f"routed_experts: {exc}") from None
 
@@ -83,7 +83,7 @@ def decode_sampling_logprobs(values, n_tokens: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-def decode_turn(resp: dict, input_len: int, layout: MoEShape, *, need_routing: bool,
+def decode_turn(resp: dict, input_len: int, moe_shape: MoEShape, *, need_routing: bool,
                 need_mask: bool, routing_start: int = 0) -> Turn:
     """A generation response to ``input_len`` input ids (routing asked from position
     ``routing_start``) -> :class:`~moe_rl.engines.base.Turn`; ResponseError names the field that
@@ -106,7 +106,7 @@ def decode_turn(resp: dict, input_len: int, layout: MoEShape, *, need_routing: b
         if not meta.get("routed_experts"):
             raise ResponseError(f"routed_experts: missing from the response; {R3_FIX}")
         routing = decode_routing(meta["routed_experts"], input_len + R - 1 - routing_start,
-                                 layout)
+                                 moe_shape)
     offsets = ids = logmass = None
     if need_mask:
         offsets, ids = decode_kept_sets(meta, R)

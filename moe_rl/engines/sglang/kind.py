@@ -35,9 +35,9 @@ class SGLangProtocolKind(EngineKind):
                                   restarters=restarters, health_timeout=r.health_timeout_s,
                                   weight_timeout=r.weight_load_timeout_s)
 
-    def connect(self, urls, layout: MoEShape, restarters=None) -> SGLangEngine:
+    def connect(self, urls, moe_shape: MoEShape, restarters=None) -> SGLangEngine:
         from moe_rl.engines.sglang.client import SGLangEngine
-        return SGLangEngine(self._pool_factory(urls, restarters), layout,
+        return SGLangEngine(self._pool_factory(urls, restarters), moe_shape,
                             need_routing=requests_routing(self.cfg),
                             need_mask=requests_sampling_mask(self.cfg),
                             ranks_per_server=self.weight_ranks_per_server())
