@@ -8,7 +8,6 @@ import torch
 
 from moe_rl.algo.common import (EXP_CLAMP, broadcast_to_tokens, check_same_shape, compute_dtype,
                                masked_mean, masked_seq_mean)
-from moe_rl.config import DPPO_DEFAULT_DELTA
 
 GSPO_LOG_CAP = 10.0   # GSPO: the sequence and token log-ratios are capped at 10 (as verl)
 
@@ -245,6 +244,10 @@ def _gspo(lp, lp_old, adv, keep, a, log_scale):
 
 def _gmpo(lp, lp_old, adv, keep, a, log_scale):
     return gmpo_loss(lp, lp_old, adv, keep, a.clip_low, a.clip_high, log_scale=log_scale)
+
+
+# DPPO's trust region by divergence where algorithm.dppo leaves it null (the authors' recipe)
+DPPO_DEFAULT_DELTA = {"dppo_tv": 0.15, "dppo_kl": 0.05}
 
 
 def _dppo(divergence: str):

@@ -209,9 +209,6 @@ class DPPOConfig:
                                  **_rng(1, lo_open=True))
 
 
-DPPO_DEFAULT_DELTA = {"dppo_tv": 0.15, "dppo_kl": 0.05}
-
-
 @dataclass
 class QAEConfig:
     """QAE's baseline (algorithm.advantage: qae): the group's k-quantile in place of its mean."""

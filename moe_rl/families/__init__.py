@@ -15,11 +15,40 @@ it) is one name in its module's ``OTHER_MODEL_TYPES``: transformers then builds 
 family's own type (:func:`transformers_config`)."""
 from __future__ import annotations
 
-from types import ModuleType
+from typing import Protocol, runtime_checkable
 
-from moe_rl.families import deepseek_v3, glm4_moe, mixtral, qwen3_moe
 
-FAMILIES: dict[str, ModuleType] = {
+@runtime_checkable
+class Family(Protocol):
+    """What a family module holds (each is checked against it: ``tests/toplevel/test_layout.py``);
+    ``OTHER_MODEL_TYPES``, where present, names the other ``model_type`` values it reads."""
+    MODEL_TYPE: str
+    MULTI_LATENT_ATTENTION: bool   # megatron-core's MLATransformerConfig
+    TINY: bool                     # `moe-rl init-model` builds one (then :class:`TinyFamily`)
+    HF_MOE_BLOCK: str              # the HF module holding a layer's router and experts
+    HF_EXPERT: tuple[str, ...]     # one expert's HF tensor names, ``{e}`` its index
+
+    def megatron_settings(self, spec, sizes, bias_update_rate: float) -> dict: ...
+    def rotary(self, hf: dict) -> dict: ...
+    def hf_attention_names(self, prefix: str) -> dict: ...
+    def engine_fused_key(self, hf: dict, name: str) -> str | None: ...
+    def fp8_head_dim(self, hf: dict, heads: int) -> int | None: ...
+    def fp8_moe_intermediate(self, hf: dict) -> int: ...
+    def fp8_dense_mlp(self, hf: dict, experts: int) -> bool: ...
+
+
+@runtime_checkable
+class TinyFamily(Family, Protocol):
+    """A family with a tiny CPU model of ``moe-rl init-model``."""
+
+    def tiny_init_fields(self, fields: dict, sections: dict) -> dict: ...
+    def check_tiny_init(self, init) -> None: ...
+    def tiny_hf_config(self, transformers, common: dict, fields: dict, init): ...
+
+
+from moe_rl.families import deepseek_v3, glm4_moe, mixtral, qwen3_moe  # noqa: E402
+
+FAMILIES: dict[str, Family] = {
     t: m for m in (qwen3_moe, mixtral, deepseek_v3, glm4_moe)
     for t in (m.MODEL_TYPE, *getattr(m, "OTHER_MODEL_TYPES", ()))}
 SUPPORTED = tuple(FAMILIES)
@@ -27,7 +56,7 @@ TINY_FAMILIES = tuple(t for t, m in FAMILIES.items()   # `moe-rl init-model` bui
                       if m.TINY and t == m.MODEL_TYPE)
 
 
-def family(model_type: str | None) -> ModuleType:
+def family(model_type: str | None) -> Family:
     """The family module of ``model_type`` (ValueError naming the supported ones)."""
     if model_type not in FAMILIES:
         raise ValueError(f"model_type: {model_type!r} is not supported; supported: {SUPPORTED}")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from moe_rl.families import family
+from moe_rl.families import Family, family
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,12 @@ class ModelSpec:
     hidden_size: int
     num_layers: int
     tie_word_embeddings: bool
+    family: Family = field(compare=False, repr=False)   # resolved once, here
 
 
 def model_spec(hf: dict) -> ModelSpec:
     """Check the architecture and collect its facts."""
-    arch = family(hf.get("model_type")).MODEL_TYPE   # refuses an unsupported one
-    moe_shape = MoEShape.from_hf(hf)
-    return ModelSpec(arch, hf, moe_shape, int(hf["vocab_size"]), int(hf["hidden_size"]),
-                     int(hf["num_hidden_layers"]), bool(hf.get("tie_word_embeddings", False)))
+    fam = family(hf.get("model_type"))   # refuses an unsupported one
+    return ModelSpec(fam.MODEL_TYPE, hf, MoEShape.from_hf(hf), int(hf["vocab_size"]),
+                     int(hf["hidden_size"]), int(hf["num_hidden_layers"]),
+                     bool(hf.get("tie_word_embeddings", False)), fam)

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.config.checks import CP_NEEDS_TE
-from moe_rl.families import family
 from moe_rl.families.shape import ModelSpec, model_spec
 from moe_rl.trainer.cpu_compat import apply_cpu_shims, check_cpu_settings, cuda_absent
 from moe_rl.trainer.parallel import ParallelSizes
@@ -54,7 +53,7 @@ def transformer_config(spec: ModelSpec, *, sizes: ParallelSizes = ParallelSizes(
     moe_layers = set(spec.moe_shape.moe_layers)
     n_heads = int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or spec.hidden_size // n_heads)
-    fam = family(spec.arch)
+    fam = spec.family
     kwargs = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=n_heads,
         num_query_groups=int(hf.get("num_key_value_heads") or n_heads), kv_channels=head_dim,
@@ -184,7 +183,7 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                      max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
                      pre_process=pre_process, post_process=post_process,
                      share_embeddings_and_output_weights=spec.tie_word_embeddings,
-                     **family(spec.arch).rotary(hf))
+                     **spec.family.rotary(hf))
     for p in model.parameters():   # every weight in ``dtype``, the norms' too (megatron-core's
         if p.is_floating_point() and p.dtype != dtype:   # Float16Module; SGLang serves them so)
             p.data = p.data.to(dtype)

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moe_rl.families import family
 from moe_rl.families.shape import ModelSpec
 from moe_rl.owned_dirs import claim
 
@@ -121,7 +120,7 @@ class _Names:
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
-        self.family = family(spec.arch)
+        self.family = spec.family
         self.moe = self.family.HF_MOE_BLOCK
         self.router = self.moe + ".gate.weight"
         self.expert = self.family.HF_EXPERT
@@ -319,7 +318,7 @@ class _Exporter:
         if ".local_experts." in name:
             return None
         _, parts = self.names.hf_parts(name, self.layer_of, self.ep_rank, self.e_local)
-        fam = family(self.spec.arch)
+        fam = self.spec.family
         return next((k for k in (fam.engine_fused_key(self.spec.hf_config, p) for p in parts)
                      if k is not None), None)
 
