@@ -54,38 +54,90 @@ class StepBatch:
                                              # the experts pi_old activated (router shift)
 
 
+class PolicyForward:
+    """One model's no-grad forwards as the passes use them: the forwarder, the model and its
+    replay controller, and what its routers recorded in the last forward (the agreement with
+    the engine's routing, the routing per sample)."""
+
+    def __init__(self, fw: Forwarder, model, replay: ReplayController, num_experts: int,
+                 sequence_parallel: bool):
+        self.fw, self.model, self.replay = fw, model, replay
+        self.num_experts, self.sequence_parallel = num_experts, sequence_parallel
+
+    def forward(self, mb: MicroBatch, route, **kwargs):
+        return self.fw.forward(self.model, self.replay, mb, route, **kwargs)
+
+    def dummy(self) -> None:
+        self.fw.dummy_forward(self.model, self.replay)
+
+    def router_rows(self, mb: MicroBatch) -> torch.Tensor:
+        """The router log-scores of the last forward, per response token (router shift)."""
+        return response_rows(micro_batch_rows(self.replay.router_scores(), mb, self.fw,
+                                              self.sequence_parallel), mb)
+
+    def agreement_rows(self, mb: MicroBatch, route: Route, counted: torch.Tensor
+                       ) -> tuple[dict, dict]:
+        """The routing agreement of the last forward of ``mb`` (routed as ``route``) with the
+        engine's, over the positions of the samples ``counted`` [N] and over the others: two
+        position-weighted rows for :meth:`StepPasses._agreement_metrics`."""
+        B, S = mb.input_ids.shape
+        cp = self.fw.cp_positions(mb)
+        valid = self.replay.local_rows(mb.routing_valid_router_order(), S, B, cp)
+        mine = self.replay.local_rows(mb.sample_positions(counted).t().reshape(-1), S, B, cp)
+        trainer = None if route is Route.REPLAY else self.replay.recorded()
+        engine = self.replay.local_indices(mb.replay_indices(), S, B, cp)
+        out = []
+        for rows in (valid & mine, valid & ~mine):
+            out.append({"w": float(rows.sum()),
+                        **self.replay.agreement(engine, rows, trainer=trainer)})
+        return out[0], out[1]
+
+    def per_sample_routing(self, samples: list[Sample], mb: MicroBatch
+                           ) -> dict[int, torch.Tensor]:
+        """The routing this rank's routers recorded in the last forward of ``mb``, cut into
+        one [routed positions, MoE layers, K] record per sample (as the rollout's), so any later
+        micro- or mini-batch plan can replay it (R2)."""
+        per = micro_batch_rows(self.replay.recorded(), mb, self.fw, self.sequence_parallel)
+        out = {}
+        for i, row in enumerate(mb.sample_indices):
+            b, o = int(mb.sample_rows[i]), int(mb.sample_starts[i])
+            out[row] = compact_routing(per[o:o + samples[row].routed_positions, b].long(),
+                                       self.num_experts)
+        return out
+
+
 class PiOldPass:
     """pi_old: the policy's log-probs and entropy, routed as the plan routes pi_old; beside each
     forward, the routing agreement with the engine (samples at the current version, and the
     stale ones' lag), the router log-scores at the experts pi_old activated (router shift) and
     the routing it chose, which the update replays (R2)."""
 
-    def __init__(self, passes: StepPasses, samples: list[Sample], step: int, width: int):
-        self.passes, self.samples, self.step = passes, samples, step
-        self.route = passes.routes.pi_old
+    def __init__(self, policy: PolicyForward, routes: ReplayPlan, router_scores: bool,
+                 asynchronous: bool, samples: list[Sample], step: int, width: int):
+        self.policy, self.samples, self.step = policy, samples, step
+        self.asynchronous = asynchronous   # stale samples are counted apart
+        self.route = routes.pi_old
         self.lp = torch.zeros(len(samples), width)
         self.entropy = torch.zeros_like(self.lp)
         self.router_old: torch.Tensor | None = None   # [N, R_max, L, K] (router shift)
         self.agree_rows: list[dict] = []   # routing agreement at the samples' own versions
         self.lag_rows: list[dict] = []     # stale samples against the current version
-        self.scores = passes.cfg.algorithm.router_shift.enabled
+        self.scores = router_scores
         # R2 (and the router shift routing freely) keep what pi_old chose, per sample
-        self.capture = passes.routes.update_replays_pi_old or (
-            self.scores and passes.routes.update is Route.OFF)
+        self.capture = routes.update_replays_pi_old or (
+            self.scores and routes.update is Route.OFF)
         self.chosen: dict[int, torch.Tensor] = {}
 
     def dummy(self) -> None:
-        p = self.passes
-        p.fw.dummy_forward(p.model, p.replay)
+        self.policy.dummy()
 
     def forward(self, mb: MicroBatch) -> None:
-        p, rows = self.passes, mb.sample_indices
-        lp, e = p.fw.forward(p.model, p.replay, mb, self.route,
-                             collect_own=mb.routing is not None, router_scores=self.scores)
+        policy, rows = self.policy, mb.sample_indices
+        lp, e = policy.forward(mb, self.route, collect_own=mb.routing is not None,
+                               router_scores=self.scores)
         width = int(mb.response_lens.max())
         if self.scores:
-            old = response_rows(micro_batch_rows(p.replay.router_scores(), mb, p.fw,
-                                                 p.cfg.trainer.sequence_parallel), mb)
+            old = policy.router_rows(mb)
             if self.router_old is None:
                 self.router_old = old.new_zeros((len(self.samples), self.lp.shape[1],
                                                  *old.shape[2:]))
@@ -93,13 +145,13 @@ class PiOldPass:
         self.lp[rows, :width] = mb.to_response_padded(lp.float())
         self.entropy[rows, :width] = mb.to_response_padded(e.float())
         if mb.routing is not None:   # fresh samples: same version; stale ones: the lag
-            fresh = torch.tensor([p.versions is None or self.samples[i].weight_version >= self.step
-                                  for i in rows])
-            same, lag = p._agreement_rows(mb, self.route, fresh)
+            fresh = torch.tensor([not self.asynchronous
+                                  or self.samples[i].weight_version >= self.step for i in rows])
+            same, lag = policy.agreement_rows(mb, self.route, fresh)
             self.agree_rows.append(same)
             self.lag_rows.append(lag)
         if self.capture:
-            self.chosen.update(p._per_sample_routing(self.samples, mb))
+            self.chosen.update(policy.per_sample_routing(self.samples, mb))
 
     def replay_samples(self) -> list[Sample]:
         """The samples with the routing the update replays (R2) or reads the router shift at
@@ -112,18 +164,16 @@ class PiOldPass:
 class ReferencePass:
     """The frozen reference's log-probs (KL), routed as the plan routes the reference."""
 
-    def __init__(self, passes: StepPasses, n: int, width: int):
-        self.passes = passes
+    def __init__(self, reference: PolicyForward, route: Route, n: int, width: int):
+        self.reference, self.route = reference, route
         self.lp = torch.zeros(n, width)
 
     def dummy(self) -> None:
-        p = self.passes
-        p.fw.dummy_forward(p.ref_model, p.ref_replay)
+        self.reference.dummy()
 
     def forward(self, mb: MicroBatch) -> None:
-        p = self.passes
-        route = ReplayPlan.for_batch(p.routes.reference, mb.routing is not None)
-        lp, _ = p.fw.forward(p.ref_model, p.ref_replay, mb, route)
+        route = ReplayPlan.for_batch(self.route, mb.routing is not None)
+        lp, _ = self.reference.forward(mb, route)
         self.lp[mb.sample_indices, :int(mb.response_lens.max())] = mb.to_response_padded(
             lp.float())
 
@@ -139,21 +189,23 @@ class OwnVersionPass:
     ``rollout.max_staleness``) are left out. Every rank walks the same versions with aligned
     micro-batches (expert-parallel collectives)."""
 
-    def __init__(self, passes: StepPasses):
-        self.passes = passes
+    def __init__(self, policy: PolicyForward, versions: WeightVersions, route: Route,
+                 max_staleness: int):
+        self.policy, self.versions, self.route = policy, versions, route
+        self.max_staleness = max_staleness
 
     def run(self, samples: list[Sample], lp_tr: torch.Tensor, step: int,
             agree_rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(log-probs at each token's version [N, R], scored [N, R], stale [N, R]); the routing
         agreement of these forwards is appended to ``agree_rows``."""
-        p = self.passes
+        policy = self.policy
         lp_same = lp_tr.clone()
         versions = token_versions(samples, lp_tr.shape[1], step)
-        held = lambda v: v == step or p.versions.has(v)   # noqa: E731
+        held = lambda v: v == step or self.versions.has(v)   # noqa: E731
         scored = torch.zeros_like(versions, dtype=torch.bool)
         for v in versions.unique().tolist():
             scored |= (versions == v) & held(v)
-        for v in range(step - p.cfg.rollout.max_staleness, step + 1):
+        for v in range(step - self.max_staleness, step + 1):
             # pi_old already scored, exactly, the samples wholly at the current version
             jobs = [(i, k, first, end) for i, s in enumerate(samples)
                     for k, (u, first, end) in enumerate(s.segments())
@@ -164,16 +216,16 @@ class OwnVersionPass:
             views = [samples[i].segment_view(k) for i, k, _, _ in jobs]
             with contextlib.ExitStack() as stack:
                 if jobs and v < step:
-                    stack.enter_context(p.versions.weights_of(v))
-                for mb in p.fw.aligned(p.fw.micro_batches(views, list(range(len(views))))):
+                    stack.enter_context(self.versions.weights_of(v))
+                fw = policy.fw
+                for mb in fw.aligned(fw.micro_batches(views, list(range(len(views))))):
                     if mb is None:
-                        p.fw.dummy_forward(p.model, p.replay)
+                        policy.dummy()
                         continue
-                    route = ReplayPlan.for_batch(p.routes.own_version, mb.routing is not None)
-                    lp, _ = p.fw.forward(p.model, p.replay, mb, route,
-                                         collect_own=mb.routing is not None)
+                    route = ReplayPlan.for_batch(self.route, mb.routing is not None)
+                    lp, _ = policy.forward(mb, route, collect_own=mb.routing is not None)
                     if mb.routing is not None:
-                        agree_rows.append(p._agreement_rows(
+                        agree_rows.append(policy.agreement_rows(
                             mb, route, torch.ones(len(mb.sample_indices), dtype=torch.bool))[0])
                     padded = mb.to_response_padded(lp.float())
                     for row, j in enumerate(mb.sample_indices):
@@ -200,7 +252,11 @@ class StepPasses:
                  loss: PolicyLoss, versions: WeightVersions | None, vocab_size: int, moe_shape):
         self.cfg, self.fw, self.routes, self.loss = cfg, fw, routes, loss
         self.model, self.replay = model, replay
-        self.ref_model, self.ref_replay = ref_model, ref_replay
+        experts = moe_shape.num_experts if moe_shape is not None else 0
+        sp = cfg.trainer.sequence_parallel
+        self.policy = PolicyForward(fw, model, replay, experts, sp)
+        self.reference = (PolicyForward(fw, ref_model, ref_replay, experts, sp)
+                          if ref_model is not None else None)
         self.versions = versions
         self.vocab_size, self.moe_shape = vocab_size, moe_shape
         self.notes: list[dict] = []   # the last step's sample notes (for samples.jsonl)
@@ -220,9 +276,10 @@ class StepPasses:
         self._check(samples)
         mask = pad_rows([s.loss_mask for s in samples], dtype=torch.bool)
         lp_roll = pad_rows([s.rollout_logprobs for s in samples])
-        pi_old = PiOldPass(self, samples, step, lp_roll.shape[1])
-        ref = (ReferencePass(self, len(samples), lp_roll.shape[1])
-               if self.ref_model is not None else None)
+        pi_old = PiOldPass(self.policy, self.routes, self.cfg.algorithm.router_shift.enabled,
+                           self.versions is not None, samples, step, lp_roll.shape[1])
+        ref = (ReferencePass(self.reference, self.routes.reference, len(samples),
+                             lp_roll.shape[1]) if self.reference is not None else None)
         per_batch = [pi_old] + ([ref] if ref is not None else [])
         self.model.eval()
         for mb in self.fw.aligned(self.fw.micro_batches(samples, list(range(len(samples))))):
@@ -231,8 +288,9 @@ class StepPasses:
         metrics: dict[str, float] = {}
         lp_same = scored = stale = None
         if self.versions is not None:
-            lp_same, scored, stale = OwnVersionPass(self).run(samples, pi_old.lp, step,
-                                                              pi_old.agree_rows)
+            own = OwnVersionPass(self.policy, self.versions, self.routes.own_version,
+                                 self.cfg.rollout.max_staleness)
+            lp_same, scored, stale = own.run(samples, pi_old.lp, step, pi_old.agree_rows)
             metrics.update({k.replace("routing/", "staleness/routing_"): v for k, v in
                             self._agreement_metrics(pi_old.lag_rows).items()
                             if k in ("routing/agreement", "routing/token_differs_frac")})
@@ -292,29 +350,12 @@ class StepPasses:
                                     Route.RECORD if moe else Route.OFF, collect_own=moe,
                                     temperature=probe_temperature(self.cfg))
             padded = mb.to_response_padded(lp.float())
-            routing = self._per_sample_routing(samples, mb) if moe else {}
+            routing = self.policy.per_sample_routing(samples, mb) if moe else {}
             for row, i in enumerate(mb.sample_indices):
                 chosen = routing.get(i)
                 out[i] = (padded[row, :samples[i].response_len].tolist(),
                           None if chosen is None else chosen.tolist())
         return [out[i] for i in range(len(samples))]
-
-    def _agreement_rows(self, mb: MicroBatch, route: Route, counted: torch.Tensor
-                        ) -> tuple[dict, dict]:
-        """The routing agreement of the last forward of ``mb`` (routed as ``route``) with the
-        engine's, over the positions of the samples ``counted`` [N] and over the others: two
-        position-weighted rows for :meth:`_agreement_metrics`."""
-        B, S = mb.input_ids.shape
-        cp = self.fw.cp_positions(mb)
-        valid = self.replay.local_rows(mb.routing_valid_router_order(), S, B, cp)
-        mine = self.replay.local_rows(mb.sample_positions(counted).t().reshape(-1), S, B, cp)
-        trainer = None if route is Route.REPLAY else self.replay.recorded()
-        engine = self.replay.local_indices(mb.replay_indices(), S, B, cp)
-        out = []
-        for rows in (valid & mine, valid & ~mine):
-            out.append({"w": float(rows.sum()),
-                        **self.replay.agreement(engine, rows, trainer=trainer)})
-        return out[0], out[1]
 
     def _agreement_metrics(self, agree_rows: list[dict]) -> dict[str, float]:
         """routing/agreement (+ per layer) over the whole batch: position-weighted sums
@@ -328,20 +369,6 @@ class StepPasses:
             sum(r.get(k, 0.0) * r["w"] for r in agree_rows) for k in keys]
         total, *values = every_rank_sum(sums)
         return {k: v / total for k, v in zip(keys, values)} if total > 0 else {}
-
-    def _per_sample_routing(self, samples: list[Sample], mb: MicroBatch
-                            ) -> dict[int, torch.Tensor]:
-        """R2: the routing this rank's routers recorded in the last forward of ``mb``, cut into
-        one [routed positions, MoE layers, K] record per sample (as the rollout's), so any later
-        micro- or mini-batch plan can replay it."""
-        per = micro_batch_rows(self.replay.recorded(), mb, self.fw,
-                               self.cfg.trainer.sequence_parallel)
-        out = {}
-        for i, row in enumerate(mb.sample_indices):
-            b, o = int(mb.sample_rows[i]), int(mb.sample_starts[i])
-            out[row] = compact_routing(per[o:o + samples[row].routed_positions, b].long(),
-                                       self.moe_shape.num_experts)
-        return out
 
     @staticmethod
     def _kept(samples: list[Sample]) -> list[torch.Tensor] | None:
