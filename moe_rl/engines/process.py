@@ -38,23 +38,6 @@ def bind_first_free(host: str, first: int) -> socket.socket:
     raise RuntimeError(f"rollout.base_port: no free port from {first} up on {host}")
 
 
-def pick_ports(host: str, first: int, count: int) -> list[int]:
-    """The first ``count`` ports from ``first`` up that can be bound on ``host`` now (busy ones
-    are skipped; RuntimeError when fewer are free below 65536)."""
-    ports, port = [], first
-    while len(ports) < count and port <= 65535:
-        try:
-            bind_port(host, port).close()
-            ports.append(port)
-        except OSError:
-            pass
-        port += 1
-    if len(ports) < count:
-        raise RuntimeError(f"rollout.base_port: only {len(ports)} of {count} ports from {first} "
-                           f"up are free on {host}")
-    return ports
-
-
 class ServerProcess(ABC):
     """One engine server subprocess on ``host:port``, restartable after a crash. With
     ``inherits_socket`` the parent binds the port and hands the socket to the child (``--fd``),

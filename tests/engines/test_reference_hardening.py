@@ -219,17 +219,19 @@ def test_batch_shapes_and_request_ids_must_agree(served):
 
 
 def test_taken_ports_are_skipped_and_never_served_by_a_stranger(served):
-    """A busy port is skipped when ports are picked; a server told to use a port another process
-    holds refuses to start (naming the port) instead of trusting a stranger's /health."""
-    from moe_rl.engines.process import bind_port, pick_ports
+    """A busy port is skipped when a server's port is chosen (and held); a server told to use a
+    port another process holds refuses to start (naming the port) instead of trusting a
+    stranger's /health."""
+    from moe_rl.engines.process import bind_first_free, bind_port
     proc, model = served
     taken = proc.port   # the running server holds it (it answers /health 200)
-    picked = pick_ports("127.0.0.1", taken, 2)
-    assert taken not in picked and picked == sorted(picked) and picked[0] > taken
+    with bind_first_free("127.0.0.1", taken) as held:
+        first = held.getsockname()[1]
+        assert first > taken
+        with bind_first_free("127.0.0.1", taken) as second:   # held: the next one free
+            assert second.getsockname()[1] > first
     with pytest.raises(RuntimeError, match=f"server port {taken} on 127.0.0.1 is taken"):
         ReferenceServer(model, taken).start(timeout=30)
-    with bind_port("127.0.0.1", picked[0]):   # held for a server about to start
-        assert picked[0] not in pick_ports("127.0.0.1", picked[0], 1)
-    with pytest.raises(RuntimeError, match="only 0 of 1 ports from 65535"):
+    with pytest.raises(RuntimeError, match="no free port from 65535 up"):
         with bind_port("127.0.0.1", 65535):
-            pick_ports("127.0.0.1", 65535, 1)
+            bind_first_free("127.0.0.1", 65535)
