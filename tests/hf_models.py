@@ -58,8 +58,10 @@ def write_deepseek(path, seed=0, bias_std=0.1, glm=False, **overrides):
 def hf_forward(model, ids):
     """(log-probs [S, V], the routers' choices [S, L_moe, K]) of transformers on ``ids``."""
     picks = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: picks.append(o[2]))
-             for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    routers = [getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
+               for layer in model.model.layers]
+    hooks = [r.register_forward_hook(lambda m, i, o: picks.append(o[2]))
+             for r in routers if r is not None]
     with torch.no_grad():
         out = model(input_ids=ids[None])
     for h in hooks:

@@ -44,14 +44,29 @@ class GlmInitConfig:
 
 
 @dataclass
+class GptOssInitConfig:
+    """gpt-oss-only shape of the tiny model (``model.init.architecture: gpt_oss``): its layers
+    alternate sliding-window and full attention (the first a window layer), its expert width
+    is model.init.moe_intermediate_size."""
+    sliding_window: int = _f(8, "keys a window layer's query sees (itself included)", **_rng(1))
+    swiglu_limit: float = _f(7.0, "clamp of the experts' SwiGLU (gate above, up both sides)",
+                             **_rng(0, lo_open=True))
+    yarn_original_max_position_embeddings: int = _f(
+        16, "the context YaRN stretches to model.init.max_position_embeddings (its factor: "
+        "their ratio, as gpt-oss's 4096 -> 131072)", **_rng(1))
+
+
+@dataclass
 class ModelInitConfig:
-    """Shape of the tiny model written by ``moe-rl init-model`` (Qwen3-MoE, DeepSeek-V3 or
-    GLM-4.5)."""
+    """Shape of the tiny model written by ``moe-rl init-model`` (Qwen3-MoE, DeepSeek-V3,
+    GLM-4.5 or gpt-oss)."""
     architecture: Literal[TINY_FAMILIES] = _f(
         "qwen3_moe", "qwen3_moe, deepseek_v3 (MLA, sigmoid router with expert bias, "
         "group-limited top-k, shared experts; shaped further by model.init.deepseek) or "
         "glm4_moe (grouped-query attention with biases, q/k norm and partial rotary: "
-        "model.init.glm; DeepSeek-V3's router: model.init.deepseek's router fields)")
+        "model.init.glm; DeepSeek-V3's router: model.init.deepseek's router fields) or "
+        "gpt_oss (attention sinks, sliding windows, YaRN, biases, clamped SwiGLU: "
+        "model.init.gpt_oss)")
     hidden_size: int = _f(64, "hidden size", **_rng(1))
     num_hidden_layers: int = _f(2, "decoder layers", **_rng(1))
     num_attention_heads: int = _f(4, "attention heads", **_rng(1))
@@ -73,11 +88,13 @@ class ModelInitConfig:
                                         "do not apply to it); its router fields shape GLM-4.5")
     glm: GlmInitConfig = _sub(GlmInitConfig, "GLM-4.5-only shape (decoder_sparse_step does "
                               "not apply to it)")
+    gpt_oss: GptOssInitConfig = _sub(GptOssInitConfig, "gpt-oss-only shape (decoder_sparse_step, "
+                                     "norm_topk_prob and intermediate_size do not apply to it)")
 
 
 def init_hf_fields(init: ModelInitConfig) -> dict:
     """The ``model.init`` shape under the names of the architecture's HF ``config.json``."""
     fields = as_dict(init)
-    sections = {k: fields.pop(k) for k in ("deepseek", "glm")}
+    sections = {k: fields.pop(k) for k in ("deepseek", "glm", "gpt_oss")}
     fields["model_type"] = fields.pop("architecture")
     return family(init.architecture).tiny_init_fields(fields, sections)

@@ -3,7 +3,7 @@ module per family, found by the HF ``config.json``'s ``model_type``:
 
 - the megatron-core settings (:func:`megatron_settings`; ``MULTI_LATENT_ATTENTION`` picks
   MLATransformerConfig) and the rotary embedding the GPTModel builds (:func:`rotary`);
-- the HF <-> megatron name table (``HF_MOE_BLOCK``, ``HF_EXPERT``, :func:`hf_attention_names`);
+- the HF <-> megatron name table (``HF_ROUTER``, :func:`hf_expert_names`, :func:`hf_attention_names`);
 - the shapes SGLang's FP8 loader checks (:func:`fp8_head_dim`, :func:`fp8_moe_intermediate`,
   :func:`fp8_dense_mlp`) and the tensors it loads only together (:func:`engine_fused_key`);
 - the tiny CPU model of ``moe-rl init-model`` (:func:`tiny_init_fields`, :func:`check_tiny_init`,
@@ -25,12 +25,12 @@ class Family(Protocol):
     MODEL_TYPE: str
     MULTI_LATENT_ATTENTION: bool   # megatron-core's MLATransformerConfig
     TINY: bool                     # `moe-rl init-model` builds one (then :class:`TinyFamily`)
-    HF_MOE_BLOCK: str              # the HF module holding a layer's router and experts
-    HF_EXPERT: tuple[str, ...]     # one expert's HF tensor names, ``{e}`` its index
+    HF_ROUTER: str                 # a MoE layer's router module under ``model.layers.{i}.``
 
     def megatron_settings(self, spec, sizes, bias_update_rate: float) -> dict: ...
     def rotary(self, hf: dict) -> dict: ...
     def hf_attention_names(self, prefix: str) -> dict: ...
+    def hf_expert_names(self, prefix: str) -> dict: ...
     def engine_fused_key(self, hf: dict, name: str) -> str | None: ...
     def fp8_head_dim(self, hf: dict, heads: int) -> int | None: ...
     def fp8_moe_intermediate(self, hf: dict) -> int: ...
@@ -46,10 +46,10 @@ class TinyFamily(Family, Protocol):
     def tiny_hf_config(self, transformers, common: dict, fields: dict, init): ...
 
 
-from moe_rl.families import deepseek_v3, glm4_moe, mixtral, qwen3_moe  # noqa: E402
+from moe_rl.families import deepseek_v3, glm4_moe, gpt_oss, mixtral, qwen3_moe  # noqa: E402
 
 FAMILIES: dict[str, Family] = {
-    t: m for m in (qwen3_moe, mixtral, deepseek_v3, glm4_moe)
+    t: m for m in (qwen3_moe, mixtral, deepseek_v3, glm4_moe, gpt_oss)
     for t in (m.MODEL_TYPE, *getattr(m, "OTHER_MODEL_TYPES", ()))}
 SUPPORTED = tuple(FAMILIES)
 TINY_FAMILIES = tuple(t for t, m in FAMILIES.items()   # `moe-rl init-model` builds

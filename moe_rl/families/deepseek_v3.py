@@ -4,7 +4,7 @@ experts, leading dense layers (``first_k_dense_replace``)."""
 from __future__ import annotations
 
 from moe_rl.errors import ConfigError
-from moe_rl.families.names import GATED_MLP_EXPERTS
+from moe_rl.families.names import gated_mlp_expert_names
 from moe_rl.families.rope import rope_table
 from moe_rl.families.sigmoid_router import (check_tiny_router, shared_expert_names,
                                             sigmoid_router_settings)
@@ -13,8 +13,7 @@ MODEL_TYPE = "deepseek_v3"
 OTHER_MODEL_TYPES = ("kimi_k2",)   # Kimi-K2: DeepseekV3ForCausalLM, 384 experts, one group, YaRN
 MULTI_LATENT_ATTENTION = True
 TINY = True
-HF_MOE_BLOCK = "mlp"
-HF_EXPERT = GATED_MLP_EXPERTS
+HF_ROUTER = "mlp.gate"
 
 
 def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
@@ -75,6 +74,10 @@ def _mla_and_router(spec, sizes, bias_update_rate: float) -> dict:
         kv_lora_rank=int(hf["kv_lora_rank"]), qk_head_dim=int(hf["qk_nope_head_dim"]),
         qk_pos_emb_head_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
         kv_channels=int(hf["v_head_dim"]), **mla_rope_settings(hf), **router)
+
+
+def hf_expert_names(prefix: str) -> dict:
+    return gated_mlp_expert_names(prefix)
 
 
 def hf_attention_names(prefix: str) -> dict:

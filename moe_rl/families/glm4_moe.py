@@ -8,7 +8,7 @@ tiny one (``model.init.glm``, the router from ``model.init.deepseek``)."""
 from __future__ import annotations
 
 from moe_rl.errors import ConfigError
-from moe_rl.families.names import GATED_MLP_EXPERTS
+from moe_rl.families.names import gated_mlp_expert_names
 # as Qwen3-MoE: each tensor loaded alone; head_dim, expert width from config.json
 from moe_rl.families.qwen3_moe import engine_fused_key, fp8_head_dim, fp8_moe_intermediate  # noqa: F401
 from moe_rl.families.rope import gpt_rotary
@@ -18,8 +18,7 @@ from moe_rl.families.sigmoid_router import (ROUTER_INIT_FIELDS, check_tiny_route
 MODEL_TYPE = "glm4_moe"
 MULTI_LATENT_ATTENTION = False
 TINY = True
-HF_MOE_BLOCK = "mlp"
-HF_EXPERT = GATED_MLP_EXPERTS
+HF_ROUTER = "mlp.gate"
 
 
 def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
@@ -45,6 +44,10 @@ def hf_attention_names(prefix: str) -> dict:
     return {"self_attention.linear_qkv.bias": ("qkv", [a + "q_proj.bias", a + "k_proj.bias",
                                                        a + "v_proj.bias"]),
             **shared_expert_names(prefix)}
+
+
+def hf_expert_names(prefix: str) -> dict:
+    return gated_mlp_expert_names(prefix)
 
 
 def fp8_dense_mlp(hf: dict, experts: int) -> bool:

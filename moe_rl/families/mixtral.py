@@ -2,14 +2,13 @@
 experts under ``block_sparse_moe`` (w1 gate, w3 up, w2 down)."""
 from __future__ import annotations
 
+from moe_rl.families.names import gated_mlp_expert_names
 from moe_rl.families.rope import gpt_rotary
 
 MODEL_TYPE = "mixtral"
 MULTI_LATENT_ATTENTION = False
 TINY = False
-HF_MOE_BLOCK = "block_sparse_moe"
-HF_EXPERT = ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
-             "block_sparse_moe.experts.{e}.w2.weight")
+HF_ROUTER = "block_sparse_moe.gate"
 
 
 def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
@@ -24,6 +23,10 @@ def rotary(hf: dict) -> dict:
 
 def hf_attention_names(prefix: str) -> dict:
     return {}
+
+
+def hf_expert_names(prefix: str) -> dict:
+    return gated_mlp_expert_names(prefix, "block_sparse_moe", "w1", "w3", "w2")
 
 
 def engine_fused_key(hf: dict, name: str) -> str | None:

@@ -4,14 +4,13 @@ renormalised unless ``norm_topk_prob`` is false, q/k RMSNorm, ``mlp_only_layers`
 from __future__ import annotations
 
 from moe_rl.errors import ConfigError
-from moe_rl.families.names import GATED_MLP_EXPERTS
+from moe_rl.families.names import gated_mlp_expert_names
 from moe_rl.families.rope import gpt_rotary
 
 MODEL_TYPE = "qwen3_moe"
 MULTI_LATENT_ATTENTION = False
 TINY = True
-HF_MOE_BLOCK = "mlp"
-HF_EXPERT = GATED_MLP_EXPERTS
+HF_ROUTER = "mlp.gate"
 
 
 def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
@@ -33,6 +32,10 @@ def rotary(hf: dict) -> dict:
 def hf_attention_names(prefix: str) -> dict:
     """Rows of the megatron -> HF name table beyond the shared attention ones."""
     return {}
+
+
+def hf_expert_names(prefix: str) -> dict:
+    return gated_mlp_expert_names(prefix)
 
 
 def engine_fused_key(hf: dict, name: str) -> str | None:

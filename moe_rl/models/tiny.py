@@ -1,4 +1,4 @@
-"""The tiny Qwen3-MoE, DeepSeek-V3 or GLM-4.5 model and character-level tokenizer of the CPU
+"""The tiny Qwen3-MoE, DeepSeek-V3, GLM-4.5 or gpt-oss model and character-level tokenizer of the CPU
 demo, built locally and deterministically (same config -> byte-identical files); nothing is
 downloaded."""
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _hf_config(init: ModelInitConfig, tokenizer):
 
 def write_tiny_model(init: ModelInitConfig, out_dir: str) -> str:
     """Write config.json, model.safetensors and the tokenizer of the tiny model of ``init``
-    (Qwen3-MoE, DeepSeek-V3 or GLM-4.5) to ``out_dir``, deterministically from ``init.seed``.
+    (Qwen3-MoE, DeepSeek-V3, GLM-4.5 or gpt-oss) to ``out_dir``, deterministically from ``init.seed``.
     Returns ``out_dir``."""
     import torch
     import transformers

@@ -20,6 +20,9 @@
 8. ``torch.cuda.current_stream`` returns a stream that waits for nothing (megatron-core 0.19's
    DDP asks for it before every gradient reduction, to wait for CUDA-graph events,
    param_and_grad_buffer.py:632; on CPU there are none).
+9. The sliding-window mask of megatron's unfused softmax (``get_sliding_window_causal_mask``,
+   which allocates on "cuda"; gpt-oss's window layers) is built inside
+   :func:`cuda_factories_on_cpu`.
 """
 from __future__ import annotations
 
@@ -85,6 +88,13 @@ def apply_cpu_shims() -> bool:
     tp_random._set_cuda_rng_state = lambda *a, **k: None
     import megatron.core.optimizer.optimizer as mopt
     mopt.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    window_mask = fused_softmax.get_sliding_window_causal_mask
+
+    def window_mask_on_cpu(*args, **kwargs):
+        with cuda_factories_on_cpu():
+            return window_mask(*args, **kwargs)
+    fused_softmax.get_sliding_window_causal_mask = window_mask_on_cpu
     _APPLIED = True
     return True
 

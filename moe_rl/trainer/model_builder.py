@@ -1,6 +1,5 @@
-"""Build a megatron-core GPTModel with MoE layers from a Hugging Face config (Qwen3-MoE, Mixtral,
-DeepSeek-V3: Multi-head Latent Attention, sigmoid router with expert bias, group-limited top-k,
-shared experts, leading dense layers).
+"""Build a megatron-core GPTModel with MoE layers from a Hugging Face config (every family of
+:mod:`moe_rl.families`: Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5, gpt-oss).
 
 CPU: local layer spec (MLA's core attention from :mod:`moe_rl.trainer.local_mla`), allgather
 dispatcher, dropout 0. GPU: Transformer Engine spec when TE is
@@ -9,6 +8,7 @@ importable (local otherwise), alltoall dispatcher. Routing replay is always comp
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -82,7 +82,17 @@ def transformer_config(spec: ModelSpec, *, sizes: ParallelSizes = ParallelSizes(
         kwargs.update(recompute_granularity="full", recompute_method="uniform",
                       recompute_num_layers=1)
     kwargs.update(fam.megatron_settings(spec, sizes, expert_bias_update_rate))
-    return (MLATransformerConfig if fam.MULTI_LATENT_ATTENTION else TransformerConfig)(**kwargs)
+    cls = MLATransformerConfig if fam.MULTI_LATENT_ATTENTION else TransformerConfig
+    # megatron's GPTModel reads its YaRN settings (``yarn_*``) as attributes the config
+    # class does not declare (gpt_model.py, position_embedding_type 'yarn')
+    declared = {f.name for f in dataclasses.fields(cls)}
+    config = cls(**{k: v for k, v in kwargs.items() if k in declared})
+    for k, v in kwargs.items():
+        if k not in declared:
+            if not k.startswith("yarn_"):
+                raise TypeError(f"{fam.MODEL_TYPE}: megatron-core has no setting {k!r}")
+            setattr(config, k, v)
+    return config
 
 
 def te_available() -> bool:
@@ -184,6 +194,9 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                      pre_process=pre_process, post_process=post_process,
                      share_embeddings_and_output_weights=spec.tie_word_embeddings,
                      **spec.family.rotary(hf))
+    if not te_available() and config.add_bias_linear:
+        from moe_rl.trainer.local_expert_bias import copy_expert_outputs
+        copy_expert_outputs(model)
     for p in model.parameters():   # every weight in ``dtype``, the norms' too (megatron-core's
         if p.is_floating_point() and p.dtype != dtype:   # Float16Module; SGLang serves them so)
             p.data = p.data.to(dtype)

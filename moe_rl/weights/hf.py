@@ -1,12 +1,14 @@
-"""Hugging Face safetensors <-> megatron-core weights (Qwen3-MoE, Mixtral, DeepSeek-V3), with
-tensor- and expert-parallel sharding and pipeline-stage layer offsets. The DeepSeek-V3 router's
+"""Hugging Face safetensors <-> megatron-core weights (every family of :mod:`moe_rl.families`),
+with tensor- and expert-parallel sharding and pipeline-stage layer offsets. The DeepSeek-V3 router's
 expert bias (``e_score_correction_bias``) is a megatron buffer, not a parameter: it travels with
 the parameters (:func:`hf_mapped_tensors`) in loads, exports and weight syncs.
 
 mbridge (the peers' bridge) maps to the Transformer Engine spec only and pins megatron versions;
 the CPU path uses the local spec, so the mapping is written here, for both specs: a parameter's
 megatron name (local or TE) is resolved to the HF tensors it is made of, and sliced for this
-rank. Export is the exact inverse (round trip HF -> Megatron -> HF is bit-identical).
+rank. Export is the exact inverse (round trip HF -> Megatron -> HF is bit-identical). A
+checkpoint that stacks a layer's experts in one tensor (gpt-oss) is read one expert's row at a
+time and written with all rows of a stacked tensor in one bucket.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -115,25 +118,63 @@ def _sharding(local_name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # name mapping
 
+ROWS = "rows:"   # a way of the name table: one expert's row of a stacked HF tensor
+
+
+class Source(NamedTuple):
+    """How megatron parameter's value is made of HF tensors: ``how`` ("copy", "cat", "qkv", or
+    ``rows:<kind>``: row ``row`` of the stacked tensor ``parts[0]``, see :func:`row_to_megatron`)."""
+    how: str
+    parts: list[str]
+    row: int | None = None
+
+
+def row_to_megatron(kind: str, row: torch.Tensor) -> torch.Tensor:
+    """One expert's row of a stacked HF tensor as its megatron tensor: ``gate_up`` [hidden,
+    2 x inter] with gate and up columns interleaved -> linear_fc1 [gate rows; up rows];
+    ``gate_up_bias`` likewise; ``down`` [inter, hidden] -> linear_fc2 [hidden, inter];
+    ``copy``."""
+    if kind == "gate_up":
+        return torch.cat([row[:, 0::2].t(), row[:, 1::2].t()])
+    if kind == "gate_up_bias":
+        return torch.cat([row[0::2], row[1::2]])
+    if kind == "down":
+        return row.t().contiguous()
+    if kind == "copy":
+        return row
+    raise ValueError(f"unknown stacked-row kind {kind!r}")
+
+
+def megatron_to_row(kind: str, t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`row_to_megatron` (a new tensor)."""
+    if kind in ("gate_up", "gate_up_bias"):
+        gate, up = t.chunk(2)
+        return torch.stack([gate.t(), up.t()] if kind == "gate_up" else [gate, up],
+                           dim=-1).flatten(-2)
+    if kind == "down":
+        return t.t().contiguous()
+    if kind == "copy":
+        return t.clone()
+    raise ValueError(f"unknown stacked-row kind {kind!r}")
+
+
 class _Names:
     """HF tensor names of one model (its family's table, :mod:`moe_rl.families`)."""
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         self.family = spec.family
-        self.moe = self.family.HF_MOE_BLOCK
-        self.router = self.moe + ".gate.weight"
-        self.expert = self.family.HF_EXPERT
+        self.router = self.family.HF_ROUTER
 
     def hf_parts(self, name: str, layer_of: dict[int, int], ep_rank: int, e_local: int
-                 ) -> tuple[str, list[str]]:
-        """(how to combine, HF names) making up megatron parameter ``name``."""
+                 ) -> Source:
+        """How megatron parameter ``name`` is made of HF tensors."""
         if name == "embedding.word_embeddings.weight":
-            return "copy", ["model.embed_tokens.weight"]
+            return Source("copy", ["model.embed_tokens.weight"])
         if name == "output_layer.weight":
-            return "copy", ["lm_head.weight"]
+            return Source("copy", ["lm_head.weight"])
         if name == "decoder.final_layernorm.weight":
-            return "copy", ["model.norm.weight"]
+            return Source("copy", ["model.norm.weight"])
         m = _LAYER.match(name)
         if not m:
             raise KeyError(f"no Hugging Face tensor for megatron parameter {name!r}")
@@ -143,8 +184,11 @@ class _Names:
         e = _EXPERT.match(rest)
         if e:
             g = ep_rank * e_local + int(e.group(1))
-            gate, up, down = (p + t.format(e=g) for t in self.expert)
-            return ("cat", [gate, up]) if e.group(2) == "linear_fc1.weight" else ("copy", [down])
+            experts = self.family.hf_expert_names(p)
+            if e.group(2) not in experts:
+                raise KeyError(f"no Hugging Face tensor for megatron parameter {name!r}")
+            how, parts = experts[e.group(2)]
+            return Source(how, [x.format(e=g) for x in parts], g)
         table = {
             "input_layernorm.weight": ("copy", [p + "input_layernorm.weight"]),
             "self_attention.linear_qkv.layer_norm_weight": ("copy", [p + "input_layernorm.weight"]),
@@ -156,15 +200,15 @@ class _Names:
             "self_attention.k_layernorm.weight": ("copy", [p + "self_attn.k_norm.weight"]),
             "pre_mlp_layernorm.weight": ("copy", [p + "post_attention_layernorm.weight"]),
             "mlp.linear_fc1.layer_norm_weight": ("copy", [p + "post_attention_layernorm.weight"]),
-            "mlp.router.weight": ("copy", [p + self.router]),
-            "mlp.router.expert_bias": ("copy", [p + self.moe + ".gate.e_score_correction_bias"]),
+            "mlp.router.weight": ("copy", [p + self.router + ".weight"]),
+            "mlp.router.expert_bias": ("copy", [p + self.router + ".e_score_correction_bias"]),
             "mlp.linear_fc1.weight": ("cat", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
             "mlp.linear_fc2.weight": ("copy", [p + "mlp.down_proj.weight"]),
         }
         table.update(self.family.hf_attention_names(p))
         if rest not in table:
             raise KeyError(f"no Hugging Face tensor for megatron parameter {name!r}")
-        return table[rest]
+        return Source(*table[rest])
 
 
 def hf_mapped_tensors(model) -> list[tuple[str, torch.Tensor]]:
@@ -211,14 +255,24 @@ class HFCheckpoint:
         with safe_open(self.where[name], "pt") as f:
             return f.get_tensor(name)
 
+    def get_row(self, name: str, row: int) -> torch.Tensor:
+        """Row ``row`` of the tensor ``name`` (only its bytes are read)."""
+        if name not in self.where:
+            raise KeyError(f"{self.path}: checkpoint has no tensor {name!r}")
+        with safe_open(self.where[name], "pt") as f:
+            return f.get_slice(name)[row]
 
-def megatron_param_from_hf(name: str, get, spec: ModelSpec, layer_of: dict[int, int],
-                           ranks=(0, 1, 0, 1)) -> torch.Tensor:
-    """The value of megatron parameter ``name`` on this rank, read through ``get(hf_name)``."""
+
+def megatron_param_from_hf(name: str, ckpt: HFCheckpoint, spec: ModelSpec,
+                           layer_of: dict[int, int], ranks=(0, 1, 0, 1)) -> torch.Tensor:
+    """The value of megatron parameter ``name`` on this rank, read from ``ckpt``."""
     tp_rank, tp_size, ep_rank, ep_size = ranks
     names = _Names(spec)
-    how, parts = names.hf_parts(name, layer_of, ep_rank, _local_experts(spec, ep_size))
-    tensors = [get(p) for p in parts]
+    how, parts, row = names.hf_parts(name, layer_of, ep_rank, _local_experts(spec, ep_size))
+    if how.startswith(ROWS):
+        full = row_to_megatron(how[len(ROWS):], ckpt.get_row(parts[0], row))
+        return tp_split(full, _sharding(name), tp_rank, tp_size)
+    tensors = [ckpt.get(p) for p in parts]
     if how == "copy":
         full = tensors[0]
     elif how == "cat":
@@ -251,7 +305,7 @@ def load_hf_into_megatron(model, spec: ModelSpec, hf_path: str) -> None:
                          f"serve; write a copy without the tensors of those layers and set "
                          f"num_nextn_predict_layers: 0 in its config.json")
     for name, param in hf_mapped_tensors(model):
-        value = megatron_param_from_hf(name, ckpt.get, spec, layer_of, ranks)
+        value = megatron_param_from_hf(name, ckpt, spec, layer_of, ranks)
         if value.shape != param.shape:
             raise ValueError(f"{name}: checkpoint gives shape {list(value.shape)}, the model "
                              f"expects {list(param.shape)}")
@@ -313,11 +367,14 @@ class _Exporter:
         return n
 
     def fused_key(self, name: str) -> str | None:
-        """The key of the tensors the engine loads only together with parameter ``name``'s
-        (the family's :func:`engine_fused_key`; None: loaded alone)."""
+        """The key of the tensors that travel only together with parameter ``name``'s: the
+        rows of one stacked expert tensor (they make one HF tensor), or those the engine loads
+        only together (the family's :func:`engine_fused_key`); None: alone."""
+        how, parts, _ = self.names.hf_parts(name, self.layer_of, self.ep_rank, self.e_local)
+        if how.startswith(ROWS):
+            return parts[0]
         if ".local_experts." in name:
             return None
-        _, parts = self.names.hf_parts(name, self.layer_of, self.ep_rank, self.e_local)
         fam = self.spec.family
         return next((k for k in (fam.engine_fused_key(self.spec.hf_config, p) for p in parts)
                      if k is not None), None)
@@ -343,7 +400,10 @@ class _Exporter:
         if not self.keep or values is None:
             return out
         for owner, full in zip(owners, values):
-            how, parts = self.names.hf_parts(name, self.layer_of, owner, self.e_local)
+            how, parts, row = self.names.hf_parts(name, self.layer_of, owner, self.e_local)
+            if how.startswith(ROWS):   # stacked by :func:`_stack_rows`
+                out.append(((parts[0], row), megatron_to_row(how[len(ROWS):], full)))
+                continue
             if how == "copy":
                 pieces = [full.contiguous()]
             elif how == "cat":
@@ -388,7 +448,27 @@ def iter_hf_buckets(model, spec: ModelSpec, bucket_bytes: int, everywhere: bool 
         size += n
     for k, group in enumerate(groups):
         bucket = [t for i in group for t in ex.tensors(*ex.params[i])]
-        yield bucket, k == len(groups) - 1
+        yield _stack_rows(bucket, spec.moe_shape.num_experts), k == len(groups) - 1
+
+
+def _stack_rows(bucket: list, experts: int) -> list[tuple[str, torch.Tensor]]:
+    """A bucket whose stacked-expert rows (keyed (HF name, row)) are stacked into their HF
+    tensors, in place of the first row; every row of each must be there."""
+    rows: dict[str, dict[int, torch.Tensor]] = {}
+    out: list = []
+    for key, t in bucket:
+        if isinstance(key, tuple):
+            if key[0] not in rows:
+                rows[key[0]] = {}
+                out.append((key[0], None))
+            rows[key[0]][key[1]] = t
+        else:
+            out.append((key, t))
+    for name, got in rows.items():
+        if sorted(got) != list(range(experts)):
+            raise RuntimeError(f"{name}: a bucket holds rows {sorted(got)} of {experts} experts")
+    return [(k, torch.stack([rows[k][e] for e in range(experts)]) if t is None else t)
+            for k, t in out]
 
 
 def hf_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int

@@ -50,9 +50,11 @@ def chunk_bounds(rows: int, kv_heads: int, kv_len: int, deterministic: bool) -> 
 
 
 def split_kv_attention(module, query, key, value, attention_mask, scaling, dropout=0.0,
-                       **kwargs):
+                       sliding_window=None, s_aux=None, **kwargs):
     """transformers attention interface: query [B, H, S, D], key/value [B, Hkv, T, D(v)],
-    attention_mask additive [B, 1, S, T] (or None: causal). Returns ([B, S, H, Dv], None)."""
+    attention_mask additive [B, 1, S, T] (or None: causal, within ``sliding_window`` keys when
+    given). ``s_aux`` [H]: gpt-oss's learned sink logits, one more term of each row's softmax
+    denominator (no value). Returns ([B, S, H, Dv], None)."""
     B, H, S, _ = query.shape
     Hkv, T = key.shape[1], key.shape[2]
     dtype = query.dtype
@@ -60,7 +62,10 @@ def split_kv_attention(module, query, key, value, attention_mask, scaling, dropo
     v = value.repeat_interleave(H // Hkv, dim=1).float()
     q = query.float()
     if attention_mask is None:
-        allowed = torch.ones(S, T, dtype=torch.bool).tril(T - S)[None, None]
+        allowed = torch.ones(S, T, dtype=torch.bool).tril(T - S)
+        if sliding_window is not None:   # key j seen from query i when i - j < window
+            allowed = allowed.triu(T - S - sliding_window + 1)
+        allowed = allowed[None, None]
     else:
         allowed = attention_mask[:, :, :, :T] > torch.finfo(attention_mask.dtype).min / 2
     bounds = chunk_bounds(B, Hkv, T, getattr(_policy, "deterministic", False))
@@ -74,10 +79,15 @@ def split_kv_attention(module, query, key, value, attention_mask, scaling, dropo
         sums.append(p.sum(-1, keepdim=True))
         outs.append(torch.matmul(p.to(dtype).float(), v[:, :, a:b]))
     top = torch.stack(maxima).amax(0)
+    sink = None if s_aux is None else s_aux.float().reshape(1, H, 1, 1)
+    if sink is not None:
+        top = torch.maximum(top, sink)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     weights = [torch.exp(m - top) for m in maxima]   # 0 for chunks a row does not see
     num = sum(w * o for w, o in zip(weights, outs))
     den = sum(w * l for w, l in zip(weights, sums))
+    if sink is not None:
+        den = den + torch.exp(sink - top)
     out = torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
     return out.to(dtype).transpose(1, 2).contiguous(), None
 
