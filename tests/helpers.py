@@ -186,6 +186,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the tiny GLM-4.5 of `moe-rl init-model`: tiny_cpu.yaml's shape with GLM's attention (biases,
 # q/k norm, half the head rotary) and model.init.deepseek's router (4 groups, 2 per token, top-4)
 GLM_INIT = ("model.init.architecture=glm4_moe", "model.init.num_experts_per_tok=4")
+# the tiny gpt-oss: windows of 4 keys and YaRN from 8 positions, so that both act on the
+# loop's short sequences
+GPT_OSS_INIT = ("model.init.architecture=gpt_oss", "model.init.gpt_oss.sliding_window=4",
+                "model.init.gpt_oss.yarn_original_max_position_embeddings=8")
 
 
 def init_tiny_model(out, config="tiny_cpu.yaml", *overrides) -> pathlib.Path:

@@ -1,5 +1,6 @@
 """Tiny random HF checkpoints written by transformers itself (Qwen3-MoE, Mixtral-free Qwen
-layout, DeepSeek-V3 with YaRN), and transformers' own forward pass as the reference."""
+layout, DeepSeek-V3 with YaRN, GLM-4.5, gpt-oss), and transformers' own forward pass as the
+reference."""
 from __future__ import annotations
 
 import json
@@ -28,6 +29,36 @@ GLM4_MOE = dict(vocab_size=48, hidden_size=32, intermediate_size=48, moe_interme
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+GPT_OSS = dict(vocab_size=48, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=8,
+               num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.5,
+               max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                    original_max_position_embeddings=16, beta_fast=32.0,
+                                    beta_slow=1.0, truncate=False))
+
+
+def write_gpt_oss(path, seed=0, **overrides):
+    """A random GptOssForCausalLM saved to ``path``: windows of 4 keys on layers 0 and 2, YaRN,
+    a SwiGLU limit of 0.5 that clamps, random biases and sinks, confident routers. Returns the
+    transformers model."""
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**GPT_OSS, **overrides}))
+    sharpen(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("bias", "sinks")):
+                p.copy_(torch.randn(p.shape) * 0.5)
+            elif n.endswith("router.weight"):
+                p.mul_(20.0)
+            elif "experts" in n:
+                p.normal_(0, 0.3)
+    model.eval()
+    model.save_pretrained(path)
+    return model
 
 
 def write_deepseek(path, seed=0, bias_std=0.1, glm=False, **overrides):

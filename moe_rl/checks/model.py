@@ -90,21 +90,23 @@ def _router_choice(output) -> torch.Tensor:
 
 def transformers_reference(path: str, prompts: list[list[int]], moe_shape: MoEShape) -> Reference:
     """Run every prompt through transformers' own model (float32) and record its routers'
-    choices (``model.layers.<i>.<the family's HF_ROUTER>`` of each MoE layer)."""
+    choices (``model.layers.<i>.mlp.<router>`` of each MoE layer: transformers 5 holds every
+    family's MoE block as ``mlp``, the router under the last name of the family's
+    ``HF_ROUTER``, ``gate`` or gpt-oss's ``router``)."""
     from transformers import AutoModelForCausalLM
 
     from moe_rl.families import family, transformers_config
     with open(os.path.join(path, "config.json")) as fh:
         hf = json.load(fh)
     config = transformers_config(hf)
-    router = family(hf.get("model_type")).HF_ROUTER
+    router = family(hf.get("model_type")).HF_ROUTER.rsplit(".", 1)[-1]
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
                                                  local_files_only=True)
     model.eval()
     picks: dict[int, torch.Tensor] = {}
     hooks = []
     for layer in moe_shape.moe_layers:
-        gate = model.get_submodule(f"model.layers.{layer}.{router}")
+        gate = model.get_submodule(f"model.layers.{layer}.mlp.{router}")
         hooks.append(gate.register_forward_hook(
             lambda _m, _i, out, layer=layer: picks.__setitem__(layer, _router_choice(out))))
     ref = Reference(prompts, [], [])

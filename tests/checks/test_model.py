@@ -14,7 +14,7 @@ from moe_rl.checks.model import (SideReport, check_trainer, transformers_referen
 from moe_rl.families.shape import MoEShape
 from moe_rl.trainer.parallel import free_port
 from tests.hf_models import MIXTRAL, write_hf_model
-from tests.helpers import init_tiny_model
+from tests.helpers import GPT_OSS_INIT, init_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +40,12 @@ def _rows(out: str) -> dict[str, list[str]]:
     return sides
 
 
-@pytest.mark.parametrize("config", ["tiny_cpu.yaml", "deepseek_tiny_cpu.yaml",
-                                    "glm45_air_r3_gspo.yaml"],   # its tiny twin: 128 experts, top-8
-                         ids=["qwen3_moe", "deepseek_v3", "glm4_moe"])
-def test_every_tiny_family_is_aligned(tmp_path, capsys, config):
-    model = init_tiny_model(tmp_path / "model", config)
+@pytest.mark.parametrize("config,overrides", [
+    ("tiny_cpu.yaml", ()), ("deepseek_tiny_cpu.yaml", ()),
+    ("glm45_air_r3_gspo.yaml", ()),   # its tiny twin: 128 experts, top-8
+    ("tiny_cpu.yaml", GPT_OSS_INIT)], ids=["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
+def test_every_tiny_family_is_aligned(tmp_path, capsys, config, overrides):
+    model = init_tiny_model(tmp_path / "model", config, *overrides)
     moe_layers = [str(i) for i in MoEShape.from_hf(
         json.loads((model / "config.json").read_text())).moe_layers]
     code, out, _ = _check(capsys, model)

@@ -17,7 +17,7 @@ import math
 import pytest
 
 from moe_rl.config import ConfigError, load_config
-from tests.helpers import GLM_INIT, init_tiny_model
+from tests.helpers import GLM_INIT, GPT_OSS_INIT, init_tiny_model
 from tests.loop.zero_mismatch import (CONFIG, FACTORS, SGLANG_FACTORS, _pairs, all_combos,
                                       check_invariant, covering_set, every_value_and_both_masks,
                                       name, overrides, refused, run_all, train_steps)
@@ -25,9 +25,11 @@ from tests.loop.zero_mismatch import (CONFIG, FACTORS, SGLANG_FACTORS, _pairs, a
 
 # the runs `make test-loop` runs (the covering set: `make test-slow`); the R3 one on the tiny
 # GLM-4.5 of `moe-rl init-model` (attention biases, q/k norm, partial rotary, DeepSeek-V3's
-# router, shared experts, a dense first layer)
+# router, shared experts, a dense first layer), the last under R3 too (the first holds R3 off)
+# on its tiny gpt-oss (sinks, sliding windows, YaRN, biases, the clamped SwiGLU)
 CI_RUNS = [dict(c, family="glm4_moe") if c["replay"] == "r3" else c
            for c in every_value_and_both_masks()]
+CI_RUNS[-1] = dict(CI_RUNS[-1], replay="r3", family="gpt_oss")
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +41,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(model_dir, tmp_path_factory):
-    """family -> model directory: the tiny Qwen3-MoE and the tiny GLM-4.5."""
+    """family -> model directory: the tiny Qwen3-MoE, GLM-4.5 and gpt-oss."""
     glm = init_tiny_model(tmp_path_factory.mktemp("zero_mismatch_glm") / "model", CONFIG,
                           *GLM_INIT)
-    return {"qwen3_moe": model_dir, "glm4_moe": glm}
+    gpt_oss = init_tiny_model(tmp_path_factory.mktemp("zero_mismatch_gpt_oss") / "model",
+                              CONFIG, *GPT_OSS_INIT)
+    return {"qwen3_moe": model_dir, "glm4_moe": glm, "gpt_oss": gpt_oss}
 
 
 @pytest.mark.parametrize("factors", [FACTORS, SGLANG_FACTORS], ids=["reference", "sglang"])
@@ -101,7 +105,7 @@ DPPO_AND_RSPO = [pytest.param({"temperature": 1.0, "sampling": "top_k", "mask": 
 @pytest.mark.e2e
 @pytest.mark.multiproc
 @pytest.mark.parametrize("combo", DPPO_AND_RSPO, ids=name)
-def test_zero_mismatch_dppo_and_rspo(model_dir, tmp_path, combo):
+def test_zero_mismatch_dppo_and_rspo(models, tmp_path, combo):
     """DPPO through `moe-rl train`, with R3 (binary TV, the keep-sampling-mask, pi_old from the
     rollout as its authors recommend) and without (binary KL, packed), RSPO (GMPO with the
     router-shift weight) under R3, CISPO with the penalty on the gap to the engine's policy
@@ -111,7 +115,7 @@ def test_zero_mismatch_dppo_and_rspo(model_dir, tmp_path, combo):
     and trainer no token leaves the trust region, the divergence is ~0, the router-shift weight
     is exactly 1, CISPO clips no weight, SAPO's gate stays open, and the penalty sees only the
     first update's movement."""
-    m = train_steps(model_dir, tmp_path / name(combo), combo)[0]
+    m = train_steps(models[combo.get("family", "qwen3_moe")], tmp_path / name(combo), combo)[0]
     check_invariant(combo, m)
     if combo["loss"].startswith("dppo"):
         assert m["dppo/divergence_mean"] < 1e-6, (name(combo), m["dppo/divergence_mean"])

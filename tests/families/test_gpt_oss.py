@@ -1,0 +1,136 @@
+"""gpt-oss models (``gpt_oss``): learned attention sinks, sliding-window layers between full
+ones, YaRN, biases on every projection, the router's softmax over its top-k logits, experts
+with biases and a clamped SwiGLU, the experts stacked in one HF tensor per layer. The HF
+checkpoint round-trips bit for bit, megatron-core scores as transformers does under replayed
+and under its own routing, and the reference engine's attention (sinks, windows) is
+transformers' own."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moe_rl.checks.model import check_trainer, transformers_reference, verdict
+from moe_rl.config import ConfigError, init_hf_fields, load_config
+from moe_rl.families.shape import MoEShape, model_spec
+from moe_rl.trainer.model_builder import build_model, transformer_config
+from moe_rl.trainer.parallel import ParallelSizes, init_distributed, init_model_parallel
+from moe_rl.weights.hf import load_hf_into_megatron, megatron_to_hf, megatron_to_row, row_to_megatron
+from tests.helpers import GPT_OSS_INIT
+from tests.hf_models import GPT_OSS, assert_scores_as_transformers, write_gpt_oss
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel_state():
+    init_distributed()
+    init_model_parallel()
+    yield
+
+
+def test_round_trip_and_equivalence_with_transformers(tmp_path):
+    path = str(tmp_path / "hf")
+    hf_model = write_gpt_oss(path)
+    with open(f"{path}/config.json") as fh:
+        conf = json.load(fh)
+    assert conf["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    model, spec = build_model(path)
+    assert spec.moe_shape.moe_layers == (0, 1, 2)
+    load_hf_into_megatron(model, spec, path)
+    original = load_file(f"{path}/model.safetensors")
+    exported = megatron_to_hf(model, spec)
+    assert set(exported) == set(original)
+    assert exported["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 32, 32)
+    for k, v in original.items():
+        assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
+    seqs = assert_scores_as_transformers(model, spec, hf_model)   # 40 and 29 tokens: windows
+    shape = MoEShape.from_hf(conf)                                # and YaRN act
+    ref = transformers_reference(path, [s.tolist() for s in seqs], shape)
+    assert verdict(list(check_trainer(path, ref, shape)), 0.99, 1e-5)[0]
+
+
+def test_stacked_rows_hand_worked():
+    """One expert's row of ``gate_up_proj`` [hidden 2, 2 x inter 2], columns g0 u0 g1 u1, is
+    linear_fc1 [g0; g1; u0; u1] (as rows of [out, in]); the bias likewise; down_proj's row is
+    transposed."""
+    row = torch.tensor([[1., 2., 3., 4.], [5., 6., 7., 8.]])
+    fc1 = row_to_megatron("gate_up", row)
+    assert fc1.tolist() == [[1., 5.], [3., 7.], [2., 6.], [4., 8.]]
+    assert torch.equal(megatron_to_row("gate_up", fc1), row)
+    bias = torch.tensor([1., 2., 3., 4.])
+    assert row_to_megatron("gate_up_bias", bias).tolist() == [1., 3., 2., 4.]
+    assert torch.equal(megatron_to_row("gate_up_bias", row_to_megatron("gate_up_bias", bias)),
+                       bias)
+    assert torch.equal(row_to_megatron("down", row), row.t())
+
+
+def test_reference_engine_attention_is_transformers_own(tmp_path):
+    """The reference engine's split-KV attention with gpt-oss's sinks and windows scores a
+    left-padded batch, and decodes it token by token from its cache, as transformers' eager
+    attention does (float32)."""
+    import transformers
+    from moe_rl.engines.reference import split_kv
+    path = str(tmp_path / "hf")
+    eager = write_gpt_oss(path)
+    split = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=split_kv.register()).eval()
+    ids = torch.randint(0, 48, (2, 24), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask).logits
+        got = split(input_ids=ids, attention_mask=mask).logits
+        assert (got - want)[0].abs().max() < 1e-5 and (got - want)[1, 5:].abs().max() < 1e-5
+        out = split(input_ids=ids[:, :12], attention_mask=mask[:, :12], use_cache=True)
+        cache, steps = out.past_key_values, []
+        for t in range(12, 24):
+            out = split(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1],
+                        cache=cache, use_cache=True)
+            steps.append(out.logits[:, -1])
+    assert (torch.stack(steps[:-1], 1) - want[:, 12:23]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"attention_bias": False}, "attention_bias"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+     "rope_parameters.rope_type")])
+def test_what_is_not_built_is_refused_naming_the_field(change, field):
+    hf = {**GPT_OSS, "model_type": "gpt_oss",
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], **change}
+    with pytest.raises(ValueError, match=field):
+        spec = model_spec(hf)
+        transformer_config(spec)
+        spec.family.rotary(hf)
+
+
+def test_tensor_parallelism_is_refused_naming_the_setting():
+    hf = {**GPT_OSS, "model_type": "gpt_oss",
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+    spec = model_spec(hf)
+    with pytest.raises(ValueError, match="trainer.tensor_parallel"):
+        spec.family.megatron_settings(spec, ParallelSizes(tensor=2), 0.0)
+
+
+def test_gpt_oss_init_shape_is_checked_at_config_time():
+    """`moe-rl init-model`'s gpt-oss shape: what transformers or megatron-core could not build
+    the same way is refused at load time, naming the key; the shape under config.json's names
+    (the expert width is its intermediate_size, windows alternate from the first layer, YaRN
+    stretches the original context to max_position_embeddings)."""
+    base = ["model.path=/nonexistent/gpt_oss", *GPT_OSS_INIT]
+    bad = {"model.init.gpt_oss.yarn_original_max_position_embeddings=512":
+           "model.init.gpt_oss.yarn_original_max_position_embeddings",
+           "model.init.num_key_value_heads=3": "model.init.num_key_value_heads",
+           "model.init.gpt_oss.sliding_window=0": "model.init.gpt_oss.sliding_window"}
+    for override, key in bad.items():
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [*base, override])
+    init = load_config(None, [*base, "model.init.num_hidden_layers=3"]).model.init
+    fields = init_hf_fields(init)
+    assert fields == {**fields, "model_type": "gpt_oss", "num_local_experts": 8,
+                      "intermediate_size": init.moe_intermediate_size, "sliding_window": 4,
+                      "layer_types": ["sliding_attention", "full_attention",
+                                      "sliding_attention"]}
+    assert not {"decoder_sparse_step", "norm_topk_prob", "moe_intermediate_size"} & set(fields)
