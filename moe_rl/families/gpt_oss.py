@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from moe_rl.errors import ConfigError
 from moe_rl.families.rope import rope_table
 
@@ -24,9 +22,10 @@ TINY = True
 HF_ROUTER = "mlp.router"
 
 
-def sigmoid_gate(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """gpt-oss's gate activation ``x * sigmoid(alpha * x)`` (megatron's quick_gelu at 1.702)."""
-    return x * torch.sigmoid(alpha * x)
+def sigmoid_gate(x, alpha: float):
+    """gpt-oss's gate activation ``x * sigmoid(alpha * x)`` of a tensor ``x`` (megatron's
+    quick_gelu at 1.702)."""
+    return x * (alpha * x).sigmoid()
 
 
 def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
