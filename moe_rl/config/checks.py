@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import difflib
 
-from moe_rl.config.model_facts import (facts_context, model_moe_shape,
+from moe_rl.config.model_facts import (facts_context, model_hf_fields, model_moe_shape,
                                        response_cap)
-from moe_rl.families import family
+from moe_rl.families import FAMILIES, family
 from moe_rl.config.fields import ConfigError
 from moe_rl.config.schema import CORRECTIONS, Config
 from moe_rl.families.shape import MoEShape
@@ -58,6 +58,14 @@ def check_model_fit(cfg: Config, moe_shape: MoEShape) -> None:
         raise ConfigError(f"rollout.max_response_tokens: a trajectory's response of up to "
                           f"{response_cap(cfg)} tokens leaves no room for a prompt in the "
                           f"model's context ({context} positions)")
+
+
+def check_family(cfg: Config) -> None:
+    """What the model's family cannot run: its module's ``check_config``, where it has one."""
+    hf = model_hf_fields(cfg.model)
+    check = getattr(FAMILIES.get(hf.get("model_type")), "check_config", None)
+    if check is not None:
+        check(cfg, hf)
 
 
 def check_places(cfg: Config) -> None:
@@ -406,6 +414,7 @@ def validate(cfg: Config) -> None:
     check_model_init(cfg)
     moe_shape = model_moe_shape(cfg.model)
     check_model_fit(cfg, moe_shape)
+    check_family(cfg)
     check_places(cfg)
     check_sampling(cfg, moe_shape)
     check_loss(cfg)

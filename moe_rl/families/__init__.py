@@ -9,6 +9,9 @@ module per family, found by the HF ``config.json``'s ``model_type``:
 - the tiny CPU model of ``moe-rl init-model`` (:func:`tiny_init_fields`, :func:`check_tiny_init`,
   :func:`tiny_hf_config`; ``TINY`` says whether the family has one).
 
+A family whose runs cannot take every option refuses them in an optional
+``check_config(cfg, hf)``, run when the configuration is loaded.
+
 A new family is one module here and one line in :data:`FAMILIES`. A checkpoint of a family's
 layout under its own ``model_type`` (Kimi-K2's ``kimi_k2``, DeepSeek-V3's code shipped beside
 it) is one name in its module's ``OTHER_MODEL_TYPES``: transformers then builds it by the
@@ -24,6 +27,7 @@ class Family(Protocol):
     ``OTHER_MODEL_TYPES``, where present, names the other ``model_type`` values it reads."""
     MODEL_TYPE: str
     MULTI_LATENT_ATTENTION: bool   # megatron-core's MLATransformerConfig
+    ATTENTION_SINKS: bool          # a learned sink logit per head (softmax_type: learnable)
     TINY: bool                     # `moe-rl init-model` builds one (then :class:`TinyFamily`)
     HF_ROUTER: str                 # a MoE layer's router module under ``model.layers.{i}.``
 

@@ -17,6 +17,7 @@ from moe_rl.families.sigmoid_router import (ROUTER_INIT_FIELDS, check_tiny_route
 
 MODEL_TYPE = "glm4_moe"
 MULTI_LATENT_ATTENTION = False
+ATTENTION_SINKS = False
 TINY = True
 HF_ROUTER = "mlp.gate"
 

@@ -18,8 +18,31 @@ from moe_rl.families.rope import rope_table
 
 MODEL_TYPE = "gpt_oss"
 MULTI_LATENT_ATTENTION = False
+ATTENTION_SINKS = True
 TINY = True
 HF_ROUTER = "mlp.router"
+
+
+def check_config(cfg, hf: dict) -> None:
+    """What a gpt-oss run cannot do, refused when its configuration is loaded (before any
+    engine starts): the released MXFP4 checkpoint, tensor parallelism (both also refused where
+    the model is built, :func:`megatron_settings`), FP8 or MXFP4 rollout weights (moe_rl's
+    quantisers take 2-D weights and experts stacked [E, out, in] without biases; gpt-oss
+    stacks them [E, in, out] with biases, so its experts would be served unquantised or
+    wrongly). ``hf``: the model's config.json fields (or its ``model.init`` shape's)."""
+    if "quantization_config" in hf:
+        raise ConfigError(f"model.path: {cfg.model.path} is a quantised gpt-oss checkpoint "
+                          f"(quantization_config {hf['quantization_config'].get('quant_method')!r}"
+                          f"); moe_rl trains gpt-oss from a bfloat16 copy")
+    if cfg.trainer.tensor_parallel > 1:
+        raise ConfigError("trainer.tensor_parallel: > 1 is not supported for gpt-oss models yet "
+                          "(megatron-core builds expert biases only without expert tensor "
+                          "parallelism); use expert and data parallelism")
+    if cfg.rollout.quantization != "none":
+        raise ConfigError(f"rollout.quantization: {cfg.rollout.quantization} rollout weights are "
+                          f"not built for gpt-oss (its experts are stacked [E, in, out] with "
+                          f"biases, which moe_rl's FP8 and MXFP4 quantisers do not take); use "
+                          f"none")
 
 
 def sigmoid_gate(x, alpha: float):

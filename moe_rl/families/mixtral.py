@@ -7,6 +7,7 @@ from moe_rl.families.rope import gpt_rotary
 
 MODEL_TYPE = "mixtral"
 MULTI_LATENT_ATTENTION = False
+ATTENTION_SINKS = False
 TINY = False
 HF_ROUTER = "block_sparse_moe.gate"
 

@@ -9,6 +9,7 @@ from moe_rl.families.rope import gpt_rotary
 
 MODEL_TYPE = "qwen3_moe"
 MULTI_LATENT_ATTENTION = False
+ATTENTION_SINKS = False
 TINY = True
 HF_ROUTER = "mlp.gate"
 

@@ -168,6 +168,11 @@ def test_sglang_on_cpu_refuses_what_needs_cuda():
                    "deepseek_tiny_cpu.yaml")
     msg = _err(cpu + ["model.path=/nonexistent"], deepseek)
     assert msg.startswith("model.path: SGLang on CPU") and "cannot serve MLA models" in msg
+    # nor gpt-oss: its torch-native attention takes no sinks (measured on the tiny gpt-oss;
+    # the exact error: tests/loop/test_sglang.py)
+    from tests.helpers import GPT_OSS_INIT
+    msg = _err(cpu + ["model.path=/nonexistent", *GPT_OSS_INIT])
+    assert msg.startswith("model.path: SGLang on CPU") and "cannot serve models with attention sinks" in msg
 
 
 def test_section_and_value_confusion():

@@ -114,6 +114,28 @@ def test_tensor_parallelism_is_refused_naming_the_setting():
         spec.family.megatron_settings(spec, ParallelSizes(tensor=2), 0.0)
 
 
+@pytest.mark.parametrize("override,key", [
+    ("rollout.quantization=fp8", "rollout.quantization"),
+    ("rollout.quantization=mxfp4", "rollout.quantization"),
+    ("trainer.tensor_parallel=2", "trainer.tensor_parallel")])
+def test_what_a_gpt_oss_run_cannot_take_is_refused_when_its_configuration_loads(override, key):
+    """Before any engine starts: FP8 / MXFP4 rollout weights (its stacked experts would be
+    served unquantised) and tensor parallelism, on the model.init shape as on a checkpoint."""
+    base = ["model.path=/nonexistent/gpt_oss", *GPT_OSS_INIT]
+    load_config(None, base)
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [*base, override])
+
+
+def test_the_released_mxfp4_checkpoint_is_refused_when_its_configuration_loads(tmp_path):
+    conf = {**GPT_OSS, "model_type": "gpt_oss",
+            "quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ConfigError, match="model.path: .* quantised gpt-oss checkpoint "
+                                          ".*'mxfp4'.* bfloat16 copy"):
+        load_config(None, [f"model.path={tmp_path}"])
+
+
 def test_gpt_oss_init_shape_is_checked_at_config_time():
     """`moe-rl init-model`'s gpt-oss shape: what transformers or megatron-core could not build
     the same way is refused at load time, naming the key; the shape under config.json's names
@@ -134,3 +156,39 @@ def test_gpt_oss_init_shape_is_checked_at_config_time():
                       "layer_types": ["sliding_attention", "full_attention",
                                       "sliding_attention"]}
     assert not {"decoder_sparse_step", "norm_topk_prob", "moe_intermediate_size"} & set(fields)
+
+
+def _export_under_ep2(rank, port, path, out):
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from moe_rl.trainer.parallel import destroy
+    from moe_rl.weights.hf import iter_hf_buckets
+    init_distributed(rank=rank, world_size=2)
+    init_model_parallel(ParallelSizes(expert=2))
+    model, spec = build_model(path, sizes=ParallelSizes(expert=2))
+    load_hf_into_megatron(model, spec, path)
+    local = sum(1 for n, _ in model.named_parameters()
+                if "decoder.layers.0." in n and "local_experts" in n and "fc1.weight" in n)
+    streamed = {k: v.clone() for bucket, _ in iter_hf_buckets(model, spec, 4096)
+                for k, v in bucket}
+    torch.save({"local": local, "streamed": streamed}, f"{out}/rank{rank}.pt")
+    destroy()
+
+
+@pytest.mark.multiproc
+def test_stacked_experts_export_whole_from_two_expert_parallel_ranks(tmp_path):
+    """Under expert parallel 2 each rank holds 4 of the 8 experts; the streaming exporter (the
+    weight sync's and the HF export's) hands the exporting rank every stacked tensor whole, each
+    built from both ranks' rows, bit for bit the source checkpoint's, even where the bucket size
+    (4 KiB) is below one stacked tensor's (32 KiB)."""
+    from moe_rl.trainer.parallel import free_port
+    from tests.helpers import start_ranks
+    path = str(tmp_path / "hf")
+    write_gpt_oss(path, seed=3)
+    start_ranks(_export_under_ep2, (free_port(), path, str(tmp_path)), 2)
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert first["local"] == second["local"] == 4
+    original = load_file(f"{path}/model.safetensors")
+    assert set(first["streamed"]) == set(original) and second["streamed"] == {}
+    for k, v in original.items():
+        assert torch.equal(first["streamed"][k], v), k

@@ -1,14 +1,15 @@
 """A trainer checkpoint written with expert parallel 2 / data parallel 2 loads with EP 1 / DP 1
 and back, over gloo processes: every tensor of the state (weights, Adam's moments, EMA) comes back
-exactly, and Adam's step count with it (multiproc); for Qwen3-MoE and for GLM-4.5 (attention
-biases, shared experts beside the split ones, the expert bias, a dense first layer)."""
+exactly, and Adam's step count with it (multiproc); for Qwen3-MoE, for GLM-4.5 (attention
+biases, shared experts beside the split ones, the expert bias, a dense first layer) and for
+gpt-oss (sinks, the router's bias, each expert's biases split with it)."""
 import os
 
 import pytest
 import torch
 
 from tests.helpers import engine_samples, start_ranks, write_tiny_qwen
-from tests.hf_models import write_deepseek
+from tests.hf_models import write_deepseek, write_gpt_oss
 
 
 def _worker(rank, world, port, model_dir, base, load_from, save_to):
@@ -56,11 +57,12 @@ def _plain(path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "gpt_oss"])
 def test_ep2_dp2_checkpoint_loads_with_ep1_dp1_and_back(tmp_path, family):
     model_dir = tmp_path / family
-    hf = (write_tiny_qwen(model_dir, seed=41) if family == "qwen3_moe"
-          else write_deepseek(model_dir, seed=41, glm=True))
+    hf = {"qwen3_moe": lambda: write_tiny_qwen(model_dir, seed=41),
+          "glm4_moe": lambda: write_deepseek(model_dir, seed=41, glm=True),
+          "gpt_oss": lambda: write_gpt_oss(model_dir, seed=41)}[family]()
     from moe_rl.rollout_record import RolloutBatch
     RolloutBatch(engine_samples(hf, n_groups=2, group_size=2, seed=42)).save(
         str(tmp_path / "samples.st"))
@@ -78,6 +80,9 @@ def test_ep2_dp2_checkpoint_loads_with_ep1_dp1_and_back(tmp_path, family):
     assert any(float(first[k].abs().max()) > 0 for k in keys if "exp_avg_sq" in k)
     if family == "glm4_moe":
         for part in ("shared_experts.", "linear_qkv.bias", "router.expert_bias"):
+            assert any(part in k and not k.startswith("optim.") for k in keys), part
+    if family == "gpt_oss":
+        for part in ("softmax_offset", "router.bias", "linear_fc2.bias"):
             assert any(part in k and not k.startswith("optim.") for k in keys), part
     counts = [torch.load(tmp_path / d / f, weights_only=True)["adam_steps"]
               for d, f in (("ep2", "rank0.pt"), ("ep1", "rank0.pt"), ("ep2b", "rank1.pt"))]

@@ -13,7 +13,8 @@ def check_gpus(cfg: Config) -> None:
     """SGLang on GPUs needs them; on CPU (``rollout.sglang.device: cpu``) what needs CUDA is
     refused: FP8 kernels, deterministic inference (no CPU attention backend supports it), the
     memory saver of colocated runs (tensor updates need GPUs: the general checks refuse them),
-    MLA models without deepseek_yarn rotary scaling (SGLang's CPU rotary embedding for MLA)."""
+    MLA models (SGLang's CPU rotary embedding and attention for MLA), attention sinks
+    (gpt-oss)."""
     r, c = cfg.rollout, cfg.cluster
     if r.sglang.device == "cuda":
         if c.gpus_per_node == 0:
@@ -35,6 +36,15 @@ def check_gpus(cfg: Config) -> None:
                               f"with {why}")
     hf = model_hf_fields(cfg.model)
     fam = FAMILIES.get(hf.get("model_type"))
+    if fam is not None and fam.ATTENTION_SINKS:
+        # SGLang 0.5.23's gpt_oss.py hands its learned sinks to the attention backend, which
+        # passes them on as a keyword the torch-native backend does not take: "TypeError:
+        # TorchNativeAttnBackend.forward_extend() got an unexpected keyword argument 'sinks'"
+        # at the first prefill, measured on the tiny gpt-oss
+        raise ConfigError(f"model.path: SGLang on CPU (rollout.sglang.device=cpu) cannot serve "
+                          f"models with attention sinks ({hf.get('model_type')}): its "
+                          f"torch-native attention backend takes no sinks (TypeError at the "
+                          f"first prefill); use rollout.engine=reference")
     if fam is not None and fam.MULTI_LATENT_ATTENTION:
         # SGLang 0.5.23 on CPU: without rope scaling its rotary embedding asserts deepseek_yarn
         # (layers/rotary_embedding/factory.py); with YaRN (which its DeepSeek attention turns
