@@ -135,3 +135,39 @@ def test_the_glm45_air_config_fits_its_80_gib_gpus():
     e = engine_kind(cfg).gpu_memory(GLM45_AIR, counts.total, 80 * GIB)   # TP 8, 0.7
     assert e.weights == pytest.approx(counts.total * 2 / 8)
     assert e.kv_pool == pytest.approx(0.7 * 80 * GIB - e.weights) and e.kv_pool > 30 * GIB
+
+
+GPT_OSS_20B = {   # openai/gpt-oss-20b's config.json in bfloat16 (without quantization_config)
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+    "head_dim": 64, "hidden_size": 2880, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+    "rms_norm_eps": 1e-05, "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False},
+    "tie_word_embeddings": False, "vocab_size": 201088}
+
+
+def test_the_gpt_oss_20b_config_fits_its_80_gib_gpus():
+    """configs/gpt_oss_20b_r3_gspo.yaml: gpt-oss-20b's 20.9B parameters (its card: 21B;
+    gpt-oss-120b's shape, 36 layers of 128 experts, counts its card's 117B) on 8 trainer ranks,
+    EP 8 without tensor parallelism, and 8 SGLang servers of one GPU each: each GPU's estimate
+    inside 80 GiB."""
+    cfg = load_config(str(ROOT / "configs" / "gpt_oss_20b_r3_gspo.yaml"))
+    counts = param_counts(GPT_OSS_20B)
+    # 24 layers x 32 experts x (gate_up [2880, 5760] + its bias, down [2880, 2880] + its bias)
+    assert counts.experts == 24 * 32 * (2880 * 5760 + 5760 + 2880 * 2880 + 2880)
+    assert counts.embedding == 2 * 201088 * 2880
+    assert round(counts.total / 1e9, 1) == 20.9
+    bigger = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
+              "layer_types": ["sliding_attention", "full_attention"] * 18}
+    assert round(param_counts(bigger).total / 1e9) == 117
+    m = trainer_memory(cfg, GPT_OSS_20B, counts, seq_len=4096)
+    dense, experts = counts.dense + counts.embedding, counts.experts / 8
+    assert m.weights == pytest.approx(2 * (dense + experts))
+    assert m.optimizer == pytest.approx(12 * (dense / 8 + experts))
+    assert 50 * GIB < m.total < 65 * GIB
+    e = engine_kind(cfg).gpu_memory(GPT_OSS_20B, counts.total, 80 * GIB)   # TP 1, 0.8
+    assert e.weights == pytest.approx(counts.total * 2)
+    assert e.kv_pool == pytest.approx(0.8 * 80 * GIB - e.weights) and e.kv_pool > 20 * GIB

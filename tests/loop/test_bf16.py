@@ -110,6 +110,10 @@ CPU_SCALE = ["rollout.engine=reference", "rollout.num_servers=1", "rollout.engin
     pytest.param("glm45_air_r3_gspo.yaml", "glm45_air_r3_gspo.yaml",
                  ["trainer.tensor_parallel=1", "trainer.sequence_parallel=false",
                   "rollout.top_k=16", "trainer.max_tokens_per_micro_batch=64"],
+                 marks=pytest.mark.slow),
+    # gpt-oss-20b's config on its tiny twin (32 experts, top-4, windows, sinks, YaRN)
+    pytest.param("gpt_oss_20b_r3_gspo.yaml", "gpt_oss_20b_r3_gspo.yaml",
+                 ["rollout.top_k=16", "trainer.max_tokens_per_micro_batch=64"],
                  marks=pytest.mark.slow)])   # CI runs the Qwen3 config; make test-slow all
 def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_config, extra):
     """Each shipped GPU config, run as shipped except for its scale (tiny model, one reference
@@ -120,8 +124,9 @@ def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_c
     and the biased router, PPO with dual clip, pi_old the mean of 4 engine passes over 32-token
     windows, the keep-sampling mask, IcePop + seq-MIS, the off-policy-corrected k3 KL;
     GLM-4.5-Air: the sigmoid router with its frozen expert bias, partial rotary, attention
-    biases, R3 + GSPO + seq-MIS with the keep-sampling mask, retracted samples masked) for
-    three RL steps, weights synced over the process group with no fallback."""
+    biases, R3 + GSPO + seq-MIS with the keep-sampling mask, retracted samples masked;
+    gpt-oss-20b: sinks, sliding windows, YaRN, biases everywhere, the clamped SwiGLU, under the
+    same algorithm) for three RL steps, weights synced over the process group with no fallback."""
     init_tiny_model(str(tmp_path / "model"), str(ROOT / "configs" / model_config))
     from tests.helpers import engine_base_port
     res = subprocess.run(
