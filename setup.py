@@ -39,6 +39,7 @@ setup(
         "pyarrow>=14,<28",
         "matplotlib>=3.8,<4",
         "psutil>=5.9,<8",   # megatron-core dist_checkpointing writer
+        "accelerate>=1.0,<2",   # transformers' MXFP4 loader (check-model on gpt-oss's release)
         "math-verify[antlr4-13-2]>=0.9,<0.10",   # data.reward: math
     ],
     extras_require={

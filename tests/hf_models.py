@@ -173,3 +173,51 @@ def write_hf_model(tmp_path, cfg, seed=0, old_rope_layout=False):
         conf.update(rope_theta=params["rope_theta"], rope_scaling=None)
         (path / "config.json").write_text(json.dumps(conf))
     return str(path), model
+
+
+def mxfp4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stacked expert tensor ``w`` [E, in, out] as an MXFP4 checkpoint stores it: blocks
+    [E, out, in / 32, 16] (two E2M1 codes a byte, the earlier element in the lower nibble) and
+    E8M0 scales [E, out, in / 32], by moe_rl's MXFP4 rounding (``weights/mxfp4.py``)."""
+    from moe_rl.weights.mxfp4 import BLOCK, E2M1, block_scale_exponents, round_to_e2m1
+    rows = w.float().transpose(1, 2)                               # [E, out, in]
+    groups = rows.reshape(*rows.shape[:-1], -1, BLOCK)
+    exponent = block_scale_exponents(groups)                       # [E, out, G, 1]
+    values = round_to_e2m1(groups / torch.exp2(exponent))
+    magnitude = (values.abs()[..., None] == torch.tensor(E2M1)).int().argmax(-1)
+    codes = (magnitude + 8 * (values < 0)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent[..., 0] + 127).to(torch.uint8)
+
+
+def write_gpt_oss_mxfp4(path, seed=0) -> dict[str, torch.Tensor]:
+    """A random gpt-oss (experts 32 wide, so that every expert matrix has whole blocks of 32)
+    saved as its release is (:func:`as_mxfp4_release`). Returns the tensors it stores."""
+    write_gpt_oss(path, seed=seed, intermediate_size=32)
+    return as_mxfp4_release(path)
+
+
+def as_mxfp4_release(path) -> dict[str, torch.Tensor]:
+    """The gpt-oss checkpoint at ``path`` rewritten in the form of gpt-oss's release: each
+    stacked expert tensor in MXFP4 blocks and scales, the rest in bfloat16, ``quantization_config``
+    {quant_method: mxfp4}. Returns the tensors it stores."""
+    import json
+    import os
+    from safetensors.torch import load_file, save_file
+    plain = load_file(os.path.join(path, "model.safetensors"))
+    stored = {}
+    for name, t in plain.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            stored[name + "_blocks"], stored[name + "_scales"] = mxfp4_pack(t)
+        else:
+            stored[name] = t.to(torch.bfloat16)
+    save_file(stored, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as fh:
+        conf = json.load(fh)
+    conf.update(dtype="bfloat16", quantization_config={
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]})
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(conf, fh)
+    return stored

@@ -7,8 +7,8 @@ over the top-k logits, and experts with biases and a clamped SwiGLU
 stacks a layer's experts in one tensor each (``mlp.experts.gate_up_proj`` [E, hidden, 2 x
 inter] with gate and up columns interleaved, ``down_proj`` [E, inter, hidden], their biases);
 the name table reads and writes one expert's rows of them (:mod:`moe_rl.weights.hf`). The
-released MXFP4 checkpoints are not read (a bfloat16 copy is). ``moe-rl init-model`` builds a
-tiny one (``model.init.gpt_oss``)."""
+released MXFP4 checkpoints are read dequantised (:mod:`moe_rl.weights.mxfp4_checkpoint`).
+``moe-rl init-model`` builds a tiny one (``model.init.gpt_oss``)."""
 from __future__ import annotations
 
 import functools
@@ -25,15 +25,17 @@ HF_ROUTER = "mlp.router"
 
 def check_config(cfg, hf: dict) -> None:
     """What a gpt-oss run cannot do, refused when its configuration is loaded (before any
-    engine starts): the released MXFP4 checkpoint, tensor parallelism (both also refused where
-    the model is built, :func:`megatron_settings`), FP8 or MXFP4 rollout weights (moe_rl's
+    engine starts): a checkpoint quantised otherwise than the MXFP4 release, tensor parallelism
+    (both also refused where the model is built, :func:`megatron_settings`), FP8 or MXFP4
+    rollout weights (moe_rl's
     quantisers take 2-D weights and experts stacked [E, out, in] without biases; gpt-oss
     stacks them [E, in, out] with biases, so its experts would be served unquantised or
     wrongly). ``hf``: the model's config.json fields (or its ``model.init`` shape's)."""
-    if "quantization_config" in hf:
-        raise ConfigError(f"model.path: {cfg.model.path} is a quantised gpt-oss checkpoint "
-                          f"(quantization_config {hf['quantization_config'].get('quant_method')!r}"
-                          f"); moe_rl trains gpt-oss from a bfloat16 copy")
+    method = (hf.get("quantization_config") or {}).get("quant_method", "mxfp4")
+    if method != "mxfp4":
+        raise ConfigError(f"model.path: {cfg.model.path} is a gpt-oss checkpoint quantised "
+                          f"with {method!r}; moe_rl reads gpt-oss's MXFP4 release "
+                          f"(dequantised) or an unquantised one")
     if cfg.trainer.tensor_parallel > 1:
         raise ConfigError("trainer.tensor_parallel: > 1 is not supported for gpt-oss models yet "
                           "(megatron-core builds expert biases only without expert tensor "
@@ -57,11 +59,11 @@ def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
     settings as attributes its config does not declare: :func:`moe_rl.trainer.model_builder.
     transformer_config` sets them)."""
     hf = spec.hf_config
-    refuse = {
+    refuse = {   # (an MXFP4 checkpoint's quantization_config is gone: read dequantised)
         "attention_bias": (hf.get("attention_bias") is False, "gpt-oss is built with biases"),
         "quantization_config": ("quantization_config" in hf,
-                                "the MXFP4 checkpoint is not read; train from a bfloat16 copy "
-                                "(without quantization_config)"),
+                                "moe_rl reads gpt-oss's MXFP4 release dequantised, no other "
+                                "quantised checkpoint"),
     }
     for key, (bad, why) in refuse.items():
         if bad:

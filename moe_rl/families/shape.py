@@ -80,8 +80,18 @@ class ModelSpec:
     family: Family = field(compare=False, repr=False)   # resolved once, here
 
 
+def unquantised_config(hf: dict) -> dict:
+    """The config.json of the model a checkpoint's values make: an MXFP4 checkpoint's (read
+    dequantised, :mod:`moe_rl.weights.mxfp4_checkpoint`) without its ``quantization_config``;
+    any other as it is."""
+    if (hf.get("quantization_config") or {}).get("quant_method") != "mxfp4":
+        return hf
+    return {k: v for k, v in hf.items() if k != "quantization_config"}
+
+
 def model_spec(hf: dict) -> ModelSpec:
-    """Check the architecture and collect its facts."""
+    """Check the architecture and collect its facts (of the unquantised model)."""
+    hf = unquantised_config(hf)
     fam = family(hf.get("model_type"))   # refuses an unsupported one
     return ModelSpec(fam.MODEL_TYPE, hf, MoEShape.from_hf(hf), int(hf["vocab_size"]),
                      int(hf["hidden_size"]), int(hf["num_hidden_layers"]),

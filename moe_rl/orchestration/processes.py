@@ -87,12 +87,13 @@ class ServedEngines:
 
     def start(self, model_path: str, work_dir: str, stop=None) -> Plan:
         """Serve ``model_path`` (with FP8 rollouts its FP8 checkpoint, written to
-        ``work_dir/fp8_start``; server logs in ``work_dir/logs``); returns the plan with the
+        ``work_dir/fp8_start``; a released MXFP4 checkpoint's bfloat16 copy, to
+        ``work_dir/bf16_start``; server logs in ``work_dir/logs``); returns the plan with the
         servers' addresses and ports."""
         from moe_rl.orchestration.placement import at_addresses
         from moe_rl.orchestration.rollout_worker import served_checkpoint
         cfg = self.cfg
-        served = served_checkpoint(cfg, model_path, os.path.join(work_dir, "fp8_start"))
+        served = served_checkpoint(cfg, model_path, work_dir)
         self.plan = at_addresses(self.plan, cfg, self.reservation.addresses, served)
         self.hosts = engine_hosts(cfg, self.plan, self.reservation, served,
                                   os.path.join(work_dir, "logs"))

@@ -15,14 +15,21 @@ from moe_rl.rollout.served import ServedWeights
 from moe_rl.rollout_record import RolloutBatch
 
 
-def served_checkpoint(cfg, path: str, fp8_dir: str | None = None) -> str:
-    """The checkpoint the engines load for the HF checkpoint ``path``: itself, or with
-    ``rollout.quantization: fp8`` its FP8 checkpoint (written to ``fp8_dir``, default
-    ``path/fp8``, so it is dropped with its export)."""
+def served_checkpoint(cfg, path: str, work_dir: str | None = None) -> str:
+    """The checkpoint the engines load for the HF checkpoint ``path``: itself; with
+    ``rollout.quantization: fp8`` its FP8 checkpoint (written to ``work_dir/fp8_start``, or
+    without ``work_dir`` to ``path/fp8``, so it is dropped with its export); for a released
+    MXFP4 checkpoint its bfloat16 copy (``work_dir/bf16_start``: every weight update hands the
+    engines unquantised tensors)."""
+    from moe_rl.weights.mxfp4_checkpoint import is_mxfp4_checkpoint
+    if work_dir is not None and is_mxfp4_checkpoint(path):   # (exports are never MXFP4)
+        from moe_rl.weights.hf import write_dequantised_mxfp4
+        return write_dequantised_mxfp4(path, os.path.join(work_dir, "bf16_start"))
     if cfg.rollout.quantization != "fp8":
         return path
     from moe_rl.weights.fp8 import write_fp8_checkpoint
-    return write_fp8_checkpoint(path, fp8_dir or os.path.join(path, "fp8"))
+    return write_fp8_checkpoint(path, os.path.join(work_dir, "fp8_start") if work_dir
+                                else os.path.join(path, "fp8"))
 
 
 def check_served_version(served: list[str], started: set[str], version: int, step: int) -> None:

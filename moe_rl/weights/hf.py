@@ -24,7 +24,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moe_rl.families.shape import ModelSpec
+from moe_rl.families.shape import ModelSpec, model_spec
+from moe_rl.weights.mxfp4_checkpoint import BLOCKS, SCALES, dequantise, stacked_name
 from moe_rl.owned_dirs import claim
 
 
@@ -248,18 +249,25 @@ class HFCheckpoint:
             with safe_open(single, "pt") as f:
                 self.where = {k: single for k in f.keys()}
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` (KeyError naming it when absent)."""
+    def _file(self, name: str) -> str:
         if name not in self.where:
             raise KeyError(f"{self.path}: checkpoint has no tensor {name!r}")
-        with safe_open(self.where[name], "pt") as f:
+        return self.where[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` (KeyError naming it when absent); one stored in MXFP4 blocks
+        and scales, dequantised."""
+        if name not in self.where and name + BLOCKS in self.where:
+            return dequantise(self.get(name + BLOCKS), self.get(name + SCALES))
+        with safe_open(self._file(name), "pt") as f:
             return f.get_tensor(name)
 
     def get_row(self, name: str, row: int) -> torch.Tensor:
-        """Row ``row`` of the tensor ``name`` (only its bytes are read)."""
-        if name not in self.where:
-            raise KeyError(f"{self.path}: checkpoint has no tensor {name!r}")
-        with safe_open(self.where[name], "pt") as f:
+        """Row ``row`` of the tensor ``name`` (only its bytes are read); of one stored in MXFP4
+        blocks and scales, dequantised."""
+        if name not in self.where and name + BLOCKS in self.where:
+            return dequantise(self.get_row(name + BLOCKS, row), self.get_row(name + SCALES, row))
+        with safe_open(self._file(name), "pt") as f:
             return f.get_slice(name)[row]
 
 
@@ -552,3 +560,22 @@ def save_hf_checkpoint(tensors, spec: ModelSpec, out_dir: str, source_dir: str |
             if fname.startswith(("tokenizer", "special_tokens", "generation_config",
                                  "chat_template", "vocab", "merges")):
                 shutil.copy2(os.path.join(source_dir, fname), os.path.join(out_dir, fname))
+
+
+def write_dequantised_mxfp4(src: str, dst: str) -> str:
+    """A copy at ``dst`` of the MXFP4 checkpoint ``src`` with every blocks/scales pair
+    dequantised to bfloat16 (one output shard per input shard, a tensor read at a time; its
+    config.json without ``quantization_config``; the tokenizer files beside it), the form the
+    engines serve it in; returns ``dst``."""
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as fh:
+        spec = model_spec(json.load(fh))
+    ckpt = HFCheckpoint(src)
+    files = sorted(set(ckpt.where.values()))
+
+    def shards():
+        for i, file in enumerate(files):
+            names = [stacked_name(k) or k for k, f in ckpt.where.items()
+                     if f == file and not k.endswith(SCALES)]
+            yield [(k, ckpt.get(k)) for k in sorted(names)], i == len(files) - 1
+    save_hf_checkpoint(shards(), spec, dst, source_dir=src)
+    return dst

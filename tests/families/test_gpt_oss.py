@@ -92,7 +92,7 @@ def test_reference_engine_attention_is_transformers_own(tmp_path):
 
 
 @pytest.mark.parametrize("change,field", [
-    ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"layer_types": ["sliding_attention"]}, "layer_types"),
     ({"attention_bias": False}, "attention_bias"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
@@ -127,12 +127,38 @@ def test_what_a_gpt_oss_run_cannot_take_is_refused_when_its_configuration_loads(
         load_config(None, [*base, override])
 
 
-def test_the_released_mxfp4_checkpoint_is_refused_when_its_configuration_loads(tmp_path):
+def test_the_mxfp4_release_trains_read_dequantised_and_aligned_with_transformers(tmp_path):
+    """A checkpoint in the release's form (experts in MXFP4 blocks and scales): its
+    configuration loads, megatron-core built from it scores and routes as transformers' own
+    MXFP4 loader's model within check-model's 1e-5, and it exports as the unquantised model
+    (no quantization_config), the values the engines' bfloat16 copy holds."""
+    from tests.hf_models import write_gpt_oss_mxfp4
+    from moe_rl.weights.hf import HFCheckpoint
+    path = str(tmp_path / "mxfp4")
+    write_gpt_oss_mxfp4(path, seed=7)
+    load_config(None, [f"model.path={path}"])
+    conf = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
+    shape = MoEShape.from_hf(conf)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 48, (n,), generator=g).tolist() for n in (30, 17)]
+    ref = transformers_reference(path, prompts, shape)
+    assert verdict(list(check_trainer(path, ref, shape)), 1.0, 1e-5)[0]
+    model, spec = build_model(path)
+    assert "quantization_config" not in spec.hf_config
+    load_hf_into_megatron(model, spec, path)
+    exported, ckpt = megatron_to_hf(model, spec), HFCheckpoint(path)
+    assert set(exported) == {k.removesuffix("_blocks") for k in ckpt.where
+                             if not k.endswith("_scales")}
+    for k, v in exported.items():
+        assert torch.equal(v, ckpt.get(k).float()), k
+
+
+def test_a_gpt_oss_quantised_otherwise_is_refused_when_its_configuration_loads(tmp_path):
     conf = {**GPT_OSS, "model_type": "gpt_oss",
-            "quantization_config": {"quant_method": "mxfp4"}}
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "quantization_config": {"quant_method": "fp8"}}
     (tmp_path / "config.json").write_text(json.dumps(conf))
-    with pytest.raises(ConfigError, match="model.path: .* quantised gpt-oss checkpoint "
-                                          ".*'mxfp4'.* bfloat16 copy"):
+    with pytest.raises(ConfigError, match="model.path: .* quantised with 'fp8'"):
         load_config(None, [f"model.path={tmp_path}"])
 
 
@@ -192,3 +218,31 @@ def test_stacked_experts_export_whole_from_two_expert_parallel_ranks(tmp_path):
     assert set(first["streamed"]) == set(original) and second["streamed"] == {}
     for k, v in original.items():
         assert torch.equal(first["streamed"][k], v), k
+
+
+def test_the_reference_engine_windows_count_positions_in_a_batch_with_prefix_hits(tmp_path):
+    """A batched prefill of a prefix-cache hit beside a miss lays the hit's row out [cached
+    KV, pad, new tokens]; its sliding windows count positions, not cache columns, in the
+    prefill and in every decode step after it: each response's log-probs equal transformers'
+    score of that sequence alone."""
+    from moe_rl.engines.reference.engine import ReferenceEngine, Request, SamplingParams
+    path = str(tmp_path / "hf")
+    hf_model = write_gpt_oss(path)
+    eng = ReferenceEngine(path)
+    g = torch.Generator().manual_seed(2)
+    a, b = (torch.randint(0, 48, (n,), generator=g).tolist() for n in (14, 9))
+
+    def request(ids, rid, new):
+        return Request(ids, SamplingParams(max_new_tokens=new, sampling_seed=3, ignore_eos=True),
+                       rid, return_logprob=True)
+    eng.run([request(a, "warm", 1)])                       # a's prefix in the cache
+    outs = eng.run([request(a + [5, 6, 7], "hit", 8), request(b, "miss", 8)])
+    assert outs[0]["meta_info"]["cached_tokens"] == 14    # then 6 pads before its 3 new ones
+    for ids, out in zip((a + [5, 6, 7], b), outs):
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        seq = ids + [t for _, t, _ in out["meta_info"]["output_token_logprobs"]]
+        with torch.no_grad():
+            logits = hf_model(input_ids=torch.tensor([seq])).logits[0].float()
+        want = torch.log_softmax(logits, -1)[len(ids) - 1:-1].gather(
+            1, torch.tensor(seq[len(ids):])[:, None])[:, 0]
+        assert (got - want).abs().max() < 1e-5, (got - want).abs().max()

@@ -18,6 +18,7 @@ import pytest
 
 from moe_rl.config import ConfigError, load_config
 from tests.helpers import GLM_INIT, GPT_OSS_INIT, init_tiny_model
+from tests.hf_models import as_mxfp4_release
 from tests.loop.zero_mismatch import (CONFIG, FACTORS, SGLANG_FACTORS, _pairs, all_combos,
                                       check_invariant, covering_set, every_value_and_both_masks,
                                       name, overrides, refused, run_all, train_steps)
@@ -26,7 +27,7 @@ from tests.loop.zero_mismatch import (CONFIG, FACTORS, SGLANG_FACTORS, _pairs, a
 # the runs `make test-loop` runs (the covering set: `make test-slow`); the R3 one on the tiny
 # GLM-4.5 of `moe-rl init-model` (attention biases, q/k norm, partial rotary, DeepSeek-V3's
 # router, shared experts, a dense first layer), the last under R3 too (the first holds R3 off)
-# on its tiny gpt-oss (sinks, sliding windows, YaRN, biases, the clamped SwiGLU)
+# on its tiny gpt-oss (sinks, sliding windows, YaRN, biases, the clamped SwiGLU; MXFP4 experts)
 CI_RUNS = [dict(c, family="glm4_moe") if c["replay"] == "r3" else c
            for c in every_value_and_both_masks()]
 CI_RUNS[-1] = dict(CI_RUNS[-1], replay="r3", family="gpt_oss")
@@ -41,11 +42,14 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(model_dir, tmp_path_factory):
-    """family -> model directory: the tiny Qwen3-MoE, GLM-4.5 and gpt-oss."""
+    """family -> model directory: the tiny Qwen3-MoE, GLM-4.5 and gpt-oss (the last in the
+    form of gpt-oss's release: experts in MXFP4, read dequantised, served from a bfloat16
+    copy)."""
     glm = init_tiny_model(tmp_path_factory.mktemp("zero_mismatch_glm") / "model", CONFIG,
                           *GLM_INIT)
     gpt_oss = init_tiny_model(tmp_path_factory.mktemp("zero_mismatch_gpt_oss") / "model",
                               CONFIG, *GPT_OSS_INIT)
+    as_mxfp4_release(gpt_oss)
     return {"qwen3_moe": model_dir, "glm4_moe": glm, "gpt_oss": gpt_oss}
 
 
@@ -80,6 +84,9 @@ def test_refused_combinations_name_the_reason(combo):
 def test_zero_mismatch_covering_set(models, tmp_path, combo):
     model = models[combo.get("family", "qwen3_moe")]
     check_invariant(combo, train_steps(model, tmp_path / name(combo), combo)[0])
+    if combo.get("family") == "gpt_oss":   # the engines served the release's bfloat16 copy
+        served = json.loads((tmp_path / name(combo) / "bf16_start" / "config.json").read_text())
+        assert "quantization_config" not in served and served["dtype"] == "bfloat16"
 
 
 # `make test-slow`: the DPPO and RSPO runs (tests/algo/test_dppo.py holds binary TV and KL to a

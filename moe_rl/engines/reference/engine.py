@@ -384,6 +384,8 @@ class ReferenceEngine:
             self.model_path = model_path
             self.vocab_size = int(hf["vocab_size"])
             self.eos = hf.get("eos_token_id")
+            self.window = (hf.get("sliding_window") if "sliding_attention"
+                           in (hf.get("layer_types") or ()) else None)
 
     # ------------------------------------------------------------------ forward helpers
     @staticmethod
@@ -396,9 +398,27 @@ class ReferenceEngine:
                              f"layers")
         return routers
 
+    def _position_masks(self, mask: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The additive attention masks [B, 1, S, T] of a model with sliding-window layers, by
+        position: a row's cache may hold pads between its cached and its new tokens (see
+        :meth:`_prefill_batch`), which transformers' masks would count into the window as
+        keys. Key column j of row b holds position (its real keys up to j) - 1; query i sees it
+        when that position is at most its own and, in a window layer, within ``window`` of it."""
+        key_pos = mask.cumsum(-1) - 1                              # [B, T]
+        behind = pos[:, :, None] - key_pos[:, None, :]             # [B, S, T]
+        causal = mask.bool()[:, None, :] & (behind >= 0)
+        low = torch.finfo(MODEL_DTYPES[self.dtype_name]).min
+
+        def additive(allowed):
+            return torch.where(allowed, 0.0, low).to(MODEL_DTYPES[self.dtype_name])[:, None]
+        return {"full_attention": additive(causal),
+                "sliding_attention": additive(causal & (behind < self.window))}
+
     def _forward(self, ids, mask, pos, cache):
         """Logits [B, S, V] (float32) and the routers' choices [B, S, L_moe, K]; ``cache`` grows."""
         self._captured = []
+        if self.window is not None:
+            mask = self._position_masks(mask, pos)
         with split_kv.split_policy(self.deterministic):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                              use_cache=True, **{self._cache_arg: cache})
