@@ -31,6 +31,9 @@ from tests.loop.zero_mismatch import (CONFIG, FACTORS, SGLANG_FACTORS, _pairs, a
 CI_RUNS = [dict(c, family="glm4_moe") if c["replay"] == "r3" else c
            for c in every_value_and_both_masks()]
 CI_RUNS[-1] = dict(CI_RUNS[-1], replay="r3", family="gpt_oss")
+# R2 (the trainer replays the routing of its own pi_old pass) on the same two families, on the
+# reference engine (`make test-slow`; on the real SGLang: tests/loop/test_sglang.py)
+FAMILY_R2 = [dict(c, replay="r2") for c in CI_RUNS if c.get("family")]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,8 @@ def test_refused_combinations_name_the_reason(combo):
 @pytest.mark.e2e
 @pytest.mark.multiproc
 @pytest.mark.parametrize("combo", CI_RUNS + [pytest.param(c, marks=pytest.mark.slow)
-                                             for c in covering_set() if c not in CI_RUNS],
+                                             for c in covering_set() + FAMILY_R2
+                                             if c not in CI_RUNS],
                          ids=name)   # one run each: xdist spreads them
 def test_zero_mismatch_covering_set(models, tmp_path, combo):
     model = models[combo.get("family", "qwen3_moe")]
