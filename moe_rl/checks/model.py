@@ -7,9 +7,11 @@ its next-token log-probs are from transformers': the trainer's with transformers
 replayed (R3, what training uses) and with its own; the engine's as it scores them."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -19,6 +21,9 @@ from moe_rl.errors import UserError
 from moe_rl.families.shape import MoEShape
 from moe_rl.rollout_record import Sample, routing_dtype
 
+# SGLang 0.5.23 takes an input of fewer than min(context - 1, KV pool - 1) - 5 tokens
+# (managers/tp_worker.py, managers/utils.py)
+ENGINE_INPUT_RESERVE = 7
 # prompts of its own when none are given: words, digits and symbols, short and longer
 OWN_PROMPTS = (
     "The capital of France is Paris, and the capital of Italy is",
@@ -60,8 +65,8 @@ def prompt_ids(path: str, context: int, data: str | None = None, prompt_key: str
     """The prompts as token ids in the checkpoint's tokenizer, no chat template: the first
     ``max_prompts`` rows of ``data`` (JSONL or Parquet, its ``prompt_key`` text; a bad row is
     refused naming the file, the row and the key), else :data:`OWN_PROMPTS`; each cut to
-    ``context`` - 1 tokens (an engine's request must fit the model's context), those of fewer
-    than two tokens left out."""
+    ``context`` - 7 tokens (an engine's request must fit: SGLang takes inputs of at most the
+    context less 7), those of fewer than two tokens left out."""
     from transformers import AutoTokenizer
     from moe_rl.config import DataConfig
     from moe_rl.data.prompts import encode_prompt, load_prompts
@@ -73,7 +78,7 @@ def prompt_ids(path: str, context: int, data: str | None = None, prompt_key: str
         ids = [r.ids for r in load_prompts(DataConfig(source=source, path=data,
                                                       prompt_key=prompt_key,
                                                       chat_template=False), tokenizer)]
-    out = [list(x)[:context - 1] for x in ids[:max_prompts] if len(x) >= 2]
+    out = [list(x)[:context - ENGINE_INPUT_RESERVE] for x in ids[:max_prompts] if len(x) >= 2]
     if not out:
         raise UserError(f"--data: no prompt of two tokens or more in {data or 'its own prompts'}")
     return out
@@ -207,6 +212,46 @@ def check_engine(url: str, ref: Reference, moe_shape: MoEShape, model_path: str)
                                   layer_names=list(moe_shape.moe_layers))
     return SideReport(f"engine at {url}", _per_layer(agreement, moe_shape.moe_layers),
                       *_deltas(got, ref.logprobs))
+
+
+@contextlib.contextmanager
+def started_engine(kind: str, model_path: str, *, dtype: str = "float32", device: str = "cuda",
+                   python: str | None = None, extra_args: tuple[str, ...] = (),
+                   timeout_s: float = 1800.0) -> Iterator[str]:
+    """An engine server of ``kind`` (a ``rollout.engine`` value; SGLang on ``device`` with the
+    interpreter ``python`` and ``extra_args``) serving ``model_path`` in ``dtype`` on 127.0.0.1
+    with its routing returned, as ``moe-rl train`` starts one; yields its URL, and stops it.
+    What the engine refuses, or a server that does not come up (its log kept and named), is
+    one UserError line."""
+    import shutil
+    import tempfile
+
+    from moe_rl.config import ConfigError, config_from_dict
+    from moe_rl.engines.factory import engine_kind
+    from moe_rl.trainer.parallel import free_port
+    tree = {"model": {"path": model_path}, "algorithm": {"replay": "r3"},
+            "cluster": {"gpus_per_node": int(device == "cuda")},
+            "rollout": dict(engine=kind, engine_dtype=dtype,
+                            sglang=dict(device=device, python=python,
+                                        extra_args=list(extra_args)))}
+    try:
+        engines = engine_kind(config_from_dict(tree))
+    except ConfigError as exc:
+        raise UserError(f"--start-engine {kind}: {exc}") from None
+    port, logs = free_port(), tempfile.mkdtemp(prefix="moe_rl_check_model_")
+    argv, env = engines.server_command("127.0.0.1", port, [], 0, model_path)
+    server = engines.server_process(argv, env, "127.0.0.1", port, os.path.join(logs, "engine.log"))
+    try:
+        server.start(timeout_s)
+    except (RuntimeError, TimeoutError) as exc:
+        server.stop()
+        raise UserError(f"--start-engine {kind}: the server did not come up ({exc}); its log: "
+                        f"{logs}/engine.log") from None
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def format_report(reports: list[SideReport], tokens: int, prompts: int) -> list[str]:

@@ -1,14 +1,18 @@
-"""``moe-rl check-model PATH [--data FILE] [--engine URL ...]``: is this checkpoint aligned in
-moe_rl? transformers, moe_rl's megatron-core model (and engine servers) on the same prompts:
+"""``moe-rl check-model PATH [--data FILE] [--engine URL ...] [--start-engine reference|sglang]``:
+is this checkpoint aligned in moe_rl? transformers, moe_rl's megatron-core model (and engine servers) on the same prompts:
 routing agreement per MoE layer and |delta log-prob|, then a verdict line (exit 1: not aligned)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import typing
 
+from moe_rl.config.schema import RolloutConfig
 from moe_rl.errors import UserError
 
+ENGINES = typing.get_args(typing.get_type_hints(RolloutConfig)["engine"])   # rollout.engine's
 # the verdict's thresholds (float32 on both sides; a 16-bit engine needs looser ones)
 MIN_AGREEMENT = 0.99
 MAX_ABS_DELTA = 1e-3
@@ -25,6 +29,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also check the engine server at URL (SGLang or `moe-rl "
                              "serve-reference`, serving PATH, routing returned: SGLang's "
                              "--enable-return-routed-experts); repeatable")
+    parser.add_argument("--start-engine", choices=ENGINES, default=None,
+                        help="also start an engine server of this kind serving PATH on "
+                             "127.0.0.1, check it as --engine does, and stop it")
+    parser.add_argument("--engine-dtype", default="float32",
+                        choices=["float32", "bfloat16", "float16"],
+                        help="the started engine's dtype (default float32; a 16-bit engine "
+                             "needs a looser --max-abs-delta)")
+    parser.add_argument("--sglang-device", choices=["cuda", "cpu"], default="cuda",
+                        help="the started SGLang's device (cpu: an environment from `moe-rl "
+                             "sglang-cpu-env`)")
+    parser.add_argument("--sglang-python", default=None, metavar="PYTHON",
+                        help="the started SGLang's interpreter (default: this one)")
+    parser.add_argument("--sglang-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument of the started SGLang's command line, e.g. "
+                             "--sglang-arg=--tp-size --sglang-arg=8; repeatable")
     parser.add_argument("--min-agreement", type=float, default=MIN_AGREEMENT,
                         help=f"least routing agreement on every MoE layer (default "
                              f"{MIN_AGREEMENT})")
@@ -36,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_rl.families import family
     from moe_rl.checks.model import (check_engine, check_trainer, format_report, prompt_ids,
-                                    transformers_reference, verdict)
+                                    started_engine, transformers_reference, verdict)
     from moe_rl.families.shape import MoEShape
     config = os.path.join(args.path, "config.json")
     if not os.path.isfile(config):
@@ -56,6 +75,12 @@ def run(args: argparse.Namespace) -> int:
     ref = transformers_reference(args.path, prompts, shape)
     reports = list(check_trainer(args.path, ref, shape))
     reports += [check_engine(url, ref, shape, args.path) for url in args.engine]
+    if args.start_engine:
+        with started_engine(args.start_engine, args.path, dtype=args.engine_dtype,
+                            device=args.sglang_device, python=args.sglang_python,
+                            extra_args=tuple(args.sglang_arg)) as url:
+            report = check_engine(url, ref, shape, args.path)
+        reports.append(dataclasses.replace(report, name=f"started {args.start_engine} engine"))
     for line in format_report(reports, sum(len(p) - 1 for p in prompts), len(prompts)):
         print(line)
     aligned, line = verdict(reports, args.min_agreement, args.max_abs_delta)

@@ -138,3 +138,37 @@ def test_an_engine_that_does_not_answer_is_one_line(qwen, capsys):
     code, _, err = _check(capsys, qwen, "--engine", url, "--max-prompts", "1")
     assert code == 2 and err.splitlines()[-1].startswith(f"moe-rl check-model: --engine {url}: "), err
     assert "Traceback" not in err
+
+
+def test_a_started_reference_engine_is_checked_and_stopped(qwen, capsys):
+    """--start-engine reference: a server serving PATH comes up on 127.0.0.1, is checked as
+    --engine checks one (aligned, its own rows), and is gone when the command returns."""
+    import psutil
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    code, out, _ = _check(capsys, qwen, "--start-engine", "reference", "--max-prompts", "2")
+    assert code == 0, out
+    assert "started reference engine" in _rows(out)
+    assert out.splitlines()[-1].startswith("aligned: ")
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_an_engine_that_refuses_the_model_is_one_line(tmp_path, capsys):
+    """What the started engine's checks refuse (SGLang on CPU and gpt-oss's sinks) is named in
+    one line, before anything starts."""
+    model = init_tiny_model(tmp_path / "model", "tiny_cpu.yaml", *GPT_OSS_INIT)
+    code, _, err = _check(capsys, model, "--start-engine", "sglang", "--sglang-device", "cpu",
+                          "--max-prompts", "1")
+    assert code == 2, err
+    assert err.splitlines()[-1].startswith("moe-rl check-model: --start-engine sglang: "
+                                           "model.path: SGLang on CPU"), err
+
+
+@pytest.mark.sglang
+def test_a_started_sglang_on_cpu_is_aligned(qwen, capsys):
+    """--start-engine sglang on SGLang's CPU path (float32): the real SGLang, started as `moe-rl
+    train` starts it, routes and scores the tiny model as transformers does."""
+    from tests.helpers import sglang_cpu_python
+    code, out, _ = _check(capsys, qwen, "--start-engine", "sglang", "--sglang-device", "cpu",
+                          "--sglang-python", sglang_cpu_python(), "--max-prompts", "2")
+    assert code == 0, out
+    assert "started sglang engine" in _rows(out)
