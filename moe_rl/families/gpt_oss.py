@@ -26,11 +26,9 @@ HF_ROUTER = "mlp.router"
 def check_config(cfg, hf: dict) -> None:
     """What a gpt-oss run cannot do, refused when its configuration is loaded (before any
     engine starts): a checkpoint quantised otherwise than the MXFP4 release, tensor parallelism
-    (both also refused where the model is built, :func:`megatron_settings`), FP8 or MXFP4
-    rollout weights (moe_rl's
-    quantisers take 2-D weights and experts stacked [E, out, in] without biases; gpt-oss
-    stacks them [E, in, out] with biases, so its experts would be served unquantised or
-    wrongly). ``hf``: the model's config.json fields (or its ``model.init`` shape's)."""
+    (both also refused where the model is built, :func:`megatron_settings`), FP8 rollout
+    weights (moe_rl's FP8 checkpoint takes 2-D weights, the reference engine's FP8 experts
+    [E, out, in] without biases; gpt-oss stacks them [E, in, out] with biases). ``hf``: the model's config.json fields (or its ``model.init`` shape's)."""
     method = (hf.get("quantization_config") or {}).get("quant_method", "mxfp4")
     if method != "mxfp4":
         raise ConfigError(f"model.path: {cfg.model.path} is a gpt-oss checkpoint quantised "
@@ -40,11 +38,11 @@ def check_config(cfg, hf: dict) -> None:
         raise ConfigError("trainer.tensor_parallel: > 1 is not supported for gpt-oss models yet "
                           "(megatron-core builds expert biases only without expert tensor "
                           "parallelism); use expert and data parallelism")
-    if cfg.rollout.quantization != "none":
-        raise ConfigError(f"rollout.quantization: {cfg.rollout.quantization} rollout weights are "
-                          f"not built for gpt-oss (its experts are stacked [E, in, out] with "
-                          f"biases, which moe_rl's FP8 and MXFP4 quantisers do not take); use "
-                          f"none")
+    if cfg.rollout.quantization == "fp8":
+        raise ConfigError("rollout.quantization: fp8 rollout weights are not built for gpt-oss "
+                          "(its experts are stacked [E, in, out] with biases, which moe_rl's FP8 "
+                          "checkpoint and the reference engine's FP8 experts do not take); use "
+                          "none, or mxfp4 on the reference engine")
 
 
 def sigmoid_gate(x, alpha: float):

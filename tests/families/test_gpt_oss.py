@@ -116,11 +116,10 @@ def test_tensor_parallelism_is_refused_naming_the_setting():
 
 @pytest.mark.parametrize("override,key", [
     ("rollout.quantization=fp8", "rollout.quantization"),
-    ("rollout.quantization=mxfp4", "rollout.quantization"),
     ("trainer.tensor_parallel=2", "trainer.tensor_parallel")])
 def test_what_a_gpt_oss_run_cannot_take_is_refused_when_its_configuration_loads(override, key):
-    """Before any engine starts: FP8 / MXFP4 rollout weights (its stacked experts would be
-    served unquantised) and tensor parallelism, on the model.init shape as on a checkpoint."""
+    """Before any engine starts: FP8 rollout weights (its stacked experts would be served
+    unquantised) and tensor parallelism, on the model.init shape as on a checkpoint."""
     base = ["model.path=/nonexistent/gpt_oss", *GPT_OSS_INIT]
     load_config(None, base)
     with pytest.raises(ConfigError, match=key):

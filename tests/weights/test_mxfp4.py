@@ -96,3 +96,39 @@ def test_mxfp4_rollouts_through_moe_rl_train(tmp_path):
     assert len(rows) == 2
     assert all(r["mismatch/k3"] > 1e-5 for r in rows)
     assert all(r["routing/agreement"] < 1.0 for r in rows)
+
+
+def test_experts_stacked_in_out_are_quantised_along_their_input_dimension(tmp_path):
+    """gpt-oss's experts (transformers' is_transposed: [E, in, out]) get blocks of 32 along
+    dim -2, their biases none: the rollout weights equal what gpt-oss's MXFP4 release format
+    holds for the same weights (packed as the release packs them, read back as transformers'
+    own MXFP4 loader reads it: tests/weights/test_mxfp4_checkpoint.py)."""
+    import transformers
+    from moe_rl.engines.reference.mxfp4_inference import apply_mxfp4
+    from moe_rl.weights.mxfp4_checkpoint import dequantise
+    from tests.hf_models import mxfp4_pack, write_gpt_oss
+    write_gpt_oss(str(tmp_path / "m"), intermediate_size=32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"),
+                                                              dtype=torch.float32)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.is_transposed
+    before = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    apply_mxfp4(model)
+    for n in ("gate_up_proj", "down_proj"):
+        want = dequantise(*mxfp4_pack(before[n]), dtype=torch.float32)
+        assert torch.equal(getattr(experts, n), want), n
+        assert not torch.equal(want, mxfp4_round_trip(before[n])), n   # not along dim -1
+    for n in ("gate_up_proj_bias", "down_proj_bias"):
+        assert torch.equal(getattr(experts, n), before[n]), n
+
+
+@pytest.mark.loop
+@pytest.mark.slow
+def test_mxfp4_rollouts_of_gpt_oss_through_moe_rl_train(tmp_path):
+    """4-bit rollout weights of the tiny gpt-oss against its float32 trainer: a real mismatch,
+    and the run trains through it."""
+    from tests.helpers import GPT_OSS_INIT, init_tiny_model, train_tiny
+    model = init_tiny_model(tmp_path / "gpt_oss", "tiny_cpu.yaml", *GPT_OSS_INIT)
+    _, rows = train_tiny(tmp_path, 2, 4, "rollout.quantization=mxfp4", f"model.path={model}")
+    assert len(rows) == 2
+    assert all(r["mismatch/k3"] > 1e-5 for r in rows)
