@@ -40,6 +40,33 @@ GPT_OSS = dict(vocab_size=48, hidden_size=32, intermediate_size=16, num_hidden_l
                                     beta_slow=1.0, truncate=False))
 
 
+MINIMAX_M2 = dict(vocab_size=48, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=8,
+                  num_experts_per_tok=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, rotary_dim=4, scoring_func="sigmoid",
+                  use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer",
+                  rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                       partial_rotary_factor=0.5))
+
+
+def write_minimax_m2(path, seed=0, bias_std=0.1, **overrides):
+    """A random MiniMaxM2ForCausalLM saved to ``path``: q/k norms over all heads with weights
+    far from 1 (a per-head norm would score otherwise), rotary on half of each head, confident
+    routers, a non-zero expert bias. Returns the transformers model."""
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.MiniMaxM2ForCausalLM(
+        transformers.MiniMaxM2Config(**{**MINIMAX_M2, **overrides}))
+    sharpen(model)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape) * bias_std)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
 def write_gpt_oss(path, seed=0, **overrides):
     """A random GptOssForCausalLM saved to ``path``: windows of 4 keys on layers 0 and 2, YaRN,
     a SwiGLU limit of 0.5 that clamps, random biases and sinks, confident routers. Returns the

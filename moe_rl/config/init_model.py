@@ -34,8 +34,9 @@ class DeepseekInitConfig:
 
 @dataclass
 class GlmInitConfig:
-    """GLM-4.5-only shape of the tiny model (``model.init.architecture: glm4_moe``); its router
-    and leading dense layers come from ``model.init.deepseek``'s n_group ... expert_bias_std."""
+    """GLM-4.5's shape of the tiny model (``model.init.architecture: glm4_moe``; its rotary
+    fraction is MiniMax-M2's too); its router and leading dense layers come from
+    ``model.init.deepseek``'s n_group ... expert_bias_std."""
     partial_rotary_factor: float = _f(0.5, "fraction of each head's dimension the rotary "
                                       "embedding turns (head_dim x it must be even)",
                                       **_rng(0, 1, lo_open=True))
@@ -59,14 +60,16 @@ class GptOssInitConfig:
 @dataclass
 class ModelInitConfig:
     """Shape of the tiny model written by ``moe-rl init-model`` (Qwen3-MoE, DeepSeek-V3,
-    GLM-4.5 or gpt-oss)."""
+    GLM-4.5, gpt-oss or MiniMax-M2)."""
     architecture: Literal[TINY_FAMILIES] = _f(
         "qwen3_moe", "qwen3_moe, deepseek_v3 (MLA, sigmoid router with expert bias, "
         "group-limited top-k, shared experts; shaped further by model.init.deepseek) or "
         "glm4_moe (grouped-query attention with biases, q/k norm and partial rotary: "
         "model.init.glm; DeepSeek-V3's router: model.init.deepseek's router fields) or "
         "gpt_oss (attention sinks, sliding windows, YaRN, biases, clamped SwiGLU: "
-        "model.init.gpt_oss)")
+        "model.init.gpt_oss) or minimax_m2 (q/k norm over all heads, partial rotary: "
+        "model.init.glm.partial_rotary_factor; the sigmoid router with expert bias, "
+        "model.init.deepseek.expert_bias_std)")
     hidden_size: int = _f(64, "hidden size", **_rng(1))
     num_hidden_layers: int = _f(2, "decoder layers", **_rng(1))
     num_attention_heads: int = _f(4, "attention heads", **_rng(1))
@@ -86,8 +89,8 @@ class ModelInitConfig:
     deepseek: DeepseekInitConfig = _sub(DeepseekInitConfig, "DeepSeek-V3's shape "
                                         "(num_key_value_heads, head_dim, decoder_sparse_step "
                                         "do not apply to it); its router fields shape GLM-4.5")
-    glm: GlmInitConfig = _sub(GlmInitConfig, "GLM-4.5-only shape (decoder_sparse_step does "
-                              "not apply to it)")
+    glm: GlmInitConfig = _sub(GlmInitConfig, "GLM-4.5's shape (decoder_sparse_step does not "
+                              "apply to it; MiniMax-M2 takes its partial_rotary_factor)")
     gpt_oss: GptOssInitConfig = _sub(GptOssInitConfig, "gpt-oss-only shape (decoder_sparse_step, "
                                      "norm_topk_prob and intermediate_size do not apply to it)")
 

@@ -28,6 +28,7 @@ class Family(Protocol):
     MODEL_TYPE: str
     MULTI_LATENT_ATTENTION: bool   # megatron-core's MLATransformerConfig
     ATTENTION_SINKS: bool          # a learned sink logit per head (softmax_type: learnable)
+    QK_NORM_ACROSS_HEADS: bool     # q/k RMSNorm over all heads at once (trainer/full_width_qk_norm)
     TINY: bool                     # `moe-rl init-model` builds one (then :class:`TinyFamily`)
     HF_ROUTER: str                 # a MoE layer's router module under ``model.layers.{i}.``
 
@@ -50,10 +51,11 @@ class TinyFamily(Family, Protocol):
     def tiny_hf_config(self, transformers, common: dict, fields: dict, init): ...
 
 
-from moe_rl.families import deepseek_v3, glm4_moe, gpt_oss, mixtral, qwen3_moe  # noqa: E402
+from moe_rl.families import (deepseek_v3, glm4_moe, gpt_oss, minimax_m2, mixtral,  # noqa: E402
+                             qwen3_moe)
 
 FAMILIES: dict[str, Family] = {
-    t: m for m in (qwen3_moe, mixtral, deepseek_v3, glm4_moe, gpt_oss)
+    t: m for m in (qwen3_moe, mixtral, deepseek_v3, glm4_moe, gpt_oss, minimax_m2)
     for t in (m.MODEL_TYPE, *getattr(m, "OTHER_MODEL_TYPES", ()))}
 SUPPORTED = tuple(FAMILIES)
 TINY_FAMILIES = tuple(t for t, m in FAMILIES.items()   # `moe-rl init-model` builds

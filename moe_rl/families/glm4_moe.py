@@ -11,13 +11,14 @@ from moe_rl.errors import ConfigError
 from moe_rl.families.names import gated_mlp_expert_names
 # as Qwen3-MoE: each tensor loaded alone; head_dim, expert width from config.json
 from moe_rl.families.qwen3_moe import engine_fused_key, fp8_head_dim, fp8_moe_intermediate  # noqa: F401
-from moe_rl.families.rope import gpt_rotary
+from moe_rl.families.rope import check_tiny_partial_rotary, gpt_rotary
 from moe_rl.families.sigmoid_router import (ROUTER_INIT_FIELDS, check_tiny_router,
                                             shared_expert_names, sigmoid_router_settings)
 
 MODEL_TYPE = "glm4_moe"
 MULTI_LATENT_ATTENTION = False
 ATTENTION_SINKS = False
+QK_NORM_ACROSS_HEADS = False
 TINY = True
 HF_ROUTER = "mlp.gate"
 
@@ -70,11 +71,7 @@ def check_tiny_init(init) -> None:
     if init.num_attention_heads % init.num_key_value_heads:
         raise ConfigError("model.init.num_key_value_heads: must divide model.init."
                           f"num_attention_heads ({init.num_attention_heads})")
-    rotary = init.head_dim * init.glm.partial_rotary_factor
-    if rotary != int(rotary) or int(rotary) % 2 or not rotary:
-        raise ConfigError(f"model.init.glm.partial_rotary_factor: head_dim x it must be an even "
-                          f"number of dimensions, got {init.head_dim} x "
-                          f"{init.glm.partial_rotary_factor} = {rotary:g}")
+    check_tiny_partial_rotary(init)
     check_tiny_router(init)
 
 

@@ -19,6 +19,7 @@ from moe_rl.families.rope import rope_table
 MODEL_TYPE = "gpt_oss"
 MULTI_LATENT_ATTENTION = False
 ATTENTION_SINKS = True
+QK_NORM_ACROSS_HEADS = False
 TINY = True
 HF_ROUTER = "mlp.router"
 

@@ -8,6 +8,7 @@ from moe_rl.families.rope import gpt_rotary
 MODEL_TYPE = "mixtral"
 MULTI_LATENT_ATTENTION = False
 ATTENTION_SINKS = False
+QK_NORM_ACROSS_HEADS = False
 TINY = False
 HF_ROUTER = "block_sparse_moe.gate"
 

@@ -10,6 +10,7 @@ from moe_rl.families.rope import gpt_rotary
 MODEL_TYPE = "qwen3_moe"
 MULTI_LATENT_ATTENTION = False
 ATTENTION_SINKS = False
+QK_NORM_ACROSS_HEADS = False
 TINY = True
 HF_ROUTER = "mlp.gate"
 

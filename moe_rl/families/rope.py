@@ -2,6 +2,8 @@
 older: a top-level ``rope_theta`` and ``rope_scaling``)."""
 from __future__ import annotations
 
+from moe_rl.errors import ConfigError
+
 
 def rope_table(hf: dict) -> tuple[dict, dict]:
     """(rope_parameters, rope_scaling) of either transformers layout, checked to be mappings."""
@@ -36,3 +38,13 @@ def gpt_rotary(hf: dict) -> dict:
     if theta != int(theta):
         raise ValueError(f"rope_theta: megatron-core takes an integer rotary base, got {theta}")
     return dict(position_embedding_type="rope", rotary_base=int(theta), rotary_percent=fraction)
+
+
+def check_tiny_partial_rotary(init) -> None:
+    """model.init.glm.partial_rotary_factor of a tiny model: an even, non-zero number of each
+    head's dimensions (GLM-4.5's and MiniMax-M2's)."""
+    rotary = init.head_dim * init.glm.partial_rotary_factor
+    if rotary != int(rotary) or int(rotary) % 2 or not rotary:
+        raise ConfigError(f"model.init.glm.partial_rotary_factor: head_dim x it must be an even "
+                          f"number of dimensions, got {init.head_dim} x "
+                          f"{init.glm.partial_rotary_factor} = {rotary:g}")

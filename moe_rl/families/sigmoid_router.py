@@ -1,4 +1,4 @@
-"""The DeepSeek-V3 router, which other families share (GLM-4.5): sigmoid scores, an expert bias
+"""The DeepSeek-V3 router, which other families share (GLM-4.5, MiniMax-M2): sigmoid scores, an expert bias
 (``e_score_correction_bias``) that steers the top-k choice only, group-limited top-k, the gates
 renormalised and scaled by ``routed_scaling_factor``, shared experts beside the routed ones."""
 from __future__ import annotations
@@ -36,7 +36,7 @@ def sigmoid_router_settings(spec, bias_update_rate: float, name: str) -> dict:
                          f"topk_group == 2 (both rank a group by its two best experts); got "
                          f"{topk} / {group_topk}")
     shared = int(hf.get("n_shared_experts") or 0)
-    moe_ffn = int(hf["moe_intermediate_size"])
+    moe_ffn = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
     return dict(
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_bias_update_rate=float(bias_update_rate),

@@ -188,7 +188,11 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                                 expert_bias_update_rate=expert_bias_update_rate)
     RouterReplay.clear_global_router_replay_instances()
     hf = spec.hf_config
-    model = GPTModel(config=config, transformer_layer_spec=layer_spec(config),
+    block = layer_spec(config)
+    if spec.family.QK_NORM_ACROSS_HEADS:
+        from moe_rl.trainer.full_width_qk_norm import use_full_width_qk_norm
+        use_full_width_qk_norm(block)
+    model = GPTModel(config=config, transformer_layer_spec=block,
                      vocab_size=spec.vocab_size,
                      max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
                      pre_process=pre_process, post_process=post_process,

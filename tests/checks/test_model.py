@@ -43,7 +43,8 @@ def _rows(out: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("config,overrides", [
     ("tiny_cpu.yaml", ()), ("deepseek_tiny_cpu.yaml", ()),
     ("glm45_air_r3_gspo.yaml", ()),   # its tiny twin: 128 experts, top-8
-    ("tiny_cpu.yaml", GPT_OSS_INIT)], ids=["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
+    ("tiny_cpu.yaml", GPT_OSS_INIT), ("tiny_cpu.yaml", ("model.init.architecture=minimax_m2",))],
+    ids=["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2"])
 def test_every_tiny_family_is_aligned(tmp_path, capsys, config, overrides):
     model = init_tiny_model(tmp_path / "model", config, *overrides)
     moe_layers = [str(i) for i in MoEShape.from_hf(

@@ -173,6 +173,9 @@ def test_sglang_on_cpu_refuses_what_needs_cuda():
     from tests.helpers import GPT_OSS_INIT
     msg = _err(cpu + ["model.path=/nonexistent", *GPT_OSS_INIT])
     assert msg.startswith("model.path: SGLang on CPU") and "cannot serve models with attention sinks" in msg
+    # nor MiniMax-M2: its q/k norm over all heads is a CUDA kernel there
+    msg = _err(cpu + ["model.path=/nonexistent", "model.init.architecture=minimax_m2"])
+    assert msg.startswith("model.path: SGLang on CPU") and "q/k norm spans all heads" in msg
 
 
 def test_section_and_value_confusion():

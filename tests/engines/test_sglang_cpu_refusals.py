@@ -13,13 +13,18 @@ from tests.helpers import GPT_OSS_INIT, engine_base_port, init_tiny_model, sglan
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 
-def test_sglang_on_cpu_fails_on_gpt_oss_as_its_refusal_says(tmp_path):
-    """The tiny gpt-oss of `moe-rl init-model`, started on SGLang's CPU path as moe_rl would
-    start it: the server exits at its first prefill with the TypeError the refusal names."""
-    model = init_tiny_model(tmp_path / "model", "tiny_cpu.yaml", *GPT_OSS_INIT)
+@pytest.mark.parametrize("init,refusal,failure", [
+    (GPT_OSS_INIT, "cannot serve models with attention sinks",
+     "TorchNativeAttnBackend.forward_extend() got an unexpected keyword argument 'sinks'"),
+    (("model.init.architecture=minimax_m2",), "cannot serve models whose q/k norm spans",
+     "assert x1.is_cuda and x2.is_cuda")], ids=["gpt_oss", "minimax_m2"])
+def test_sglang_on_cpu_fails_as_its_refusal_says(tmp_path, init, refusal, failure):
+    """The tiny model of `moe-rl init-model`, started on SGLang's CPU path as moe_rl would
+    start it: the server exits at its first forward with the failure the refusal names."""
+    model = init_tiny_model(tmp_path / "model", "tiny_cpu.yaml", *init)
     python = sglang_cpu_python()
     on_cpu = {"engine": "sglang", "sglang": {"device": "cpu", "python": python}}
-    with pytest.raises(ConfigError, match="cannot serve models with attention sinks"):
+    with pytest.raises(ConfigError, match=refusal):
         load_config(None, [f"model.path={model}", "rollout.engine=sglang",
                            "rollout.sglang.device=cpu"])
     # the same server for the tiny Qwen3-MoE's configuration, pointed at the gpt-oss
@@ -32,5 +37,4 @@ def test_sglang_on_cpu_fails_on_gpt_oss_as_its_refusal_says(tmp_path):
     with pytest.raises(RuntimeError, match="exited with code"):
         server.start(300)
     server.stop()
-    assert ("TorchNativeAttnBackend.forward_extend() got an unexpected keyword argument "
-            "'sinks'") in log.read_text(errors="replace")
+    assert failure in log.read_text(errors="replace")

@@ -31,6 +31,7 @@ from tests.loop.zero_mismatch import (CONFIG, FACTORS, SGLANG_FACTORS, _pairs, a
 CI_RUNS = [dict(c, family="glm4_moe") if c["replay"] == "r3" else c
            for c in every_value_and_both_masks()]
 CI_RUNS[-1] = dict(CI_RUNS[-1], replay="r3", family="gpt_oss")
+CI_RUNS.append(dict(CI_RUNS[1], family="minimax_m2"))   # its q/k norm over all heads
 # R2 (the trainer replays the routing of its own pi_old pass) on the same two families, on the
 # reference engine (`make test-slow`; on the real SGLang: tests/loop/test_sglang.py)
 FAMILY_R2 = [dict(c, replay="r2") for c in CI_RUNS if c.get("family")]
@@ -45,15 +46,17 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(model_dir, tmp_path_factory):
-    """family -> model directory: the tiny Qwen3-MoE, GLM-4.5 and gpt-oss (the last in the
-    form of gpt-oss's release: experts in MXFP4, read dequantised, served from a bfloat16
-    copy)."""
+    """family -> model directory: the tiny Qwen3-MoE, GLM-4.5, gpt-oss (in the form of
+    gpt-oss's release: experts in MXFP4, read dequantised, served from a bfloat16 copy) and
+    MiniMax-M2."""
     glm = init_tiny_model(tmp_path_factory.mktemp("zero_mismatch_glm") / "model", CONFIG,
                           *GLM_INIT)
     gpt_oss = init_tiny_model(tmp_path_factory.mktemp("zero_mismatch_gpt_oss") / "model",
                               CONFIG, *GPT_OSS_INIT)
     as_mxfp4_release(gpt_oss)
-    return {"qwen3_moe": model_dir, "glm4_moe": glm, "gpt_oss": gpt_oss}
+    minimax = init_tiny_model(tmp_path_factory.mktemp("zero_mismatch_minimax") / "model",
+                              CONFIG, "model.init.architecture=minimax_m2")
+    return {"qwen3_moe": model_dir, "glm4_moe": glm, "gpt_oss": gpt_oss, "minimax_m2": minimax}
 
 
 @pytest.mark.parametrize("factors", [FACTORS, SGLANG_FACTORS], ids=["reference", "sglang"])

@@ -14,7 +14,7 @@ def check_gpus(cfg: Config) -> None:
     refused: FP8 kernels, deterministic inference (no CPU attention backend supports it), the
     memory saver of colocated runs (tensor updates need GPUs: the general checks refuse them),
     MLA models (SGLang's CPU rotary embedding and attention for MLA), attention sinks
-    (gpt-oss)."""
+    (gpt-oss), a q/k norm over all heads (MiniMax-M2)."""
     r, c = cfg.rollout, cfg.cluster
     if r.sglang.device == "cuda":
         if c.gpus_per_node == 0:
@@ -45,6 +45,14 @@ def check_gpus(cfg: Config) -> None:
                           f"models with attention sinks ({hf.get('model_type')}): its "
                           f"torch-native attention backend takes no sinks (TypeError at the "
                           f"first prefill); use rollout.engine=reference")
+    if fam is not None and fam.QK_NORM_ACROSS_HEADS:
+        # SGLang 0.5.23's minimax_m2.py normalises q and k over all heads with Triton kernels
+        # that assert CUDA tensors ("assert x1.is_cuda and x2.is_cuda", rms_sumsq_serial) at
+        # the first forward, measured on the tiny MiniMax-M2
+        raise ConfigError(f"model.path: SGLang on CPU (rollout.sglang.device=cpu) cannot serve "
+                          f"models whose q/k norm spans all heads ({hf.get('model_type')}): its "
+                          f"kernel for that norm asserts CUDA tensors at the first forward; use "
+                          f"rollout.engine=reference")
     if fam is not None and fam.MULTI_LATENT_ATTENTION:
         # SGLang 0.5.23 on CPU: without rope scaling its rotary embedding asserts deepseek_yarn
         # (layers/rotary_embedding/factory.py); with YaRN (which its DeepSeek attention turns
