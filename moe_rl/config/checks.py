@@ -10,7 +10,7 @@ from moe_rl.config.model_facts import (facts_context, model_hf_fields, model_moe
 from moe_rl.families import FAMILIES, family
 from moe_rl.config.fields import ConfigError
 from moe_rl.config.schema import CORRECTIONS, Config
-from moe_rl.families.shape import MoEShape
+from moe_rl.families.shape import MoEShape, quantisation_refusal
 
 
 
@@ -61,8 +61,13 @@ def check_model_fit(cfg: Config, moe_shape: MoEShape) -> None:
 
 
 def check_family(cfg: Config) -> None:
-    """What the model's family cannot run: its module's ``check_config``, where it has one."""
+    """What cannot be trained from the checkpoint (its weights quantised otherwise than in
+    MXFP4) and what the model's family cannot run (its module's ``check_config``, where it has
+    one)."""
     hf = model_hf_fields(cfg.model)
+    refusal = quantisation_refusal(hf)
+    if refusal:
+        raise ConfigError(f"model.path: {cfg.model.path}: {refusal}")
     check = getattr(FAMILIES.get(hf.get("model_type")), "check_config", None)
     if check is not None:
         check(cfg, hf)

@@ -26,15 +26,11 @@ HF_ROUTER = "mlp.router"
 
 def check_config(cfg, hf: dict) -> None:
     """What a gpt-oss run cannot do, refused when its configuration is loaded (before any
-    engine starts): a checkpoint quantised otherwise than the MXFP4 release, tensor parallelism
-    (both also refused where the model is built, :func:`megatron_settings`), FP8 rollout
-    weights (moe_rl's FP8 checkpoint takes 2-D weights, the reference engine's FP8 experts
-    [E, out, in] without biases; gpt-oss stacks them [E, in, out] with biases). ``hf``: the model's config.json fields (or its ``model.init`` shape's)."""
-    method = (hf.get("quantization_config") or {}).get("quant_method", "mxfp4")
-    if method != "mxfp4":
-        raise ConfigError(f"model.path: {cfg.model.path} is a gpt-oss checkpoint quantised "
-                          f"with {method!r}; moe_rl reads gpt-oss's MXFP4 release "
-                          f"(dequantised) or an unquantised one")
+    engine starts): tensor parallelism (also refused where the model is built,
+    :func:`megatron_settings`), FP8 rollout weights (moe_rl's FP8 checkpoint takes 2-D
+    weights, the reference engine's FP8 experts [E, out, in] without biases; gpt-oss stacks
+    them [E, in, out] with biases). ``hf``: the model's config.json fields (or its
+    ``model.init`` shape's)."""
     if cfg.trainer.tensor_parallel > 1:
         raise ConfigError("trainer.tensor_parallel: > 1 is not supported for gpt-oss models yet "
                           "(megatron-core builds expert biases only without expert tensor "
@@ -58,11 +54,8 @@ def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
     settings as attributes its config does not declare: :func:`moe_rl.trainer.model_builder.
     transformer_config` sets them)."""
     hf = spec.hf_config
-    refuse = {   # (an MXFP4 checkpoint's quantization_config is gone: read dequantised)
+    refuse = {   # (a quantised checkpoint: refused or read dequantised by model_spec)
         "attention_bias": (hf.get("attention_bias") is False, "gpt-oss is built with biases"),
-        "quantization_config": ("quantization_config" in hf,
-                                "moe_rl reads gpt-oss's MXFP4 release dequantised, no other "
-                                "quantised checkpoint"),
     }
     for key, (bad, why) in refuse.items():
         if bad:

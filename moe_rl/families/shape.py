@@ -80,6 +80,19 @@ class ModelSpec:
     family: Family = field(compare=False, repr=False)   # resolved once, here
 
 
+def quantisation_refusal(hf: dict) -> str | None:
+    """Why a checkpoint of config.json ``hf`` is not read for training (None when it is): its
+    weights quantised otherwise than in MXFP4 (read dequantised), e.g. a block-wise FP8
+    release (DeepSeek-V3's, MiniMax-M2's), whose E4M3 values would load without their
+    scales."""
+    method = (hf.get("quantization_config") or {}).get("quant_method", "mxfp4")
+    if method == "mxfp4":
+        return None
+    return (f"quantization_config: a checkpoint quantised with {method!r} is not read for "
+            f"training (only MXFP4, dequantised); write a bfloat16 copy of it (without "
+            f"quantization_config) and train from that")
+
+
 def unquantised_config(hf: dict) -> dict:
     """The config.json of the model a checkpoint's values make: an MXFP4 checkpoint's (read
     dequantised, :mod:`moe_rl.weights.mxfp4_checkpoint`) without its ``quantization_config``;
@@ -90,7 +103,11 @@ def unquantised_config(hf: dict) -> dict:
 
 
 def model_spec(hf: dict) -> ModelSpec:
-    """Check the architecture and collect its facts (of the unquantised model)."""
+    """Check the architecture and collect its facts (of the unquantised model; a checkpoint
+    quantised otherwise than in MXFP4 is refused, :func:`quantisation_refusal`)."""
+    refusal = quantisation_refusal(hf)
+    if refusal:
+        raise ValueError(refusal)
     hf = unquantised_config(hf)
     fam = family(hf.get("model_type"))   # refuses an unsupported one
     return ModelSpec(fam.MODEL_TYPE, hf, MoEShape.from_hf(hf), int(hf["vocab_size"]),

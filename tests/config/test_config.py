@@ -222,6 +222,24 @@ def test_every_shipped_config_loads(tmp_path):
         ("r3", "gspo", ["seq_mis"])
 
 
+def test_a_checkpoint_quantised_otherwise_than_in_mxfp4_is_not_trained_from(tmp_path):
+    """An FP8 checkpoint (block-wise, as DeepSeek-V3's and MiniMax-M2's releases; written here
+    by moe_rl's own FP8 writer) would load its E4M3 values without their scales: refused when
+    the configuration loads, naming model.path, and where the model is built."""
+    from moe_rl.families.shape import model_spec
+    from moe_rl.models.tiny import write_tiny_model
+    from moe_rl.weights.fp8 import write_fp8_checkpoint
+    from moe_rl.config import ModelInitConfig
+    plain = write_tiny_model(ModelInitConfig(seed=1), str(tmp_path / "plain"))
+    fp8 = write_fp8_checkpoint(plain, str(tmp_path / "fp8"))
+    load_config(None, [f"model.path={plain}"])
+    msg = _err([f"model.path={fp8}"])
+    assert msg.startswith(f"model.path: {fp8}: quantization_config: a checkpoint quantised "
+                          f"with 'fp8' is not read for training"), msg
+    with pytest.raises(ValueError, match="bfloat16 copy"):
+        model_spec(json.loads((tmp_path / "fp8" / "config.json").read_text()))
+
+
 def test_the_manual_holds_the_generated_key_table():
     """docs/configuration.md's table is `moe-rl config --keys`, row for row (regenerate it with
     that command when a key, default or meaning changes)."""

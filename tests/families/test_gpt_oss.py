@@ -152,15 +152,6 @@ def test_the_mxfp4_release_trains_read_dequantised_and_aligned_with_transformers
         assert torch.equal(v, ckpt.get(k).float()), k
 
 
-def test_a_gpt_oss_quantised_otherwise_is_refused_when_its_configuration_loads(tmp_path):
-    conf = {**GPT_OSS, "model_type": "gpt_oss",
-            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-            "quantization_config": {"quant_method": "fp8"}}
-    (tmp_path / "config.json").write_text(json.dumps(conf))
-    with pytest.raises(ConfigError, match="model.path: .* quantised with 'fp8'"):
-        load_config(None, [f"model.path={tmp_path}"])
-
-
 def test_gpt_oss_init_shape_is_checked_at_config_time():
     """`moe-rl init-model`'s gpt-oss shape: what transformers or megatron-core could not build
     the same way is refused at load time, naming the key; the shape under config.json's names
