@@ -2,14 +2,15 @@
 and back, over gloo processes: every tensor of the state (weights, Adam's moments, EMA) comes back
 exactly, and Adam's step count with it (multiproc); for Qwen3-MoE, for GLM-4.5 (attention
 biases, shared experts beside the split ones, the expert bias, a dense first layer) and for
-gpt-oss (sinks, the router's bias, each expert's biases split with it)."""
+gpt-oss (sinks, the router's bias, each expert's biases split with it) and for MiniMax-M2
+(the q/k norms over all heads)."""
 import os
 
 import pytest
 import torch
 
 from tests.helpers import engine_samples, start_ranks, write_tiny_qwen
-from tests.hf_models import write_deepseek, write_gpt_oss
+from tests.hf_models import write_deepseek, write_gpt_oss, write_minimax_m2
 
 
 def _worker(rank, world, port, model_dir, base, load_from, save_to):
@@ -57,12 +58,13 @@ def _plain(path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "gpt_oss", "minimax_m2"])
 def test_ep2_dp2_checkpoint_loads_with_ep1_dp1_and_back(tmp_path, family):
     model_dir = tmp_path / family
     hf = {"qwen3_moe": lambda: write_tiny_qwen(model_dir, seed=41),
           "glm4_moe": lambda: write_deepseek(model_dir, seed=41, glm=True),
-          "gpt_oss": lambda: write_gpt_oss(model_dir, seed=41)}[family]()
+          "gpt_oss": lambda: write_gpt_oss(model_dir, seed=41),
+          "minimax_m2": lambda: write_minimax_m2(model_dir, seed=41)}[family]()
     from moe_rl.rollout_record import RolloutBatch
     RolloutBatch(engine_samples(hf, n_groups=2, group_size=2, seed=42)).save(
         str(tmp_path / "samples.st"))
@@ -80,6 +82,9 @@ def test_ep2_dp2_checkpoint_loads_with_ep1_dp1_and_back(tmp_path, family):
     assert any(float(first[k].abs().max()) > 0 for k in keys if "exp_avg_sq" in k)
     if family == "glm4_moe":
         for part in ("shared_experts.", "linear_qkv.bias", "router.expert_bias"):
+            assert any(part in k and not k.startswith("optim.") for k in keys), part
+    if family == "minimax_m2":   # the q/k norms over all heads, the expert bias
+        for part in ("q_layernorm", "k_layernorm", "router.expert_bias"):
             assert any(part in k and not k.startswith("optim.") for k in keys), part
     if family == "gpt_oss":
         for part in ("softmax_offset", "router.bias", "linear_fc2.bias"):
