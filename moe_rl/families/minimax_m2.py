@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from moe_rl.errors import ConfigError
 from moe_rl.families.names import gated_mlp_expert_names
+# as gpt-oss: each tensor loaded alone, head_dim and the expert width (intermediate_size) from
+# config.json, every layer MoE
+from moe_rl.families.gpt_oss import (engine_fused_key, fp8_dense_mlp, fp8_head_dim,  # noqa: F401
+                                     fp8_moe_intermediate)
 from moe_rl.families.rope import check_tiny_partial_rotary, gpt_rotary
 from moe_rl.families.sigmoid_router import sigmoid_router_settings
 
@@ -78,23 +82,6 @@ def hf_attention_names(prefix: str) -> dict:
 
 def hf_expert_names(prefix: str) -> dict:
     return gated_mlp_expert_names(prefix, "block_sparse_moe", "w1", "w3", "w2")
-
-
-def engine_fused_key(hf: dict, name: str) -> str | None:
-    """Each tensor is loaded on its own."""
-    return None
-
-
-def fp8_head_dim(hf: dict, heads: int) -> int | None:
-    return int(hf.get("head_dim") or hf["hidden_size"] // heads)
-
-
-def fp8_moe_intermediate(hf: dict) -> int:
-    return int(hf.get("intermediate_size") or 0)
-
-
-def fp8_dense_mlp(hf: dict, experts: int) -> bool:
-    return False
 
 
 def tiny_init_fields(fields: dict, sections: dict) -> dict:
