@@ -171,3 +171,32 @@ def test_the_gpt_oss_20b_config_fits_its_80_gib_gpus():
     e = engine_kind(cfg).gpu_memory(GPT_OSS_20B, counts.total, 80 * GIB)   # TP 1, 0.8
     assert e.weights == pytest.approx(counts.total * 2)
     assert e.kv_pool == pytest.approx(0.8 * 80 * GIB - e.weights) and e.kv_pool > 20 * GIB
+
+
+MINIMAX_M2 = {   # MiniMaxAI/MiniMax-M2's config.json in bfloat16 (the keys that shape it)
+    "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "head_dim": 128,
+    "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608,
+    "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62,
+    "num_key_value_heads": 8, "num_local_experts": 256, "rms_norm_eps": 1e-06,
+    "rope_theta": 5000000, "rotary_dim": 64, "scoring_func": "sigmoid", "use_routing_bias": True,
+    "use_qk_norm": True, "qk_norm_type": "per_layer", "tie_word_embeddings": False,
+    "vocab_size": 200064}
+
+
+def test_the_minimax_m2_config_fits_its_141_gib_gpus():
+    """configs/minimax_m2_r3_gspo.yaml: MiniMax-M2's 228.7B parameters (its card: 230B) on 64
+    trainer ranks at EP 64 without tensor parallelism, and two SGLang servers of TP 8, each
+    GPU's estimate inside an H200's 141 GiB."""
+    cfg = load_config(str(ROOT / "configs" / "minimax_m2_r3_gspo.yaml"))
+    counts = param_counts(MINIMAX_M2)
+    # 62 layers x 256 experts x (gate, up, down) of 3072 x 1536
+    assert counts.experts == 62 * 256 * 3 * 3072 * 1536
+    assert round(counts.total / 1e9, 1) == 228.7
+    m = trainer_memory(cfg, MINIMAX_M2, counts, seq_len=4096)
+    dense, experts = counts.dense + counts.embedding, counts.experts / 64
+    assert m.weights == pytest.approx(2 * (dense + experts))
+    assert m.optimizer == pytest.approx(12 * (dense / 64 + experts))
+    assert 80 * GIB < m.total < 110 * GIB
+    e = engine_kind(cfg).gpu_memory(MINIMAX_M2, counts.total, 141 * GIB)   # TP 8, 0.85
+    assert e.weights == pytest.approx(counts.total * 2 / 8)
+    assert e.kv_pool == pytest.approx(0.85 * 141 * GIB - e.weights) and e.kv_pool > 50 * GIB

@@ -114,6 +114,10 @@ CPU_SCALE = ["rollout.engine=reference", "rollout.num_servers=1", "rollout.engin
     # gpt-oss-20b's config on its tiny twin (32 experts, top-4, windows, sinks, YaRN)
     pytest.param("gpt_oss_20b_r3_gspo.yaml", "gpt_oss_20b_r3_gspo.yaml",
                  ["rollout.top_k=16", "trainer.max_tokens_per_micro_batch=64"],
+                 marks=pytest.mark.slow),
+    # MiniMax-M2's config on its tiny twin (256 experts, top-8, the q/k norm over all heads)
+    pytest.param("minimax_m2_r3_gspo.yaml", "minimax_m2_r3_gspo.yaml",
+                 ["rollout.top_k=16", "trainer.max_tokens_per_micro_batch=64"],
                  marks=pytest.mark.slow)])   # CI runs the Qwen3 config; make test-slow all
 def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_config, extra):
     """Each shipped GPU config, run as shipped except for its scale (tiny model, one reference
@@ -126,7 +130,8 @@ def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_c
     GLM-4.5-Air: the sigmoid router with its frozen expert bias, partial rotary, attention
     biases, R3 + GSPO + seq-MIS with the keep-sampling mask, retracted samples masked;
     gpt-oss-20b: sinks, sliding windows, YaRN, biases everywhere, the clamped SwiGLU, under the
-    same algorithm) for three RL steps, weights synced over the process group with no fallback."""
+    same algorithm; MiniMax-M2: the q/k norm over all heads, 256 experts, top-8) for three RL
+    steps, weights synced over the process group with no fallback."""
     init_tiny_model(str(tmp_path / "model"), str(ROOT / "configs" / model_config))
     from tests.helpers import engine_base_port
     res = subprocess.run(
@@ -142,7 +147,7 @@ def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_c
     assert [r["step"] for r in rows] == [0, 1, 2]
     # the trainer's own routers against the engine's choices (R3 replays the engine's): in
     # bfloat16 a top-8 of 128 sigmoid scores has more near-ties at its edge than a top-2 of 8
-    # (GLM-4.5-Air's twin measured 0.87 here; every family is 1.0 in float32)
+    # (GLM-4.5-Air's twin measured 0.87 here, MiniMax-M2's 0.96; every family is 1.0 in float32)
     floor = 0.8 if config.startswith("glm45") else 0.9
     for r in rows:
         assert r["mismatch/k3"] < 1e-3 and r["routing/agreement"] > floor
