@@ -260,7 +260,7 @@ def check_doctor() -> dict:
 
 
 def check_triton_kernel() -> dict:
-    from moe_rl_kernels import logprob_entropy, triton_available
+    from moe_rl_kernels.logprob import logprob_entropy, triton_available
     if not triton_available():
         return {"status": "skipped", "reason": "triton is not importable"}
     g = torch.Generator(device="cuda").manual_seed(0)

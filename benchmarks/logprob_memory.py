@@ -25,7 +25,7 @@ def run_variant(variant: str, tokens: int, vocab: int, hidden: int, chunk: int, 
                 ) -> dict:
     """Run one variant in this process and return its peak extra memory (bytes) and time."""
     import torch
-    from moe_rl_kernels import logprob_entropy
+    from moe_rl_kernels.logprob import logprob_entropy
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden, device=device).requires_grad_()
     w = (torch.randn(vocab, hidden, device=device) * 0.02).requires_grad_()

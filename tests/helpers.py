@@ -146,7 +146,7 @@ def engine_samples(model, n_groups: int = 2, group_size: int = 2, seed: int = 0,
 
 def kernel_on_logits(logits, targets, offsets, ids, temperature=1.0):
     """The log-prob kernel on logits themselves (hidden = logits, output weight = identity)."""
-    from moe_rl_kernels import logprob_entropy
+    from moe_rl_kernels.logprob import logprob_entropy
     eye = torch.eye(logits.shape[1], dtype=logits.dtype)
     return logprob_entropy(logits, eye, targets, temperature=temperature, kept_offsets=offsets,
                            kept_ids=ids, backend="torch")

@@ -1,6 +1,6 @@
 """Keep-sampling-mask helpers on the ragged kept-id table (row t restricted to
 ``ids[offsets[t]:offsets[t+1]]``; an empty row is the full vocabulary). The restricted log-prob and
-entropy themselves are computed by the memory-bounded kernel (``moe_rl_kernels``)."""
+entropy themselves are computed by the memory-bounded kernel (``moe_rl_kernels.logprob``)."""
 from __future__ import annotations
 
 import torch

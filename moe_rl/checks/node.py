@@ -1,6 +1,6 @@
-"""Checks of one node before a run (``moe-rl doctor``): the Python, torch and CUDA, the GPUs the
-config asks for, megatron-core, Transformer Engine and the rollout engine's environment against the versions moe_rl
-supports, NCCL, the free disk under ``logging.dir``, a shared filesystem for multi-node runs, and
+"""Checks of one node before a run (``moe-rl doctor``): the Python, the working directory (no
+folder hiding an installed package), torch and CUDA, the GPUs the config asks for, megatron-core,
+Transformer Engine and the rollout engine's environment against the versions moe_rl supports, NCCL, the free disk under ``logging.dir``, a shared filesystem for multi-node runs, and
 the engine ports. Each check returns a :class:`Finding` with the fix when something is wrong."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from moe_rl.config import Config
 from moe_rl.config.supported_versions import in_range, supported_range
+from moe_rl.safe_path import describe, shadowed_packages
 
 # filesystems every node of a cluster sees (read from /proc/mounts); a local one under a
 # multi-node run's logging.dir leaves the other nodes without checkpoints and weights
@@ -239,9 +240,21 @@ def check_ports(cfg: Config) -> Finding:
                    f"{len(window)})")
 
 
+def check_working_directory(folder: str | None = None) -> Finding:
+    """No folder of the directory commands start in hides an installed package (``python -m``
+    and pytest put it first on ``sys.path``; moe_rl's own processes keep it off)."""
+    folder = folder or os.getcwd()
+    found = shadowed_packages(folder)
+    if found:
+        return Finding("working-directory", "fail", describe(found, folder),
+                       "start from another directory, or rename the folder (or remove its "
+                       "__init__.py)")
+    return Finding("working-directory", "ok", f"{folder}: no folder hides an installed package")
+
+
 def run_checks(cfg: Config) -> list[Finding]:
     """Every check, in the order a node is set up."""
-    return [check_python(), check_torch(cfg), check_gpus(cfg),
+    return [check_python(), check_working_directory(), check_torch(cfg), check_gpus(cfg),
             check_package("megatron-core", "megatron.core", "megatron-core", required=True),
             check_package("transformers", "transformers", "transformers", required=True),
             check_transformer_engine(cfg), check_engine(cfg), check_collectives(cfg),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 
+from moe_rl.safe_path import SAFE_PATH_ENV
 from moe_rl.errors import UserError
 
 
@@ -30,7 +31,7 @@ def _export_checkpoint(checkpoint: str, out_dir: str) -> str:
     """The policy of ``checkpoint`` as a HF model in ``out_dir`` (``moe-rl convert``)."""
     res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "convert", "--to", "hf",
                           "--checkpoint", checkpoint, "--out", out_dir],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env={**os.environ, **SAFE_PATH_ENV})
     if res.returncode != 0:
         raise UserError(f"--checkpoint {checkpoint}: {res.stderr.strip().splitlines()[-1]}")
     return out_dir

@@ -1,5 +1,5 @@
-"""The configs that ship with moe_rl (the top-level ``configs/`` folder, installed as the package
-``moe_rl.configs``): ``--config tiny_cpu.yaml`` (or ``tiny_cpu``) names one of them when no such
+"""The configs that ship with moe_rl (the top-level ``configs/`` folder, installed as the data
+folder ``moe_rl/configs``): ``--config tiny_cpu.yaml`` (or ``tiny_cpu``) names one of them when no such
 file exists where you are, so a wheel installed anywhere runs ``moe-rl demo``."""
 from __future__ import annotations
 
@@ -11,8 +11,17 @@ DEFAULT_CONFIG = "tiny_cpu.yaml"
 
 def shipped_configs() -> dict[str, str]:
     """{file name: path} of every shipped config."""
-    folder = resources.files("moe_rl.configs")
+    folder = _configs_folder()
     return {p.name: str(p) for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+def _configs_folder():
+    """A wheel holds the folder inside the package (``moe_rl/configs``); a checkout (an editable
+    install) beside it. Not an import package: a top-level folder with an ``__init__.py`` would
+    hide an installed package of its name from processes started at the checkout's root."""
+    package = resources.files("moe_rl")
+    inside = package / "configs"
+    return inside if inside.is_dir() else package.parent / "configs"
 
 
 def config_path(name: str) -> str:

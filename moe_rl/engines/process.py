@@ -4,6 +4,7 @@ launcher builds on :class:`ServerProcess`."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import time
@@ -12,6 +13,30 @@ from abc import ABC, abstractmethod
 import httpx
 
 BIND_FAILED = b"error while attempting to bind on address"   # uvicorn's words (Errno 98)
+LOG_TAIL_BYTES = 65536   # how much of a dead server's log is read for its last error
+# the line a Python traceback ends with ("ImportError: cannot import name ..."), or a logged error
+ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit)\b|.*\bERROR\b)")
+
+
+class ServerExited(RuntimeError):
+    """An engine server process ended before it answered /health; the message carries its log's
+    last error line (the cause, which was only in the log)."""
+
+
+def last_error_line(log_path: str | None) -> str:
+    """The last error line of the end of ``log_path`` (the last non-empty line when none looks
+    like an error; "" without a log)."""
+    if not log_path:
+        return ""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - LOG_TAIL_BYTES))
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [ln for ln in lines if ln]
+    errors = [ln for ln in lines if ERROR_LINE.match(ln)]
+    return (errors or lines or [""])[-1][:500]
 
 def bind_port(host: str, port: int) -> socket.socket:
     """A TCP socket listening on (host, port) (OSError when the port is taken). It listens at
@@ -99,8 +124,10 @@ class ServerProcess(ABC):
             self.log_path) else 0
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:   # stop() from another thread too
-                raise RuntimeError(f"engine server on port {self.port} exited with code "
-                                   f"{proc.returncode} (log: {self.log_path})")
+                why = last_error_line(self.log_path)
+                raise ServerExited(f"engine server on port {self.port} exited with code "
+                                   f"{proc.returncode}" + (f": {why}" if why else "")
+                                   + f" (log: {self.log_path})")
             if not self.inherits_socket and self._bind_failed(log_start):
                 self.stop()
                 raise RuntimeError(f"engine server on port {self.port}: another process took "

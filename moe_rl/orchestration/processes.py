@@ -10,6 +10,7 @@ import os
 import ray
 
 from moe_rl.config import Config, dump_config
+from moe_rl.engines.process import ServerExited
 from moe_rl.errors import LossScaleCollapsed, first_line
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.failures import RunFailed, lost_process
@@ -54,7 +55,12 @@ def start_engines(plan: Plan, hosts: list, stop=None) -> None:
     ends the wait: :func:`get_unless_stopped`); the plan's engine entries are updated to the
     address and port each server took."""
     ray.get([h.placed.remote() for h in hosts])   # every port held before any is released
-    placed = get_unless_stopped([h.start.remote() for h in hosts], stop)
+    try:
+        placed = get_unless_stopped([h.start.remote() for h in hosts], stop)
+    except ray.exceptions.RayTaskError as exc:   # the cause in one line, not Ray's traceback
+        if isinstance(exc.cause, ServerExited):
+            raise RunFailed(str(exc.cause)) from None
+        raise
     engines = iter(PlannedProcess(**d) for d in placed)
     plan.processes = [next(engines) if p.role == "engine" else p for p in plan.processes]
 

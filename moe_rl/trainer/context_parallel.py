@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.trainer.packing import MicroBatch
-from moe_rl_kernels import KeptSets
+from moe_rl_kernels.logprob import KeptSets
 
 
 def chunk_positions(start: int, length: int, rank: int, size: int) -> torch.Tensor:

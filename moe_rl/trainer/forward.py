@@ -12,7 +12,7 @@ import torch
 
 from moe_rl.trainer.packing import MicroBatch
 from moe_rl.trainer import context_parallel as cp_maps
-from moe_rl_kernels import logprob_entropy
+from moe_rl_kernels.logprob import logprob_entropy
 
 
 def unwrap(model):

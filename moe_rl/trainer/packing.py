@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moe_rl.rollout_record import Sample
-from moe_rl_kernels import KeptSets
+from moe_rl_kernels.logprob import KeptSets
 
 
 @dataclass

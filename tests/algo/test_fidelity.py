@@ -8,7 +8,7 @@ import torch
 from moe_rl.algo import (CorrectionInputs, Normalisers, aggregate, apply_corrections, clip_cov,
                          collapse_guard, gspo_loss, kl_cov_loss, kl_estimate, ppo_clip_loss)
 from moe_rl.config import ConfigError, CorrectionParams, load_config
-from moe_rl_kernels import logprob_entropy
+from moe_rl_kernels.logprob import logprob_entropy
 from tests.helpers import kernel_on_logits
 
 

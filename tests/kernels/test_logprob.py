@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_rl_kernels import logprob_entropy
+from moe_rl_kernels.logprob import logprob_entropy
 from tests.helpers import start_ranks
 
 
@@ -200,7 +200,7 @@ def test_tensor_parallel_vocab_split_matches_unsplit(tmp_path):
 
 TRITON_CHECK = textwrap.dedent("""
     import torch
-    from moe_rl_kernels import logprob_entropy
+    from moe_rl_kernels.logprob import logprob_entropy
     g = torch.Generator().manual_seed(0)
     for (T, H, V, temp) in [(5, 4, 37, 1.0), (3, 8, 2100, 0.7)]:
         h = torch.randn(T, H, generator=g)

@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "moe_rl"
 
 # lowest first; a unit may import only units of lower layers
 LAYERS = [
-    {"algo", "errors", "plugins", "launch_tools"},
+    {"algo", "errors", "plugins", "launch_tools", "safe_path"},
     {"owned_dirs"},
     {"families"},
     {"rollout_record", "config"},

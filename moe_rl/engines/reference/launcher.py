@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import sys
 
+from moe_rl.safe_path import SAFE_PATH_ENV
 from moe_rl.engines.process import ServerProcess
 
-REFERENCE_ENV = {"PYTHONUNBUFFERED": "1"}
+# unbuffered output (its log is read while it runs); the working directory off its sys.path
+REFERENCE_ENV = {"PYTHONUNBUFFERED": "1", **SAFE_PATH_ENV}
 
 
 def reference_argv(model: str, host: str, port: int, *, dtype: str = "float32", seed: int = 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from moe_rl.safe_path import SAFE_PATH_ENV
 from moe_rl.config import Config
 from moe_rl.engines.needs import requests_routing, requests_sampling_mask
 
@@ -49,9 +50,9 @@ def sglang_env(gpus: list[int], device: str = "cuda") -> dict[str, str]:
     ``log_softmax(logits / T)`` (the trainer's distribution, SGLang's default;
     ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` would make them raw, so it is pinned off even when the
     caller's environment sets it). ``PYTHONSAFEPATH=1`` keeps the working directory off the
-    server's ``sys.path``: run from moe_rl's checkout, its ``kernels/`` folder would stand in for
-    the PyPI package ``kernels`` that transformers probes for (and SGLang would fail at import)."""
-    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "PYTHONSAFEPATH": "1"}
+    server's ``sys.path`` (:mod:`moe_rl.safe_path`): no folder where it starts can stand
+    in for a package SGLang imports."""
+    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", **SAFE_PATH_ENV}
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     elif gpus:

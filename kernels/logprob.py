@@ -1,4 +1,4 @@
-"""moe_rl_kernels: memory-bounded log-prob and entropy of target tokens from hidden states.
+"""moe_rl_kernels.logprob: memory-bounded log-prob and entropy of target tokens from hidden states.
 
 ``logprob_entropy`` never materialises the full [T, V] float32 softmax: torch implementation on
 CPU and GPU, Triton kernels on GPU (``backend="triton"``), vocabulary split across

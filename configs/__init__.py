@@ -1,2 +1,0 @@
-"""The shipped configs, installed with moe_rl as package data (``moe_rl.configs``); see
-:mod:`moe_rl.config.shipped`."""
