@@ -44,14 +44,21 @@ UPSTREAM_TESTS := tests/trainer/test_step.py tests/trainer/test_model.py \
 	tests/families/test_deepseek_v3.py tests/families/test_gpt_oss.py tests/trainer/test_packed_sequences.py tests/trainer/test_context_parallel.py \
 	tests/trainer/test_bf16.py
 
-.PHONY: bytecode coverage setup test test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster test-upstream docs demo demo-sglang bench study clean
+.PHONY: bytecode coverage setup lock test test-newest test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster test-upstream docs demo demo-sglang bench study clean
 
-$(STAMP): setup.py
+# the locks of the tested versions (pip constraints; `make lock` writes them): every target
+# installs with its Python's lock, so a fresh machine gets what CI tested; setup.py keeps ranges
+# for users; `make test-newest` (the canary) tries the newest versions those ranges allow
+LOCK_CPU := constraints-py311-cpu.txt
+LOCK_UPSTREAM := constraints-py312-upstream.txt
+LOCK_GPU := constraints-gpu.txt
+
+$(STAMP): setup.py $(LOCK_CPU)
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# CPU machines: the pinned torch is a CPU build on disk; GPU machines keep their own torch.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test]" -c $(LOCK_CPU)
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -100,10 +107,11 @@ test-sglang: $(STAMP) $(SGLANG_STAMP) bytecode
 
 # this machine's pip configuration caps torch at the release on its disk (for Python 3.11):
 # the upstream environment reads no pip configuration
-$(UPSTREAM_STAMP): setup.py
+$(UPSTREAM_STAMP): setup.py $(LOCK_UPSTREAM)
 	test -x $(UPSTREAM_PY) || $(PY312) -m venv $(UPSTREAM_VENV)
 	PIP_CONFIG_FILE=/dev/null $(UPSTREAM_PY) -m pip install --quiet --upgrade pip
-	PIP_CONFIG_FILE=/dev/null $(UPSTREAM_PY) -m pip install --quiet -e ".[test]" $(UPSTREAM_PINS)
+	PIP_CONFIG_FILE=/dev/null $(UPSTREAM_PY) -m pip install --quiet -e ".[test]" $(UPSTREAM_PINS) \
+	  -c $(LOCK_UPSTREAM)
 	touch $(UPSTREAM_STAMP)
 
 test-upstream: $(UPSTREAM_STAMP)
@@ -114,7 +122,7 @@ test-upstream: $(UPSTREAM_STAMP)
 # installed (~1.4 s of CPU in every trainer process here), so the other targets go without it
 WANDB_STAMP := $(VENV)/.wandb-installed
 $(WANDB_STAMP): $(STAMP) setup.py
-	$(PY) -m pip install --quiet -e ".[wandb]"
+	$(PY) -m pip install --quiet -e ".[wandb]" -c $(LOCK_CPU)
 	touch $(WANDB_STAMP)
 
 test-slow: $(STAMP) $(SGLANG_STAMP) $(WANDB_STAMP) bytecode
@@ -126,7 +134,7 @@ test-all: $(STAMP)
 # the manual (docs/, MkDocs Material) as a site in site/; --strict: a broken link or anchor fails
 DOCS_STAMP := $(VENV)/.docs-installed
 $(DOCS_STAMP): $(STAMP) setup.py
-	$(PY) -m pip install --quiet -e ".[docs]"
+	$(PY) -m pip install --quiet -e ".[docs]" -c $(LOCK_CPU)
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
@@ -154,5 +162,37 @@ study: $(STAMP)
 coverage:
 	bash .ci/coverage.sh
 
+# the canary: a fresh environment of the newest versions setup.py allows (no lock; torch stays
+# the CPU build on disk) and a short smoke of the user's path; when it fails it names every
+# package newer than the lock (.ci/canary.sh). `.ci/run` runs it: an upstream release breaks CI
+NEWEST_VENV ?= .venv-newest
+test-newest:
+	rm -rf $(NEWEST_VENV)
+	$(PY_SYS) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(NEWEST_VENV)/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(NEWEST_VENV)/bin/python -m pip install --quiet -e ".[test]"
+	bash .ci/canary.sh $(NEWEST_VENV) $(LOCK_CPU)
+
+# the locks, from fresh environments of the newest versions setup.py allows (Python 3.11 with the
+# extras the targets install; Python 3.12 with make test-upstream's pins), and the GPU matrix
+# from SGLang's own pins; then run .ci/run with them before committing
+LOCK_VENV ?= .venv-lock
+lock: $(SGLANG_STAMP)
+	rm -rf $(LOCK_VENV) $(LOCK_VENV)-312
+	$(PY_SYS) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(LOCK_VENV)/bin/python -m pip install --quiet -e ".[test,docs,wandb]"
+	$(LOCK_VENV)/bin/python .ci/lock.py freeze $(LOCK_VENV)/bin/python $(LOCK_CPU) \
+	  "Python 3.11, CPU: make setup, test, test-loop, test-slow, docs (torch $(TORCH_VERSION), the CPU build)"
+	$(PY312) -m venv $(LOCK_VENV)-312
+	PIP_CONFIG_FILE=/dev/null $(LOCK_VENV)-312/bin/python -m pip install --quiet --upgrade pip
+	PIP_CONFIG_FILE=/dev/null $(LOCK_VENV)-312/bin/python -m pip install --quiet -e ".[test]" $(UPSTREAM_PINS)
+	$(LOCK_VENV)-312/bin/python .ci/lock.py freeze $(LOCK_VENV)-312/bin/python $(LOCK_UPSTREAM) \
+	  "Python 3.12: make test-upstream ($(UPSTREAM_PINS))"
+	$(PY) .ci/lock.py gpu $(SGLANG_PY) $(LOCK_GPU)
+	rm -rf $(LOCK_VENV) $(LOCK_VENV)-312
+
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) $(UPSTREAM_VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) $(UPSTREAM_VENV) $(NEWEST_VENV) build *.egg-info

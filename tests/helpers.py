@@ -2,6 +2,7 @@
 transformers itself (log-probs and routing), as an engine would return them."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pathlib
@@ -190,6 +191,15 @@ GLM_INIT = ("model.init.architecture=glm4_moe", "model.init.num_experts_per_tok=
 # loop's short sequences
 GPT_OSS_INIT = ("model.init.architecture=gpt_oss", "model.init.gpt_oss.sliding_window=4",
                 "model.init.gpt_oss.yarn_original_max_position_embeddings=8")
+
+
+def setup_lists() -> dict:
+    """install_requires and extras_require of setup.py, read without running it."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and getattr(n.func, "id", "") == "setup")
+    return {k.arg: ast.literal_eval(k.value) for k in call.keywords
+            if k.arg in ("install_requires", "extras_require")}
 
 
 def init_tiny_model(out, config="tiny_cpu.yaml", *overrides) -> pathlib.Path:

@@ -19,6 +19,7 @@ from moe_rl.algo.metrics import routing_agreement
 from moe_rl.engines.base import EngineError
 from moe_rl.errors import UserError
 from moe_rl.families.shape import MoEShape
+from moe_rl.weights.mxfp4_checkpoint import transformers_dequantising
 from moe_rl.rollout_record import Sample, routing_dtype
 
 # SGLang 0.5.23 takes an input of fewer than min(context - 1, KV pool - 1) - 5 tokens
@@ -106,7 +107,8 @@ def transformers_reference(path: str, prompts: list[list[int]], moe_shape: MoESh
     config = transformers_config(hf)
     router = family(hf.get("model_type")).HF_ROUTER.rsplit(".", 1)[-1]
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
-                                                 local_files_only=True)
+                                                 local_files_only=True,
+                                                 **transformers_dequantising(path))
     model.eval()
     picks: dict[int, torch.Tensor] = {}
     hooks = []

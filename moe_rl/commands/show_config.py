@@ -7,6 +7,7 @@ import sys
 
 from moe_rl.orchestration.run_inputs import inputs_summary, load_run_inputs, unknown_characters
 from moe_rl.config import Config, ConfigError, dump_config, iter_keys, load_config
+from moe_rl.config.checks import config_warnings
 
 
 def config_value(cfg: Config, key: str) -> str:
@@ -45,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         print(config_value(cfg, args.get))
         return 0
     print(dump_config(cfg), end="", flush=True)
+    for warning in config_warnings(cfg):   # what `moe-rl train` would say of it
+        print(warning, file=sys.stderr)
     if not args.no_inputs:   # on stderr: stdout stays the YAML alone
         inputs = load_run_inputs(cfg)
         warning = unknown_characters(inputs)

@@ -6,7 +6,7 @@ import sys
 import shlex
 
 from moe_rl.config import iter_keys, load_config
-from moe_rl.config.checks import clip_range_warning, precision_pair_warning
+from moe_rl.config.checks import config_warnings
 from moe_rl.errors import UserError
 from moe_rl.orchestration.run_inputs import load_run_inputs, unknown_characters
 
@@ -33,9 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     inputs = load_run_inputs(cfg)
-    from moe_rl.engines.factory import engine_kind
-    for warning in (unknown_characters(inputs), precision_pair_warning(cfg),
-                    clip_range_warning(cfg), *engine_kind(cfg).config_warnings()):
+    for warning in (unknown_characters(inputs), *config_warnings(cfg)):
         if warning:
             print(warning, file=sys.stderr, flush=True)
     from moe_rl.orchestration.placement import make_plan

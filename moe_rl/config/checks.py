@@ -182,8 +182,15 @@ def check_ema(cfg: Config) -> None:
 
 def precision_pair_warning(cfg: Config) -> str | None:
     """A float16 side against a bfloat16 side: allowed, said (each rounds to its own grid:
-    10 mantissa bits against 7, so the two policies differ by bf16's rounding at least)."""
-    if {cfg.model.dtype, cfg.rollout.engine_dtype} != {"float16", "bfloat16"}:
+    10 mantissa bits against 7, so the two policies differ by bf16's rounding at least). A
+    16-bit trainer against the engine's float32 default (``model.dtype`` set alone): said, on
+    every engine and device."""
+    model, served = cfg.model.dtype, cfg.rollout.engine_dtype
+    if served == "float32" and model != "float32":
+        return (f"warning: rollout.engine_dtype=float32: the engine serves in float32 while the "
+                f"trainer trains in {model}, so their log-probs differ by {model}'s rounding; "
+                f"set rollout.engine_dtype={model} to serve in the trainer's precision")
+    if {model, served} != {"float16", "bfloat16"}:
         return None
     return (f"warning: model.dtype={cfg.model.dtype} trains against rollout.engine_dtype="
             f"{cfg.rollout.engine_dtype}: float16 and bfloat16 round to different grids, so "
@@ -217,6 +224,12 @@ def clip_range_warning(cfg: Config) -> str | None:
             f"{a.clip_low:g}/{a.clip_high:g}, ranges sized for {sized}: {effect} ({source}: "
             f"{low:g}/{high:g}; set algorithm.clip_low={low:g} algorithm.clip_high={high:g} "
             f"unless meant)")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Every ``warning: ...`` line of a config that loads (``moe-rl train`` and ``moe-rl
+    config`` print them)."""
+    return [w for w in (precision_pair_warning(cfg), clip_range_warning(cfg)) if w]
 
 
 def check_micro_batches(cfg: Config) -> None:

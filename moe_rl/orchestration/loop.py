@@ -61,7 +61,7 @@ class StepLoop:
             metrics = self.step(step)
             run.logger.log(step, metrics)
             run.history.append({"step": step, **metrics})
-            self.bar.update(step_fields(metrics))
+            self.bar.update(step_fields(metrics), skipped=metrics.get("train/skipped_steps", 0))
             self.after(step)
         run.stop.stop_clock()
         self.bar.close()

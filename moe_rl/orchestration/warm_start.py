@@ -43,8 +43,10 @@ def warm_start(cfg: Config, trainers, inputs: RunInputs, stop) -> None:
             break
         m = trainers.sft_step(sft_samples(prompts, sft.next_batch(), tokenizer,
                                           inputs.environment, len(tokenizer)), cfg.trainer.sft_lr)
-        bar.update({"loss": f"{m['sft/loss']:.3f}"})
+        bar.update({"loss": f"{m['sft/loss']:.3f}"}, skipped=m.get("sft/skipped", 0))
     bar.close()
     if bar.done:
-        print(f"warm start: {bar.done} supervised steps, last loss {m['sft/loss']:.3f}",
-              flush=True)
+        skipped = (f" ({bar.skipped} skipped: float16 gradients overflowed at the loss scale)"
+                   if bar.skipped else "")
+        print(f"warm start: {bar.done} supervised steps{skipped}, last loss "
+              f"{m['sft/loss']:.3f}", flush=True)

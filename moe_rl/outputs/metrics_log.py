@@ -120,22 +120,27 @@ def _duration(seconds: float) -> str:
 class StepProgress:
     """Progress a person can follow anywhere: on a terminal (stderr a TTY) a tqdm bar; otherwise
     (nohup, Slurm, a pipe) one line on stdout every ``interval`` steps and at the last one:
-    ``<desc> 12/100 | reward 0.512 | ... | 4.1 s/step | ETA 6m01s``. ``enabled`` False: neither.
-    ``tty``: force the choice (None: look at stderr)."""
+    ``<desc> 12/100 | reward 0.512 | ... | 4.1 s/step | ETA 6m01s``, with ``skipped N`` once a
+    step was skipped (float16's overflows). ``enabled`` False: neither. ``tty``: force the choice
+    (None: look at stderr)."""
 
     def __init__(self, total: int, desc: str, enabled: bool = True, interval: int = 1,
                  first: int = 0, tty: bool | None = None):
         self.total, self.desc, self.interval, self.done = total, desc, max(1, interval), first
-        self.enabled = enabled
+        self.enabled, self.skipped = enabled, 0
         self.start, self.first = time.perf_counter(), first
         tty = sys.stderr.isatty() if tty is None else tty
         self.bar = tqdm(total=total, initial=first, desc=desc, leave=False, dynamic_ncols=True,
                         disable=not enabled or not tty)
         self.lines = enabled and not tty
 
-    def update(self, fields: dict[str, str]) -> None:
-        """One more step done; ``fields``: what to show of it, already formatted."""
+    def update(self, fields: dict[str, str], skipped: float = 0) -> None:
+        """One more step done; ``fields``: what to show of it, already formatted; ``skipped``:
+        its optimizer steps that were skipped (counted over the run)."""
         self.done += 1
+        self.skipped += int(skipped)
+        if self.skipped:
+            fields = {**fields, "skipped": str(self.skipped)}
         self.bar.update(1)
         self.bar.set_postfix(fields, refresh=False)
         if not self.lines or (self.done % self.interval and self.done != self.total):

@@ -197,7 +197,9 @@ class PolicyUpdate:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         with cuda_factories_on_cpu():
-            _, grad_norm, _ = self.optimizer.step()
+            ok, grad_norm, _ = self.optimizer.step()
         for g, v in zip(self.optimizer.param_groups, saved):
             g["lr"] = v
-        return {"sft/loss": total, "sft/grad_norm": float(grad_norm or 0.0)}
+        # float16: a step whose gradients overflowed is skipped (the scale halves)
+        return {"sft/loss": total, "sft/grad_norm": float(grad_norm or 0.0),
+                "sft/skipped": float(not ok)}

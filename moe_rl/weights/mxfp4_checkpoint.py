@@ -21,6 +21,16 @@ BLOCKS, SCALES = "_blocks", "_scales"
 E8M0_BIAS = 127
 
 
+def transformers_dequantising(model_dir: str) -> dict:
+    """``from_pretrained`` keywords that load an MXFP4 release dequantised: transformers 5.25
+    (its ``kernels`` package a dependency) otherwise fetches Triton kernels from the Hub where
+    triton is installed, CPU included (offline: a refusal)."""
+    if not is_mxfp4_checkpoint(model_dir):
+        return {}
+    from transformers import Mxfp4Config
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
 def is_mxfp4_checkpoint(model_dir: str) -> bool:
     """Whether ``model_dir``'s config.json declares MXFP4 weights."""
     try:

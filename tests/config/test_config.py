@@ -327,17 +327,19 @@ def test_a_mixed_16_bit_pair_is_allowed_with_a_warning(overrides, said):
     assert (got is None) if said is None else (got.startswith("warning: ") and said in got)
 
 
-def test_sglang_on_gpus_serving_float32_for_a_16_bit_trainer_is_warned_about():
-    """SGLang's --dtype follows rollout.engine_dtype on GPUs too (float32 by default)."""
-    from moe_rl.engines.factory import engine_kind
-    gpu = ["rollout.engine=sglang", "cluster.gpus_per_node=8"]
-    got = engine_kind(load_config(None, gpu + ["model.dtype=bfloat16"])).config_warnings()
-    assert got == ["warning: rollout.engine_dtype=float32: SGLang serves in float32 (--dtype "
-                   "float32) while the trainer trains in bfloat16; set rollout.engine_dtype="
-                   "bfloat16 to serve in the trainer's precision"]
+@pytest.mark.parametrize("engine", [[], ["rollout.engine=sglang", "cluster.gpus_per_node=8"]])
+def test_a_16_bit_trainer_against_the_float32_engine_default_is_warned_about(engine):
+    """model.dtype set alone: the engine (SGLang's --dtype, or the reference engine) stays at
+    rollout.engine_dtype's float32 default, said on every engine."""
+    from moe_rl.config.checks import precision_pair_warning
+    for dtype in ("bfloat16", "float16"):
+        got = precision_pair_warning(load_config(None, engine + [f"model.dtype={dtype}"]))
+        assert got == (f"warning: rollout.engine_dtype=float32: the engine serves in float32 "
+                       f"while the trainer trains in {dtype}, so their log-probs differ by "
+                       f"{dtype}'s rounding; set rollout.engine_dtype={dtype} to serve in the "
+                       f"trainer's precision")
     for same in (["model.dtype=bfloat16", "rollout.engine_dtype=bfloat16"], []):
-        assert engine_kind(load_config(None, gpu + same)).config_warnings() == []
-    assert engine_kind(load_config(None, ["model.dtype=bfloat16"])).config_warnings() == []
+        assert precision_pair_warning(load_config(None, engine + same)) is None
 
 
 @pytest.mark.parametrize("override,message", [

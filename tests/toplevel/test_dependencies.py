@@ -2,33 +2,22 @@
 at their cause: every requirement bounded above, the installed versions inside the ranges,
 SGLang 0.5.23's own pins inside them (the [sglang] extra installs beside moe_rl), and the
 deprecated calls gone (transformers' `past_key_values`, megatron's "full" CUDA-graph scope)."""
-import ast
 import importlib.metadata
 import os
-import pathlib
 import subprocess
 import sys
 import warnings
 
 from packaging.requirements import Requirement
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.helpers import setup_lists
+
 # from sglang-0.5.23.dist-info/METADATA (Requires-Dist): what it pins exactly
 SGLANG_0_5_23_PINS = {"transformers": "5.19.0", "tokenizers": "0.23.2", "torch": "2.14.1"}
 
 
-def _setup_lists() -> dict:
-    """install_requires and extras_require of setup.py, read without running it."""
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
-                and getattr(n.func, "id", "") == "setup")
-    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords
-          if k.arg in ("install_requires", "extras_require")}
-    return kw
-
-
 def test_every_requirement_has_a_range_with_an_upper_bound():
-    lists = _setup_lists()
+    lists = setup_lists()
     reqs = [*lists["install_requires"], *(r for v in lists["extras_require"].values() for r in v)]
     for text in reqs:
         req = Requirement(text)
@@ -37,7 +26,7 @@ def test_every_requirement_has_a_range_with_an_upper_bound():
 
 
 def test_installed_versions_lie_in_the_ranges_and_sglangs_pins_too():
-    for text in _setup_lists()["install_requires"]:
+    for text in setup_lists()["install_requires"]:
         req = Requirement(text)
         version = importlib.metadata.version(req.name)
         assert req.specifier.contains(version.split("+")[0], prereleases=True), \

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from moe_rl.weights.hf import HFCheckpoint, write_dequantised_mxfp4
-from moe_rl.weights.mxfp4_checkpoint import dequantise, is_mxfp4_checkpoint
+from moe_rl.weights.mxfp4_checkpoint import (dequantise, is_mxfp4_checkpoint,
+                                             transformers_dequantising)
 from tests.hf_models import write_gpt_oss_mxfp4
 
 STACKED = ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj")
@@ -37,13 +38,15 @@ def test_pairs_that_do_not_match_are_refused():
 
 
 def test_the_reader_dequantises_as_transformers_own_loader(tmp_path):
-    """transformers' MXFP4 loader (on CPU it dequantises) and moe_rl's reader give the same
+    """transformers' MXFP4 loader, asked to dequantise (as check-model asks it: transformers 5.25
+    would fetch Triton kernels from the Hub where triton is installed), and moe_rl's reader give the same
     tensors bit for bit, whole and one expert's row; the plain tensors are read as stored."""
     import transformers
     path = str(tmp_path / "mxfp4")
     stored = write_gpt_oss_mxfp4(path, seed=5)
     assert is_mxfp4_checkpoint(path)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        path, **transformers_dequantising(path)).state_dict()
     ckpt = HFCheckpoint(path)
     for name in STACKED:
         ours = ckpt.get(name)

@@ -113,16 +113,6 @@ class SGLangKind(SGLangProtocolKind):
     def check_config(self) -> None:
         check_config(self.cfg)
 
-    def config_warnings(self) -> list[str]:
-        """SGLang on GPUs serving float32 (``--dtype`` follows ``rollout.engine_dtype``,
-        float32 by default) for a 16-bit trainer."""
-        model, r = self.cfg.model.dtype, self.cfg.rollout
-        if r.sglang.device != "cuda" or r.engine_dtype != "float32" or model == "float32":
-            return []
-        return [f"warning: rollout.engine_dtype=float32: SGLang serves in float32 (--dtype "
-                f"float32) while the trainer trains in {model}; set rollout.engine_dtype="
-                f"{model} to serve in the trainer's precision"]
-
     def check_node(self) -> tuple[str, str, str]:
         return check_sglang_environment(self.cfg)
 
