@@ -13,6 +13,8 @@ import os
 from moe_rl.config import load_config, response_cap
 from moe_rl.engines.factory import engine_kind
 from moe_rl.config.memory_estimate import GIB, format_memory, param_counts, trainer_memory
+from moe_rl.config.release_shapes import release_shape
+from moe_rl.models.tiny import tiny_config_fields
 from moe_rl.orchestration.run_inputs import load_run_inputs
 
 
@@ -60,19 +62,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _memory_lines(cfg, inputs, gpu_bytes: float) -> list[str]:
-    """The memory estimates, for a model whose config.json is at hand; sequences as long as
-    the longest prompt (when the inputs were read) plus the response cap, within the model's
-    context."""
+def _model_fields(cfg) -> tuple[dict, str | None]:
+    """The model's config.json fields and, when the file is not at model.path yet, where the
+    shape came from instead: the release model.path names, else the ``model.init`` shape
+    (what ``moe-rl init-model`` writes there)."""
     hf_file = os.path.join(cfg.model.path, "config.json")
-    if not os.path.isfile(hf_file):
-        return [f"no memory estimate: no config.json in model.path ({cfg.model.path})"]
-    with open(hf_file, encoding="utf-8") as fh:
-        hf = json.load(fh)
+    if os.path.isfile(hf_file):
+        with open(hf_file, encoding="utf-8") as fh:
+            return json.load(fh), None
+    release = release_shape(cfg.model.path)
+    if release is not None:
+        return release[1], f"{release[0]}'s published shape"
+    return (tiny_config_fields(cfg.model.init), "the model.init shape (what `moe-rl "
+            "init-model` writes there; the checkpoint's own config.json gives its own estimate)")
+
+
+def _memory_lines(cfg, inputs, gpu_bytes: float) -> list[str]:
+    """The memory estimates; sequences as long as the longest prompt (when the inputs were
+    read) plus the response cap, within the model's context."""
+    hf, source = _model_fields(cfg)
+    said = ([] if source is None else
+            [f"no config.json in model.path ({cfg.model.path}) yet: memory estimated for "
+             f"{source}"])
     context = int(hf.get("max_position_embeddings") or 0)
     prompt = max((len(p.ids) for p in inputs.prompts), default=0) if inputs else 0
     seq_len = prompt + response_cap(cfg) if inputs else context
     seq_len = min(seq_len, context) if context else seq_len
     counts = param_counts(hf)
     engine = engine_kind(cfg).gpu_memory(hf, counts.total, gpu_bytes)
-    return format_memory(trainer_memory(cfg, hf, counts, seq_len), engine, gpu_bytes)
+    return said + format_memory(trainer_memory(cfg, hf, counts, seq_len), engine, gpu_bytes)

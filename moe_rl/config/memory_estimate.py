@@ -48,21 +48,36 @@ def param_counts(hf_config: dict) -> ParamCounts:
     return ParamCounts(experts, embedding, dense)
 
 
+# the part of a GPU an estimate should leave free (docs/clusters.md asks for 10-20 %)
+HEADROOM = 0.10
+
+
 @dataclass(frozen=True)
 class TrainerMemory:
     """Bytes on one trainer GPU by what holds them."""
     weights: float
     gradients: float
     optimizer: float
-    extra_copies: float     # the EMA (float32) and the KL reference model
+    ema: float              # the float32 EMA of the weights (trainer.ema_decay)
+    reference: float        # the KL reference model (algorithm.kl.coef > 0)
     activations: float
     logits: float
     tokens: float           # of one micro-batch on this rank
 
     @property
     def total(self) -> float:
-        return (self.weights + self.gradients + self.optimizer + self.extra_copies
+        return (self.weights + self.gradients + self.optimizer + self.ema + self.reference
                 + self.activations + self.logits)
+
+    def parts(self) -> dict[str, float]:
+        """{what a person calls it: bytes}, the biggest first."""
+        named = {"weights": self.weights, "gradients (float32)": self.gradients,
+                 "optimizer (Adam's moments, float32 master weights)": self.optimizer,
+                 "EMA (float32; only the final export reads it, unless trainer.ema_policy "
+                 "serves it; trainer.ema_decay=null drops it)": self.ema,
+                 "KL reference model": self.reference, "activations": self.activations,
+                 "logits": self.logits}
+        return dict(sorted(named.items(), key=lambda kv: -kv[1]))
 
 
 def _ffn_widths(hf: dict) -> list[int]:
@@ -97,8 +112,8 @@ def trainer_memory(cfg: Config, hf: dict, counts: ParamCounts, seq_len: int) -> 
     state = 8 + (4 if b < 4 else 0)   # Adam's m and v, the float32 master copy
     distributed = t.distributed_optimizer and cfg.cluster.gpus_per_node   # as on GPUs
     sharded = dense / dp + experts / edp if distributed else params
-    extra = ((4 * params if t.ema_decay is not None else 0)
-             + (b * params if cfg.algorithm.kl.coef > 0 else 0))
+    ema = 4 * params if t.ema_decay is not None else 0
+    reference = b * params if cfg.algorithm.kl.coef > 0 else 0
     tokens = (t.max_tokens_per_micro_batch or (t.micro_batch_size or 1) * seq_len) / cp
     h = int(hf["hidden_size"])
     per_layer = [15 * h + 19 * h * width / (4 * h) for width in _ffn_widths(hf)]
@@ -112,7 +127,8 @@ def trainer_memory(cfg: Config, hf: dict, counts: ParamCounts, seq_len: int) -> 
     from moe_rl_kernels.logprob_torch import DEFAULT_CHUNK
     rows = min(DEFAULT_CHUNK, tokens)
     logits = rows * int(hf["vocab_size"]) / tp * 4 * 2 + tokens * h * 4
-    return TrainerMemory(b * params, 4 * params, state * sharded, extra, act / tp, logits, tokens)
+    return TrainerMemory(b * params, 4 * params, state * sharded, ema, reference, act / tp, logits,
+                         tokens)
 
 
 @dataclass(frozen=True)
@@ -126,24 +142,34 @@ class EngineMemory:
 
 def format_memory(trainer: TrainerMemory, engine: EngineMemory | None, gpu_bytes: float
                   ) -> list[str]:
-    """The estimates as a person reads them, with a warning when the trainer's exceeds the
-    GPU."""
+    """The estimates as a person reads them, with a warning when the trainer's exceeds the GPU
+    or leaves it less than :data:`HEADROOM` free (naming the biggest parts)."""
     def gib(x: float) -> str:
         return f"{x / GIB:.1f} GiB"
     lines = [f"memory per trainer GPU (estimate, micro-batches of {trainer.tokens:.0f} "
              f"tokens): weights "
              f"{gib(trainer.weights)}, gradients {gib(trainer.gradients)}, optimizer "
-             f"{gib(trainer.optimizer)}, EMA/reference {gib(trainer.extra_copies)}, "
-             f"activations {gib(trainer.activations)}, logits {gib(trainer.logits)}: "
-             f"total {gib(trainer.total)} of {gib(gpu_bytes)}"]
+             f"{gib(trainer.optimizer)}, EMA {gib(trainer.ema)}, reference "
+             f"{gib(trainer.reference)}, activations {gib(trainer.activations)}, logits "
+             f"{gib(trainer.logits)}: total {gib(trainer.total)} of {gib(gpu_bytes)} "
+             f"({trainer.total / gpu_bytes:.0%})"]
+    biggest = "; ".join(f"{name} {gib(size)}" for name, size in
+                        list(trainer.parts().items())[:3] if size)
+    fixes = ("raise trainer.expert_parallel or trainer.tensor_parallel, set "
+             "trainer.recompute_activations, or lower trainer.max_tokens_per_micro_batch / "
+             "micro_batch_size")
     if trainer.total > gpu_bytes:
         lines.append(f"warning: the trainer's estimate ({gib(trainer.total)}) exceeds the "
-                     f"{gib(gpu_bytes)} of a GPU: raise trainer.expert_parallel or "
-                     f"trainer.tensor_parallel, set trainer.recompute_activations, or lower "
-                     f"trainer.max_tokens_per_micro_batch / micro_batch_size")
+                     f"{gib(gpu_bytes)} of a GPU: {fixes}; the biggest parts: {biggest}")
+    elif trainer.total > (1 - HEADROOM) * gpu_bytes:
+        lines.append(f"warning: the trainer's estimate ({gib(trainer.total)}, "
+                     f"{trainer.total / gpu_bytes:.0%} of {gib(gpu_bytes)}) leaves less than "
+                     f"the {HEADROOM:.0%} headroom an estimate needs (allocator fragmentation, "
+                     f"communication buffers, docs/clusters.md); the biggest parts: {biggest}; "
+                     f"to make room: {fixes}")
     if engine is not None:
         lines.append(f"memory per SGLang GPU (estimate): weights {gib(engine.weights)}, KV pool "
-                     f"{gib(engine.kv_pool)} (~{engine.kv_tokens} tokens per server)")
+                     f"{gib(engine.kv_pool)} (~{engine.kv_tokens:,} tokens per server)")
         if engine.kv_tokens == 0:
             lines.append("warning: no room for SGLang's KV pool: raise "
                          "rollout.sglang.mem_fraction_static or rollout.sglang.tp_size")

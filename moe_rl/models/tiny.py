@@ -49,6 +49,12 @@ def _hf_config(init: ModelInitConfig, tokenizer):
     return family(arch).tiny_hf_config(transformers, common, fields, init)
 
 
+def tiny_config_fields(init: ModelInitConfig) -> dict:
+    """The config.json fields of the tiny model of ``init`` (what :func:`write_tiny_model`
+    writes), without writing it."""
+    return _hf_config(init, build_tokenizer()).to_dict()
+
+
 def write_tiny_model(init: ModelInitConfig, out_dir: str) -> str:
     """Write config.json, model.safetensors and the tokenizer of the tiny model of ``init``
     (Qwen3-MoE, DeepSeek-V3, GLM-4.5 or gpt-oss) to ``out_dir``, deterministically from ``init.seed``.

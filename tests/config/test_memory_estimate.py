@@ -11,16 +11,10 @@ import pytest
 from moe_rl.config import load_config
 from moe_rl.engines.factory import engine_kind
 from moe_rl.config.memory_estimate import ParamCounts, param_counts, trainer_memory
+from moe_rl.config.release_shapes import RELEASES
 from tests.helpers import ROOT
 
-QWEN3_30B_A3B = {   # its config.json (the keys that shape the parameters)
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 128,
-    "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
-    "moe_intermediate_size": 768, "num_attention_heads": 32, "num_experts": 128,
-    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
-    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": False,
-    "vocab_size": 151936, "attention_bias": False}
+QWEN3_30B_A3B = RELEASES["Qwen3-30B-A3B"]
 GIB = 1 << 30
 COUNTS = ParamCounts(experts=48 * 128 * 3 * 2048 * 768, embedding=2 * 151936 * 2048,
                      dense=918_763_520)
@@ -49,7 +43,7 @@ def test_one_trainer_gpu_of_the_four_node_config_worked_by_hand():
     # Adam m, v and the float32 master weights, sharded: dense over DP 16, experts over
     # expert DP 16 / 8 = 2
     assert m.optimizer == pytest.approx(12 * (dense / 16 + experts / 2))
-    assert m.extra_copies == pytest.approx(4 * params)   # the float32 EMA
+    assert m.ema == pytest.approx(4 * params) and m.reference == 0   # the float32 EMA
     assert m.tokens == 16384
     # recompute: 2h bytes kept per token and layer, and one MoE layer's 15h + 19h * 8 * 768 / 4h
     one_layer = 15 * 2048 + 19 * 2048 * (8 * 768) / (4 * 2048)
@@ -66,7 +60,7 @@ def test_without_recompute_every_layer_keeps_its_activations_and_tp_cp_split_the
         "trainer.ema_decay=null"])
     m = trainer_memory(cfg, QWEN3_30B_A3B, COUNTS, seq_len=4096)
     params = (COUNTS.dense + COUNTS.embedding) / 2 + COUNTS.experts / 8
-    assert m.optimizer == pytest.approx(12 * params) and m.extra_copies == 0
+    assert m.optimizer == pytest.approx(12 * params) and m.ema == 0
     one_layer = 15 * 2048 + 19 * 2048 * (8 * 768) / (4 * 2048)
     assert m.tokens == 16384 / 2
     assert m.activations == pytest.approx(8192 * 48 * one_layer / 2)
@@ -104,16 +98,35 @@ def test_moe_rl_plan_prints_the_layout_the_memory_and_the_idle_gpus(tmp_path):
     assert "warning: 32 of the 8 x 8 GPUs are idle in this plan" in out
 
 
-GLM45_AIR = {   # zai-org/GLM-4.5-Air's config.json (the keys that shape the parameters)
-    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
-    "head_dim": 128, "hidden_size": 4096, "partial_rotary_factor": 0.5,
-    "intermediate_size": 10944, "max_position_embeddings": 131072,
-    "moe_intermediate_size": 1408, "norm_topk_prob": True, "num_attention_heads": 96,
-    "n_group": 1, "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
-    "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
-    "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
-    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
-    "use_qk_norm": False, "vocab_size": 151552}
+def test_plan_estimates_a_shipped_config_before_its_checkpoint_and_warns_without_headroom(
+        tmp_path):
+    """The shipped 4-node Qwen3 config on its 80 GiB GPUs, /models/Qwen3-30B-A3B absent: the
+    release's published shape, 93 % of the GPU (under the 10 % headroom docs/clusters.md asks)
+    warned with the biggest parts, the float32 EMA named; a tiny config's model.init shape; the
+    KV pool's tokens grouped."""
+    def plan(config, *extra):
+        got = subprocess.run([sys.executable, "-m", "moe_rl.cli", "plan", "--config", config,
+                              "--no-inputs", *extra], capture_output=True, text=True,
+                             timeout=300, cwd=tmp_path)
+        assert got.returncode == 0, got.stderr[-2000:]
+        return got.stdout
+    out = plan("qwen3_30b_a3b_r3_gspo")
+    assert ("no config.json in model.path (/models/Qwen3-30B-A3B) yet: memory estimated for "
+            "Qwen3-30B-A3B's published shape") in out
+    assert "total 74.6 GiB of 80.0 GiB (93%)" in out
+    warning = next(line for line in out.splitlines() if "headroom" in line)
+    assert warning.startswith("warning: the trainer's estimate (74.6 GiB, 93% of 80.0 GiB) "
+                              "leaves less than the 10% headroom")
+    assert ("the biggest parts: optimizer (Adam's moments, float32 master weights) 21.3 GiB; "
+            "gradients (float32) 19.2 GiB; EMA (float32; only the final export reads it")\
+        in warning
+    assert "KV pool 49.8 GiB (~2,175,025 tokens per server)" in out
+    assert "headroom" not in plan("qwen3_30b_a3b_r3_gspo", "trainer.ema_decay=null")
+    tiny = plan("tiny_one_gpu", f"model.path={tmp_path}/none")
+    assert "memory estimated for the model.init shape" in tiny and "headroom" not in tiny
+
+
+GLM45_AIR = RELEASES["GLM-4.5-Air"]
 
 
 def test_the_glm45_air_config_fits_its_80_gib_gpus():
@@ -137,16 +150,7 @@ def test_the_glm45_air_config_fits_its_80_gib_gpus():
     assert e.kv_pool == pytest.approx(0.7 * 80 * GIB - e.weights) and e.kv_pool > 30 * GIB
 
 
-GPT_OSS_20B = {   # openai/gpt-oss-20b's config.json in bfloat16 (without quantization_config)
-    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
-    "head_dim": 64, "hidden_size": 2880, "intermediate_size": 2880,
-    "layer_types": ["sliding_attention", "full_attention"] * 12,
-    "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
-    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
-    "rms_norm_eps": 1e-05, "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0,
-    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "original_max_position_embeddings": 4096, "truncate": False},
-    "tie_word_embeddings": False, "vocab_size": 201088}
+GPT_OSS_20B = RELEASES["gpt-oss-20b"]
 
 
 def test_the_gpt_oss_20b_config_fits_its_80_gib_gpus():
@@ -173,14 +177,7 @@ def test_the_gpt_oss_20b_config_fits_its_80_gib_gpus():
     assert e.kv_pool == pytest.approx(0.8 * 80 * GIB - e.weights) and e.kv_pool > 20 * GIB
 
 
-MINIMAX_M2 = {   # MiniMaxAI/MiniMax-M2's config.json in bfloat16 (the keys that shape it)
-    "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "head_dim": 128,
-    "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608,
-    "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62,
-    "num_key_value_heads": 8, "num_local_experts": 256, "rms_norm_eps": 1e-06,
-    "rope_theta": 5000000, "rotary_dim": 64, "scoring_func": "sigmoid", "use_routing_bias": True,
-    "use_qk_norm": True, "qk_norm_type": "per_layer", "tie_word_embeddings": False,
-    "vocab_size": 200064}
+MINIMAX_M2 = RELEASES["MiniMax-M2"]
 
 
 def test_the_minimax_m2_config_fits_its_141_gib_gpus():
