@@ -297,7 +297,7 @@ class AlgorithmConfig:
 
 @dataclass
 class LossScaleConfig:
-    initial: float = _f(2.0 ** 16, "model.dtype=float16: the dynamic loss scale at the start "
+    initial: float = _f(2.0 ** 14, "model.dtype=float16: the dynamic loss scale at the start "
                         "(megatron's initial_loss_scale; megatron's own 2^32 overflowed and "
                         "skipped the first 16 steps of a run)", **_rng(1))
     min: float = _f(1.0, "the scale never falls below this; a run whose scale reaches it "

@@ -20,6 +20,9 @@ from moe_rl.rewards.service import reward_setting
 from moe_rl.rollout.batch import BatchSummary, extra_prompts, step_seed
 from moe_rl.orchestration.run_inputs import RunInputs
 
+# steps in a row whose every advantage was 0 before the run says it learns nothing
+NO_SIGNAL_STEPS = 3
+
 
 def run_training(cfg: Config, inputs: RunInputs | None = None, resume: bool = False,
                  resume_from: str | None = None, overwrite: bool = False,
@@ -48,6 +51,7 @@ class StepLoop:
         self.bar = StepProgress(run.cfg.trainer.steps, "RL step", run.cfg.logging.progress,
                                 run.cfg.logging.log_interval, first=run.start_step)
         self.failed_batches = 0
+        self.no_signal = 0   # steps in a row whose every advantage was 0
         self.timeouts_named = False
         self.last_save = time.monotonic()
 
@@ -62,6 +66,7 @@ class StepLoop:
             run.logger.log(step, metrics)
             run.history.append({"step": step, **metrics})
             self.bar.update(step_fields(metrics), skipped=metrics.get("train/skipped_steps", 0))
+            self.say_when_nothing_is_learned(step, metrics)
             self.after(step)
         run.stop.stop_clock()
         self.bar.close()
@@ -122,6 +127,26 @@ class StepLoop:
         if dropped and summary.first_env_error:
             print(f"step {step}: {int(dropped)} trajectories dropped on environment errors or "
                   f"timeouts; first: {summary.first_env_error}", flush=True)
+
+    def say_when_nothing_is_learned(self, step: int, metrics: dict) -> None:
+        """After :data:`NO_SIGNAL_STEPS` steps in a row whose every advantage was 0 (every
+        response of a group scored alike: no gradient from the policy loss), say so once per
+        such stretch, with the likely causes."""
+        self.no_signal = self.no_signal + 1 if metrics.get("advantage/zero_frac") == 1.0 else 0
+        if self.no_signal != NO_SIGNAL_STEPS:
+            return
+        alike = ("every reward 0" if metrics.get("reward/mean") == 0
+                 and metrics.get("reward/std") == 0 else "no spread within any group")
+        warm = self.cfg.trainer.sft_warmup_steps
+        print(f"warning: step {step}: no learning signal for {NO_SIGNAL_STEPS} steps: every "
+              f"response of each group scored alike ({alike}; advantage/zero_frac 1), so the "
+              f"policy loss has no gradient. Likely causes: "
+              + ("a model that never answers in the reward's format yet (a new `moe-rl "
+                 "init-model` model is random: warm it up with trainer.sft_warmup_steps, "
+                 "supervised steps on the data's answers); " if warm == 0 else "")
+              + f"the answer format the reward ({self.cfg.data.reward}) expects differs from "
+              f"what the model writes (see samples.jsonl); prompts all too hard or too easy "
+              f"for the model", flush=True)
 
     def after(self, step: int) -> None:
         """After step ``step``: the checkpoint when due (or when stopping), the evaluation and

@@ -747,3 +747,22 @@ def test_the_config_to_start_from_in_own_data_md_runs_its_checks_and_the_gpu_one
     cfg = load_config(str(tmp_path / "gpu.yaml"))
     assert (cfg.cluster.gpus_per_node, cfg.rollout.engine, cfg.trainer.expert_parallel) == \
         (8, "sglang", 4)
+
+
+def test_moe_rl_config_prints_every_warning_moe_rl_train_prints(tmp_path):
+    """The precision pair (a float16 trainer against the engine's float32 default) and the
+    clip ranges (GSPO with token-sized ranges), on stderr beside the YAML, as `train` says
+    them."""
+    import subprocess
+    import sys
+    from moe_rl.config.checks import config_warnings
+    overrides = ["model.dtype=float16", "algorithm.loss=gspo", "algorithm.clip_low=0.2",
+                 "algorithm.clip_high=0.28"]
+    got = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", "--config", "tiny_cpu",
+                          "--no-inputs", *overrides], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    want = config_warnings(load_config("configs/tiny_cpu.yaml", overrides))
+    assert [w.split(":")[1].split()[0] for w in want] == ["rollout.engine_dtype=float32",
+                                                          "algorithm.loss=gspo"]
+    assert got.stderr.splitlines() == want
