@@ -7,7 +7,20 @@ class UserError(Exception):
 
 
 class ConfigError(UserError, ValueError):
-    """A configuration problem, with the dotted key it concerns."""
+    """A configuration problem, with the dotted key it concerns; ``refusals``: each problem,
+    when one error reports several found at once (:meth:`of`)."""
+
+    def __init__(self, message: str, refusals: list[str] | None = None):
+        super().__init__(message)
+        self.refusals = list(refusals or [message])
+
+    @classmethod
+    def of(cls, refusals: list[str]) -> "ConfigError":
+        """One error naming every refusal (its message the refusal itself when alone)."""
+        if len(refusals) == 1:
+            return cls(refusals[0])
+        return cls(f"{len(refusals)} refusals: " + " ".join(
+            f"({i}) {text}" for i, text in enumerate(refusals, 1)), refusals)
 
 
 class LossScaleCollapsed(RuntimeError):

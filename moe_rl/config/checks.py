@@ -110,35 +110,38 @@ def check_sampling(cfg: Config, moe_shape: MoEShape) -> None:
 def check_loss(cfg: Config) -> None:
     """The loss, its clip ranges, aggregation, KL and entropy control, the advantage's groups."""
     a, r = cfg.algorithm, cfg.rollout
+    refusals = []
     if a.entropy_control.method == "kl_cov" and a.loss != "ppo":
-        raise ConfigError("algorithm.entropy_control.method: kl_cov replaces the token PPO "
-                          "surrogate (unclipped -A r + penalty); it needs algorithm.loss=ppo")
+        refusals.append("algorithm.entropy_control.method: kl_cov replaces the token PPO "
+                        "surrogate (unclipped -A r + penalty); it needs algorithm.loss=ppo")
     if a.loss == "gspo" and (a.clip_low <= 0 or a.clip_high <= 0):
-        raise ConfigError(f"algorithm.clip_low/clip_high: GSPO needs positive clip ranges, got "
-                          f"{a.clip_low} / {a.clip_high}")
+        refusals.append(f"algorithm.clip_low/clip_high: GSPO needs positive clip ranges, got "
+                        f"{a.clip_low} / {a.clip_high}")
     if a.clip_low < 0 or a.clip_high < 0:
-        raise ConfigError("algorithm.clip_low/clip_high: clip ranges must be >= 0")
+        refusals.append("algorithm.clip_low/clip_high: clip ranges must be >= 0")
     if a.loss in ("gspo", "gmpo") and a.aggregation != "seq-mean-token-mean":
-        raise ConfigError(f"algorithm.aggregation: {a.loss.upper()}'s token form has the sequence "
-                          f"objective's gradient only under seq-mean-token-mean; got "
-                          f"{a.aggregation!r}")
+        refusals.append(f"algorithm.aggregation: {a.loss.upper()}'s token form has the sequence "
+                        f"objective's gradient only under seq-mean-token-mean; got "
+                        f"{a.aggregation!r}")
     if a.router_shift.enabled and a.loss not in ("ppo", "gspo", "gmpo"):
-        raise ConfigError(f"algorithm.router_shift.enabled: the router-shift weight scales the "
-                          f"importance ratio of ppo, gspo or gmpo; algorithm.loss is {a.loss!r}")
+        refusals.append(f"algorithm.router_shift.enabled: the router-shift weight scales the "
+                        f"importance ratio of ppo, gspo or gmpo; algorithm.loss is {a.loss!r}")
     if a.router_shift.enabled and a.entropy_control.method == "kl_cov":
-        raise ConfigError("algorithm.router_shift.enabled: kl_cov replaces the ratio surrogate "
-                          "the router-shift weight scales; turn one off")
+        refusals.append("algorithm.router_shift.enabled: kl_cov replaces the ratio surrogate "
+                        "the router-shift weight scales; turn one off")
     if a.clip_low >= 1 and a.loss != "gmpo":
-        raise ConfigError(f"algorithm.clip_low: must be < 1 (ratio floor 1 - clip_low), got "
-                          f"{a.clip_low}")
+        refusals.append(f"algorithm.clip_low: must be < 1 (ratio floor 1 - clip_low), got "
+                        f"{a.clip_low}")
     if a.kl.in_reward and a.kl.coef == 0:
-        raise ConfigError("algorithm.kl.in_reward: needs algorithm.kl.coef > 0")
+        refusals.append("algorithm.kl.in_reward: needs algorithm.kl.coef > 0")
     if a.entropy_control.method == "clip_cov" and (a.entropy_control.clip_cov_low
                                                     >= a.entropy_control.clip_cov_high):
-        raise ConfigError("algorithm.entropy_control.clip_cov_low: must be below clip_cov_high")
+        refusals.append("algorithm.entropy_control.clip_cov_low: must be below clip_cov_high")
     if r.n_samples_per_prompt < 2 and a.advantage in ("grpo", "rloo", "qae"):
-        raise ConfigError(f"rollout.n_samples_per_prompt: '{a.advantage}' advantages need groups "
-                          f"of at least 2, got {r.n_samples_per_prompt}")
+        refusals.append(f"rollout.n_samples_per_prompt: '{a.advantage}' advantages need groups "
+                        f"of at least 2, got {r.n_samples_per_prompt}")
+    if refusals:
+        raise ConfigError.of(refusals)
 
 
 def check_corrections(cfg: Config) -> None:
@@ -426,31 +429,27 @@ def check_logging(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Raise :class:`ConfigError` for incompatible combinations of otherwise valid values: every
-    check below, in this order (the first refusal is the one reported); then the checks of the
-    engine named by ``rollout.engine`` (:func:`check_engine`)."""
+    """Raise :class:`ConfigError` for incompatible combinations of otherwise valid values: the
+    model's shape first (the others read it), then every check below and the checks of the
+    engine named by ``rollout.engine`` (:func:`check_engine`), each one's refusals collected, so
+    one error names them all."""
     check_model_init(cfg)
     moe_shape = model_moe_shape(cfg.model)
-    check_model_fit(cfg, moe_shape)
-    check_family(cfg)
-    check_places(cfg)
-    check_sampling(cfg, moe_shape)
-    check_loss(cfg)
-    check_corrections(cfg)
-    check_optimiser_and_layout(cfg, moe_shape)
-    check_micro_batches(cfg)
-    check_ema(cfg)
-    check_cpu(cfg)
-    check_weight_sync(cfg)
-    check_model_parallel(cfg, moe_shape)
-    check_async(cfg)
-    check_partial(cfg)
-    check_ranks(cfg)
-    check_data(cfg)
-    check_rewards(cfg)
-    check_eval(cfg)
-    check_logging(cfg)
-    check_engine(cfg)
+    refusals: list[str] = []
+    for check, args in ((check_model_fit, (moe_shape,)), (check_family, ()), (check_places, ()),
+                        (check_sampling, (moe_shape,)), (check_loss, ()),
+                        (check_corrections, ()), (check_optimiser_and_layout, (moe_shape,)),
+                        (check_micro_batches, ()), (check_ema, ()), (check_cpu, ()),
+                        (check_weight_sync, ()), (check_model_parallel, (moe_shape,)),
+                        (check_async, ()), (check_partial, ()), (check_ranks, ()),
+                        (check_data, ()), (check_rewards, ()), (check_eval, ()),
+                        (check_logging, ()), (check_engine, ())):
+        try:
+            check(cfg, *args)
+        except ConfigError as exc:
+            refusals.extend(exc.refusals)
+    if refusals:
+        raise ConfigError.of(refusals)
 
 
 ENGINE_CHECKS = "moe_rl.engines.{}.checks"

@@ -140,17 +140,22 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in data.items():
-        if name not in fields:
-            raise _unknown_key(cls, str(name), prefix)
-        tp = hints[name]
-        key = prefix + name
-        if _is_dataclass_type(tp):
-            kwargs[name] = _build(tp, value, key + ".")
-        else:
-            kwargs[name] = _coerce(value, tp, key)
-            _check_range(kwargs[name], fields[name].metadata, key)
+    kwargs, refusals = {}, []
+    for name, value in data.items():   # every key's refusal collected: one error names all
+        try:
+            if name not in fields:
+                raise _unknown_key(cls, str(name), prefix)
+            tp = hints[name]
+            key = prefix + name
+            if _is_dataclass_type(tp):
+                kwargs[name] = _build(tp, value, key + ".")
+            else:
+                kwargs[name] = _coerce(value, tp, key)
+                _check_range(kwargs[name], fields[name].metadata, key)
+        except ConfigError as exc:
+            refusals.extend(exc.refusals)
+    if refusals:
+        raise ConfigError.of(refusals)
     return cls(**kwargs)
 
 

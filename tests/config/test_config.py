@@ -766,3 +766,32 @@ def test_moe_rl_config_prints_every_warning_moe_rl_train_prints(tmp_path):
     assert [w.split(":")[1].split()[0] for w in want] == ["rollout.engine_dtype=float32",
                                                           "algorithm.loss=gspo"]
     assert got.stderr.splitlines() == want
+
+
+@pytest.mark.parametrize("command,overrides,refusals", [
+    ("config", ["trainer.lr=nan", "rollout.temperature=-1"],
+     ["trainer.lr: expected a finite number", "rollout.temperature: -1.0 is out of range"]),
+    ("config", ["algorithm.loss=gspo", "algorithm.aggregation=token-mean",
+                "algorithm.clip_low=-0.1"],
+     ["algorithm.clip_low/clip_high: GSPO needs positive clip ranges",
+      "algorithm.clip_low/clip_high: clip ranges must be >= 0",
+      "algorithm.aggregation: GSPO's token form"]),
+    ("plan", ["cluster.num_nodes=2", "cluster.colocate=true", "cluster.gpus_per_node=8",
+              "rollout.engine=sglang", "model.dtype=bfloat16", "rollout.engine_dtype=bfloat16",
+              "cluster.trainer_workers=16", "rollout.num_servers=2",
+              "cluster.weight_sync=distributed"],
+     ["cluster.weight_sync: 'distributed' with cluster.colocate=true",
+      "rollout.prompts_per_step: 8 prompt groups cannot give each of the 16"]),
+])
+def test_every_refusal_of_a_config_comes_at_once(tmp_path, command, overrides, refusals):
+    """Through the commands a user types: one line, numbered, naming each refusal."""
+    import subprocess
+    import sys
+    got = subprocess.run([sys.executable, "-m", "moe_rl.cli", command, "--no-inputs",
+                          *overrides], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert got.returncode == 2 and len(got.stderr.strip().splitlines()) == 1, got.stderr
+    line = got.stderr.strip()
+    assert line.startswith(f"moe-rl {command}: {len(refusals)} refusals: (1) ")
+    for i, text in enumerate(refusals, 1):
+        assert f"({i}) {text}" in line, line
