@@ -252,9 +252,27 @@ def check_working_directory(folder: str | None = None) -> Finding:
     return Finding("working-directory", "ok", f"{folder}: no folder hides an installed package")
 
 
-def run_checks(cfg: Config) -> list[Finding]:
-    """Every check, in the order a node is set up."""
+def check_model(cfg: Config, named: bool = True) -> Finding:
+    """``model.path`` holds a checkpoint on this node (its config.json); not checked when the
+    run's model was not named (doctor without --config or model.path)."""
+    path = cfg.model.path
+    if os.path.isfile(os.path.join(path, "config.json")):
+        weights = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+        return Finding("model", "ok", f"{path}: config.json, {len(weights)} safetensors file(s)")
+    if not named:
+        return Finding("model", "skip", f"no --config: the default model.path ({path}) is not "
+                       f"checked")
+    return Finding("model", "fail", f"model.path={path}: no checkpoint (config.json) on this "
+                   f"node", "copy the checkpoint to this path on every node (or put it on a "
+                   "shared filesystem), or write the tiny model with `moe-rl init-model "
+                   "--config FILE`")
+
+
+def run_checks(cfg: Config, model_named: bool = True) -> list[Finding]:
+    """Every check, in the order a node is set up (``model_named``: the run's model.path was
+    given, so a missing checkpoint fails)."""
     return [check_python(), check_working_directory(), check_torch(cfg), check_gpus(cfg),
+            check_model(cfg, model_named),
             check_package("megatron-core", "megatron.core", "megatron-core", required=True),
             check_package("transformers", "transformers", "transformers", required=True),
             check_transformer_engine(cfg), check_engine(cfg), check_collectives(cfg),

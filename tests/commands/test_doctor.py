@@ -137,3 +137,30 @@ def test_busy_engine_ports_warn_and_no_free_port_fails(capsys):
             pass
         rc, found = doctor(capsys, "rollout.base_port=65535")
         assert rc == 1 and found["ports"]["status"] == "fail"
+
+
+def test_a_model_missing_on_the_node_fails_where_the_run_names_it(tmp_path):
+    """Through the console script: a config's (or an override's) model.path without a
+    checkpoint fails with the fix; without either, the default's is not checked."""
+    script = shutil.which("moe-rl", path=os.path.dirname(sys.executable))
+    for args in (["--config", "tiny_cpu"], [f"model.path={tmp_path}/absent"]):
+        got = subprocess.run([script, "doctor", f"logging.dir={tmp_path}/run", *args],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert got.returncode == 1, got.stdout + got.stderr
+        assert "[FAIL] model " in got.stdout and "no checkpoint (config.json) on this node" \
+            in got.stdout
+        assert got.stdout.strip().endswith("1 check(s) failed: model")
+    found = node_checks.check_model(load_config(None, []), named=False)
+    assert found.status == "skip"
+
+
+def test_without_a_config_a_gpu_node_is_checked_as_a_run_on_its_gpus(capsys, monkeypatch):
+    """The defaults are a CPU run: on a node with GPUs, doctor checks a run on all of them
+    (here a node whose torch has no CUDA build, so the GPU checks fail) and says so."""
+    from moe_rl.commands import doctor as command
+    monkeypatch.setattr(command, "node_gpus", lambda: 8)
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("no --config: checking this node as a run on its 8 GPUs")
+    assert "every check passed" not in out
+    assert main(["doctor", "cluster.gpus_per_node=0"]) == 0   # told otherwise: a CPU run

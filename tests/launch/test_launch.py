@@ -53,6 +53,13 @@ def test_three_node_dry_run(slurm_shims, tmp_path):
                     MOE_RL_HOST_IP="10.0.0.1")
     logs = f"{tmp_path / 'run'}/logs/slurm-77.0"
     assert cmds[0] == f"mkdir -p {logs}"
+    # moe-rl doctor on every node first, with the run's keys and the job's shape
+    for node, cmd in zip(("gpu01", "gpu02", "gpu03"), cmds[1:4]):
+        assert cmd == (f"srun --overlap --nodes=1 --ntasks=1 -w {node} --output={logs}/doctor-"
+                       f"{node}.log moe-rl doctor --config configs/qwen3_30b_a3b_r3_gspo.yaml "
+                       f"cluster.num_nodes=3 cluster.gpus_per_node=8 trainer.lr=1e-6 "
+                       f"logging.dir={tmp_path / 'run'} &")
+    cmds = cmds[:1] + cmds[4:]
     head = cmds[1]
     assert f"srun --overlap --nodes=1 --ntasks=1 -w gpu01 --output={logs}/ray-gpu01.log" in head
     assert "ray start --head --node-ip-address=10.0.0.1 --port=6379" in head
@@ -76,6 +83,19 @@ def test_three_node_dry_run(slurm_shims, tmp_path):
     assert cmds[6:] == [f"touch {logs}/.ray-stop-{n}" for n in ("gpu02", "gpu03", "gpu01")]
 
 
+def test_doctor_can_be_told_to_warn_or_skipped_and_a_dry_run_writes_nothing(slurm_shims,
+                                                                            tmp_path):
+    def doctors(**extra):
+        return [c for c in _dry_run(slurm_shims, f"logging.dir={tmp_path / 'run'}",
+                                    MOE_RL_HOST_IP="10.0.0.1", **extra) if " doctor " in c]
+    assert len(doctors()) == 3 and len(doctors(DOCTOR="warn")) == 3
+    assert doctors(DOCTOR="0") == []
+    assert not (tmp_path / "run").exists()   # DRY_RUN=1 only prints
+    env = _env(slurm_shims, SLURM_JOB_NODELIST="gpu[01-03]", CONFIG="c.yaml", DOCTOR="yes")
+    res = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True)
+    assert res.returncode == 1 and "DOCTOR='yes': expected 1, warn or 0" in res.stderr
+
+
 def test_a_requeued_job_resumes_and_resume_can_be_forced_or_refused(slurm_shims):
     def train(**extra):
         return next(c for c in _dry_run(slurm_shims, MOE_RL_HOST_IP="10.0.0.1", **extra)
@@ -86,7 +106,7 @@ def test_a_requeued_job_resumes_and_resume_can_be_forced_or_refused(slurm_shims)
 
 
 def test_head_address_from_slurms_node_address_and_the_log_dir_from_the_config(slurm_shims):
-    cmds = _dry_run(slurm_shims, "logging.dir=/shared/runs/x")
+    cmds = _dry_run(slurm_shims, "logging.dir=/shared/runs/x", DOCTOR="0")
     # no MOE_RL_HOST_IP: the head's NodeAddr as Slurm knows it (the shim says 127.0.0.1)
     assert "--node-ip-address=127.0.0.1 " in cmds[1]
     assert cmds[0] == "mkdir -p /shared/runs/x/logs/slurm-77.0"

@@ -48,7 +48,10 @@ def work(tmp_path_factory):
 def _submit(cluster, work, name: str) -> int:
     bindir = pathlib.Path(sys.executable).parent
     env = {"PATH": f"{bindir}:{os.environ['PATH']}", "CONFIG": "tiny_cpu",
-           "PYTHON": sys.executable, "MOE_RL": str(bindir / "moe-rl"), "STOP_TIMEOUT": "60"}
+           "PYTHON": sys.executable, "MOE_RL": str(bindir / "moe-rl"), "STOP_TIMEOUT": "60",
+           # the nodes share this machine's local filesystem, which doctor's shared-filesystem
+           # check fails: reported, and the job goes on
+           "DOCTOR": "warn"}
     return cluster.sbatch(
         "-N", "2", "--gpus-per-node=0", f"--output={work / name}-%j.out", str(SCRIPT),
         f"model.path={work / 'model'}", f"logging.dir={work / name}",
@@ -131,6 +134,11 @@ def test_two_node_run_places_a_rank_on_each_node_and_leaves_nothing(cluster, wor
     addr = {cluster.addresses[n]: n for n in cluster.nodes}
     # Ray on both nodes, each at its own address; the head found at n1's cluster address
     assert f"head n1 ({cluster.addresses['n1']}:6379)" in out
+    # moe-rl doctor ran on each node before Ray: its report in the job's output
+    for n in cluster.nodes:
+        report = out.split(f"moe_rl: moe-rl doctor on {n}:")[1]
+        assert "[ok  ] model " in report.split("check(s) failed")[0], out[-4000:]
+    assert "moe_rl: warning: moe-rl doctor failed on n1 n2 (DOCTOR=warn: going on)" in out
     assert f"ray cluster ready: 2 nodes ({', '.join(sorted(addr))})" in out
     for n in cluster.nodes:
         log = (run / "logs" / f"slurm-{job}.0" / f"ray-{n}.log").read_text()
