@@ -167,7 +167,8 @@ def resume_changes(saved_config: str, cfg: Config) -> list[tuple[str, object, ob
 
 def check_resume(checkpoint: str, cfg: Config, allowed: tuple[str, ...] = ()) -> None:
     """UserError naming the first key that differs between checkpoint ``checkpoint``'s config and
-    ``cfg`` (and is not in ``allowed``); the ``allowed`` changes that differ are said on stdout."""
+    ``cfg`` (and is not in ``allowed``), with the command that resumes with the saved config;
+    the ``allowed`` changes that differ are said on stdout."""
     changes = resume_changes(os.path.join(checkpoint, "config.yaml"), cfg)
     refused = [c for c in changes if c[0] not in allowed]
     if refused:
@@ -175,7 +176,8 @@ def check_resume(checkpoint: str, cfg: Config, allowed: tuple[str, ...] = ()) ->
         more = f" (and {', '.join(c[0] for c in refused[1:])})" if refused[1:] else ""
         raise UserError(
             f"{key}: the run in {checkpoint} was trained with {old!r}, this command gives "
-            f"{new!r}{more}; resume with the saved value, start a new run (a new logging.dir), "
-            f"or accept the change with --allow-change {key}")
+            f"{new!r}{more}; resume with the saved config (`moe-rl train --config "
+            f"{os.path.join(cfg.logging.dir, 'config.yaml')} --resume`), start a new run (a new "
+            f"logging.dir), or accept the change with --allow-change {key}")
     for key, old, new in changes:
         print(f"resuming with {key} changed: {old!r} -> {new!r} (--allow-change)", flush=True)

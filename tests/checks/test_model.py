@@ -153,6 +153,22 @@ def test_a_started_reference_engine_is_checked_and_stopped(qwen, capsys):
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
+def test_a_16_bit_engine_is_judged_at_its_own_tolerance_and_the_verdict_names_it(qwen, capsys):
+    """A bfloat16 engine is off by its rounding alone (the tiny model: ~6e-3): judged at 0.1
+    and said so; held to float32's 1e-3 by hand, the verdict names the tolerance that fits."""
+    code, out, _ = _check(capsys, qwen, "--start-engine", "reference", "--engine-dtype",
+                          "bfloat16", "--max-prompts", "4")
+    assert code == 0, out
+    line = out.splitlines()[-1]
+    assert line.startswith("aligned: ") and line.endswith("(threshold 0.1) (bfloat16 engine)")
+    code, out, _ = _check(capsys, qwen, "--start-engine", "reference", "--engine-dtype",
+                          "bfloat16", "--max-prompts", "4", "--max-abs-delta", "1e-4")
+    assert code == 1, out
+    assert out.splitlines()[-1].endswith(
+        "an engine serving 16-bit weights (bfloat16, float16) is off by its rounding alone: "
+        "--max-abs-delta 0.1 fits it (--engine-dtype with --start-engine sets it)")
+
+
 def test_an_engine_that_refuses_the_model_is_one_line(tmp_path, capsys):
     """What the started engine's checks refuse (SGLang on CPU and gpt-oss's sinks) is named in
     one line, before anything starts."""

@@ -434,3 +434,28 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
     assert rows(run) == rows(base) and sorted(rows(base)) == list(range(steps))
     a, b = (load_file(str(r / "final_hf" / "model.safetensors")) for r in (base, run))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+def test_a_resume_refused_for_a_changed_key_gives_the_command_that_resumes(trained_run,
+                                                                          tmp_path):
+    """The run's own config.yaml is what resumes it: the refusal names that command, and the
+    command it names resumes (a step more, to have something to do)."""
+    import shutil
+    shutil.copytree(trained_run, tmp_path, dirs_exist_ok=True)
+    run = tmp_path / "run"
+    common = [f"rollout.base_port={engine_base_port()}"]
+    refused = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+         str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
+         f"logging.dir={run}", "trainer.lr=1e-5", "--resume", *common],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    named = f"moe-rl train --config {run / 'config.yaml'} --resume"
+    assert f"resume with the saved config (`{named}`)" in refused.stderr
+    resumed = subprocess.run([sys.executable, "-m", "moe_rl.cli", *named.split()[1:],
+                              "trainer.steps=4", *common], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at step 3" in resumed.stdout

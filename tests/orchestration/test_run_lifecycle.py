@@ -76,6 +76,8 @@ def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     assert changed.returncode == 2, changed.stderr[-2000:]
     assert changed.stderr.startswith("moe-rl train: trainer.lr: the run in ") and \
         "--allow-change trainer.lr" in changed.stderr
+    assert f"resume with the saved config (`moe-rl train --config {run / 'config.yaml'} " \
+        f"--resume`)" in changed.stderr
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     unknown = train(tmp_path, *base, "--resume", "--allow-change", "trainer.lrr", timeout=120)
     assert unknown.returncode == 2 and "--allow-change trainer.lrr: not a config key" \
