@@ -15,12 +15,14 @@ def _mean(history: list[dict], key: str, rows: slice = slice(None)) -> float:
 
 
 def eval_line(evals: list[dict]) -> str | None:
-    """Each held-out set's pass@1 at the first and the last evaluation of the run."""
+    """Each held-out set's pass@1 at the first and the last evaluation of the run (the one,
+    when there was one)."""
     if not evals:
         return None
     first, last = evals[0], evals[-1]
-    parts = [f"{key.split('/')[1]} pass@1 {first[key]:.3f} (after {first['step']} updates) -> "
-             f"{last[key]:.3f} (after {last['step']})"
+    once = first["step"] == last["step"]
+    parts = [f"{key.split('/')[1]} pass@1 {first[key]:.3f} (after {first['step']} updates)"
+             + ("" if once else f" -> {last[key]:.3f} (after {last['step']})")
              for key in sorted(last) if key.endswith("/pass@1") and key in first
              and isinstance(first[key], float) and isinstance(last[key], float)]
     return "  eval: " + "; ".join(parts) if parts else None
@@ -40,10 +42,12 @@ def run_summary(history: list[dict], cfg, seconds: float, checkpoint: str | None
                                                                      slice(-k, None))
     session = f", resumed at step {resumed_at}" if resumed_at else ""
     timed = [h for h in history if h["step"] >= resumed_at]
+    rise = (f"mean reward {first:.3f}" if done == 1 else
+            f"mean reward of the first {k} steps {first:.3f}, of the last {k} {last:.3f} (rise "
+            f"{last - first:+.3f})")
     lines = [f"run finished: {done} RL steps (steps {history[0]['step']}-{history[-1]['step']}) "
              f"in {seconds / 60:.1f} min{session} ({_mean(timed, 'timing/step_s'):.1f} s/step); "
-             f"mean reward of the first {k} steps {first:.3f}, of the last {k} {last:.3f} (rise "
-             f"{last - first:+.3f})",
+             f"{rise}",
              f"  mismatch/k3 {_mean(history, 'mismatch/k3'):.2e} (mean), routing/agreement "
              f"{_mean(history, 'routing/agreement'):.4f} (mean)",
              f"  run directory {cfg.logging.dir}; last checkpoint {checkpoint or 'none'}"]

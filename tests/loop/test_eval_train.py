@@ -193,3 +193,17 @@ def test_evaluation_leaves_training_untouched_in_the_asynchronous_pipeline(tmp_p
         assert len(same) > 5 and {k: with_eval[k] for k in same} == {k: plain[k] for k in same}
         # the rest up to the engine's batch-dependent float32 rounding (a few 1e-7)
         assert with_eval == pytest.approx(plain, rel=1e-4, abs=1e-5)
+
+
+def test_a_run_with_one_evaluation_and_one_step_summarises_them_once(tmp_path):
+    """eval.at_start=false, one step: the summary gives the one evaluation and the one step's
+    reward, without a "before -> after" of a thing with itself."""
+    init_tiny_model(str(tmp_path / "model"), "tiny_math_cpu.yaml")
+    res = train_cli(tmp_path, 1, *EVAL_KEYS, "eval.at_start=false", config="tiny_math_cpu.yaml")
+    evals = [r for r in _rows(tmp_path / "run") if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [1]
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("  eval: "))
+    assert line == f"  eval: held_out pass@1 {evals[0]['eval/held_out/pass@1']:.3f} (after 1 " \
+        f"updates)"
+    finished = next(ln for ln in res.stdout.splitlines() if ln.startswith("run finished: "))
+    assert "mean reward " in finished and "rise" not in finished and "first 1" not in finished
