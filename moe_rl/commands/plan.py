@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(format_plan(plan))
     print(format_layout(trainer_layout(cfg)))
+    print(_experts_line(cfg))
     for line in _memory_lines(cfg, inputs, args.gpu_memory_gib * GIB):
         print(line)
     idle = idle_gpus(plan)
@@ -75,6 +76,16 @@ def _model_fields(cfg) -> tuple[dict, str | None]:
         return release[1], f"{release[0]}'s published shape"
     return (tiny_config_fields(cfg.model.init), "the model.init shape (what `moe-rl "
             "init-model` writes there; the checkpoint's own config.json gives its own estimate)")
+
+
+def _experts_line(cfg) -> str:
+    """How the trainer's MoE experts will compute (``trainer.experts``), as the trainer decides."""
+    from moe_rl.rollout_record import MODEL_DTYPES
+    from moe_rl.trainer.expert_path import model_expert_path
+    hf, _ = _model_fields(cfg)
+    path, why = model_expert_path(cfg.trainer.experts, hf, cfg.trainer.tensor_parallel,
+                                  MODEL_DTYPES[cfg.model.dtype])
+    return f"trainer experts: {path} ({why})"
 
 
 def _memory_lines(cfg, inputs, gpu_bytes: float) -> list[str]:

@@ -235,6 +235,41 @@ def config_warnings(cfg: Config) -> list[str]:
     return [w for w in (precision_pair_warning(cfg), clip_range_warning(cfg)) if w]
 
 
+# torch._grouped_mm's row strides: multiples of 16 bytes (checked on CPU too)
+GROUPED_ALIGN_BYTES = 16
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def grouped_misaligned(hidden: int, expert_width: int, dtype: str) -> str | None:
+    """Why experts of ``hidden`` x ``expert_width`` (a rank's share of the width) cannot run in
+    grouped GEMMs in ``dtype`` (None: their rows fit)."""
+    per = GROUPED_ALIGN_BYTES // DTYPE_BYTES[dtype]
+    for name, size in (("hidden size", hidden), ("expert width", expert_width)):
+        if size % per:
+            return (f"the {name} {size} is not a multiple of {per} ({GROUPED_ALIGN_BYTES}-byte "
+                    f"rows in {dtype}), which torch._grouped_mm needs")
+    return None
+
+
+def expert_sizes(hf: dict, tensor_parallel: int) -> tuple[int, int]:
+    """(hidden size, one rank's expert width) of the model of config.json ``hf``; megatron
+    splits the experts' width over the tensor-parallel ranks."""
+    width = int(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0)
+    return int(hf["hidden_size"]), width // tensor_parallel
+
+
+def check_experts(cfg: Config) -> None:
+    """``trainer.experts: grouped`` on sizes the grouped GEMM cannot take (``auto`` falls back
+    to the loop there)."""
+    if cfg.trainer.experts != "grouped":
+        return
+    why = grouped_misaligned(*expert_sizes(model_hf_fields(cfg.model),
+                                           cfg.trainer.tensor_parallel), cfg.model.dtype)
+    if why:
+        raise ConfigError(f"trainer.experts: grouped cannot run this model: {why}; use auto "
+                          f"(the loop where the grouped GEMM cannot run) or sequential")
+
+
 def check_micro_batches(cfg: Config) -> None:
     """A micro-batch is bounded by rows, by tokens, or both."""
     t = cfg.trainer
@@ -439,7 +474,8 @@ def validate(cfg: Config) -> None:
     for check, args in ((check_model_fit, (moe_shape,)), (check_family, ()), (check_places, ()),
                         (check_sampling, (moe_shape,)), (check_loss, ()),
                         (check_corrections, ()), (check_optimiser_and_layout, (moe_shape,)),
-                        (check_micro_batches, ()), (check_ema, ()), (check_cpu, ()),
+                        (check_micro_batches, ()), (check_experts, ()), (check_ema, ()),
+                        (check_cpu, ()),
                         (check_weight_sync, ()), (check_model_parallel, (moe_shape,)),
                         (check_async, ()), (check_partial, ()), (check_ranks, ()),
                         (check_data, ()), (check_rewards, ()), (check_eval, ()),

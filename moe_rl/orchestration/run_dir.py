@@ -23,7 +23,8 @@ RESUMABLE = {
     "trainer.keep_checkpoints", "trainer.checkpoint_dir", "trainer.export_hf",
     "trainer.export_hf_interval", "trainer.stop_grace_s", "trainer.tensor_parallel",
     "trainer.pipeline_parallel", "trainer.expert_parallel", "trainer.context_parallel",
-    "trainer.sequence_parallel", "trainer.recompute_activations", "model.path",
+    "trainer.sequence_parallel", "trainer.recompute_activations", "trainer.experts",
+    "model.path",
     "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",   # same gradient
     "trainer.pack_sequences",
     "rollout.num_servers", "rollout.host", "rollout.base_port", "rollout.api_key",

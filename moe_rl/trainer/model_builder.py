@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from moe_rl.config.checks import CP_NEEDS_TE
 from moe_rl.families.shape import ModelSpec, model_spec
 from moe_rl.trainer.cpu_compat import apply_cpu_shims, check_cpu_settings, cuda_absent
+from moe_rl.trainer.expert_path import choose_expert_path
 from moe_rl.trainer.parallel import ParallelSizes
 
 
@@ -171,8 +172,10 @@ def uses_te_spec(model) -> bool:
 def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                 dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                 recompute: bool = False, pre_process: bool = True, post_process: bool = True,
-                expert_bias_update_rate: float = 0.0):
-    """Build the megatron GPTModel for ``hf_config`` (needs the parallel state initialised).
+                expert_bias_update_rate: float = 0.0, experts: str = "auto"):
+    """Build the megatron GPTModel for ``hf_config`` (needs the parallel state initialised),
+    its experts on the path ``experts`` chooses (``trainer.experts``: :mod:`.expert_path`;
+    the model's ``expert_path`` says which ran and why).
 
     Clears megatron's global RouterReplay registry first, so the replay controller of this
     model sees exactly this model's routers. Returns (model, ModelSpec).
@@ -189,6 +192,11 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
     RouterReplay.clear_global_router_replay_instances()
     hf = spec.hf_config
     block = layer_spec(config)
+    expert_path = choose_expert_path(experts, config.hidden_size, config.moe_ffn_hidden_size
+                                     // config.expert_tensor_parallel_size, dtype)
+    if expert_path[0] == "grouped":
+        from moe_rl.trainer.grouped_experts import use_grouped_experts
+        use_grouped_experts(block)
     if spec.family.QK_NORM_ACROSS_HEADS:
         from moe_rl.trainer.full_width_qk_norm import use_full_width_qk_norm
         use_full_width_qk_norm(block)
@@ -206,4 +214,5 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
             p.data = p.data.to(dtype)
     if not cuda_absent():
         model = model.cuda()
+    model.expert_path = expert_path
     return model, spec

@@ -48,8 +48,10 @@ class PolicyTrainer:
         model, self.spec = build_model(hf_path, sizes=sizes, dtype=dtype,
                                        sequence_parallel=t.sequence_parallel,
                                        recompute=t.recompute_activations,
-                                       expert_bias_update_rate=t.expert_bias_update_rate)
+                                       expert_bias_update_rate=t.expert_bias_update_rate,
+                                       experts=t.experts)
         load_hf_into_megatron(model, self.spec, hf_path)
+        self.expert_path = model.expert_path   # (path, why): trainer.experts as built
         risk = mla_packing_warning(model.config, t.pack_sequences)
         if risk is not None:
             print(f"warning: {risk}", file=sys.stderr, flush=True)
@@ -81,7 +83,7 @@ class PolicyTrainer:
         self.ref_model = self.ref_replay = None
         if cfg.algorithm.kl.coef > 0:
             ref, _ = build_model(hf_path, sizes=sizes, dtype=dtype,
-                                 sequence_parallel=t.sequence_parallel)
+                                 sequence_parallel=t.sequence_parallel, experts=t.experts)
             load_hf_into_megatron(ref, self.spec, hf_path)
             ref.eval()
             for p in ref.parameters():

@@ -1,0 +1,156 @@
+"""The experts in grouped GEMMs (moe_rl/trainer/grouped_experts.py) against megatron-core's loop
+over them: bit for bit on CPU, forward and backward (every parameter's gradient, the routers'
+included), in float32 and bfloat16, for every family's expert form (SiLU GLU; gpt-oss's clamped
+SwiGLU with expert biases, whose gradients are summed over the rows in another order: equal
+within rounding), own routing and replayed routing, experts that get no token; the same
+parameter names and checkpoint keys, so a checkpoint crosses between the paths."""
+import pytest
+import torch
+
+from moe_rl.rollout_record import Sample
+from moe_rl.trainer.expert_path import choose_expert_path, model_expert_path
+from moe_rl.trainer.forward import forward_logprobs
+from moe_rl.trainer.grouped_experts import GroupedExperts, GroupedLinear
+from moe_rl.trainer.model_builder import build_model, load_hf_config
+from moe_rl.trainer.packing import pack_one
+from moe_rl.trainer.parallel import init_distributed, init_model_parallel
+from moe_rl.trainer.replay import ReplayController
+from moe_rl.weights.hf import load_hf_into_megatron
+from tests.hf_models import (MIXTRAL, QWEN, write_deepseek, write_gpt_oss, write_hf_model,
+                             write_minimax_m2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel_state():
+    init_distributed()
+    init_model_parallel()
+    yield
+
+
+def _write(kind, tmp_path):
+    if kind in ("qwen3_moe", "mixtral"):
+        return write_hf_model(tmp_path, QWEN if kind == "qwen3_moe" else MIXTRAL, seed=5)[0]
+    path = tmp_path / kind
+    {"deepseek_v3": lambda: write_deepseek(path, seed=5),
+     "glm4_moe": lambda: write_deepseek(path, seed=5, glm=True),
+     "gpt_oss": lambda: write_gpt_oss(path, seed=5),
+     "minimax_m2": lambda: write_minimax_m2(path, seed=5)}[kind]()
+    return path
+
+
+def _built(path, experts, dtype):
+    model, spec = build_model(path, dtype=dtype, experts=experts)
+    load_hf_into_megatron(model, spec, path)
+    return model, spec
+
+
+def _batch(spec, seed=0, pinned=None):
+    """Three samples; ``pinned``: every position routed to these experts of every MoE layer."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, layers = spec.vocab_size, len(spec.moe_shape.moe_layers)
+    samples = [Sample(prompt_ids=torch.randint(0, vocab, (p,), generator=g).tolist(),
+                      response_ids=torch.randint(0, vocab, (r,), generator=g).tolist(),
+                      rollout_logprobs=-torch.ones(r),
+                      routing=None if pinned is None else torch.tensor(
+                          pinned, dtype=torch.uint8).expand(p + r - 1, layers, len(pinned)))
+               for p, r in ((5, 7), (3, 9), (8, 4))]
+    return pack_one(samples, [0, 1, 2], pad_token_id=0, num_experts=spec.moe_shape.num_experts)
+
+
+def _run(model, spec, mb, replay_ids=None):
+    """Log-probs and every parameter's gradient of a weighted sum of them."""
+    ctl = None
+    if replay_ids is not None:
+        ctl = ReplayController(model, spec.moe_shape.moe_layers, spec.moe_shape.topk,
+                               spec.moe_shape.num_experts)
+        ctl.replay(replay_ids)
+    model.zero_grad()
+    lp, _ = forward_logprobs(model, mb)
+    w = torch.linspace(0.5, 1.5, lp.numel()).reshape(lp.shape)
+    (lp.float() * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    if ctl is not None:
+        ctl.close()
+    return lp.detach(), grads
+
+
+FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_grouped_experts_equal_the_loop_bit_for_bit(tmp_path, kind, dtype):
+    path = _write(kind, tmp_path)
+    loop, spec = _built(path, "sequential", dtype)
+    grouped, _ = _built(path, "grouped", dtype)
+    assert loop.expert_path[0] == "sequential" and grouped.expert_path[0] == "grouped"
+    assert any(isinstance(m, GroupedExperts) for m in grouped.modules())
+    assert not any(isinstance(m, GroupedExperts) for m in loop.modules())
+    # the same parameters under the same names: checkpoints, export and sync see no difference
+    assert [n for n, _ in loop.named_parameters()] == [n for n, _ in grouped.named_parameters()]
+    assert set(loop.sharded_state_dict()) == set(grouped.sharded_state_dict())
+    # what the driver predicts from config.json is what the trainer built
+    assert model_expert_path("auto", load_hf_config(path), 1, dtype)[0] == "grouped"
+    mb = _batch(spec)
+    want_lp, want = _run(loop, spec, mb)
+    got_lp, got = _run(grouped, spec, mb)
+    assert torch.equal(want_lp, got_lp)
+    assert set(want) == set(got) and any(".local_experts." in n for n in got)
+    for name in want:
+        if ".local_experts." in name and name.endswith(".bias"):   # gpt-oss: summed over rows
+            tol = 1e-6 if dtype == torch.float32 else 2 ** -7       # in another order
+            assert torch.allclose(want[name], got[name], rtol=tol, atol=tol), name
+        else:
+            assert torch.equal(want[name], got[name]), name
+
+
+def test_replayed_routing_and_experts_without_tokens_are_equal_too(tmp_path):
+    """Every token replayed onto experts 0 and 1 of 8: six experts get no token (their
+    gradients exactly zero on both paths)."""
+    path = _write("qwen3_moe", tmp_path)
+    loop, spec = _built(path, "sequential", torch.float32)
+    grouped, _ = _built(path, "grouped", torch.float32)
+    mb = _batch(spec, seed=3, pinned=[0, 1])
+    ids = mb.replay_indices()
+    want_lp, want = _run(loop, spec, mb, ids)
+    got_lp, got = _run(grouped, spec, mb, ids)
+    assert torch.equal(want_lp, got_lp)
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    idle = [n for n in got if ".local_experts.5." in n]
+    assert idle and all(not got[n].any() for n in idle)
+
+
+def test_the_grouped_linear_is_each_experts_matmul_and_its_gradients():
+    """Float32 against an independent float64 per-expert loop (torch's grouped GEMM takes no
+    float64), forward and both gradients, with an expert of no rows (its gradient zero)."""
+    g = torch.Generator().manual_seed(0)
+    counts = [3, 0, 4, 1]
+    x64 = torch.randn(sum(counts), 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w64 = [torch.randn(12, 8, generator=g, dtype=torch.float64, requires_grad=True)
+           for _ in counts]
+    r = torch.randn(sum(counts), 12, generator=g, dtype=torch.float64)
+    bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    ref = torch.cat([x64[a:b] @ w.T for w, a, b in zip(w64, bounds, bounds[1:])])
+    (ref * r).sum().backward()
+    x = x64.detach().float().requires_grad_()
+    ws = [w.detach().float().requires_grad_() for w in w64]
+    offs = torch.tensor(bounds[1:], dtype=torch.int32)
+    y = GroupedLinear.apply(x, offs, *ws)
+    (y * r.float()).sum().backward()
+    assert torch.allclose(y.double(), ref, atol=1e-5)
+    assert torch.allclose(x.grad.double(), x64.grad, atol=1e-5)
+    for w, w_ref in zip(ws, w64):
+        assert torch.allclose(w.grad.double(), w_ref.grad, atol=1e-5)
+    assert not ws[1].grad.any()
+
+
+def test_the_path_is_chosen_from_sizes_and_refused_where_it_cannot_run():
+    assert choose_expert_path("auto", 64, 64, torch.bfloat16)[0] == "grouped"
+    assert choose_expert_path("sequential", 64, 64, torch.bfloat16)[0] == "sequential"
+    path, why = choose_expert_path("auto", 64, 20, torch.bfloat16)   # 40-byte rows
+    assert path == "sequential" and "expert width 20 is not a multiple of 8" in why
+    assert choose_expert_path("auto", 64, 20, torch.float32)[0] == "grouped"   # 80-byte rows
+    with pytest.raises(ValueError, match="trainer.experts: grouped cannot run here: the hidden "
+                                         "size 36"):
+        choose_expert_path("grouped", 36, 64, torch.bfloat16)
