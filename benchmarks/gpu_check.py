@@ -148,16 +148,16 @@ def training_flops_per_token(hf: dict, seq_len: int) -> float:
 
 def measure_trainer_throughput(hf: dict, dtype: torch.dtype, *, seq_len: int, micro_batch: int,
                                steps: int, response_len: int | None = None,
-                               profile: bool = False) -> dict:
+                               profile: bool = False, experts: str = "auto") -> dict:
     """Tokens/s of the trainer's forward (moe_rl.trainer.forward, megatron GPTModel + the
     log-prob kernel) and backward on random-initialised weights, ``steps`` timed after one
     warm-up; the optimizer step is not included. ``profile``: also the ten kernels that take
-    the most GPU time in one more step (torch.profiler)."""
+    the most GPU time in one more step (torch.profiler). ``experts``: trainer.experts."""
     from moe_rl.trainer.packing import pack_one
     from moe_rl.trainer import model_builder
     from moe_rl.trainer.forward import forward_logprobs
     from moe_rl.rollout_record import Sample
-    model, spec = model_builder.build_model(hf, dtype=dtype)
+    model, spec = model_builder.build_model(hf, dtype=dtype, experts=experts)
     model.train()
     response_len = response_len or seq_len // 2
     g = torch.Generator().manual_seed(0)
@@ -191,6 +191,7 @@ def measure_trainer_throughput(hf: dict, dtype: torch.dtype, *, seq_len: int, mi
     total, active = moe_params(hf)
     out = {"layers": hf["num_hidden_layers"], "params_total_b": total / 1e9,
            "params_active_b": active / 1e9, "seq_len": seq_len, "micro_batch": micro_batch,
+           "experts": model.expert_path[0],
            "s_per_step": seconds, "tokens_per_s": tokens / seconds,
            "tflops_per_s": training_flops_per_token(hf, seq_len) * tokens / seconds / 1e12}
     if cuda:
@@ -213,7 +214,8 @@ def _profile_step(step) -> list:
 
 
 def check_trainer_throughput(dtype_name: str, layers: int | None = None,
-                             micro_batch: int = 2, profile: bool = False) -> dict:
+                             micro_batch: int = 2, profile: bool = False,
+                             experts: str = "auto") -> dict:
     """The trainer's tokens/s and MFU on a Qwen3-30B-A3B-shaped model: by default the most
     layers whose weights and gradients take at most 45% of this GPU's memory (the rest holds
     the activations of 2 x 2048 tokens under megatron's local, unfused attention)."""
@@ -227,7 +229,7 @@ def check_trainer_throughput(dtype_name: str, layers: int | None = None,
     try:
         out = measure_trainer_throughput(dict(QWEN3_30B_A3B, num_hidden_layers=layers), dtype,
                                          seq_len=2048, micro_batch=micro_batch, steps=3,
-                                         profile=profile)
+                                         profile=profile, experts=experts)
     finally:
         gc.collect()
         torch.cuda.empty_cache()
@@ -238,6 +240,43 @@ def check_trainer_throughput(dtype_name: str, layers: int | None = None,
     out["peak_tflops"] = peak
     out["status"] = "pass"
     return out
+
+
+def check_grouped_experts_cuda(path: str) -> dict:
+    """The tiny model's grouped experts against megatron's loop on CUDA in bfloat16 (log-probs
+    and gradients within bfloat16's rounding: cuBLAS and CUTLASS sum in other orders), and no
+    tensor-to-host call inside the grouped experts (benchmarks/trainer_ops.py's counter)."""
+    from benchmarks.trainer_ops import SyncCounter
+    from moe_rl.rollout_record import Sample
+    from moe_rl.trainer import model_builder
+    from moe_rl.trainer.forward import forward_logprobs
+    from moe_rl.trainer.packing import pack_one
+    from moe_rl.weights.hf import load_hf_into_megatron
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(prompt_ids=torch.randint(0, 64, (40,), generator=g),
+                      response_ids=torch.randint(0, 64, (24,), generator=g),
+                      rollout_logprobs=torch.zeros(24)) for _ in range(4)]
+    out, syncs = {}, SyncCounter()
+    for experts in ("sequential", "grouped"):
+        model, spec = model_builder.build_model(path, dtype=torch.bfloat16, experts=experts)
+        load_hf_into_megatron(model, spec, path)
+        mb = pack_one(samples, list(range(4)), pad_token_id=0)
+        syncs.watch(model)
+        with syncs:
+            before = syncs.calls
+            lp, _ = forward_logprobs(model, mb)
+            lp.float().sum().backward()
+            torch.cuda.synchronize()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        out[experts] = (lp.float(), grads, syncs.calls - before, model.expert_path[0])
+    (lp0, g0, s0, p0), (lp1, g1, s1, p1) = out["sequential"], out["grouped"]
+    worst = max(((g0[n] - g1[n]).abs().max() / g0[n].abs().max().clamp_min(1e-6)).item()
+                for n in g0)
+    ok = p1 == "grouped" and torch.allclose(lp0, lp1, atol=0.05) and worst < 0.05 and s1 == 0
+    return {"status": "pass" if ok else "fail", "paths": [p0, p1],
+            "max_abs_logprob_diff": (lp0 - lp1).abs().max().item(),
+            "worst_relative_grad_diff": worst, "host_syncs_grouped": s1,
+            "host_syncs_loop": s0}
 
 
 def check_doctor() -> dict:
@@ -497,11 +536,13 @@ def write_report(report: dict) -> None:
     if runs:
         lines += ["", "## Trainer throughput (forward + backward, Qwen3-30B-A3B layer shape, "
                   "random weights, megatron local spec)", "",
-                  "| run | dtype | layers | params total / active (B) | tokens a step | s/step "
-                  "| tokens/s | TFLOP/s | MFU | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| run | experts | dtype | layers | params total / active (B) | tokens a step "
+                  "| s/step | tokens/s | TFLOP/s | MFU | peak GiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for k, v in runs.items():
             mfu = f"{100 * v['mfu']:.1f}%" if v.get("mfu") else "n/a"
-            lines.append(f"| {k} | {v['dtype']} | {v['layers']} | {v['params_total_b']:.1f} / "
+            lines.append(f"| {k} | {v.get('experts', 'sequential')} | {v['dtype']} | "
+                         f"{v['layers']} | {v['params_total_b']:.1f} / "
                          f"{v['params_active_b']:.2f} | {v['seq_len'] * v['micro_batch']} | "
                          f"{v['s_per_step']:.2f} | {v['tokens_per_s']:.0f} | "
                          f"{v['tflops_per_s']:.1f} | {mfu} | {v.get('peak_memory_gib', 0):.0f} |")
@@ -538,11 +579,21 @@ def main() -> int:
                   "bf16_policy": lambda: check_bf16_policy(path),
                   "bf16_dist_opt_resume": lambda: check_dist_opt_resume(path),
                   "parallel_equivalence": lambda: check_parallel(path),
-                  "trainer_throughput_bf16": lambda: check_trainer_throughput("bfloat16", profile=True),
-                  "trainer_throughput_fp16": lambda: check_trainer_throughput("float16"),
-                  # 4x the tokens a step on 8 layers: the per-expert launches amortised
-                  "trainer_throughput_bf16_8_layers_16k_tokens":
-                      lambda: check_trainer_throughput("bfloat16", layers=8, micro_batch=8),
+                  "grouped_experts_cuda": lambda: check_grouped_experts_cuda(path),
+                  # the matrix: expert path x shape (the loop, megatron's SequentialMLP, is the
+                  # 1.7 % MFU of 2026-12-03; grouped GEMMs, torch._grouped_mm)
+                  "trainer_throughput_bf16": lambda: check_trainer_throughput(
+                      "bfloat16", profile=True, experts="grouped"),
+                  "trainer_throughput_bf16_loop": lambda: check_trainer_throughput(
+                      "bfloat16", experts="sequential"),
+                  "trainer_throughput_fp16": lambda: check_trainer_throughput(
+                      "float16", experts="grouped"),
+                  # 4x the tokens a step on 8 layers
+                  "trainer_throughput_bf16_8_layers_16k_tokens": lambda: check_trainer_throughput(
+                      "bfloat16", layers=8, micro_batch=8, experts="grouped"),
+                  "trainer_throughput_bf16_8_layers_16k_tokens_loop":
+                      lambda: check_trainer_throughput("bfloat16", layers=8, micro_batch=8,
+                                                       experts="sequential"),
                   "nccl_weight_sync": check_nccl_sync}
         for name, fn in checks.items():
             try:

@@ -16,7 +16,6 @@ import json
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 import torch

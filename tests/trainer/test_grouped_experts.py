@@ -154,3 +154,42 @@ def test_the_path_is_chosen_from_sizes_and_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="trainer.experts: grouped cannot run here: the hidden "
                                          "size 36"):
         choose_expert_path("grouped", 36, 64, torch.bfloat16)
+
+
+def _ep_worker(rank, port, model_dir, out_dir):
+    """Expert parallel 2: each rank's half of the experts on both paths, replayed routing."""
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from moe_rl.trainer.parallel import ParallelSizes, destroy
+    init_distributed(rank=rank, world_size=2)
+    init_model_parallel(ParallelSizes(expert=2))
+    results = {}
+    for experts in ("sequential", "grouped"):
+        model, spec = build_model(model_dir, sizes=ParallelSizes(expert=2), experts=experts)
+        load_hf_into_megatron(model, spec, model_dir)
+        mb = _batch(spec, seed=rank, pinned=[rank, 5])   # tokens on both ranks' experts
+        results[experts] = _run(model, spec, mb, mb.replay_indices())
+        results[experts + "_allreduce"] = sorted(
+            {getattr(p, "allreduce", True) for n, p in model.named_parameters()
+             if ".local_experts." in n})
+    (want_lp, want), (got_lp, got) = results["sequential"], results["grouped"]
+    torch.save({"lp_equal": torch.equal(want_lp, got_lp),
+                "unequal": [n for n in want if not torch.equal(want[n], got[n])],
+                "local": sorted({n.split(".local_experts.")[1].split(".")[0]
+                                 for n in got if ".local_experts." in n}),
+                "allreduce": results["grouped_allreduce"] + results["sequential_allreduce"]},
+               os.path.join(out_dir, f"ep{rank}.pt"))
+    destroy()
+
+
+@pytest.mark.multiproc
+def test_expert_parallel_2_over_gloo_is_equal_on_both_paths(tmp_path):
+    from moe_rl.trainer.parallel import free_port
+    from tests.helpers import start_ranks
+    path = _write("qwen3_moe", tmp_path)
+    start_ranks(_ep_worker, (free_port(), str(path), str(tmp_path)), 2)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"ep{rank}.pt")
+        assert out["lp_equal"] and out["unequal"] == [], out
+        assert out["local"] == ["0", "1", "2", "3"]    # 8 experts, 4 on each rank
+        assert out["allreduce"] == [False, False]      # expert-data-parallel reduction only
