@@ -19,6 +19,7 @@ from moe_rl.config import Config
 from moe_rl.trainer.cpu_compat import cuda_absent, cuda_factories_on_cpu
 from moe_rl.trainer.forwarder import Forwarder
 from moe_rl.trainer.loss import PolicyLoss
+from moe_rl.trainer.loss_scale import share_loss_scale
 from moe_rl.trainer.model_builder import build_model, mla_packing_warning
 from moe_rl.trainer.parallel import ParallelSizes
 from moe_rl.trainer.passes import StepBatch, StepPasses
@@ -73,6 +74,7 @@ class PolicyTrainer:
                 min_loss_scale=t.loss_scale.min, loss_scale_window=t.loss_scale.growth_interval,
                 hysteresis=t.loss_scale.hysteresis,
                 use_distributed_optimizer=use_dist_opt), [self.model])
+        share_loss_scale(self.optimizer)   # float16: one scale for dense and expert leaves
         decay_steps = max(t.steps * t.epochs * t.mini_batches, 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if t.lr_warmup_steps else t.lr, max_lr=t.lr,

@@ -27,7 +27,7 @@ DIST_OPT_RESUME_NEEDS_TE = (
     "transformer-engine[pytorch], or run with trainer.distributed_optimizer=false")
 
 
-def _leaf_optimizers(optimizer) -> list:
+def leaf_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
@@ -45,7 +45,7 @@ def _param_pairs(leaf) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
 
 def _uses_distributed_optimizer(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    return any(isinstance(leaf, DistributedOptimizer) for leaf in _leaf_optimizers(optimizer))
+    return any(isinstance(leaf, DistributedOptimizer) for leaf in leaf_optimizers(optimizer))
 
 
 def _by_param(model_sd: dict) -> dict[int, object]:
@@ -68,7 +68,7 @@ def _keeps_step_per_group(torch_optimizer) -> bool:
 
 def optimizer_step_count(optimizer) -> int:
     """How many Adam steps the optimizer took (0 before the first), wherever it counts them."""
-    for leaf in _leaf_optimizers(optimizer):
+    for leaf in leaf_optimizers(optimizer):
         for group in leaf.optimizer.param_groups:
             if "step" in group:
                 return int(group["step"])
@@ -81,7 +81,7 @@ def optimizer_step_count(optimizer) -> int:
 
 def _loss_scalers(optimizer) -> list:
     """float16's dynamic loss scaler of each leaf optimizer (none in bfloat16, float32)."""
-    return [leaf.grad_scaler for leaf in _leaf_optimizers(optimizer)
+    return [leaf.grad_scaler for leaf in leaf_optimizers(optimizer)
             if getattr(leaf, "grad_scaler", None) is not None]
 
 
@@ -123,7 +123,7 @@ def sharded_trainer_state(model, optimizer, ema: dict | None, loading: bool = Fa
     names = {id(p): n for n, p in model.named_parameters()}   # local names: unique on a rank
     if _uses_distributed_optimizer(optimizer):
         if loading:   # a fresh optimizer has no state: megatron's state_dict() asserts one Adam
-            for leaf in _leaf_optimizers(optimizer):   # step (distrib_optimizer.py:640)
+            for leaf in leaf_optimizers(optimizer):   # step (distrib_optimizer.py:640)
                 leaf.init_state_fn(leaf.optimizer, leaf.config)
                 _set_step(leaf, step)
         state["optimizer"] = optimizer.sharded_state_dict(   # megatron's reshardable format
@@ -132,7 +132,7 @@ def sharded_trainer_state(model, optimizer, ema: dict | None, loading: bool = Fa
                       "chained_optim_avoid_prefix": True})
     else:
         optim: dict = {}
-        for leaf in _leaf_optimizers(optimizer):
+        for leaf in leaf_optimizers(optimizer):
             # before Adam's first step (every step skipped: float16 overflows, the collapse
             # guard) it holds no state, and none was saved: Adam starts afresh
             started = loading and step > 0
