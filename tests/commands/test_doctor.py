@@ -84,6 +84,23 @@ def test_sglang_missing_from_the_configured_interpreter_fails(capsys):
     assert "rollout.sglang.python" in found["engine"]["fix"]
 
 
+def test_a_flag_is_known_only_as_a_flag_of_its_own(capsys, tmp_path):
+    """An SGLang whose launch_server lists --kv-cache-dtype but not --dtype: --dtype is
+    missing (a substring match of the help text passed it)."""
+    from moe_rl.engines.sglang.launcher import sglang_argv
+    keys = ["rollout.engine=sglang", "rollout.sglang.device=cpu"]
+    flags = [a for a in sglang_argv(load_config(None, keys), "M", "127.0.0.1", 1)
+             if a.startswith("--") and a != "--dtype"]
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nif [ \"$1\" = -c ]; then echo 0.5.23; exit 0; fi\n"
+                      f"echo 'usage: launch_server {' '.join(flags)} --kv-cache-dtype KV'\n")
+    python.chmod(0o755)
+    rc, found = doctor(capsys, *keys, f"rollout.sglang.python={python}")
+    assert rc == 1 and found["engine"]["status"] == "fail", found["engine"]
+    assert found["engine"]["detail"] == ("sglang 0.5.23's launch_server does not know --dtype, "
+                                         "which this config passes")
+
+
 @pytest.mark.sglang
 def test_the_real_sglang_is_checked_for_the_flags_the_config_passes(capsys):
     """SGLang 0.5.23 from its CPU environment imports, is in range, and knows every flag this

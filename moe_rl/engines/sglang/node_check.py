@@ -4,12 +4,23 @@ every flag this config passes."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 from moe_rl.config import Config
 from moe_rl.engines.sglang.launcher import sglang_argv, sglang_env
 from moe_rl.config.supported_versions import in_range, supported_range
+
+
+FLAG = re.compile(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)")
+
+
+def unknown_flags(flags: list[str], help_text: str) -> list[str]:
+    """The ``flags`` that ``help_text`` (``launch_server --help``) does not list as flags of
+    their own (``--dtype`` is not listed by ``--kv-cache-dtype``)."""
+    known = set(FLAG.findall(help_text))
+    return [f for f in flags if f not in known]
 
 
 def check_sglang_environment(cfg: Config, timeout: float = 600.0) -> tuple[str, str, str]:
@@ -39,7 +50,7 @@ def check_sglang_environment(cfg: Config, timeout: float = 600.0) -> tuple[str, 
     except subprocess.TimeoutExpired:
         return ("fail", f"`sglang.launch_server --help` took over {timeout:.0f} s in {python}",
                 fix)
-    missing = [f for f in flags if f not in helped.stdout]
+    missing = unknown_flags(flags, helped.stdout)
     if missing:
         return ("fail", f"sglang {version}'s launch_server does not know "
                 f"{' '.join(missing)}, which this config passes", fix)
