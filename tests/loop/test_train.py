@@ -454,8 +454,10 @@ def test_a_resume_refused_for_a_changed_key_gives_the_command_that_resumes(train
     assert refused.returncode == 2, refused.stderr[-2000:]
     named = f"moe-rl train --config {run / 'config.yaml'} --resume"
     assert f"resume with the saved config (`{named}`)" in refused.stderr
+    # the copy's saved config names the shared run's directory: this one is pointed at the copy
     resumed = subprocess.run([sys.executable, "-m", "moe_rl.cli", *named.split()[1:],
-                              "trainer.steps=4", *common], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=600)
+                              "trainer.steps=4", f"logging.dir={run}",
+                              f"model.path={tmp_path / 'model'}", *common], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at step 3" in resumed.stdout
