@@ -307,6 +307,28 @@ def test_a_weight_call_is_bounded_by_the_weight_load_timeout():
         stub.close()
 
 
+@pytest.mark.parametrize("path", ["/init_weights_update_group", "/destroy_weights_update_group"])
+def test_joining_or_leaving_the_group_is_bounded_by_a_requests_timeout(path):
+    """A server stuck in the group's rendezvous (it never answers) holds the sync for a
+    request's timeout, not a weight load's hour (or SGLang's 30-minute group timeout)."""
+    import asyncio
+    import time
+    from moe_rl.engines.sglang.pool import EngineHTTPError
+    stub = _StubServer(delay=30.0)
+    try:
+        async def main():
+            async with ServerPool([stub.url], timeout=0.3, weight_timeout=3600.0,
+                                  max_retries=0) as pool:
+                await pool.request(path, {}, server=pool.servers[0], resend=False)
+        start = time.monotonic()
+        with pytest.raises(EngineHTTPError, match=r"no answer in 0.3 s "
+                                                  r"\(rollout.request_timeout_s\)"):
+            asyncio.run(main())
+        assert time.monotonic() - start < 10
+    finally:
+        stub.close()
+
+
 def test_a_server_answering_health_with_503_is_restarted():
     """SGLang answers /health 503 while its scheduler is stuck (in the collective of a weight
     broadcast another server refused, until the group's timeout): the health check takes it for

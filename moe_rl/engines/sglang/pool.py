@@ -30,6 +30,12 @@ WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_dis
                           "/end_weight_update"})
 
 
+# joining or leaving the trainer's group: a rendezvous of seconds once every rank has arrived;
+# a server stuck in it would hold the sync for SGLang's 30-minute group timeout, so each call is
+# bounded by a request's timeout (rollout.request_timeout_s), not a weight load's
+GROUP_PATHS = frozenset({"/init_weights_update_group", "/destroy_weights_update_group"})
+
+
 class EngineHTTPError(EngineError):
     """A request every server refused or that kept failing after its retries."""
 
@@ -174,17 +180,19 @@ class ServerPool:
         on while it is healthy; an unhealthy server raises :class:`httpx.ReadTimeout`. A
         weight-update call (:data:`WEIGHT_PATHS`) is waited for ``weight_timeout`` seconds
         without asking ``/health``, which the server answers only once the update is done (a
-        dead server still shows: its connection breaks)."""
+        dead server still shows: its connection breaks); joining or leaving the group
+        (:data:`GROUP_PATHS`) for ``timeout`` seconds."""
         no_read_limit = httpx.Timeout(self.timeout, read=None)
         send = asyncio.ensure_future(self._client.request(method, server.url + path, json=body,
                                                           timeout=no_read_limit))
         try:
             if path in WEIGHT_PATHS:
-                done, _ = await asyncio.wait({send}, timeout=self.weight_timeout)
+                bound, key = ((self.timeout, "rollout.request_timeout_s") if path in GROUP_PATHS
+                              else (self.weight_timeout, "rollout.weight_load_timeout_s"))
+                done, _ = await asyncio.wait({send}, timeout=bound)
                 if not done:
-                    raise httpx.ReadTimeout(f"{server.url}{path}: no answer in "
-                                            f"{self.weight_timeout} s (rollout."
-                                            f"weight_load_timeout_s)")
+                    raise httpx.ReadTimeout(f"{server.url}{path}: no answer in {bound} s "
+                                            f"({key})")
                 return send.result()
             while True:
                 done, _ = await asyncio.wait({send}, timeout=self.timeout)
