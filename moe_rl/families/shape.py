@@ -48,16 +48,45 @@ class MoEShape:
 
     @classmethod
     def from_model_dir(cls, path: str) -> "MoEShape":
-        """From a checkpoint folder's ``config.json``, with the end ids of its
-        ``generation_config.json`` too (SGLang stops at both)."""
+        """From a checkpoint folder's ``config.json``, with every end id SGLang stops at: those
+        of its ``generation_config.json``, the tokenizer's end token and the added tokens SGLang
+        takes as turn ends (:func:`tokenizer_end_ids`)."""
         with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
             shape = cls.from_hf(json.load(fh))
+        more: tuple[int, ...] = ()
         gen = os.path.join(path, "generation_config.json")
-        if not os.path.exists(gen):
-            return shape
-        with open(gen, encoding="utf-8") as fh:
-            more = _ids(json.load(fh).get("eos_token_id"))
+        if os.path.exists(gen):
+            with open(gen, encoding="utf-8") as fh:
+                more = _ids(json.load(fh).get("eos_token_id"))
+        more += tokenizer_end_ids(path)
         return dataclasses.replace(shape, eos_ids=tuple(dict.fromkeys(shape.eos_ids + more)))
+
+
+# added tokens SGLang 0.5.23 stops at besides the end ids (attach_additional_stop_token_ids,
+# srt/utils/hf_transformers/common.py): turn ends some checkpoints ship without end metadata
+SGLANG_EXTRA_STOP_TEXTS = ("<|eom_id|>", "<|content_model_end_sampling|>", "<|ifm|im_end|>")
+
+
+def tokenizer_end_ids(path: str) -> tuple[int, ...]:
+    """The tokenizer's end token (``tokenizer_config.json``'s ``eos_token``) and the added
+    tokens of :data:`SGLANG_EXTRA_STOP_TEXTS`, as ids of ``tokenizer.json`` (none without
+    those files)."""
+    try:
+        with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as fh:
+            tok = json.load(fh)
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as fh:
+            conf = json.load(fh)
+    except (OSError, ValueError):
+        return ()
+    added = {t.get("content"): t.get("id") for t in tok.get("added_tokens") or []
+             if isinstance(t, dict)}
+    vocab = (tok.get("model") or {}).get("vocab")
+    vocab = vocab if isinstance(vocab, dict) else {}
+    eos = conf.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    found = [added.get(eos, vocab.get(eos))] if isinstance(eos, str) else []
+    found += [added[text] for text in SGLANG_EXTRA_STOP_TEXTS if text in added]
+    return _ids(found)
 
 
 def _ids(value) -> tuple[int, ...]:

@@ -120,6 +120,23 @@ def test_the_end_ids_come_from_config_and_generation_config(tmp_path):
     assert MoEShape.from_model_dir(str(tmp_path)).eos_ids == (7, 11)
 
 
+def test_the_end_ids_include_the_tokenizers_end_token_and_sglangs_extra_stop_tokens(tmp_path):
+    """SGLang also stops at the tokenizer's eos_token and at a few added turn-end tokens
+    (<|eom_id|> among them): a tokenizer whose end token and an added <|eom_id|> are ids the
+    config does not name adds both."""
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 1, "num_experts": 4, "num_experts_per_tok": 2, "eos_token_id": 7}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({
+        "added_tokens": [{"id": 3, "content": "<|im_end|>"}, {"id": 9, "content": "<|eom_id|>"},
+                         {"id": 7, "content": "<|endoftext|>"}],
+        "model": {"vocab": {"a": 0, "b": 1}}}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert MoEShape.from_model_dir(str(tmp_path)).eos_ids == (7, 3, 9)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "b"}}))
+    assert MoEShape.from_model_dir(str(tmp_path)).eos_ids == (7, 1, 9)
+
+
 @pytest.mark.parametrize("rule", ["keep", "mask"])
 def test_retractions_are_read_counted_and_kept_or_masked(rule):
     """SGLang's ``num_retractions`` reaches the sample; ``rollout/retracted`` counts the

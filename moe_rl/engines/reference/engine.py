@@ -383,7 +383,9 @@ class ReferenceEngine:
             self.prefix_cache.flush()   # stored KV belongs to the old weights
             self.model_path = model_path
             self.vocab_size = int(hf["vocab_size"])
-            self.eos = hf.get("eos_token_id")
+            # every end id SGLang stops at: config.json's, generation_config.json's, the
+            # tokenizer's end token and its turn-end added tokens
+            self.eos = frozenset(MoEShape.from_model_dir(model_path).eos_ids)
             self.window = (hf.get("sliding_window") if "sliding_attention"
                            in (hf.get("layer_types") or ()) else None)
 
@@ -818,7 +820,7 @@ class ReferenceEngine:
             return
         row.state["out"].append(tok)
         row.pending = tok
-        if (tok == self.eos and not r.params.ignore_eos) or tok in r.params.stop_token_ids:
+        if (tok in self.eos and not r.params.ignore_eos) or tok in r.params.stop_token_ids:
             row.finish = {"type": "stop", "matched": tok}
         elif len(row.state["out"]) >= r.params.max_new_tokens:
             row.finish = {"type": "length", "length": r.params.max_new_tokens}
