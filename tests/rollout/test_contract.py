@@ -187,6 +187,42 @@ def test_golden_response_decodes_exactly():
         decode_routing(base64.b64encode(b"\0" * 12).decode(), 4, layout)
 
 
+def test_all_zero_routing_is_refused_naming_the_moe_runner():
+    """SGLang's triton_kernel runner (its own choice for gpt-oss) routes inside the kernel and
+    returns every routing row as zeros: refused at decoding, naming the runner and the fix."""
+    layout = MoEShape(num_layers=2, moe_layers=(0, 1), topk=2, num_experts=8)
+    zeros = base64.b64encode(np.zeros((3, 2, 2), dtype="<i4").tobytes()).decode()
+    with pytest.raises(ResponseError, match=r"position 0, MoE layer 0: the experts \[0, 0\] "
+                                            r"repeat an id.*triton_kernel.*--moe-runner-backend "
+                                            r"triton"):
+        decode_routing(zeros, 3, layout)
+
+
+def test_the_moe_runner_captures_routing_where_the_run_needs_it():
+    """On GPUs, a run that needs the engine's routing pins SGLang's triton runner (routed in
+    select_experts, where SGLang captures) unless the config names a runner; one that routes
+    inside its kernel is refused when the configuration loads; no pin on CPU or without
+    routing."""
+    from moe_rl.config import ConfigError, load_config
+    gpu = {"cluster": {"gpus_per_node": 8}, "algorithm": {"replay": "r3"}}
+
+    def argv(rollout=None, **tree):
+        cfg = config_from_dict({**gpu, **tree, "rollout": {"engine": "sglang", **(rollout or {})}})
+        return " ".join(sglang_command(cfg, 30000)[0])
+    assert "--moe-runner-backend triton" in argv()
+    shipped = load_config("configs/gpt_oss_20b_r3_gspo.yaml")
+    assert "--moe-runner-backend triton" in " ".join(sglang_command(shipped, 30000)[0])
+    chosen = argv({"sglang": {"extra_args": ["--moe-runner-backend", "deep_gemm"]}})
+    assert chosen.count("--moe-runner-backend") == 1 and "deep_gemm" in chosen
+    assert "--moe-runner-backend" not in argv({"return_routing": False},
+                                             algorithm={"replay": "off"})
+    assert "--moe-runner-backend" not in argv({"sglang": {"device": "cpu"}},
+                                             cluster={"gpus_per_node": 0})
+    with pytest.raises(ConfigError, match="--moe-runner-backend triton_kernel routes inside its "
+                                          "kernel"):
+        argv({"sglang": {"extra_args": ["--moe-runner-backend", "triton_kernel"]}})
+
+
 def test_malformed_requests_get_400_and_key_401(server):
     h = {"Authorization": "Bearer k3y"}
     bad = [({"input_ids": [1, 2, 999]}, "input_ids"),

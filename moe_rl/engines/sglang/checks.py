@@ -1,10 +1,13 @@
 """What SGLang refuses, checked when the configuration is loaded (right after the general
 checks): a GPU server without GPUs, what needs CUDA on CPU, weight updates from a group or
 tensors at dp_size > 1, min_p under deterministic inference, an fp32 LM head on the engine only,
-block-wise FP8 at TP/EP sizes that cut a block."""
+block-wise FP8 at TP/EP sizes that cut a block, a MoE runner that captures no routing where the
+run needs it."""
 from __future__ import annotations
 
 from moe_rl.config import Config, ConfigError
+from moe_rl.engines.needs import requests_routing
+from moe_rl.engines.sglang.launcher import ROUTING_BLIND_RUNNERS, ROUTING_RUNNER
 from moe_rl.config.model_facts import model_hf_fields
 from moe_rl.families import FAMILIES
 
@@ -131,8 +134,25 @@ def check_tensor_sync_ranks(cfg: Config) -> None:
                           f"({r.num_servers * r.sglang.tp_size}); got {c.trainer_workers}")
 
 
+def check_moe_runner(cfg: Config) -> None:
+    """A MoE runner of ``rollout.sglang.extra_args`` that routes inside its kernel, where the
+    run needs the engine's routing (it would come back all zeros)."""
+    args = list(cfg.rollout.sglang.extra_args)
+    if not requests_routing(cfg) or "--moe-runner-backend" not in args:
+        return
+    at = args.index("--moe-runner-backend")
+    runner = args[at + 1] if at + 1 < len(args) else ""
+    if runner in ROUTING_BLIND_RUNNERS:
+        raise ConfigError(f"rollout.sglang.extra_args: --moe-runner-backend {runner} routes "
+                          f"inside its kernel, where SGLang captures no routed experts, and this "
+                          f"run needs them (algorithm.replay / rollout.return_routing); leave the "
+                          f"runner to moe_rl ({ROUTING_RUNNER}) or name one that routes in "
+                          f"select_experts (triton, deep_gemm, cutlass, flashinfer_cutlass)")
+
+
 def check_config(cfg: Config) -> None:
     """Every SGLang refusal, in this order."""
+    check_moe_runner(cfg)
     check_gpus(cfg)
     check_weight_updates(cfg)
     check_tensor_sync_ranks(cfg)

@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from moe_rl.engines.sglang.launcher import ROUTING_BLIND_RUNNERS, ROUTING_RUNNER
 from moe_rl.engines.base import ResponseError, Turn
 from moe_rl.families.shape import MoEShape
 from moe_rl.rollout_record import compact_routing
@@ -38,6 +39,18 @@ def decode_routing(payload: str, positions: int, moe_shape: MoEShape) -> torch.T
                             f"[{positions}, {moe_shape.num_layers}, {moe_shape.topk}] int32")
     arr = np.frombuffer(raw, dtype="<i4").reshape(positions, moe_shape.num_layers, moe_shape.topk)
     moe = torch.from_numpy(arr[:, list(moe_shape.moe_layers)].copy())
+    if moe_shape.topk > 1 and moe.numel():
+        ordered = moe.sort(-1).values
+        repeated = (ordered[..., 1:] == ordered[..., :-1]).any(-1)
+        if bool(repeated.any()):
+            pos, layer = (int(i) for i in repeated.nonzero()[0])
+            raise ResponseError(
+                f"routed_experts: position {pos}, MoE layer {moe_shape.moe_layers[layer]}: "
+                f"the experts {moe[pos, layer].tolist()} repeat an id (a token's top-k are "
+                f"distinct); all-zero rows come from an SGLang MoE runner that routes inside its "
+                f"kernel and captures nothing ({', '.join(ROUTING_BLIND_RUNNERS)}): run it with "
+                f"--moe-runner-backend {ROUTING_RUNNER}, as moe_rl does unless "
+                f"rollout.sglang.extra_args names one")
     try:
         return compact_routing(moe, moe_shape.num_experts)
     except ValueError as exc:

@@ -10,6 +10,15 @@ from moe_rl.config import Config
 from moe_rl.engines.needs import requests_routing, requests_sampling_mask
 
 CPU_MAX_TOTAL_TOKENS = 65536   # the KV pool on CPU unless rollout.sglang.max_total_tokens says
+# SGLang 0.5.23 captures the routed experts in select_experts (layers/moe/topk.py); these MoE
+# runners route inside their own kernel and never reach it, so every routing row comes back
+# zeros: triton_kernel (chosen by SGLang itself for gpt-oss at ep_size 1, unquantised, on every
+# NVIDIA GPU), the FlashInfer TRT-LLM runners (Blackwell), FlashInfer's MXFP4 one
+ROUTING_BLIND_RUNNERS = ("triton_kernel", "flashinfer_trtllm", "experimental_sgl_trtllm",
+                         "flashinfer_mxfp4")
+# the runner moe_rl pins on GPUs when the run needs the engine's routing: SGLang's fused Triton
+# MoE, routed by select_experts for every family (SGLang's own fallback for gpt-oss on Blackwell)
+ROUTING_RUNNER = "triton"
 
 
 def sglang_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]:
@@ -30,6 +39,8 @@ def sglang_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]
             argv += ["--max-total-tokens", str(g.max_total_tokens)]
     if requests_routing(cfg):
         argv.append("--enable-return-routed-experts")
+        if g.device == "cuda" and "--moe-runner-backend" not in g.extra_args:
+            argv += ["--moe-runner-backend", ROUTING_RUNNER]
     if requests_sampling_mask(cfg):
         argv += ["--sampling-mask-max-tokens", str(r.sampling_mask_max_tokens)]
     if cfg.cluster.colocate:
