@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         print(config_value(cfg, args.get))
         return 0
     print(dump_config(cfg), end="", flush=True)
-    for warning in config_warnings(cfg):   # what `moe-rl train` would say of it
+    from moe_rl.engines.factory import engine_kind
+    for warning in (*config_warnings(cfg), *engine_kind(cfg).config_warnings()):   # as train
         print(warning, file=sys.stderr)
     if not args.no_inputs:   # on stderr: stdout stays the YAML alone
         inputs = load_run_inputs(cfg)

@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     inputs = load_run_inputs(cfg)
-    for warning in (unknown_characters(inputs), *config_warnings(cfg)):
+    from moe_rl.engines.factory import engine_kind
+    for warning in (unknown_characters(inputs), *config_warnings(cfg),
+                    *engine_kind(cfg).config_warnings()):
         if warning:
             print(warning, file=sys.stderr, flush=True)
     from moe_rl.orchestration.placement import make_plan

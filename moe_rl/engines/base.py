@@ -243,6 +243,11 @@ class EngineKind(ABC):
         """Refuse (ConfigError, naming the key) what this kind cannot run; nothing by
         default."""
 
+    def config_warnings(self) -> list[str]:
+        """What this kind serves differently from the trainer and a user should hear of at
+        the start (``warning: ...`` lines); none by default."""
+        return []
+
     @abstractmethod
     def server_command(self, host: str, port: int, gpus: list[int], index: int,
                        model_path: str) -> tuple[list[str], dict[str, str]]:

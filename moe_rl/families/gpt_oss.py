@@ -77,7 +77,9 @@ def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
         ffn_hidden_size=inter, moe_ffn_hidden_size=inter, add_bias_linear=True,
         add_qkv_bias=True, expert_tensor_parallel_size=1, qk_layernorm=False,
         moe_router_score_function="softmax", moe_router_pre_softmax=False,
-        moe_router_dtype="fp32", softmax_type="learnable",
+        # router logits in the model's dtype, as SGLang (TinyGemmLinear in config.dtype) and
+        # transformers (F.linear) compute them
+        moe_router_dtype=None, softmax_type="learnable",
         # transformers: key j is seen from query i when i - j < sliding_window
         window_size=(window - 1, 0) if sliding else None,
         window_attn_skip_freq=[int(k == "sliding_attention") for k in kinds] if sliding else None,

@@ -795,3 +795,23 @@ def test_every_refusal_of_a_config_comes_at_once(tmp_path, command, overrides, r
     assert line.startswith(f"moe-rl {command}: {len(refusals)} refusals: (1) ")
     for i, text in enumerate(refusals, 1):
         assert f"({i}) {text}" in line, line
+
+
+def test_gpt_oss_in_float16_on_sglang_is_warned_about_its_bfloat16_sinks(tmp_path):
+    """SGLang keeps gpt-oss's attention sinks in bfloat16 under --dtype float16: said by
+    `moe-rl config` (and train); not in bfloat16, nor for a family without sinks."""
+    import subprocess
+    import sys
+    from moe_rl.engines.factory import engine_kind
+    base = ["rollout.engine=sglang", "cluster.gpus_per_node=8", f"model.path={tmp_path}/none"]
+    fp16 = ["model.dtype=float16", "rollout.engine_dtype=float16"]
+    got = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", "--no-inputs", *base,
+                          "model.init.architecture=gpt_oss", *fp16], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    assert "warning: rollout.engine_dtype=float16 with attention sinks (gpt-oss): SGLang keeps " \
+        "the sinks in bfloat16" in got.stderr
+    bf16 = ["model.dtype=bfloat16", "rollout.engine_dtype=bfloat16"]
+    assert engine_kind(load_config(None, base + ["model.init.architecture=gpt_oss", *bf16])
+                       ).config_warnings() == []
+    assert engine_kind(load_config(None, base + fp16)).config_warnings() == []

@@ -236,3 +236,20 @@ def test_the_reference_engine_windows_count_positions_in_a_batch_with_prefix_hit
         want = torch.log_softmax(logits, -1)[len(ids) - 1:-1].gather(
             1, torch.tensor(seq[len(ids):])[:, None])[:, 0]
         assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
+
+
+def test_the_router_logits_are_computed_in_the_models_dtype(tmp_path):
+    """SGLang (TinyGemmLinear in the model's dtype) and transformers (F.linear) compute gpt-oss's
+    router logits in bfloat16 for a bfloat16 model; megatron-core's router does too (it computed
+    them in float32), bit for bit on CPU."""
+    path = str(tmp_path / "hf")
+    write_gpt_oss(path)
+    model, spec = build_model(path, dtype=torch.bfloat16)
+    load_hf_into_megatron(model, spec, path)
+    router = model.decoder.layers[0].mlp.router
+    x = torch.randn(5, GPT_OSS["hidden_size"], generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16)
+    with torch.no_grad():
+        got = router.gating(x)
+    want = torch.nn.functional.linear(x, router.weight, router.bias)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from moe_rl.config import ConfigError
+from moe_rl.config.model_facts import model_hf_fields
 from moe_rl.engines.base import EngineKind
 from moe_rl.engines.needs import requests_routing, requests_sampling_mask
 from moe_rl.engines.sglang.checks import check_config
 from moe_rl.engines.sglang.launcher import sglang_argv, sglang_env
 from moe_rl.engines.sglang.node_check import check_sglang_environment
+from moe_rl.families import FAMILIES
 
 if TYPE_CHECKING:   # the client, pool and senders (torch) load where a run connects: the
     # process that only starts a server (the engine host) goes without torch
@@ -112,6 +114,17 @@ class SGLangKind(SGLangProtocolKind):
 
     def check_config(self) -> None:
         check_config(self.cfg)
+
+    def config_warnings(self) -> list[str]:
+        """float16 with attention sinks (gpt-oss): SGLang 0.5.23 keeps the sinks in bfloat16
+        under --dtype float16 (models/gpt_oss.py), the trainer in float16."""
+        fam = FAMILIES.get(model_hf_fields(self.cfg.model).get("model_type"))
+        if self.cfg.rollout.engine_dtype != "float16" or fam is None or not fam.ATTENTION_SINKS:
+            return []
+        return ["warning: rollout.engine_dtype=float16 with attention sinks (gpt-oss): SGLang "
+                "keeps the sinks in bfloat16 under --dtype float16 while the trainer keeps them "
+                "in float16, so the two sides' log-probs differ by the sinks' bfloat16 rounding "
+                "(bfloat16 on both sides avoids it)"]
 
     def check_node(self) -> tuple[str, str, str]:
         return check_sglang_environment(self.cfg)
