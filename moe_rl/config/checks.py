@@ -168,6 +168,16 @@ def check_corrections(cfg: Config) -> None:
                               f" ({getattr(c, lo)} >= {getattr(c, hi)})")
 
 
+def check_loss_scale(cfg: Config) -> None:
+    """float16's loss scale: its floor at most its start (megatron asserts it, deep in the
+    trainer, otherwise)."""
+    s = cfg.trainer.loss_scale
+    if s.min > s.initial:
+        raise ConfigError(f"trainer.loss_scale.min: {s.min:g} is above trainer.loss_scale."
+                          f"initial ({s.initial:g}); the scale starts at initial and never "
+                          f"falls below min")
+
+
 def check_ema(cfg: Config) -> None:
     """EMA policy smoothing averages with ``trainer.ema_decay``."""
     t = cfg.trainer
@@ -474,7 +484,8 @@ def validate(cfg: Config) -> None:
     for check, args in ((check_model_fit, (moe_shape,)), (check_family, ()), (check_places, ()),
                         (check_sampling, (moe_shape,)), (check_loss, ()),
                         (check_corrections, ()), (check_optimiser_and_layout, (moe_shape,)),
-                        (check_micro_batches, ()), (check_experts, ()), (check_ema, ()),
+                        (check_micro_batches, ()), (check_experts, ()),
+                        (check_loss_scale, ()), (check_ema, ()),
                         (check_cpu, ()),
                         (check_weight_sync, ()), (check_model_parallel, (moe_shape,)),
                         (check_async, ()), (check_partial, ()), (check_ranks, ()),

@@ -108,10 +108,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp!r}")  # pragma: no cover - schema error
 
 
+# the top of a numeric key whose schema names none: every size, count and time fits a 32-bit
+# count or a billion (a run's seconds, a bound, a scale), and past them the libraries moe_rl
+# hands a value to overflow (setitimer, socket timeouts, float32 scales, range())
+DEFAULT_INT_MAX = 2 ** 31 - 1
+DEFAULT_FLOAT_MAX = 1e9
+
+
 def _check_range(value: Any, meta: dict, key: str) -> None:
-    if value is None or "range" not in meta:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
-    lo, hi, lo_open, hi_open = meta["range"]
+    lo, hi, lo_open, hi_open = meta.get("range", (None, None, False, False))
+    if hi is None:
+        hi, hi_open = (DEFAULT_INT_MAX if isinstance(value, int) else DEFAULT_FLOAT_MAX), False
+        meta = {**meta, "range_why": meta.get("range_why", "no key needs more; past it the "
+                                                           "libraries moe_rl calls overflow")}
     bad = ((lo is not None and (value <= lo if lo_open else value < lo))
            or (hi is not None and (value >= hi if hi_open else value > hi)))
     if bad:
@@ -120,8 +131,16 @@ def _check_range(value: Any, meta: dict, key: str) -> None:
         lo_s = "-inf" if lo is None else repr(lo)
         hi_s = "inf" if hi is None else repr(hi)
         why = f" ({meta['range_why']})" if "range_why" in meta else ""
-        raise ConfigError(f"{key}: {value!r} is out of range, expected a value in "
+        raise ConfigError(f"{key}: {_shown(value)} is out of range, expected a value in "
                           f"{left}{lo_s}, {hi_s}{right}{why}")
+
+
+def _shown(value: Any) -> str:
+    """``value`` as a refusal names it: a huge integer by its size (Python refuses to print one
+    of more than 4,300 digits, and a line of hundreds says nothing)."""
+    if isinstance(value, int) and abs(value) >= 10 ** 18:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    return repr(value)
 
 
 def _unknown_key(cls: type, name: str, prefix: str) -> ConfigError:
@@ -236,8 +255,19 @@ class _NoAliasDumper(yaml.SafeDumper):
 
 def load_yaml(stream):
     """YAML text or an open file as Python values, by the safe loader, without aliases or
-    repeated keys (ConfigError)."""
-    return yaml.load(stream, Loader=_UniqueKeyLoader)
+    repeated keys (ConfigError); a number of more than 4,300 digits (Python refuses to read
+    one) or nesting deeper than Python's recursion limit is a ConfigError too."""
+    try:
+        return yaml.load(stream, Loader=_UniqueKeyLoader)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        why = ("a number of more than 4,300 digits, which no key takes" if "digits" in str(exc)
+               else str(exc).splitlines()[0])
+        raise ConfigError(why) from None
+    except RecursionError:
+        raise ConfigError("values nested deeper than Python's recursion limit, which no key "
+                          "takes") from None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:

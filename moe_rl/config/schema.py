@@ -299,7 +299,9 @@ class AlgorithmConfig:
 class LossScaleConfig:
     initial: float = _f(2.0 ** 14, "model.dtype=float16: the dynamic loss scale at the start "
                         "(megatron's initial_loss_scale; megatron's own 2^32 overflowed and "
-                        "skipped the first 16 steps of a run)", **_rng(1))
+                        "skipped the first 16 steps of a run)",
+                        **_rng(1, 2.0 ** 64, why="float32 gradients times the scale overflow "
+                               "long before"))
     min: float = _f(1.0, "the scale never falls below this; a run whose scale reaches it "
                     "stops (megatron's min_loss_scale)", **_rng(0, lo_open=True))
     growth_interval: int = _f(1000, "optimizer steps without an overflow before the scale "

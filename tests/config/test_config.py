@@ -815,3 +815,38 @@ def test_gpt_oss_in_float16_on_sglang_is_warned_about_its_bfloat16_sinks(tmp_pat
     assert engine_kind(load_config(None, base + ["model.init.architecture=gpt_oss", *bf16])
                        ).config_warnings() == []
     assert engine_kind(load_config(None, base + fp16)).config_warnings() == []
+
+
+def test_every_numeric_key_has_a_top():
+    """trainer.steps=10**400 crashed after step 1, trainer.stop_grace_s=1e10 at the stop
+    (setitimer), data.reward_abs_max=1e300 at the first reward: every int and float key is
+    refused above its bound when the config loads, naming the key."""
+    from moe_rl.config import iter_keys
+    numeric = [(k, tp) for k, tp, _, _ in iter_keys() if tp.split()[0] in ("int", "float")]
+    assert len(numeric) > 50
+    for key, tp in numeric:
+        huge = "1e300" if tp.startswith("float") else "1" + "0" * 400
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: .*is out of range"):
+            load_config(None, [f"{key}={huge}"])
+    load_config(None, ["trainer.loss_scale.initial=4294967296"])   # megatron's 2^32 still
+
+
+@pytest.mark.parametrize("text,said", [
+    ("trainer:\n  steps: 1" + "0" * 5001 + "\n", "a number of more than 4,300 digits"),
+    ("trainer: " + "[" * 3000 + "]" * 3000 + "\n", "values nested deeper than Python's"),
+], ids=["digits", "nesting"])
+def test_numbers_too_long_and_nesting_too_deep_are_one_line(tmp_path, text, said):
+    import subprocess
+    import sys
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    got = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", "--no-inputs",
+                          "--config", str(path)], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2 and got.stderr.count("\n") == 1, got.stderr[-2000:]
+    assert got.stderr.startswith(f"moe-rl config: config file {path}: {said}")
+
+
+def test_a_loss_scale_floor_above_its_start_is_refused():
+    with pytest.raises(ConfigError, match=r"trainer.loss_scale.min: 100 is above "
+                                          r"trainer.loss_scale.initial \(10\)"):
+        load_config(None, ["trainer.loss_scale.min=100", "trainer.loss_scale.initial=10"])
