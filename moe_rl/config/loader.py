@@ -259,7 +259,7 @@ def load_yaml(stream):
     one) or nesting deeper than Python's recursion limit is a ConfigError too."""
     try:
         return yaml.load(stream, Loader=_UniqueKeyLoader)
-    except ConfigError:
+    except (ConfigError, UnicodeDecodeError):   # said by the callers, naming the file
         raise
     except ValueError as exc:
         why = ("a number of more than 4,300 digits, which no key takes" if "digits" in str(exc)

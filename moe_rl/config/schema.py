@@ -480,7 +480,9 @@ class DataConfig:
         **_rng(1, 1048576, why="batches in a row"))
     reward_abs_max: float = _f(1e12, "a reward beyond +-this is clipped to it and counted "
                                "(reward/clipped): GRPO's group mean and std of finite rewards "
-                               "then cannot overflow", **_rng(0, lo_open=True))
+                               "then cannot overflow",
+                               **_rng(0, 1e15, lo_open=True, why="the group's float32 statistics "
+                                      "of larger rewards lose every digit of the advantage"))
     reward_timeout_s: float = _f(60.0, "seconds one reward call may take; past it the sample is "
                                  "dropped and counted (reward/timeouts)", **_rng(0, lo_open=True))
     environment_timeout_s: float = _f(60.0, "seconds one environment call (constructor, reset, "
