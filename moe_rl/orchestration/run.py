@@ -204,4 +204,11 @@ class Run:
                           time.perf_counter() - self.started, saved,
                           [r for r in before if r.get("kind") == "eval"] + self.evals,
                           resumed_at=self.start_step), flush=True)
+        per_step = cfg.trainer.epochs * cfg.trainer.mini_batches
+        if self.history and all(r.get("train/skipped_steps", 0) >= per_step
+                                for r in self.history):
+            raise RunFailed(f"every optimizer step of the run's {len(self.history)} RL steps was "
+                            f"skipped: the float16 gradients overflowed at every loss scale "
+                            f"tried, so the policy never changed; lower "
+                            f"trainer.loss_scale.initial (or train in bfloat16); {where}")
         return self.history

@@ -64,3 +64,27 @@ def test_float16_skipped_steps_show_and_the_default_scale_skips_none(model, tmp_
     assert len(progress) == 6 and not any("skipped" in ln for ln in progress), progress
     assert ("warning: rollout.engine_dtype=float32: the engine serves in float32 while the "
             "trainer trains in float16") in default.stderr
+
+
+@pytest.mark.loop
+@pytest.mark.e2e
+def test_a_float16_run_whose_every_step_was_skipped_does_not_end_as_a_success(model, tmp_path):
+    """A loss scale far too high that never comes down within the run (hysteresis 1000):
+    every RL step's update is skipped, and the run ends in failure saying so, not `run
+    finished`."""
+    run = tmp_path / "run"
+    (tmp_path / "length_reward.py").write_text(   # rewards that differ: gradients to overflow
+        "def by_length(prompt, response, answer, metadata):\n"
+        "    return float(sum(map(ord, response)) % 7)\n")
+    got = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+         str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={model}", f"logging.dir={run}",
+         f"rollout.base_port={engine_base_port()}", *SMALL, "trainer.steps=2",
+         "trainer.sft_warmup_steps=0", "model.dtype=float16", "rollout.engine_dtype=float16",
+         "trainer.loss_scale.initial=1e18", "trainer.loss_scale.hysteresis=1000",
+         "data.reward=length_reward:by_length", "rollout.n_samples_per_prompt=4"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"))
+    assert got.returncode == 1, got.stdout[-2000:] + got.stderr[-2000:]
+    assert got.stderr.strip().splitlines()[-1].startswith(
+        "moe-rl train: every optimizer step of the run's 2 RL steps was skipped")
