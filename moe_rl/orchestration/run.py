@@ -159,8 +159,8 @@ class Run:
         if inner is not None:
             self.abandoned = str(inner)
             return True
-        if not isinstance(exc, Exception):
-            return False
+        if not isinstance(exc, Exception) or isinstance(exc, RunFailed):
+            return False   # a failure already named (an engine that died at start) stays itself
         lost = lost_process(exc) or (self.trainers.unreachable() if self.trainers else None)
         if lost is None:
             return False
