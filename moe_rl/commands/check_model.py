@@ -72,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"PATH: {exc}") from None
     if args.max_prompts < 1:
         raise UserError(f"--max-prompts: expected >= 1, got {args.max_prompts}")
-    shape = MoEShape.from_hf(hf)
+    try:
+        shape = MoEShape.from_hf(hf)
+    except ValueError as exc:   # a size beyond any model, named before anything is allocated
+        raise UserError(f"PATH: {config}: {exc}") from None
     prompts = prompt_ids(args.path, int(hf.get("max_position_embeddings") or 4096), args.data,
                          args.prompt_key, args.max_prompts)
     ref = transformers_reference(args.path, prompts, shape)

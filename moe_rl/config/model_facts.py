@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from moe_rl.config.fields import ConfigError
 from moe_rl.config.init_model import init_hf_fields
 from moe_rl.config.schema import Config, ModelConfig
 from moe_rl.families.shape import MoEShape
@@ -49,5 +50,10 @@ def model_hf_fields(model: ModelConfig) -> dict:
 
 
 def model_moe_shape(model: ModelConfig) -> MoEShape:
-    """Facts of the configured model: its config.json when present, else the ``init`` shape."""
-    return MoEShape.from_hf(model_hf_fields(model))
+    """Facts of the configured model: its config.json when present, else the ``init`` shape
+    (a size beyond any model refused naming the field)."""
+    try:
+        return MoEShape.from_hf(model_hf_fields(model))
+    except ValueError as exc:
+        raise ConfigError(f"model.path: {os.path.join(model.path, 'config.json')}: {exc}") \
+            from None

@@ -30,10 +30,12 @@ class MoEShape:
     def from_hf(cls, hf: dict) -> "MoEShape":
         """From a Hugging Face ``config.json`` dict (Qwen3/Qwen2-MoE, Mixtral, DeepSeek-V3
         layer rules; no MoE layer when the config has no experts)."""
-        n_layers = int(hf.get("num_hidden_layers", 0))
-        n_exp = int(hf.get("num_experts") or hf.get("n_routed_experts")
-                    or hf.get("num_local_experts") or 0)
-        topk = int(hf.get("num_experts_per_tok") or 0)
+        n_layers = _size(hf, "num_hidden_layers", 0)
+        experts = next((k for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                        if hf.get(k)), "num_experts")
+        n_exp = _size(hf, experts, 0)
+        topk = _size(hf, "num_experts_per_tok", 0)
+        _size(hf, "vocab_size", None)
         if n_exp <= 0 or topk <= 0:
             moe: tuple[int, ...] = ()
         elif "first_k_dense_replace" in hf:  # DeepSeek-V3 style
@@ -87,6 +89,25 @@ def tokenizer_end_ids(path: str) -> tuple[int, ...]:
     found = [added.get(eos, vocab.get(eos))] if isinstance(eos, str) else []
     found += [added[text] for text in SGLANG_EXTRA_STOP_TEXTS if text in added]
     return _ids(found)
+
+
+# the most a config.json field that sizes what is allocated may say: beyond every released
+# model by far (a field of 10**12 layers took `moe-rl config` past 11 GB before it said anything)
+SIZE_TOPS = {"num_hidden_layers": 4096, "num_experts": 65536, "n_routed_experts": 65536,
+             "num_local_experts": 65536, "num_experts_per_tok": 1024, "vocab_size": 1 << 24}
+
+
+def _size(hf: dict, key: str, default):
+    """config.json's ``key`` as a size within :data:`SIZE_TOPS` (ValueError naming the field)."""
+    value = hf.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SIZE_TOPS[key]:
+        shown = (f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+                 if isinstance(value, int) and abs(value) >= 10 ** 18 else repr(value)[:40])
+        raise ValueError(f"{key}: {shown}, expected an integer in [0, "
+                         f"{SIZE_TOPS[key]:,}]")
+    return value
 
 
 def _ids(value) -> tuple[int, ...]:

@@ -850,3 +850,28 @@ def test_a_loss_scale_floor_above_its_start_is_refused():
     with pytest.raises(ConfigError, match=r"trainer.loss_scale.min: 100 is above "
                                           r"trainer.loss_scale.initial \(10\)"):
         load_config(None, ["trainer.loss_scale.min=100", "trainer.loss_scale.initial=10"])
+
+
+@pytest.mark.parametrize("command", [["config", "--no-inputs"], ["doctor"], ["check-model"]])
+def test_a_size_beyond_any_model_in_config_json_is_one_line_before_anything_is_allocated(
+        tmp_path, command):
+    """num_hidden_layers: 10**12 took `moe-rl config`, `doctor` and `check-model` past 11 GB:
+    under a 4 GiB address-space limit each names the field in one line."""
+    import json
+    import resource
+    import subprocess
+    import sys
+    from tests.helpers import init_tiny_model
+    model = init_tiny_model(tmp_path / "model")
+    conf = json.loads((model / "config.json").read_text())
+    conf["num_hidden_layers"] = 10 ** 12
+    (model / "config.json").write_text(json.dumps(conf))
+    argv = [*command, str(model)] if command == ["check-model"] else [*command,
+                                                                       f"model.path={model}"]
+    got = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", *argv], capture_output=True, text=True,
+        timeout=180, cwd=tmp_path,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)))
+    assert got.returncode == 2 and got.stderr.count("\n") == 1, got.stderr[-2000:]
+    assert f"{model / 'config.json'}: num_hidden_layers: 1000000000000, expected an integer " \
+        "in [0, 4,096]" in got.stderr
