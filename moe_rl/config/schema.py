@@ -303,7 +303,9 @@ class LossScaleConfig:
                         **_rng(1, 2.0 ** 64, why="float32 gradients times the scale overflow "
                                "long before"))
     min: float = _f(1.0, "the scale never falls below this; a run whose scale reaches it "
-                    "stops (megatron's min_loss_scale)", **_rng(0, lo_open=True))
+                    "stops (megatron's min_loss_scale)",
+                    **_rng(0, 2.0 ** 64, lo_open=True, why="at most trainer.loss_scale.initial's "
+                           "top"))
     growth_interval: int = _f(1000, "optimizer steps without an overflow before the scale "
                               "doubles (megatron's loss_scale_window)", **_rng(1))
     hysteresis: int = _f(2, "overflowing steps tolerated before the scale halves (megatron's "

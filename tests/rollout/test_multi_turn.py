@@ -275,8 +275,10 @@ def _resp(out, rows, cached=0):
 
 
 def _rows(n, value):
+    """``n`` routing rows whose MoE layers (0 and 2) pick experts ``value``, ``value`` + 1, ...
+    (a token's top-k are distinct ids, as SGLang's are)."""
     r = np.zeros((n, LAYERS, TOPK), np.int32)
-    r[:, [0, 2]] = value
+    r[:, [0, 2]] = value + np.arange(TOPK)
     return r
 
 
@@ -293,7 +295,7 @@ def test_recomputed_positions_are_refetched_and_overlaps_checked(tiny_model):
     s = asyncio.run(run_trajectory(eng, SGLangSession(eng, _FakePool([turn1, turn2, good])), 0, env, rec,
                                    SamplingConfig(max_new_tokens=2), TrajectoryLimits(3, 20),
                                    None, 48, TrajectoryStats()))
-    assert s.routing[:4].eq(3).all() and s.routing[4:].eq(2).all()   # the recomputation's
+    assert s.routing[:4, :, 0].eq(3).all() and s.routing[4:, :, 0].eq(2).all()   # recomputed
     bad = _resp([], np.concatenate([_rows(4, 3), _rows(5, 4)]), cached=0)
     with pytest.raises(ResponseError, match="received twice disagree"):
         asyncio.run(run_trajectory(eng, SGLangSession(eng, _FakePool([turn1, turn2, bad])), 0, TwoTurnEnv(), rec,
