@@ -55,5 +55,5 @@ def model_moe_shape(model: ModelConfig) -> MoEShape:
     try:
         return MoEShape.from_hf(model_hf_fields(model))
     except ValueError as exc:
-        raise ConfigError(f"model.path: {os.path.join(model.path, 'config.json')}: {exc}") \
-            from None
+        where = os.path.join(model.path, "config.json")
+        raise ConfigError(f"model.path: {where}: {exc}") from None
