@@ -511,6 +511,29 @@ def check_nccl_sync() -> dict:
     return {"status": "pass" if ok else "fail", "seconds_4MiB": elapsed}
 
 
+def check_unopened_shares_freed() -> dict:
+    """A tensor-sync payload no server opened is given back: after
+    ``release_unopened`` and the bucket's deletion, the memory it held is free again (without
+    it torch keeps the block until the process exits)."""
+    from moe_rl.weights.serialize import release_unopened, share_named_tensors
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    bucket = [("w", torch.ones(64 << 20, device="cuda"))]   # 256 MiB
+    shared = share_named_tensors(bucket)
+    release_unopened(shared)
+    del bucket
+    torch.cuda.ipc_collect()
+    freed = torch.cuda.memory_allocated() - before
+    kept = [("w", torch.ones(64 << 20, device="cuda"))]
+    share_named_tensors(kept)   # the old behaviour: never opened, never released
+    del kept
+    torch.cuda.ipc_collect()
+    leaked = torch.cuda.memory_allocated() - before
+    ok = freed == 0 and leaked >= (256 << 20)
+    return {"status": "pass" if ok else "fail", "bytes_left_released": freed,
+            "bytes_left_unreleased": leaked}
+
+
 def nccl_receiver(port: int) -> None:
     from moe_rl.engines.sglang.weights import open_group, receive_tensors
     torch.cuda.set_device(0)
@@ -594,7 +617,8 @@ def main() -> int:
                   "trainer_throughput_bf16_8_layers_16k_tokens_loop":
                       lambda: check_trainer_throughput("bfloat16", layers=8, micro_batch=8,
                                                        experts="sequential"),
-                  "nccl_weight_sync": check_nccl_sync}
+                  "nccl_weight_sync": check_nccl_sync,
+                  "tensor_sync_unopened_freed": check_unopened_shares_freed}
         for name, fn in checks.items():
             try:
                 report[name] = fn()

@@ -336,14 +336,17 @@ class TwoTurnEnv:
 
 def fake_cuda_ipc(monkeypatch):
     """No GPU here: tensors count as CUDA ones and torch's CUDA reduction is replaced by one
-    returning the argument layout torch gives a CUDA tensor (device index 0)."""
+    returning the argument layout torch gives a CUDA tensor (device index 0; each share its
+    own reference-counter slot)."""
+    import itertools
     import torch.multiprocessing.reductions as reductions
     import moe_rl.weights.serialize as ws
+    slots = itertools.count()
 
     def reduce(t):
         return reductions.rebuild_cuda_tensor, (
             torch.Tensor, t.size(), t.stride(), 0, torch.UntypedStorage, t.dtype, 0,
-            b"ipc-handle", t.numel() * t.element_size(), 0, False, b"ref-handle", 0,
+            b"ipc-handle", t.numel() * t.element_size(), 0, False, b"ref-handle", next(slots),
             b"event-handle", True)
     monkeypatch.setattr(ws, "is_ipc_tensor", lambda t: True)
     monkeypatch.setattr(ws, "_torch_reduce_tensor", lambda: reduce)

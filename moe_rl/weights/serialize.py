@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,8 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 CUDA_IPC_DEVICE_ARG = 6   # position of the device in torch's CUDA-tensor rebuild arguments
+# positions of the share's reference counter (shared-memory file, slot) in those arguments
+CUDA_IPC_COUNTER_ARGS = (11, 12)
 
 
 def _device_uuid(index: int) -> str:
@@ -55,14 +58,22 @@ def reduce_cuda_tensor(tensor: torch.Tensor) -> tuple:
 
 
 class _IPCPickler(pickle.Pickler):
-    """A pickler that shares CUDA tensors by IPC handle (:func:`reduce_cuda_tensor`)."""
+    """A pickler that shares CUDA tensors by IPC handle (:func:`reduce_cuda_tensor`) and keeps
+    each share's reference counter (:attr:`counters`)."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.counters: list[tuple[bytes, int]] = []
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor):
             if not is_ipc_tensor(obj):
                 raise ValueError(f"cluster.weight_sync: tensor sync hands CUDA tensors to "
                                  f"colocated SGLang; got a tensor on {obj.device}")
-            return reduce_cuda_tensor(obj)
+            rebuild, args = reduce_cuda_tensor(obj)
+            handle, slot = (args[i] for i in CUDA_IPC_COUNTER_ARGS)
+            self.counters.append((handle, slot))
+            return rebuild, args
         return NotImplemented
 
 
@@ -71,14 +82,37 @@ def is_ipc_tensor(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+@dataclass(frozen=True)
+class SharedBucket:
+    """One rank's serialised bucket: the payload a server opens and the reference counters of
+    its shares (torch frees a shared block only once every counter is back to 0)."""
+    text: str
+    counters: tuple[tuple[bytes, int], ...] = ()
+
+
+def share_named_tensors(named: list[tuple[str, torch.Tensor]]) -> SharedBucket:
     """SGLang's ``MultiprocessingSerializer`` format (a pickle, base64) of ``[(name, tensor)]``
     with CUDA tensors as IPC handles (:func:`reduce_cuda_tensor`): the tensors must stay alive
-    until the server has loaded them. This produces a pickle for SGLang to read; moe_rl itself
-    never unpickles network data."""
+    until the server has loaded them, and a payload no server opens must be given back
+    (:func:`release_unopened`). This produces a pickle for SGLang to read; moe_rl itself never
+    unpickles network data."""
     buf = io.BytesIO()
-    _IPCPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(list(named))
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    pickler = _IPCPickler(buf)
+    pickler.dump(list(named))
+    return SharedBucket(base64.b64encode(buf.getvalue()).decode("ascii"),
+                        tuple(pickler.counters))
+
+
+def release_unopened(shared: SharedBucket) -> None:
+    """Give back the shares of a payload no server opened: each reference counter is
+    decremented as a consumer does when it frees its copy (torch's own
+    ``_release_ipc_counter``, which its receiver calls for a share it already holds), then
+    torch frees the blocks whose counters reached 0 (``torch.cuda.ipc_collect``). Without it a
+    failed sync's bucket stays allocated until the trainer exits."""
+    for handle, slot in shared.counters:
+        torch.UntypedStorage._release_ipc_counter(handle, slot)
+    if shared.counters:
+        torch.cuda.ipc_collect()
 
 
 def gather_strings(text: str, group=None) -> list[str] | None:
@@ -100,12 +134,16 @@ def gather_strings(text: str, group=None) -> list[str] | None:
     return [bytes(p[:int(n)].tolist()).decode("ascii") for p, n in zip(parts, sizes)]
 
 
-def rank0_flag(flag: bool, group=None) -> bool:
-    """Rank 0's ``flag`` on every rank (a broadcast over the trainer's process group)."""
+def rank0_verdict(failed: bool, released: set[int], group=None) -> tuple[bool, bool]:
+    """Rank 0's word on a bucket, on every rank (one broadcast over the trainer's process
+    group): whether the sync failed, and whether this rank's payload was never opened
+    (``released``: the ranks whose shares are to be given back)."""
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.uint8)
+        return failed, 0 in released
+    world = dist.get_world_size(group)
+    t = torch.tensor([int(failed)] + [int(r in released) for r in range(world)],
+                     dtype=torch.uint8)
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0,
                    group=group)
-    return bool(t.item())
+    return bool(t[0].item()), bool(t[1 + dist.get_rank(group)].item())

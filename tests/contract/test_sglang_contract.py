@@ -202,11 +202,11 @@ def recorded_requests(tmp_path_factory):
              ("model.layers.0.mlp.experts.1.up_proj.weight", torch.ones(2, 4).bfloat16())],
             4, "moe_rl_weights_1", last=True)
         # the tensor sync's payloads are the trainer ranks' (CUDA IPC handles, faked here)
-        from moe_rl.weights.serialize import serialize_named_tensors
+        from moe_rl.weights.serialize import share_named_tensors
         from tests.helpers import fake_cuda_ipc
         with pytest.MonkeyPatch.context() as mp:
             fake_cuda_ipc(mp)
-            payloads = [serialize_named_tensors([("model.norm.weight", torch.ones(4) * r)])
+            payloads = [share_named_tensors([("model.norm.weight", torch.ones(4) * r)]).text
                         for r in range(2)]
         w.receive_tensors([payloads], 5, last=True)
         w.end()
@@ -272,13 +272,13 @@ def test_every_request_body_is_read_by_sglang_as_meant(recorded_requests, tmp_pa
 # --------------------------------------------------------------------------- tensor payloads
 
 def test_tensor_sync_payload_is_read_by_sglangs_safe_unpickler(monkeypatch, tmp_path):
-    from moe_rl.weights.serialize import serialize_named_tensors
+    from moe_rl.weights.serialize import share_named_tensors
     from tests.helpers import fake_cuda_ipc
     fake_cuda_ipc(monkeypatch)
     named = [("model.norm.weight", torch.arange(4.0)),
              ("model.layers.0.mlp.experts.0.down_proj.weight",
               torch.ones(3, 2, dtype=torch.bfloat16))]
-    (res,) = judge("tensor_payload", [{"payload": serialize_named_tensors(named)}], tmp_path)
+    (res,) = judge("tensor_payload", [{"payload": share_named_tensors(named).text}], tmp_path)
     assert "error" not in res, f"SGLang's SafeUnpickler refused the payload: {res['error']}"
     assert res["names"] == [n for n, _ in named]
     for (_, t), call in zip(named, res["rebuilds"]):

@@ -1,7 +1,8 @@
 """SGLang's answers under pressure, decoded and survived: a retracted request aborted from the
 waiting queue (ids and log-probs, no routing, no kept sets) is no progress; an abort that came
 with EOS finishes the response; retractions are counted and, by ``rollout.retracted``, kept or
-masked; a failed tensor sync stops every rank's serialising; the weight check's probe never lists the whole vocabulary."""
+masked; a failed tensor sync stops every rank's serialising and gives back the shares no server
+received; the weight check's probe never lists the whole vocabulary."""
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +14,13 @@ from moe_rl.config import load_config, probe_temperature
 from moe_rl.engines.base import SamplingConfig
 from moe_rl.engines.sglang.client import SGLangEngine, SGLangSession
 from moe_rl.engines.sglang.decode import decode_turn
-from moe_rl.engines.sglang.pool import EngineHTTPError
+from moe_rl.engines.sglang.pool import EngineHTTPError, ServerPool
 from moe_rl.families.shape import MoEShape
 from moe_rl.rollout.groups import retraction_counts
 from moe_rl.rollout.partial import PartialRollout
 from moe_rl.rollout.trajectories import sample_of_turn
 from moe_rl.trainer.parallel import free_port
+from tests.helpers import RewardServer
 
 LAYOUT = MoEShape(num_layers=1, moe_layers=(0,), topk=2, num_experts=4, vocab_size=16,
                   eos_ids=(2,))
@@ -156,16 +158,20 @@ def test_retractions_are_read_counted_and_kept_or_masked(rule):
                     need_routing=False, need_mask=False)
 
 
-def _tensor_sync_rank(rank: int, port: int, out) -> None:
-    """One trainer rank of a colocated tensor sync over gloo (2 ranks, both sources of the one
-    server); rank 0's server refuses the first bucket. Reports how many buckets it serialised."""
+def _tensor_sync_rank(rank: int, port: int, out, sources, unsent) -> None:
+    """One trainer rank of a colocated tensor sync over gloo (2 ranks feeding ``sources``);
+    the first bucket fails on rank 0 with ``unsent`` the servers it never reached. Reports how
+    many buckets it serialised, how many it gave back and the error it raised."""
     import torch.distributed as dist
     import moe_rl.weights.serialize as serialize
+    from moe_rl.engines.sglang.client import TensorsNotLoaded
     from moe_rl.engines.sglang.sender import TensorSender
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
-    made = []
-    serialize.serialize_named_tensors = lambda named: made.append(1) or f"payload{rank}"
+    made, released = [], []
+    serialize.share_named_tensors = lambda named: made.append(1) or serialize.SharedBucket(
+        f"payload{rank}", ((b"ref", rank),))
+    serialize.release_unopened = released.append
 
     class Refusing:
         def begin(self):
@@ -175,31 +181,65 @@ def _tensor_sync_rank(rank: int, port: int, out) -> None:
             pass
 
         def receive_tensors(self, payloads, version, last):
-            raise EngineHTTPError("HTTP 400: refused")
+            raise TensorsNotLoaded("HTTP 400: refused", unsent)
 
-    sender = TensorSender(Refusing(), rank, fp8=False, sources=[[0, 1]])
+    sender = TensorSender(Refusing(), rank, fp8=False, sources=sources)
     buckets = iter([([("w", torch.ones(2))], False)] * 3 + [([("w", torch.ones(2))], True)])
     try:
         sender.send(buckets, 1)
-        out.put((rank, len(made), None))
-    except EngineHTTPError as exc:
-        out.put((rank, len(made), str(exc)))
+        out.put((rank, len(made), [s.counters for s in released], None))
+    except TensorsNotLoaded as exc:
+        out.put((rank, len(made), [s.counters for s in released], str(exc)))
     dist.destroy_process_group()
 
 
-def test_a_failed_tensor_sync_stops_serialising_on_every_rank():
-    """Rank 0's server refuses the first of four buckets: every rank learns it at the next
-    bucket and serialises nothing more (each consumer rank serialised all four before)."""
+def _tensor_sync(sources, unsent):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_tensor_sync_rank, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=_tensor_sync_rank, args=(r, port, out, sources, unsent))
+             for r in range(2)]
     for p in procs:
         p.start()
     got = sorted(out.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(60)
-    assert got == [(0, 1, "HTTP 400: refused"), (1, 1, None)], got
+    return got
+
+
+def test_a_failed_tensor_sync_stops_serialising_on_every_rank():
+    """Rank 0's server refuses the first of four buckets: every rank learns it right after
+    that bucket and serialises nothing more (each consumer rank serialised all four before);
+    the server was reached, so nothing is given back (it may have opened the payloads)."""
+    got = _tensor_sync([[0, 1]], unsent=[])
+    assert got == [(0, 1, [], "HTTP 400: refused"), (1, 1, [], None)], got
+
+
+def test_a_failed_tensor_sync_gives_back_the_shares_no_server_received():
+    """Two servers, one rank each: the first refuses the bucket and the second is never asked;
+    rank 1, whose payload nobody opened, gives its shares back (torch would keep that block
+    until the trainer exits: a model's bucket per failed sync); rank 0's stay with the server
+    that may have opened them."""
+    got = _tensor_sync([[0], [1]], unsent=[1])
+    assert got == [(0, 1, [], "HTTP 400: refused"), (1, 1, [((b"ref", 1),)], None)], got
+
+
+def test_a_tensor_bucket_names_the_servers_it_never_reached():
+    """The receiver loads each server in turn: one that refused was reached (its payload may be
+    open), one whose connection never opened was not, nor is any after a failure."""
+    import asyncio
+    from moe_rl.engines.sglang.client import SGLangWeightReceiver, TensorsNotLoaded
+    refusing = RewardServer(lambda body, call: (400, b'{"error": "refused"}'))
+    closed = f"http://127.0.0.1:{free_port()}"
+    refusing_url = f"http://127.0.0.1:{refusing.httpd.server_address[1]}"
+    try:
+        for urls, want in [([refusing_url, closed], [1]), ([closed, refusing_url], [0, 1])]:
+            receiver = SGLangWeightReceiver(lambda: ServerPool(urls, max_retries=0), 1)
+            with pytest.raises(TensorsNotLoaded) as caught:
+                receiver.receive_tensors([["p0"], ["p1"]], 3, last=True)
+            assert caught.value.unsent == want, urls
+    finally:
+        refusing.close()
 
 
 @pytest.mark.parametrize("mask,temperature,want", [(False, 0.7, 1.0), (False, 0.0, 1.0),

@@ -308,10 +308,12 @@ def test_tensor_update_body_is_sglangs_serialisation(monkeypatch):
     bytes with SGLang's own deserializer."""
     import base64
     from moe_rl.engines.sglang.weights import tensor_update_request
-    from moe_rl.weights.serialize import serialize_named_tensors
+    from moe_rl.weights.serialize import share_named_tensors
     fake_cuda_ipc(monkeypatch)
     named = [("model.norm.weight", torch.arange(4.0)), ("w", torch.ones(2, 3, dtype=torch.bfloat16))]
-    per_rank = [serialize_named_tensors(named), serialize_named_tensors([("x", torch.ones(2))])]
+    shared = share_named_tensors(named)
+    per_rank = [shared.text, share_named_tensors([("x", torch.ones(2))]).text]
+    assert shared.counters == ((b"ref-handle", 0), (b"ref-handle", 1))   # one share each
     body = tensor_update_request(per_rank, version=3)
     assert body["weight_version"] == "3" and body["flush_cache"] is True
     assert body["serialized_named_tensors"] == per_rank   # TP rank j reads entry j
@@ -324,7 +326,24 @@ def test_tensor_update_body_is_sglangs_serialisation(monkeypatch):
     import moe_rl.weights.serialize as ws
     monkeypatch.setattr(ws, "is_ipc_tensor", lambda t: t.is_cuda)
     with pytest.raises(ValueError, match="CUDA tensors"):
-        serialize_named_tensors([("cpu", torch.ones(2))])
+        share_named_tensors([("cpu", torch.ones(2))]).text
+
+
+def test_an_unopened_payload_gives_every_share_back(monkeypatch):
+    """Each share's reference counter is released as torch's receiver releases one it already
+    holds, then torch frees the blocks (``ipc_collect``); a payload without shares does
+    nothing. (The memory coming back is measured on a GPU: benchmarks/gpu_check.py.)"""
+    from moe_rl.weights.serialize import SharedBucket, release_unopened, share_named_tensors
+    from tests.helpers import fake_cuda_ipc
+    fake_cuda_ipc(monkeypatch)
+    calls = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
+                        lambda *args: calls.append(args))
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: calls.append("collect"))
+    release_unopened(SharedBucket(""))
+    assert calls == []
+    release_unopened(share_named_tensors([("a", torch.ones(2)), ("b", torch.ones(3))]))
+    assert calls == [(b"ref-handle", 0), (b"ref-handle", 1), "collect"]
 
 
 def _gather_worker(rank, port, out):
@@ -455,8 +474,8 @@ def test_only_the_ranks_a_server_reads_share_their_tensors(monkeypatch, rank):
     from moe_rl.engines.sglang.sender import TensorSender
     sources = [[0, 1], [3, 4]]
     serialised, received = [], []
-    monkeypatch.setattr(serialize, "serialize_named_tensors",
-                        lambda named: serialised.append(named) or f"payload{rank}")
+    monkeypatch.setattr(serialize, "share_named_tensors", lambda named: serialised.append(
+        named) or serialize.SharedBucket(f"payload{rank}"))
     monkeypatch.setattr(serialize, "gather_strings", lambda text: (
         [f"payload{r}" if r in (0, 1, 3, 4) else "" for r in range(6)] if rank == 0 else None))
     receiver = types.SimpleNamespace(

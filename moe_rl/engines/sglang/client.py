@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
-from moe_rl.engines.base import (Engine, EngineSession, ResponseError, SamplingConfig, Turn,
-                                 WeightReceiver)
+from moe_rl.engines.base import (Engine, EngineError, EngineSession, ResponseError,
+                                 SamplingConfig, Turn, WeightReceiver)
 from moe_rl.engines.sglang.decode import (decode_listed_logprobs, decode_routing, decode_turn,
                                           score_from_response, stopped_before_abort)
 from moe_rl.engines.sglang.pool import EngineHTTPError, ServerPool
@@ -145,16 +145,31 @@ class SGLangWeightReceiver(WeightReceiver):
 
     def receive_tensors(self, payloads: list[list[str]], version: int, last: bool) -> None:
         """Server s loads ``payloads[s]`` (one serialised bucket per TP rank, tensors on the
-        GPUs it shares with the trainer)."""
+        GPUs it shares with the trainer), one server at a time; a failure raises
+        :class:`TensorsNotLoaded` naming the servers that never received theirs."""
         async def run(pool: ServerPool):
             if len(payloads) != len(pool.servers):
                 raise ValueError(f"receive_tensors: {len(payloads)} payload lists for "
                                  f"{len(pool.servers)} servers")
-            for server, mine in zip(pool.servers, payloads):   # one server at a time
-                await pool.request("/update_weights_from_tensor",
-                                   tensor_update_request(mine, version, flush_cache=last),
-                                   server=server)
+            for s, (server, mine) in enumerate(zip(pool.servers, payloads)):
+                try:
+                    await pool.request("/update_weights_from_tensor",
+                                       tensor_update_request(mine, version, flush_cache=last),
+                                       server=server)
+                except Exception as exc:
+                    reached = getattr(exc, "reached", True)
+                    unsent = ([s] if not reached else []) + list(range(s + 1, len(payloads)))
+                    raise TensorsNotLoaded(str(exc), unsent) from exc
         run_with_pool(self.pool_factory, run)
+
+
+class TensorsNotLoaded(EngineError):
+    """A tensor-sync bucket some server did not load; :attr:`unsent`: the servers its request
+    never reached (their payloads are unopened and can be given back)."""
+
+    def __init__(self, message: str, unsent: list[int]):
+        super().__init__(message)
+        self.unsent = unsent
 
 
 class SGLangEngine(Engine):

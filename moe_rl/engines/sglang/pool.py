@@ -37,7 +37,12 @@ GROUP_PATHS = frozenset({"/init_weights_update_group", "/destroy_weights_update_
 
 
 class EngineHTTPError(EngineError):
-    """A request every server refused or that kept failing after its retries."""
+    """A request every server refused or that kept failing after its retries; ``reached``:
+    whether any attempt may have reached a server (False when no connection ever opened)."""
+
+    def __init__(self, message: str, reached: bool = True):
+        super().__init__(message)
+        self.reached = reached
 
 
 def response_body(resp: httpx.Response):
@@ -218,11 +223,12 @@ class ServerPool:
         pinned = server is not None
         avoid: set[str] = set()
         last: Exception | None = None
+        reached = False
         for attempt in range(self.max_retries + 1):
             target = server if pinned else await self._pick(avoid)
             if pinned and not target.alive and not await self._restarted(target):
                 raise EngineHTTPError(f"{target.url}{path}: server is down and could not be "
-                                      f"restarted ({last})")
+                                      f"restarted ({last})", reached=reached)
             target.in_flight += 1
             dead = False
             try:
@@ -230,11 +236,13 @@ class ServerPool:
                     resp = await self._answer(target, method, path, body)
             except (httpx.TransportError, httpx.TimeoutException) as exc:
                 last, dead = exc, True
+                reached = reached or not isinstance(exc, httpx.ConnectError)
                 if not resend and not isinstance(exc, httpx.ConnectError):
                     self._mark_dead(target)
                     raise EngineHTTPError(f"{target.url}{path}: not sent again, the server may "
                                           f"have started it: {exc!r}") from exc
             else:
+                reached = True
                 if resp.status_code < 400:
                     return response_body(resp)
                 if resp.status_code < 500:
@@ -256,7 +264,8 @@ class ServerPool:
                 avoid.add(target.url)
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff * (2 ** attempt) * (0.5 + random.random() / 2))
-        raise EngineHTTPError(f"{path}: failed after {self.max_retries + 1} attempts: {last}")
+        raise EngineHTTPError(f"{path}: failed after {self.max_retries + 1} attempts: {last}",
+                              reached=reached)
 
     async def broadcast(self, path: str, body: dict | None = None, method: str = "POST",
                         resend: bool = True) -> list[dict]:

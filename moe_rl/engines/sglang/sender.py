@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 from moe_rl.engines.base import Bucket, WeightSender
-from moe_rl.engines.sglang.client import SGLangWeightReceiver
+from moe_rl.engines.sglang.client import SGLangWeightReceiver, TensorsNotLoaded
 from moe_rl.engines.sglang.weights import (WeightGroup, abort_group, broadcast_tensors,
                                            close_group, open_group)
 from moe_rl.weights import serialize
@@ -122,7 +122,8 @@ class TensorSender(_SessionSender):
     Only those ranks serialise (torch keeps a shared CUDA block alive until a consumer releases
     it: a payload no server opens would hold a model copy per sync); rank 0 gathers the
     payloads and hands each server its TP ranks' ones, keeping its tensors alive until the
-    servers answered."""
+    servers answered. When a bucket fails, the ranks whose payloads no server received give
+    their shares back, and nobody serialises again in that sync."""
 
     everywhere = True
 
@@ -131,24 +132,39 @@ class TensorSender(_SessionSender):
         super().__init__(receiver, rank, fp8)
         self.sources = sources
 
+    def unopened_ranks(self, unsent_servers: list[int]) -> set[int]:
+        """The ranks whose payload only servers in ``unsent_servers`` were to open."""
+        unsent = set(unsent_servers)
+        return ({r for s in unsent for r in self.sources[s]} -
+                {r for s, ranks in enumerate(self.sources) if s not in unsent for r in ranks})
+
     def send(self, buckets: Iterable[tuple[Bucket, bool]], version: int) -> int:
-        """Every rank iterates the buckets (their gathers are collectives); once rank 0 has
-        failed, every rank learns it at the next bucket and serialises nothing more."""
+        """Every rank iterates the buckets (their gathers are collectives) and learns rank 0's
+        word after each one (:func:`~moe_rl.weights.serialize.rank0_verdict`): a failure stops
+        every rank's serialising, and a rank whose payload never reached a server releases
+        it."""
         sent, failure = 0, self._begin()
+        stopped = serialize.rank0_verdict(failure is not None, set())[0]
         consumed = self.rank in {r for ranks in self.sources for r in ranks}
         for bucket, last in buckets:
-            if serialize.rank0_flag(failure is not None):
+            if stopped:
                 continue
-            payloads = serialize.gather_strings(
-                serialize.serialize_named_tensors(self._served(bucket)) if consumed else "")
-            if self.rank != 0:
-                continue
-            try:
-                self.receiver.receive_tensors(
-                    [[payloads[r] for r in ranks] for ranks in self.sources], version, last)
-                sent += len(bucket)
-            except Exception as exc:   # finish the stream (collectives), then report
-                failure = exc
+            shared = (serialize.share_named_tensors(self._served(bucket)) if consumed
+                      else serialize.SharedBucket(""))
+            payloads = serialize.gather_strings(shared.text)
+            unopened: set[int] = set()
+            if self.rank == 0:
+                try:
+                    self.receiver.receive_tensors(
+                        [[payloads[r] for r in ranks] for ranks in self.sources], version, last)
+                    sent += len(bucket)
+                except TensorsNotLoaded as exc:   # finish the stream (collectives), then report
+                    failure, unopened = exc, self.unopened_ranks(exc.unsent)
+                except Exception as exc:
+                    failure = exc
+            stopped, mine_unopened = serialize.rank0_verdict(failure is not None, unopened)
+            if mine_unopened:
+                serialize.release_unopened(shared)
         if self.rank == 0:
             if failure is not None:
                 raise failure

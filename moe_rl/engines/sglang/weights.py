@@ -141,7 +141,7 @@ def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[lis
 
 def tensor_update_request(payloads: list[str], version: int, flush_cache: bool = True) -> dict:
     """Body of SGLang's ``/update_weights_from_tensor`` for one server and one bucket:
-    ``payloads[j]`` is the serialisation (:func:`serialize_named_tensors`) of the bucket's tensors
+    ``payloads[j]`` is the serialisation (:func:`share_named_tensors`) of the bucket's tensors
     on its TP rank j's GPU; ``flush_cache`` on the last bucket only."""
     return {"serialized_named_tensors": list(payloads), "load_format": None,
             "flush_cache": flush_cache, "weight_version": str(version)}
