@@ -1,21 +1,38 @@
 """Folders moe_rl writes and may later replace or remove carry a mark, written when moe_rl
-creates them: a folder without the mark is never removed, and files moe_rl did not write are
-never deleted to make room (an export into a folder that holds them is refused)."""
+creates them and naming the folder it was written in (its inode): a folder without the mark, or
+a copy of one (``cp -r`` carries the mark into a new folder), is never removed, and files moe_rl
+did not write are never deleted to make room (an export into a folder that holds them is
+refused). Files moe_rl rewrites are replaced whole (:func:`write_atomic`)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import stat
 import time
 
 from moe_rl.errors import UserError
 
 MARK = ".written_by_moe_rl"
+MARK_MAX_BYTES = 4096
 
 
 def owned(path: str) -> bool:
-    """Whether moe_rl created ``path`` (it holds the mark)."""
-    return os.path.isfile(os.path.join(path, MARK))
+    """Whether moe_rl created ``path``: a folder (not a link) holding the mark as a regular
+    file, written for this very folder (a mark naming another inode came with a copy; a mark
+    of an earlier release names none and is trusted)."""
+    mark = os.path.join(path, MARK)
+    try:
+        if os.path.islink(path) or not stat.S_ISREG(os.lstat(mark).st_mode):
+            return False
+        with open(mark, encoding="utf-8") as fh:
+            written = json.loads(fh.read(MARK_MAX_BYTES))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(written, dict):
+        return False
+    return written.get("inode", os.lstat(path).st_ino) == os.lstat(path).st_ino
 
 
 def check_claimable(path: str) -> None:
@@ -35,9 +52,27 @@ def claim(path: str) -> str:
     check_claimable(path)
     os.makedirs(path, exist_ok=True)
     if not owned(path):
-        with open(os.path.join(path, MARK), "w", encoding="utf-8") as fh:
-            json.dump({"pid": os.getpid(), "time": time.time()}, fh)
+        write_atomic(os.path.join(path, MARK), json.dumps(
+            {"pid": os.getpid(), "time": time.time(), "inode": os.lstat(path).st_ino}))
     return path
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Replace ``path`` by a file holding ``text``: written beside it first, then renamed over
+    it, so a stop at any moment leaves the old content or the new, and a link at ``path`` is
+    replaced, never written through."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def remove_owned(path: str) -> bool:

@@ -36,6 +36,7 @@ from moe_rl.orchestration.weight_check import WeightCheck
 from moe_rl.orchestration.weight_sync import WeightSync
 from moe_rl.orchestration.run_inputs import RunInputs, load_run_inputs
 from moe_rl.outputs.run_summary import run_summary
+from moe_rl.owned_dirs import write_atomic
 from moe_rl.outputs.sample_log import SampleLog
 
 
@@ -85,8 +86,7 @@ class Run:
     def _write_config(self) -> None:
         os.makedirs(self.checkpoints, exist_ok=True)
         os.makedirs(self.dir, exist_ok=True)
-        with open(os.path.join(self.dir, "config.yaml"), "w", encoding="utf-8") as fh:
-            fh.write(dump_config(self.cfg))
+        write_atomic(os.path.join(self.dir, "config.yaml"), dump_config(self.cfg))
         where = os.path.abspath(self.dir)
         print(f"run directory: {where}", flush=True)
         print(f"resolved config: {os.path.join(where, 'config.yaml')}", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
 import yaml
 
@@ -71,6 +72,7 @@ def prepare(cfg: Config, resume: bool, overwrite: bool) -> None:
     run, ckpt = cfg.logging.dir, checkpoint_dir(cfg)
     for key, path in (("logging.dir", run), ("trainer.checkpoint_dir", ckpt)):
         _check_writable_dir(key, path)
+        check_contents(key, path)
     if resume:
         return
     _check_exports_free(run)
@@ -117,6 +119,27 @@ def _check_exports_free(run: str) -> None:
 def _inside(path: str, folder: str) -> bool:
     path, folder = os.path.abspath(path), os.path.abspath(folder)
     return os.path.commonpath([path, folder]) == folder
+
+
+def check_contents(key: str, path: str) -> None:
+    """UserError naming ``key`` and the entry when anything inside the folder ``path`` is a
+    symbolic link or neither a file nor a folder (a FIFO, a device): a run writes, rewrites and
+    deletes only inside its own directory, and reads only files it wrote (a linked
+    metrics.jsonl was rewritten at its target, a linked weights/ took exports and lost another
+    run's; one on /dev/zero was read until memory ran out). The folder itself may be a link."""
+    if not os.path.isdir(path):
+        return
+    for folder, dirs, files in os.walk(path):
+        for name in dirs + files:
+            entry = os.path.join(folder, name)
+            mode = os.lstat(entry).st_mode
+            if stat.S_ISLNK(mode):
+                raise UserError(f"{key}: {entry} is a symbolic link (to {os.readlink(entry)}); a "
+                                f"run writes only inside its own directory: put the file or "
+                                f"folder itself there, or remove the link")
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise UserError(f"{key}: {entry} is neither a file nor a folder; a run reads "
+                                f"and writes only its own files: remove it")
 
 
 def _check_writable_dir(key: str, path: str) -> None:

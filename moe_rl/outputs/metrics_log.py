@@ -6,24 +6,35 @@ import contextlib
 import json
 import math
 import os
+import stat
 import sys
 import time
 
 from tqdm import tqdm
 
+from moe_rl.errors import UserError
+from moe_rl.owned_dirs import write_atomic
 
-def _step_of(line: str) -> int:
-    """The step of a JSONL record; a line cut short by a crash counts as no step (dropped)."""
+
+def _step_of(line: str) -> int | None:
+    """The step of a JSONL record; None for a line a crash cut short or one that is not a
+    record of a step (no integer ``step``): such a line is dropped."""
     try:
-        return int(json.loads(line).get("step", -1))
+        step = json.loads(line).get("step")
     except (ValueError, AttributeError):
-        return 1 << 62
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def lines_before(path: str, start_step: int) -> list[str]:
-    """The JSONL lines of ``path`` whose step comes before ``start_step`` (each with its
-    newline). A line a crash cut short, anywhere (inside a multi-byte character too), or one
-    that is not UTF-8 JSON, is dropped."""
+def keep_lines_before(path: str, start_step: int) -> list[str]:
+    """Keep in ``path`` the JSONL lines whose step comes before ``start_step`` (each returned
+    with its newline). A line a crash cut short, anywhere (inside a multi-byte character
+    too), one that is not UTF-8 JSON or names no integer step, is dropped. The file is
+    replaced whole (a stop meanwhile leaves the old one); one that is a link or not a regular
+    file is refused (UserError), as the run directory's check refuses it."""
+    if os.path.islink(path) or not stat.S_ISREG(os.stat(path).st_mode):
+        raise UserError(f"{path}: not a regular file; a run writes only inside its own "
+                        f"directory, into files of its own")
     with open(path, "rb") as fh:
         pieces = fh.read().split(b"\n")
     keep = []
@@ -32,8 +43,10 @@ def lines_before(path: str, start_step: int) -> list[str]:
             line = piece.decode("utf-8")
         except UnicodeDecodeError:
             continue
-        if line.strip() and _step_of(line) < start_step:
+        step = _step_of(line) if line.strip() else None
+        if step is not None and step < start_step:
             keep.append(line + "\n")
+    write_atomic(path, "".join(keep))
     return keep
 
 
@@ -54,10 +67,8 @@ class MetricsLogger:
         self.skipped_nonfinite = 0
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if jsonl else None
         self.earlier: list[dict] = []
-        if self.jsonl_path and os.path.exists(self.jsonl_path):
-            keep = lines_before(self.jsonl_path, start_step)
-            with open(self.jsonl_path, "w", encoding="utf-8") as fh:
-                fh.writelines(keep)
+        if self.jsonl_path and os.path.lexists(self.jsonl_path):
+            keep = keep_lines_before(self.jsonl_path, start_step)
             self.earlier = [json.loads(line) for line in keep]
         self.writer = None
         if tensorboard:

@@ -8,7 +8,7 @@ import json
 import os
 import re
 
-from moe_rl.outputs.metrics_log import lines_before
+from moe_rl.outputs.metrics_log import keep_lines_before
 from moe_rl.rewards.functions import reward_items
 
 TEXT_CHARS = 4000   # a prompt or response longer than this is cut (its length is kept)
@@ -52,10 +52,8 @@ class SampleLog:
         self.path = os.path.join(run_dir, "samples.jsonl")
         self.cap, self.writer, self.full = int(max_mb * (1 << 20)), writer, False
         self.tb_bytes, self.tb_full = 0, False
-        if os.path.exists(self.path):
-            keep = lines_before(self.path, start_step)
-            with open(self.path, "w", encoding="utf-8") as fh:
-                fh.writelines(keep)
+        if os.path.lexists(self.path):
+            keep_lines_before(self.path, start_step)
 
     def log(self, step: int, shown: list[dict], notes: list[dict]) -> None:
         """One step's samples: the rollout's ``shown`` joined with the trainer's ``notes`` on

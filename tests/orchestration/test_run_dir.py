@@ -1,6 +1,8 @@
 """run_dir on its own: what counts as a run, refusal / moving aside (a separate checkpoint
 folder too), fresh demo directories, the keys a resume may change, and when a checkpoint is
-due (steps or minutes, whichever first)."""
+due (steps or minutes, whichever first); nothing inside a run directory is a link out of it."""
+import os
+
 import pytest
 
 from moe_rl.config import load_config
@@ -124,3 +126,55 @@ def test_other_folders_and_moe_rls_own_exports_are_no_obstacle(tmp_path):
     assert (tmp_path / "run" / "weights" / "v2" / "model.safetensors").read_text() == "an export"
     assert (tmp_path / "run" / "final_hf").is_dir()
     assert not (tmp_path / "run.old-1").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from moe_rl.config import ModelInitConfig
+    from moe_rl.models.tiny import write_tiny_model
+    path = tmp_path_factory.mktemp("model") / "m"
+    write_tiny_model(ModelInitConfig(seed=1), str(path))
+    return path
+
+
+@pytest.mark.parametrize("entry,resume", [
+    ("metrics.jsonl", True), ("samples.jsonl", True), ("config.yaml", True), ("weights", True),
+    ("weights", False), ("bf16_start", False), ("weights/v3", True), ("fifo", True)])
+def test_train_refuses_a_link_in_its_run_directory_and_touches_nothing(tmp_path, tiny_model,
+                                                                       entry, resume):
+    """`moe-rl train` (new or --resume) into a directory where a log, the config, weights/ or
+    bf16_start is a symbolic link out of it (or a FIFO stands): one line naming the entry, and
+    the link's target as it was (a resume truncated a linked metrics.jsonl's target, a linked
+    weights/ took exports and lost another run's marked ones)."""
+    import subprocess
+    import sys
+    from moe_rl.owned_dirs import claim
+    from tests.helpers import ROOT
+    run, outside = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    outside.mkdir()
+    (outside / "data.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    claim(str(outside / "v1"))   # another run's marked export
+    (outside / "v1" / "model.safetensors").write_text("theirs")
+    if entry == "fifo":
+        os.mkfifo(run / "metrics.jsonl")
+    elif entry in ("weights", "bf16_start"):
+        (run / entry).symlink_to(outside)
+    elif entry == "weights/v3":
+        (run / "weights").mkdir()
+        (run / entry).symlink_to(outside / "v1")
+    else:
+        (run / entry).symlink_to(outside / "data.jsonl")
+    before = sorted((p.relative_to(outside), p.read_bytes()) for p in outside.rglob("*")
+                    if p.is_file())
+    res = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "train", "--config",
+         str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tiny_model}",
+         f"logging.dir={run}", *(["--resume"] if resume else [])],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    named = "metrics.jsonl is neither a file nor a folder" if entry == "fifo" else \
+        f"{entry} is a symbolic link"
+    assert res.returncode == 2 and named in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert sorted((p.relative_to(outside), p.read_bytes()) for p in outside.rglob("*")
+                  if p.is_file()) == before

@@ -269,6 +269,26 @@ def test_the_disk_sync_queues_the_read_and_the_load_and_confirms_them_later(monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["users", "v2"]
 
 
+def test_a_copy_of_an_export_is_not_this_runs_to_delete(tmp_path):
+    """``cp -r weights/v1 weights/v1-keep`` carries moe_rl's mark: the copy is the user's (its
+    mark names another folder), so the next sync keeps it and an export into it is refused;
+    the run's own export, even renamed (same folder), is still its own."""
+    import shutil
+    from moe_rl.errors import UserError
+    from moe_rl.orchestration.weight_sync import DiskExport
+    from moe_rl.owned_dirs import claim
+    claim(str(tmp_path / "v1"))
+    (tmp_path / "v1" / "model.safetensors").write_text("export 1")
+    shutil.copytree(tmp_path / "v1", tmp_path / "v1-keep")
+    claim(str(tmp_path / "v0"))
+    os.rename(tmp_path / "v0", tmp_path / "v0-renamed")
+    DiskExport(None, None, str(tmp_path)).drop_older(2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1-keep"]
+    assert (tmp_path / "v1-keep" / "model.safetensors").read_text() == "export 1"
+    with pytest.raises(UserError, match="holds files moe_rl did not write"):
+        claim(str(tmp_path / "v1-keep"))
+
+
 def test_request_bodies():
     named = [("x", torch.zeros(2, 3, dtype=torch.bfloat16)), ("y", torch.zeros(4))]
     body = update_request(named, 7, "g")

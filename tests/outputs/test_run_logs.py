@@ -1,10 +1,12 @@
 """The logs a run appends to and re-reads on resume (samples.jsonl, metrics.jsonl) survive a
-tail cut anywhere: every byte offset of the last row, inside multi-byte characters too."""
+tail cut anywhere: every byte offset of the last row, inside multi-byte characters too; odd
+rows are dropped, a stop while they are rewritten loses nothing, a link is never followed."""
 import json
 
 import pytest
 
-from moe_rl.outputs.metrics_log import MetricsLogger, lines_before
+from moe_rl.errors import UserError
+from moe_rl.outputs.metrics_log import MetricsLogger, keep_lines_before
 from moe_rl.outputs.sample_log import SampleLog
 
 
@@ -20,17 +22,68 @@ def test_every_cut_of_the_last_row_keeps_the_complete_rows(tmp_path):
     path = tmp_path / "log.jsonl"
     for cut in range(head, len(whole) - 1):
         path.write_bytes(whole[:cut])
-        assert lines_before(str(path), 10) == rows[:3], cut
-        assert lines_before(str(path), 2) == rows[:2], cut
+        assert keep_lines_before(str(path), 10) == rows[:3], cut
+        assert keep_lines_before(str(path), 2) == rows[:2], cut
     path.write_bytes(whole[:-1])   # only the newline lost: the row is whole, and kept
-    assert lines_before(str(path), 10) == rows
+    assert keep_lines_before(str(path), 10) == rows
 
 
 def test_a_row_that_is_not_utf8_is_dropped_not_raised(tmp_path):
     path = tmp_path / "log.jsonl"
     rows = _rows(2)
     path.write_bytes(rows[0].encode() + b'{"step": 1, "x": "\xff\xfe"}\n' + rows[1].encode())
-    assert lines_before(str(path), 10) == [rows[0], rows[1]]
+    assert keep_lines_before(str(path), 10) == [rows[0], rows[1]]
+
+
+def test_rows_that_parse_but_name_no_step_are_dropped_not_raised(tmp_path):
+    """``{"step": null}``, a row without a step, a list, a string or a boolean step: dropped
+    (a resume over them raised TypeError)."""
+    path = tmp_path / "log.jsonl"
+    rows = _rows(2)
+    odd = ['{"step": null}\n', '{"reward": 1}\n', '[1, 2]\n', '"step"\n', '{"step": true}\n',
+           '{"step": "1"}\n', '{"step": 1e400}\n']
+    path.write_text(rows[0] + "".join(odd) + rows[1], encoding="utf-8")
+    assert keep_lines_before(str(path), 10) == rows
+    assert path.read_text(encoding="utf-8") == "".join(rows)
+
+
+@pytest.mark.parametrize("name", ["samples.jsonl", "metrics.jsonl"])
+def test_a_stop_while_a_log_is_rewritten_leaves_it_whole(tmp_path, monkeypatch, name):
+    """A resume rewrites the log beside it and renames it over it: a stop (Ctrl-C) in that
+    window leaves every row (it truncated the file in place: 60,000 rows became 0 bytes)."""
+    import os
+    rows = "".join(_rows(50))
+    (tmp_path / name).write_text(rows, encoding="utf-8")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        if name == "samples.jsonl":
+            SampleLog(str(tmp_path), max_mb=1.0, start_step=3)
+        else:
+            MetricsLogger(str(tmp_path), tensorboard=False, start_step=3)
+    assert (tmp_path / name).read_text(encoding="utf-8") == rows
+    assert os.listdir(tmp_path) == [name]   # no temporary file left
+
+
+@pytest.mark.parametrize("target", ["file", "fifo"])
+def test_a_log_that_is_a_link_or_a_fifo_is_refused_untouched(tmp_path, target):
+    """A linked metrics.jsonl was truncated and rewritten at its target (outside the run); one
+    on /dev/zero or a FIFO read until memory ran out."""
+    import os
+    outside = tmp_path / "outside.jsonl"
+    run = tmp_path / "run"
+    run.mkdir()
+    if target == "file":
+        outside.write_text("".join(_rows(5)), encoding="utf-8")
+        (run / "metrics.jsonl").symlink_to(outside)
+    else:
+        os.mkfifo(run / "metrics.jsonl")
+    with pytest.raises(UserError, match="metrics.jsonl: not a regular file"):
+        MetricsLogger(str(run), tensorboard=False, start_step=2)
+    if target == "file":
+        assert outside.read_text(encoding="utf-8") == "".join(_rows(5))
 
 
 @pytest.mark.parametrize("name", ["samples.jsonl", "metrics.jsonl"])
