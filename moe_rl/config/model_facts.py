@@ -56,4 +56,7 @@ def model_moe_shape(model: ModelConfig) -> MoEShape:
         return MoEShape.from_hf(model_hf_fields(model))
     except ValueError as exc:
         where = os.path.join(model.path, "config.json")
+        if not os.path.isfile(where):   # the shape init-model would write
+            raise ConfigError(f"model.init: {exc} (the shape moe-rl init-model writes to "
+                              f"model.path)") from None
         raise ConfigError(f"model.path: {where}: {exc}") from None

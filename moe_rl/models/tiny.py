@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import string
 
-from moe_rl.config import ModelInitConfig, init_hf_fields
+from moe_rl.config import ConfigError, ModelInitConfig, init_hf_fields
 from moe_rl.families import family
+from moe_rl.families.shape import MoEShape
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 CHARSET = (string.digits + string.ascii_letters + " +-*/=().,:;!?'\"#%&<>[]_\n" + "\\{}")
@@ -55,6 +56,28 @@ def tiny_config_fields(init: ModelInitConfig) -> dict:
     return _hf_config(init, build_tokenizer()).to_dict()
 
 
+# the most parameters init-model builds (4 GiB in float32): it writes test models; a larger one
+# comes from a released checkpoint (moe-rl check-model reads it)
+TINY_MAX_PARAMS = 1 << 30
+
+
+def check_tiny_size(hf_fields: dict) -> None:
+    """ConfigError naming the key when the model ``hf_fields`` describe is past the sizes moe_rl
+    reads (config.json's tops) or past :data:`TINY_MAX_PARAMS`, before anything is allocated
+    (a huge shape ended in an allocation traceback after minutes of growing memory)."""
+    from moe_rl.config.memory_estimate import param_counts
+    try:
+        MoEShape.from_hf(hf_fields)
+    except ValueError as exc:
+        raise ConfigError(f"model.init: {exc}") from None
+    total = param_counts(hf_fields).total
+    if total > TINY_MAX_PARAMS:
+        raise ConfigError(f"model.init: this shape has {total:,} parameters; init-model writes "
+                          f"test models of at most {TINY_MAX_PARAMS:,} (lower hidden_size, "
+                          f"num_hidden_layers, num_experts or moe_intermediate_size; a larger "
+                          f"model comes from a released checkpoint)")
+
+
 def write_tiny_model(init: ModelInitConfig, out_dir: str) -> str:
     """Write config.json, model.safetensors and the tokenizer of the tiny model of ``init``
     (Qwen3-MoE, DeepSeek-V3, GLM-4.5 or gpt-oss) to ``out_dir``, deterministically from ``init.seed``.
@@ -63,6 +86,7 @@ def write_tiny_model(init: ModelInitConfig, out_dir: str) -> str:
     import transformers
     tokenizer = build_tokenizer()
     cfg = _hf_config(init, tokenizer)
+    check_tiny_size(cfg.to_dict())
     gen = torch.Generator().manual_seed(init.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init.seed)

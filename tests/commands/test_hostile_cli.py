@@ -99,3 +99,21 @@ def test_resume_of_a_damaged_or_crafted_checkpoint_is_one_line(trained_run, tmp_
     (step / "manifest.json").write_text(json.dumps(manifest))
     res = _cli(*common, "--resume-from", str(step), cwd=tmp_path)
     _one_line_refusal(res, str(step), "cannot be loaded")
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["model.init.hidden_size=2000000"], "model.init: this shape has 7,338,000,064 parameters"),
+    (["model.init.num_experts=65535", "model.init.moe_intermediate_size=100000"],
+     "init-model writes test models of at most 1,073,741,824"),
+    (["model.init.num_hidden_layers=100000"], "model.init: num_hidden_layers: 100000"),
+    (["model.init.deepseek.expert_bias_std=1e300"], "model.init.deepseek.expert_bias_std: 1e+300"),
+    (["model.init.seed=" + "9" * 30], "model.init.seed")])
+def test_init_model_refuses_a_shape_past_its_bounds_before_allocating(tmp_path, overrides,
+                                                                      expected):
+    """`moe-rl init-model` of a huge shape or seed: one line naming the key, in seconds, nothing
+    written (it grew memory for minutes, then an allocation traceback; 1e300 wrote infinite
+    expert biases that check-model called aligned)."""
+    res = _cli("init-model", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--out",
+               str(tmp_path / "m"), *overrides, cwd=tmp_path)
+    _one_line_refusal(res, expected)
+    assert not (tmp_path / "m").exists()
