@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -191,29 +192,66 @@ def check_trainer(path: str, ref: Reference, moe_shape: MoEShape) -> tuple[SideR
     return reports[0], reports[1]
 
 
-def check_engine(url: str, ref: Reference, moe_shape: MoEShape, model_path: str) -> SideReport:
+# the largest answer check-model reads from an engine (its prompts' routing and scores)
+ENGINE_ANSWER_MB = 256
+
+
+def check_engine(url: str, ref: Reference, moe_shape: MoEShape, model_path: str,
+                 timeout_s: float = 600.0) -> SideReport:
     """The engine server at ``url``: its routing of each prompt (positions ..S-2) and its
-    scoring of tokens 1.. (one pass, temperature 1)."""
+    scoring of tokens 1.. (one pass, temperature 1). Bounded: ``timeout_s`` for the whole
+    check, :data:`ENGINE_ANSWER_MB` per answer; a silent server, a huge answer or one that is
+    not what SGLang sends is one line (UserError)."""
     from moe_rl.config import config_from_dict
     from moe_rl.engines.factory import engine_kind
     # any server speaking SGLang's protocol: the protocol's client, routing requested
-    cfg = config_from_dict({"model": {"path": model_path}, "rollout": {"engine": "reference"},
-                            "algorithm": {"replay": "r3"}})
+    cfg = config_from_dict({"model": {"path": model_path}, "algorithm": {"replay": "r3"},
+                            "rollout": {"engine": "reference", "max_retries": 1,
+                                        "request_timeout_s": timeout_s,
+                                        "health_timeout_s": min(timeout_s, 30.0),
+                                        "max_answer_mb": ENGINE_ANSWER_MB}})
     engine = engine_kind(cfg).connect([url], moe_shape)
     samples = _samples(ref)
 
     async def routings(session):
         return [await session.routing(ids, 0, server=0) for ids in ref.prompts]
-    try:
+
+    def both():
         engine.score(samples, 1)
-        chosen = engine.run(routings)
+        return engine.run(routings)
+    try:
+        chosen = run_within(both, timeout_s, f"--engine {url}: no complete answer in "
+                                             f"{timeout_s:g} s (--engine-timeout)")
     except EngineError as exc:
         raise UserError(f"--engine {url}: {exc}") from None
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise UserError(f"--engine {url}: its answer is not SGLang's ({type(exc).__name__}: "
+                        f"{str(exc)[:200]})") from None
     got = [s.pass_logprobs[0] for s in samples]
     agreement = routing_agreement(torch.cat(chosen), torch.cat(ref.routing),
                                   layer_names=list(moe_shape.moe_layers))
     return SideReport(f"engine at {url}", _per_layer(agreement, moe_shape.moe_layers),
                       *_deltas(got, ref.logprobs))
+
+
+def run_within(fn, timeout_s: float, late: str):
+    """``fn()``'s result, or UserError(``late``) after ``timeout_s`` seconds (``fn`` runs on a
+    daemon thread, left behind when late: the command ends with the refusal)."""
+    out: dict = {}
+
+    def call():
+        try:
+            out["result"] = fn()
+        except BaseException as exc:   # re-raised in the caller's thread
+            out["error"] = exc
+    worker = threading.Thread(target=call, daemon=True, name="check-model engine")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise UserError(late)
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ routing agreement per MoE layer and |delta log-prob|, then a verdict line (exit 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sglang-arg", action="append", default=[], metavar="ARG",
                         help="one more argument of the started SGLang's command line, e.g. "
                              "--sglang-arg=--tp-size --sglang-arg=8; repeatable")
+    parser.add_argument("--engine-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="the longest an engine's check may take (default 600; a silent "
+                             "server is refused after it)")
     parser.add_argument("--min-agreement", type=float, default=MIN_AGREEMENT,
                         help=f"least routing agreement on every MoE layer (default "
                              f"{MIN_AGREEMENT})")
@@ -53,6 +57,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest |delta log-prob| against transformers (default "
                              f"{MAX_ABS_DELTA}; {MAX_ABS_DELTA_16_BIT} with a 16-bit "
                              f"--engine-dtype)")
+
+
+@contextlib.contextmanager
+def _reading(path: str):
+    """A checkpoint folder that cannot be read (weights missing or damaged, a tokenizer file
+    that is not JSON) is one line naming it (UserError), not a traceback."""
+    from safetensors import SafetensorError
+    try:
+        yield
+    except (OSError, ValueError, SafetensorError) as exc:
+        if isinstance(exc, UserError):
+            raise
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise UserError(f"PATH: {path}: cannot be read as a Hugging Face checkpoint "
+                        f"({type(exc).__name__}: {first})") from None
+
+
+def _read_config(path: str) -> dict:
+    """config.json's fields (UserError naming the file when it is not a JSON object)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            hf = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"PATH: {path}: not a readable JSON file ({str(exc)[:200]})") from None
+    if not isinstance(hf, dict):
+        raise UserError(f"PATH: {path}: expected a JSON object of the model's fields, got "
+                        f"{type(hf).__name__}")
+    return hf
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,28 +96,32 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isfile(config):
         raise UserError(f"PATH: expected a Hugging Face checkpoint directory with config.json, "
                         f"got {args.path}")
-    with open(config) as fh:
-        hf = json.load(fh)
+    hf = _read_config(config)
     try:
         family(hf.get("model_type"))
     except ValueError as exc:
         raise UserError(f"PATH: {exc}") from None
     if args.max_prompts < 1:
         raise UserError(f"--max-prompts: expected >= 1, got {args.max_prompts}")
+    if not 0 < args.engine_timeout <= 1e6:
+        raise UserError(f"--engine-timeout: expected seconds in (0, 1e6], got "
+                        f"{args.engine_timeout}")
     try:
         shape = MoEShape.from_hf(hf)
     except ValueError as exc:   # a size beyond any model, named before anything is allocated
         raise UserError(f"PATH: {config}: {exc}") from None
-    prompts = prompt_ids(args.path, int(hf.get("max_position_embeddings") or 4096), args.data,
-                         args.prompt_key, args.max_prompts)
-    ref = transformers_reference(args.path, prompts, shape)
-    reports = list(check_trainer(args.path, ref, shape))
-    reports += [check_engine(url, ref, shape, args.path) for url in args.engine]
+    with _reading(args.path):
+        prompts = prompt_ids(args.path, int(hf.get("max_position_embeddings") or 4096),
+                             args.data, args.prompt_key, args.max_prompts)
+        ref = transformers_reference(args.path, prompts, shape)
+        reports = list(check_trainer(args.path, ref, shape))
+    reports += [check_engine(url, ref, shape, args.path, args.engine_timeout)
+                for url in args.engine]
     if args.start_engine:
         with started_engine(args.start_engine, args.path, dtype=args.engine_dtype,
                             device=args.sglang_device, python=args.sglang_python,
                             extra_args=tuple(args.sglang_arg)) as url:
-            report = check_engine(url, ref, shape, args.path)
+            report = check_engine(url, ref, shape, args.path, args.engine_timeout)
         reports.append(dataclasses.replace(report, name=f"started {args.start_engine} engine"))
     for line in format_report(reports, sum(len(p) - 1 for p in prompts), len(prompts)):
         print(line)

@@ -146,6 +146,9 @@ class RolloutConfig:
                                       "may take (a disk load, a bucket); its /health is not "
                                       "asked meanwhile (SGLang's waits for the load to finish)",
                                       **_rng(0, lo_open=True))
+    max_answer_mb: float = _f(1024.0, "the largest answer a server may send, in MB; a larger "
+                              "one fails its request (a broken or hostile server cannot fill "
+                              "the rollout's memory)", **_rng(0, 1 << 20, lo_open=True))
     sglang: SGLangConfig = _sub(SGLangConfig, "SGLang server settings")
 
 

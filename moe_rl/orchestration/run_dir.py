@@ -30,7 +30,8 @@ RESUMABLE = {
     "trainer.pack_sequences",
     "rollout.num_servers", "rollout.host", "rollout.base_port", "rollout.api_key",
     "rollout.request_timeout_s", "rollout.max_retries", "rollout.concurrency",
-    "rollout.health_timeout_s", "rollout.startup_timeout_s", "rollout.sglang.tp_size", "rollout.sglang.dp_size",
+    "rollout.health_timeout_s", "rollout.startup_timeout_s", "rollout.max_answer_mb",
+    "rollout.sglang.tp_size", "rollout.sglang.dp_size",
     "rollout.sglang.ep_size", "rollout.sglang.mem_fraction_static", "rollout.sglang.python",
     "data.reward_timeout_s", "data.environment_timeout_s", "data.max_failed_reward_batches",
     "trainer.sft_warmup_steps", "trainer.sft_lr",   # used before step 0 only

@@ -189,3 +189,85 @@ def test_a_started_sglang_on_cpu_is_aligned(qwen, capsys):
                           "--sglang-python", sglang_cpu_python(), "--max-prompts", "2")
     assert code == 0, out
     assert "started sglang engine" in _rows(out)
+
+
+class _OddEngine:
+    """An engine on 127.0.0.1 answering /health and nothing else well: ``silent`` holds every
+    other request until :meth:`close`; ``huge`` declares a 300 MB answer; ``garbage`` answers
+    JSON that is not SGLang's."""
+
+    def __init__(self, mode: str):
+        import http.server
+        import threading
+        released = self.released = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, status, body: bytes, length=None):
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(length or len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._answer(200, b"")
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                if mode == "silent" and not released.wait(60):
+                    return
+                if released.is_set():
+                    return self._answer(500, b'{"error": "closed"}')
+                if mode == "huge":
+                    return self._answer(200, b'{"text": "', length=300_000_000)
+                self._answer(200, b'{"meta_info": 5, "output_ids": "x"}')
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        import time
+        self.released.set()
+        time.sleep(2)   # the check's thread, left behind, ends on the 500s (no thread lingers)
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("silent", "no complete answer in 3 s (--engine-timeout)"),
+    ("huge", "the answer is larger than rollout.max_answer_mb=256 MB"),
+    ("garbage", "its answer is not SGLang's")])
+def test_a_silent_huge_or_garbage_engine_is_one_line_in_bounded_time(qwen, capsys, mode,
+                                                                     expected):
+    """check-model --engine on a server that never answers (it hung the command), declares a
+    1.5 GB answer (it took 3.9 GB) or answers garbage (a traceback): one line naming the
+    engine, within --engine-timeout."""
+    import time
+    engine = _OddEngine(mode)
+    try:
+        start = time.monotonic()
+        code, _, err = _check(capsys, qwen, "--engine", engine.url, "--max-prompts", "1",
+                              "--engine-timeout", "3")
+        assert time.monotonic() - start < 60
+    finally:
+        engine.close()
+    last = err.splitlines()[-1]
+    assert code == 2 and last.startswith(f"moe-rl check-model: --engine {engine.url}: "), err
+    assert expected in last and "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage,expected", [
+    ("config.json", "not a readable JSON file"), ("model.safetensors", "SafetensorError"),
+    ("tokenizer.json", "JSONDecodeError")])
+def test_a_damaged_checkpoint_folder_is_one_line(qwen, tmp_path, capsys, damage, expected):
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(qwen, model)
+    (model / damage).write_text("{" if damage == "tokenizer.json" else "garbage")
+    code, _, err = _check(capsys, model)
+    assert code == 2 and err.splitlines()[-1].startswith(f"moe-rl check-model: PATH: {model}"), err
+    assert expected in err and "Traceback" not in err

@@ -35,7 +35,8 @@ class SGLangProtocolKind(EngineKind):
         return lambda: ServerPool(urls, api_key=r.api_key, timeout=r.request_timeout_s,
                                   max_retries=r.max_retries, concurrency=r.concurrency,
                                   restarters=restarters, health_timeout=r.health_timeout_s,
-                                  weight_timeout=r.weight_load_timeout_s)
+                                  weight_timeout=r.weight_load_timeout_s,
+                                  answer_limit_mb=r.max_answer_mb)
 
     def connect(self, urls, moe_shape: MoEShape, restarters=None) -> SGLangEngine:
         from moe_rl.engines.sglang.client import SGLangEngine

@@ -96,7 +96,7 @@ class ServerPool:
                  max_retries: int = 3, concurrency: int = 64,
                  restarters: list[Callable[[], None] | None] | None = None,
                  backoff: float = 0.5, health_timeout: float | None = None,
-                 weight_timeout: float = 3600.0):
+                 weight_timeout: float = 3600.0, answer_limit_mb: float = 1024.0):
         if not urls:
             raise ValueError("rollout.num_servers: the pool needs at least one server")
         restarters = restarters or [None] * len(urls)
@@ -107,6 +107,7 @@ class ServerPool:
         self.health_timeout = timeout if health_timeout is None else health_timeout
         self.concurrency, self.backoff = concurrency, backoff
         self.weight_timeout = weight_timeout   # the longest one weight-update call may take
+        self.answer_limit_mb = answer_limit_mb   # the largest answer read (rollout.max_answer_mb)
         self.restarts = 0
         self.health_probes = 0   # /health asked of a server silent for `timeout` seconds
         self._client: httpx.AsyncClient | None = None
@@ -187,9 +188,7 @@ class ServerPool:
         without asking ``/health``, which the server answers only once the update is done (a
         dead server still shows: its connection breaks); joining or leaving the group
         (:data:`GROUP_PATHS`) for ``timeout`` seconds."""
-        no_read_limit = httpx.Timeout(self.timeout, read=None)
-        send = asyncio.ensure_future(self._client.request(method, server.url + path, json=body,
-                                                          timeout=no_read_limit))
+        send = asyncio.ensure_future(self._bounded(method, server.url + path, body))
         try:
             if path in WEIGHT_PATHS:
                 bound, key = ((self.timeout, "rollout.request_timeout_s") if path in GROUP_PATHS
@@ -209,6 +208,29 @@ class ServerPool:
         finally:
             if not send.done():
                 send.cancel()
+
+    async def _bounded(self, method: str, url: str, body: dict | None) -> httpx.Response:
+        """The response to one request, read whole but never past ``answer_limit_mb`` (a larger
+        answer raises EngineHTTPError at once, not retried: a broken or hostile server cannot
+        fill this process's memory)."""
+        limit = int(self.answer_limit_mb * (1 << 20))
+        too_large = (f"{url}: the answer is larger than rollout.max_answer_mb="
+                     f"{self.answer_limit_mb:g} MB")
+        no_read_limit = httpx.Timeout(self.timeout, read=None)
+        async with self._client.stream(method, url, json=body, timeout=no_read_limit) as resp:
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise EngineHTTPError(too_large)
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():   # decoded: a compressed bomb counts whole
+                size += len(chunk)
+                if size > limit:
+                    raise EngineHTTPError(too_large)
+                chunks.append(chunk)
+            headers = httpx.Headers({k: v for k, v in resp.headers.items() if k.lower() not in
+                                     ("content-encoding", "content-length", "transfer-encoding")})
+            return httpx.Response(resp.status_code, headers=headers, content=b"".join(chunks),
+                                  request=resp.request)
 
     async def request(self, path: str, body: dict | None = None, *, server: Server | None = None,
                       method: str = "POST", resend: bool = True) -> dict:
