@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import sys
 
@@ -51,6 +52,19 @@ class PluginExit(Exception):
     BaseException): handed to the caller as an ordinary error, never as an exit."""
 
 
+def reopen_std_streams() -> None:
+    """User code that closed ``sys.stdout`` or ``sys.stderr`` (the process's file descriptors
+    stay open beneath them) gets them back, so the run's next line is not its end."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        if stream is None or stream.closed:
+            try:
+                setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False),
+                                                    line_buffering=True, errors="replace"))
+            except OSError:   # the descriptor itself was closed: nowhere to write
+                setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))
+
+
 def _start_daemon(fn, args, deliver) -> None:
     """Run ``fn(*args)`` on a daemon thread (one that never returns cannot hold up the
     process's exit) and hand ``deliver`` (ok, result-or-exception; a BaseException that is not
@@ -66,6 +80,8 @@ def _start_daemon(fn, args, deliver) -> None:
         except BaseException as exc:   # noqa: BLE001 - sys.exit in user code ends nothing
             deliver(False, PluginExit(f"{type(exc).__name__}({exc})"))
             return
+        finally:
+            reopen_std_streams()
         deliver(True, result)
     threading.Thread(target=target, daemon=True, name="plugin-call").start()
 

@@ -68,15 +68,13 @@ class RewardCounts:
 
     def value(self, value) -> float:
         """``value`` as a finite float, else an error (0)."""
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            return self.error(f"ValueError: reward {value!r:.60} is not a number")
-        except OverflowError:
-            return self.error(f"OverflowError: reward {str(value)[:40]}... is too large for a "
-                              f"float")
-        if not math.isfinite(number):
-            return self.error(f"ValueError: non-finite reward {number}")
+        return self.judged(as_number(value))
+
+    def judged(self, number: float | str) -> float:
+        """A reward :func:`as_number` gave: its error message scores 0 (counted), a value
+        beyond +-``abs_max`` is clipped to it (counted)."""
+        if isinstance(number, str):
+            return self.error(number)
         if abs(number) > self.abs_max:
             self.clipped += 1
             if self.clipped == 1:
@@ -84,6 +82,29 @@ class RewardCounts:
                             "in reward/clipped)", self.spec, number, self.abs_max)
             return math.copysign(self.abs_max, number)
         return number
+
+
+def as_number(value) -> float | str:
+    """``value`` as a finite float, or the message of why it is not one (no counting: this
+    runs inside the reward's bounded call, where the user's ``__float__`` may block or exit)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return f"ValueError: reward {value!r:.60} is not a number"
+    except OverflowError:
+        return f"OverflowError: reward {str(value)[:40]}... is too large for a float"
+    if not math.isfinite(number):
+        return f"ValueError: non-finite reward {number}"
+    return number
+
+
+def _batch_numbers(values, n: int) -> list[float | str] | str:
+    """A batched reward's answer for ``n`` samples as :func:`as_number` gives each, or the
+    message of why it is not a list of ``n``."""
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        return (f"ValueError: a batched reward returned {values!r:.60} for {n} samples; "
+                f"expected a list of {n} numbers")
+    return [as_number(v) for v in values]
 
 
 class RewardFunction(RewardCounts):
@@ -97,17 +118,18 @@ class RewardFunction(RewardCounts):
         self.fn, self.batched = load_reward(spec)
         self.is_async = _is_async(self.fn)
 
-    async def _call(self, *args):
-        """The call on a thread of its own (an ``async def`` reward on its own event loop
-        there), so that a reward blocking inside (``time.sleep``, a blocking HTTP call) holds
-        neither the rollout's loop nor the bound."""
+    async def _call(self, convert, *args):
+        """``convert(reward(*args))`` on a thread of its own (an ``async def`` reward on its own
+        event loop there), so that a reward blocking inside (``time.sleep``, a blocking HTTP
+        call, a ``__float__`` of its value) holds neither the rollout's loop nor the bound."""
         fn = _run_coroutine(self.fn) if self.is_async else self.fn
-        return await call_bounded_async(fn, *args, timeout_s=self.timeout_s)
+        return await call_bounded_async(lambda *a: convert(fn(*a)), *args,
+                                        timeout_s=self.timeout_s)
 
     async def _one(self, item: dict) -> float | None:
         try:
-            value = await self._call(item["prompt"], item["response"], item["label"],
-                                     item["metadata"])
+            number = await self._call(as_number, item["prompt"], item["response"],
+                                      item["label"], item["metadata"])
         except PluginTimeout as exc:
             self.timeout(f"timed out: {exc} (data.reward_timeout_s)")
             return None
@@ -115,7 +137,7 @@ class RewardFunction(RewardCounts):
             raise
         except BaseException as exc:   # noqa: BLE001 - the user's code (sys.exit included)
             return self.error(f"{type(exc).__name__}: {exc}")   # must never stop the run
-        return self.value(value)
+        return self.judged(number)
 
     async def score(self, items: list[dict]) -> list[float | None]:
         """The rewards of ``items`` ({prompt, response, label, metadata} each), in order; None
@@ -123,7 +145,7 @@ class RewardFunction(RewardCounts):
         if not self.batched:
             return list(await asyncio.gather(*(self._one(item) for item in items)))
         try:
-            values = await self._call(items)
+            numbers = await self._call(lambda v: _batch_numbers(v, len(items)), items)
         except PluginTimeout as exc:
             self.timeout(f"timed out: {exc} (data.reward_timeout_s)", len(items))
             return [None] * len(items)
@@ -131,11 +153,9 @@ class RewardFunction(RewardCounts):
             raise
         except BaseException as exc:   # noqa: BLE001
             return [self.error(f"{type(exc).__name__}: {exc}", len(items))] * len(items)
-        if not isinstance(values, (list, tuple)) or len(values) != len(items):
-            return [self.error(f"ValueError: a batched reward returned {values!r:.60} for "
-                               f"{len(items)} samples; expected a list of {len(items)} numbers",
-                               len(items))] * len(items)
-        return [self.value(v) for v in values]
+        if isinstance(numbers, str):
+            return [self.error(numbers, len(items))] * len(items)
+        return [self.judged(v) for v in numbers]
 
 
 SIGNATURE = "reward(prompt: str, response: str, answer: str | None, metadata: dict) -> float"

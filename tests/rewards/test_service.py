@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import textwrap
 import threading
 import time
@@ -326,3 +327,52 @@ def test_extreme_finite_rewards_are_clipped_and_counted(tmp_path, monkeypatch):
     got = asyncio.run(fn.score([{"prompt": "", "response": "", "label": None,
                                  "metadata": {"r": r}} for r in (1.7e308, -1.7e308, 5.0, 10**400)]))
     assert got == [1e12, -1e12, 5.0, 0.0] and fn.clipped == 2 and fn.errors == 1
+
+
+def test_a_rewards_value_is_read_within_its_timeout(tmp_path, monkeypatch):
+    """The value a reward returns is turned into a number inside the bounded call: a
+    ``__float__`` that blocks times out (it hung scoring), one that calls ``sys.exit`` is an
+    error (it escaped), per sample and batched."""
+    import time
+    (tmp_path / "odd_values.py").write_text(
+        "import sys, time\n"
+        "class Slow:\n    def __float__(self):\n        time.sleep(30)\n        return 1.0\n"
+        "class Exits:\n    def __float__(self):\n        sys.exit(3)\n"
+        "def one(prompt, response, answer, metadata):\n"
+        "    return {'slow': Slow(), 'exits': Exits(), 'ok': 2}[metadata['v']]\n"
+        "def batch(samples):\n    return [Slow() if s['metadata']['v'] == 'slow' else 1.0\n"
+        "            for s in samples]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    items = [{"prompt": "", "response": "", "label": None, "metadata": {"v": v}}
+             for v in ("slow", "exits", "ok")]
+    fn = RewardFunction("odd_values:one", timeout_s=1.0)
+    start = time.monotonic()
+    got = asyncio.run(fn.score(items))
+    assert got == [None, 0.0, 2.0] and fn.timeouts == 1 and fn.errors == 1, fn.last_error
+    batched = RewardFunction("odd_values:batch", timeout_s=1.0)
+    batched.batched = True
+    assert asyncio.run(batched.score(items)) == [None] * 3 and batched.timeouts == 3
+    assert time.monotonic() - start < 10
+
+
+def test_a_reward_that_closes_stdout_and_stderr_ends_nothing(tmp_path):
+    """The process prints on after a reward closed ``sys.stdout`` and ``sys.stderr`` (its next
+    line raised 'I/O operation on closed file' and the run died)."""
+    import subprocess
+    import sys
+    (tmp_path / "closing.py").write_text(
+        "import sys\ndef reward(prompt, response, answer, metadata):\n"
+        "    sys.stdout.close()\n    sys.stderr.close()\n    return 1.0\n")
+    script = (
+        "import asyncio, sys\n"
+        "from moe_rl.rewards.functions import RewardFunction\n"
+        "fn = RewardFunction('closing:reward')\n"
+        "got = asyncio.run(fn.score([{'prompt': '', 'response': '', 'label': None, "
+        "'metadata': {}}]))\n"
+        "print('scored', got, flush=True)\n"
+        "print('and on stderr', file=sys.stderr, flush=True)\n")
+    path = f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "scored [1.0]" in res.stdout and "and on stderr" in res.stderr
