@@ -146,19 +146,27 @@ def _existing(path: str) -> str:
 
 
 def _model_params(model_path: str) -> int | None:
-    """Parameters of the safetensors under ``model_path`` (their headers only)."""
+    """Parameters of the safetensors under ``model_path`` (their headers only); ValueError
+    naming a file that is not a readable safetensors file (a FIFO there is never opened)."""
     if not os.path.isdir(model_path):
         return None
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     total = 0
-    for name in os.listdir(model_path):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(model_path, name), "np") as fh:
+    for name in sorted(os.listdir(model_path)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(model_path, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: not a regular file")
+        try:
+            with safe_open(path, "np") as fh:
                 for key in fh.keys():
                     n = 1
                     for d in fh.get_slice(key).get_shape():
                         n *= d
                     total += n
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
     return total or None
 
 
@@ -167,7 +175,11 @@ def check_disk(cfg: Config) -> Finding:
     written before the oldest goes) and the HF exports."""
     where = _existing(cfg.logging.dir)
     free = shutil.disk_usage(where).free
-    params = _model_params(cfg.model.path)
+    try:
+        params = _model_params(cfg.model.path)
+    except ValueError as exc:
+        return Finding("disk", "fail", f"model.path: {exc}", "replace the damaged file with "
+                       "the checkpoint's own")
     if params is None:
         return Finding("disk", "ok", f"{free / 2**30:.1f} GiB free at {where} (model.path has "
                        f"no safetensors yet: need unknown)")
@@ -226,6 +238,18 @@ def check_ports(cfg: Config) -> Finding:
     """The engine servers take free ports from rollout.base_port up on rollout.host."""
     r = cfg.rollout
     host, base = r.host, r.base_port
+    try:
+        socket.getaddrinfo(host, base, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return Finding("ports", "fail", f"rollout.host {host!r} does not resolve ({exc})",
+                       "set rollout.host to an address of this node (127.0.0.1 for one node)")
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError as exc:
+            return Finding("ports", "fail", f"rollout.host {host!r} is not an address of this "
+                           f"node ({exc.strerror})", "set rollout.host to an address of this "
+                           "node (127.0.0.1 for one node)")
     window = range(base, min(base + PORT_WINDOW, 65536))
     busy = [p for p in window if not _port_free(host, p)]
     free = len(window) - len(busy)

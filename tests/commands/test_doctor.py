@@ -181,3 +181,30 @@ def test_without_a_config_a_gpu_node_is_checked_as_a_run_on_its_gpus(capsys, mon
     assert out.startswith("no --config: checking this node as a run on its 8 GPUs")
     assert "every check passed" not in out
     assert main(["doctor", "cluster.gpus_per_node=0"]) == 0   # told otherwise: a CPU run
+
+
+@pytest.mark.parametrize("host,named", [("no-such-host.invalid", "does not resolve"),
+                                        ("192.0.2.1", "is not an address of this node")])
+def test_an_unresolvable_or_foreign_host_is_named_not_counted_as_busy_ports(capsys, host,
+                                                                            named):
+    """It was reported as '0 free of ports ...' (every bind failed)."""
+    rc, found = doctor(capsys, f"rollout.host={host}")
+    assert rc == 1 and found["ports"]["status"] == "fail"
+    assert f"rollout.host {host!r} {named}" in found["ports"]["detail"], found["ports"]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "fifo"])
+def test_a_damaged_safetensors_file_fails_the_disk_check_in_one_line(capsys, tmp_path, damage):
+    """A bad header was a traceback; a FIFO where a safetensors file should be hung doctor."""
+    from moe_rl.config import ModelInitConfig
+    from moe_rl.models.tiny import write_tiny_model
+    model = tmp_path / "model"
+    write_tiny_model(ModelInitConfig(), str(model))
+    os.unlink(model / "model.safetensors")
+    if damage == "fifo":
+        os.mkfifo(model / "model.safetensors")
+    else:
+        (model / "model.safetensors").write_bytes(b"\xff" * 64)
+    rc, found = doctor(capsys, f"model.path={model}", f"logging.dir={tmp_path}/run")
+    assert rc == 1 and found["disk"]["status"] == "fail"
+    assert f"model.path: {model}/model.safetensors: " in found["disk"]["detail"], found["disk"]
