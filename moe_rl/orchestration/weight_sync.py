@@ -28,13 +28,13 @@ from moe_rl.owned_dirs import remove_owned
 
 # what a full or read-only disk says (OSError 28, 30, 122), in the error or in the traceback a
 # Ray task error carries
-_DISK_FULL = re.compile(r".*(\[Errno (28|30|122)\]|No space left|Read-only file system|"
-                        r"Disk quota exceeded).*")
+_DISK_FULL = re.compile(r".*(\[Errno (1|13|28|30|122)\]|No space left|Read-only file system|"
+                        r"Disk quota exceeded|Permission denied|Operation not permitted).*")
 
 
 class ExportError(UserError):
-    """The weight export failed on its disk (no space left, read-only, over quota); nothing
-    half-written is left."""
+    """The weight export failed on its disk (no space left, read-only, over quota, not
+    permitted); nothing half-written is left."""
 
 
 class DiskExport:
@@ -63,7 +63,8 @@ class DiskExport:
             remove_owned(target)
             raise ExportError(f"exporting the weights of version {version} to {target} failed: "
                               f"{lines[-1][:300]}; the half-written export was removed; free "
-                              f"space there and continue with --resume") from None
+                              f"space there (or make it writable) and continue with --resume"
+                              ) from None
         return target
 
     def load(self, path: str, version: int):

@@ -554,16 +554,20 @@ class _ExportFails:
         raise self.error
 
 
-def test_a_full_disk_at_the_weight_export_is_one_line_and_leaves_nothing_half_written(tmp_path):
+@pytest.mark.parametrize("error", ["OSError: [Errno 28] No space left on device",
+                                   "PermissionError: [Errno 1] Operation not permitted",
+                                   "PermissionError: [Errno 13] Permission denied"])
+def test_an_export_on_a_full_or_unwritable_disk_is_one_line_and_leaves_nothing_half_written(
+        tmp_path, error):
+    """No space, or an entry that cannot be written (EPERM, EACCES: a traceback before)."""
     from moe_rl.orchestration.weight_sync import DiskExport, ExportError
     ray_error = RuntimeError("ray::TrainerWorker.export_hf() (pid=1)\nTraceback ...\n  File "
-                             "\"hf.py\", line 420\nOSError: [Errno 28] No space left on device: "
-                             "'/run/weights/v3/.shard-0.tmp'")
+                             f"\"hf.py\", line 420\n{error}: '/run/weights/v3/.shard-0.tmp'")
     sync = DiskExport(_ExportFails(ray_error), None, str(tmp_path))
     with pytest.raises(ExportError) as got:
         sync.export(3)
     message = str(got.value)
-    assert "\n" not in message and "No space left on device" in message
+    assert "\n" not in message and error.split("] ")[1] in message
     assert message.startswith(f"exporting the weights of version 3 to {tmp_path}/v3 failed")
     assert not (tmp_path / "v3").exists()
     other = DiskExport(_ExportFails(KeyError("a bug")), None, str(tmp_path))
