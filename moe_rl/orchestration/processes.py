@@ -176,9 +176,9 @@ class Trainers:
                 return f"trainer rank {rank}: {lost_process(exc) or type(exc).__name__}"
         return None
 
-    def expert_path(self) -> tuple[str, str]:
-        """How rank 0's MoE experts compute and why (every rank builds the same)."""
-        return ray.get(self.actors[0].expert_path.remote())
+    def compute_paths(self) -> dict[str, tuple[str, str]]:
+        """How rank 0's experts and attention compute and why (every rank builds the same)."""
+        return ray.get(self.actors[0].compute_paths.remote())
 
     def addresses(self) -> list[str]:
         """The node address each rank runs at, as the rank itself sees it."""

@@ -118,8 +118,8 @@ class Run:
         self.engines = ServedEngines(cfg, self.plan, self.reservation)
         self.plan = self.engines.start(cfg.model.path, self.dir, self.stop)
         self.trainers.ready(self.stop)   # built meanwhile (apart from colocated engines)
-        path, why = self.trainers.expert_path()
-        print(f"trainer experts: {path} ({why})", flush=True)
+        for part, (path, why) in self.trainers.compute_paths().items():
+            print(f"trainer {part}: {path} ({why})", flush=True)
         write_plan(self.plan, self.reservation, os.path.join(self.dir, "plan.json"),
                    self.trainers.addresses())
         self.rollout = self.engines.rollout_worker()

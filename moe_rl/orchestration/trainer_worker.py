@@ -32,9 +32,10 @@ class TrainerWorker:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
-    def expert_path(self) -> tuple[str, str]:
-        """How this rank's MoE experts compute (``trainer.experts`` as built) and why."""
-        return self.trainer.expert_path
+    def compute_paths(self) -> dict[str, tuple[str, str]]:
+        """How this rank's MoE experts (``trainer.experts`` as built) and attention compute, and
+        why: ``{"experts": (path, why), "attention": (path, why)}``."""
+        return self.trainer.compute_paths
 
     def data_parallel_rank(self) -> int:
         """This rank's data-parallel rank (megatron's layout): which shard it trains on."""

@@ -101,20 +101,22 @@ def te_available() -> bool:
     return not cuda_absent() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(config):
+def layer_spec(config) -> tuple[object, tuple[str, str]]:
     """Per-layer decoder block spec (dense and MoE layers as ``moe_layer_freq`` says): Transformer
     Engine modules when TE is importable and CUDA present, local modules otherwise; MLA without
-    query LoRA with the checkpoint's query projection (:mod:`moe_rl.trainer.mla_query`)."""
+    query LoRA with the checkpoint's query projection (:mod:`moe_rl.trainer.mla_query`). With the
+    core attention it uses: (path, why)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from moe_rl.trainer.mla_query import use_hf_query_projection
     use_te = te_available()
     block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                              normalization="RMSNorm")
+    attention = ("te", "Transformer Engine's fused attention")
     if not use_te:
-        use_local_attention(block, config.multi_latent_attention)
+        attention = use_local_attention(block, config)
     if config.multi_latent_attention and config.q_lora_rank is None:
         use_hf_query_projection(block)
-    return block
+    return block, attention
 
 
 TE_THD_UNEQUAL_HEAD_DIMS = (2, 20)   # the first Transformer Engine release seen attending packed
@@ -148,20 +150,28 @@ def mla_packing_warning(config, packed: bool) -> str | None:
             f"megatron-core >= 0.17 (Python 3.12)")
 
 
-def use_local_attention(block, mla: bool) -> None:
-    """A local-spec decoder block ``block``: core attention that also takes packed (THD)
-    rows (:mod:`moe_rl.trainer.local_attention`); with ``mla`` MLA's (:mod:`moe_rl.trainer.
-    local_mla`) (in place)."""
+def use_local_attention(block, config) -> tuple[str, str]:
+    """A local-spec decoder block ``block`` of megatron-core ``config``: core attention through
+    torch's fused kernel (:mod:`moe_rl.trainer.sdpa_attention`) where it fits, else megatron's
+    local kernel that also takes packed (THD) rows (:mod:`moe_rl.trainer.local_attention`;
+    MLA's: :mod:`moe_rl.trainer.local_mla`) (in place). Returns (path, why)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from moe_rl.trainer.local_attention import PackedLocalAttention
+    from moe_rl.trainer.local_mla import LocalMLACoreAttention, use_local_mla
+    from moe_rl.trainer.sdpa_attention import SDPAttention, attention_unsupported
+    why = attention_unsupported(config)
+    mla = config.multi_latent_attention
     if mla:
-        from moe_rl.trainer.local_mla import use_local_mla
         use_local_mla(block)
-        return
+    local = LocalMLACoreAttention if mla else PackedLocalAttention
+    chosen = SDPAttention if why is None else local
     for layer in block.layer_specs:
         attention = layer.submodules.self_attention.submodules
-        if attention.core_attention is DotProductAttention:
-            attention.core_attention = PackedLocalAttention
+        if attention.core_attention in (DotProductAttention, local):
+            attention.core_attention = chosen
+    if why is None:
+        return "sdpa", "torch's scaled_dot_product_attention"
+    return "local", f"megatron's unfused kernel ({why})"
 
 
 def uses_te_spec(model) -> bool:
@@ -191,7 +201,7 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                                 expert_bias_update_rate=expert_bias_update_rate)
     RouterReplay.clear_global_router_replay_instances()
     hf = spec.hf_config
-    block = layer_spec(config)
+    block, attention_path = layer_spec(config)
     expert_path = choose_expert_path(experts, config.hidden_size, config.moe_ffn_hidden_size
                                      // config.expert_tensor_parallel_size, dtype)
     if expert_path[0] == "grouped":
@@ -214,5 +224,5 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
             p.data = p.data.to(dtype)
     if not cuda_absent():
         model = model.cuda()
-    model.expert_path = expert_path
+    model.expert_path, model.attention_path = expert_path, attention_path
     return model, spec

@@ -52,7 +52,8 @@ class PolicyTrainer:
                                        expert_bias_update_rate=t.expert_bias_update_rate,
                                        experts=t.experts)
         load_hf_into_megatron(model, self.spec, hf_path)
-        self.expert_path = model.expert_path   # (path, why): trainer.experts as built
+        # how the experts and the attention compute as built: {"experts": (path, why), ...}
+        self.compute_paths = {"experts": model.expert_path, "attention": model.attention_path}
         risk = mla_packing_warning(model.config, t.pack_sequences)
         if risk is not None:
             print(f"warning: {risk}", file=sys.stderr, flush=True)

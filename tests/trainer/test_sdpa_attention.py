@@ -1,0 +1,124 @@
+"""Core attention through torch's fused kernel (moe_rl/trainer/sdpa_attention.py) against
+megatron-core's local kernel: equal within float32 rounding, forward and backward, on padded and
+packed (THD) rows, grouped-query heads and MLA's narrower value heads; every family's model
+built on it but gpt-oss (attention sinks, sliding windows), whose attention stays local."""
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+
+from moe_rl.trainer.local_attention import PackedLocalAttention
+from moe_rl.trainer.local_mla import LocalMLACoreAttention
+from moe_rl.trainer.model_builder import build_model
+from moe_rl.trainer.packing import causal_mask
+from moe_rl.trainer.parallel import init_distributed, init_model_parallel
+from moe_rl.trainer.sdpa_attention import SDPAttention, attention_unsupported
+from moe_rl.weights.hf import load_hf_into_megatron
+from tests.trainer_runs import FAMILIES, logprobs_and_grads, three_samples, write_family
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel_state():
+    init_distributed()
+    init_model_parallel()
+    yield
+
+
+def _config(heads=4, groups=2, dim=8, **extra):
+    return TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
+                             num_query_groups=groups, kv_channels=dim, attention_dropout=0.0,
+                             hidden_dropout=0.0, use_cpu_initialization=True,
+                             cuda_graph_scope=[], **extra)
+
+
+def _qkv(s, b, heads, groups, qk_dim, v_dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = (lambda h, d: torch.randn(s, b, h, d, generator=g).requires_grad_())
+    return make(heads, qk_dim), make(groups, qk_dim), make(groups, v_dim)
+
+
+def _both(local, fused, args, kwargs):
+    outs, grads = [], []
+    for module in (local, fused):
+        q, k, v = (t.detach().clone().requires_grad_() for t in args)
+        out = module(q, k, v, **kwargs)
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        outs.append(out.detach())
+        grads.append([q.grad, k.grad, v.grad])
+    return outs, grads
+
+
+@pytest.mark.parametrize("groups", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_padded_rows_equal_the_local_kernel(groups):
+    cfg = _config(groups=groups)
+    args = (cfg, 1, AttnMaskType.causal, "self")
+    local, fused = PackedLocalAttention(*args), SDPAttention(*args)
+    (want, got), (want_g, got_g) = _both(local, fused, _qkv(7, 3, 4, groups, 8, 8),
+                                         dict(attention_mask=causal_mask(7)))
+    assert got.shape == want.shape == (7, 3, 32)
+    torch.testing.assert_close(got, want, **TOL)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_packed_rows_equal_the_local_kernel_slot_by_slot():
+    cfg = _config()
+    args = (cfg, 1, AttnMaskType.causal, "self")
+    cu = torch.tensor([0, 3, 8, 12], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=5, max_seqlen_kv=5)
+    q, k, v = (t[:, 0] for t in _qkv(12, 1, 4, 2, 8, 8))
+    (want, got), (want_g, got_g) = _both(PackedLocalAttention(*args), SDPAttention(*args),
+                                         (q, k, v), dict(attention_mask=None,
+                                                         packed_seq_params=params))
+    assert got.shape == (12, 32)
+    torch.testing.assert_close(got, want, **TOL)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_mlas_narrower_values_and_its_softmax_scale():
+    """MLA: query/key heads of 24, values of 16, the scale MLA passes (YaRN's mscale)."""
+    cfg = _config(heads=4, groups=4, dim=24)
+    args = (cfg, 1, AttnMaskType.causal, "self")
+    kw = dict(softmax_scale=0.3, k_channels=24, v_channels=16)
+    local, fused = LocalMLACoreAttention(*args, **kw), SDPAttention(*args, **kw)
+    (want, got), (want_g, got_g) = _both(local, fused, _qkv(6, 2, 4, 4, 24, 16),
+                                         dict(attention_mask=causal_mask(6)))
+    assert got.shape == (6, 2, 64)
+    torch.testing.assert_close(got, want, **TOL)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_sinks_and_sliding_windows_stay_local():
+    assert attention_unsupported(_config()) is None
+    assert "sliding-window" in attention_unsupported(_config(window_size=(8, 0)))
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_every_family_model_on_sdpa_equals_the_local_kernel(tmp_path, monkeypatch, kind):
+    """The whole model's log-probs and every gradient, packed rows included: SDPA where it fits,
+    the local kernel for gpt-oss."""
+    import moe_rl.trainer.sdpa_attention as sdpa
+    path = write_family(kind, tmp_path)
+    model, spec = build_model(path)
+    load_hf_into_megatron(model, spec, path)
+    want_path = "local" if kind == "gpt_oss" else "sdpa"
+    assert model.attention_path[0] == want_path, model.attention_path
+    assert any(isinstance(m, SDPAttention) for m in model.modules()) == (want_path == "sdpa")
+    monkeypatch.setattr(sdpa, "attention_unsupported", lambda config: "forced for the test")
+    local, _ = build_model(path)
+    load_hf_into_megatron(local, spec, path)
+    assert local.attention_path[0] == "local"
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in local.named_parameters()]
+    for packed in (False, True):
+        mb = three_samples(spec, packed=packed)
+        got_lp, got = logprobs_and_grads(model, spec, mb)
+        want_lp, want = logprobs_and_grads(local, spec, mb)
+        torch.testing.assert_close(got_lp, want_lp, **TOL)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
