@@ -20,8 +20,9 @@
 8. ``torch.cuda.current_stream`` returns a stream that waits for nothing (megatron-core 0.19's
    DDP asks for it before every gradient reduction, to wait for CUDA-graph events,
    param_and_grad_buffer.py:632; on CPU there are none).
-9. The sliding-window mask of megatron's unfused softmax (``get_sliding_window_causal_mask``,
-   which allocates on "cuda"; gpt-oss's window layers) is built inside
+9. The causal and sliding-window masks of megatron's unfused softmax
+   (``get_default_causal_mask``, ``get_sliding_window_causal_mask``, which allocate on "cuda";
+   the forwarder passes no mask for causal rows, and gpt-oss's window layers) are built inside
    :func:`cuda_factories_on_cpu`.
 """
 from __future__ import annotations
@@ -89,14 +90,18 @@ def apply_cpu_shims() -> bool:
     import megatron.core.optimizer.optimizer as mopt
     mopt.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
     import megatron.core.fusions.fused_softmax as fused_softmax
-    window_mask = fused_softmax.get_sliding_window_causal_mask
-
-    def window_mask_on_cpu(*args, **kwargs):
-        with cuda_factories_on_cpu():
-            return window_mask(*args, **kwargs)
-    fused_softmax.get_sliding_window_causal_mask = window_mask_on_cpu
+    for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
+        setattr(fused_softmax, name, _on_cpu(getattr(fused_softmax, name)))
     _APPLIED = True
     return True
+
+
+def _on_cpu(make_mask):
+    """``make_mask`` with its "cuda" tensors made on the CPU."""
+    def on_cpu(*args, **kwargs):
+        with cuda_factories_on_cpu():
+            return make_mask(*args, **kwargs)
+    return on_cpu
 
 
 class _CudaToCpu(TorchFunctionMode):

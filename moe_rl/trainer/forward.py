@@ -75,7 +75,10 @@ def forward_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0,
         raise ValueError("algorithm.keep_sampling_mask: the rollout carries no sampling masks "
                          "(start SGLang with --sampling-mask-max-tokens and request "
                          "return_sampling_mask)")
-    mask = None if (mb.packed or cp > 1) else mb.attention_mask.to(device)
+    # None: causal, which every core attention computes without a mask tensor ([S, S] bools
+    # per micro-batch, 1 GiB at 32k tokens, and torch's fused kernels take none)
+    mask = None if (mb.packed or cp > 1 or mb.attention_mask is None) else \
+        mb.attention_mask.to(device)
     if cp > 1:
         every = cp_maps.every_rank_positions(mb, cp)
         positions = every[ps.get_context_parallel_rank()]

@@ -25,8 +25,9 @@ class MicroBatch:
     """Padded tensors of one micro-batch (B rows, S positions)."""
     input_ids: torch.Tensor          # [B, S] long
     position_ids: torch.Tensor       # [B, S] long
-    attention_mask: torch.Tensor | None   # [1, 1, S, S] bool, True = masked (causal); None
-                                          # when packed (THD: attention follows the slots)
+    attention_mask: torch.Tensor | None   # None: causal (every padded row; a packed one's
+                                          # slots each causal, THD); [1, 1, S, S] bool, True =
+                                          # masked: attention follows this mask instead
     targets: torch.Tensor            # [B, S] long, the next token (0 where none)
     score_mask: torch.Tensor         # [B, S] bool, predicts a response token with loss_mask
     response_mask: torch.Tensor      # [B, S] bool, predicts any response token
@@ -128,7 +129,7 @@ class MicroBatch:
             self, input_ids=grow(self.input_ids), targets=grow(self.targets),
             score_mask=grow(self.score_mask), response_mask=grow(self.response_mask),
             routing=routing, routing_valid=valid, position_ids=position_ids,
-            segments=segments, attention_mask=causal_mask(length, segments))
+            segments=segments, attention_mask=None)
 
     def to_response_padded(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Per-position [B, S] values -> response-aligned [B, R_max] (the algorithm layout)."""
@@ -138,14 +139,6 @@ class MicroBatch:
         for i, (b, sl) in enumerate(self.response_slices()):
             out[i, :sl.stop - sl.start] = values[b, sl]
         return out
-
-
-def causal_mask(length: int, segments: torch.Tensor | None = None) -> torch.Tensor | None:
-    """True = masked: causal [1, 1, S, S] for padded rows; None for packed ones (``segments``
-    given: the forward runs them as THD, each slot causal on its own)."""
-    if segments is not None:
-        return None
-    return torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)[None, None]
 
 
 def padding_routing_rows(n_rows: int, topk: int, num_experts: int, start: int = 0
@@ -309,7 +302,7 @@ def pack_one(samples: list[Sample], indices: list[int], *, pad_token_id: int,
         offsets[1:] = torch.cumsum(torch.cat(kept_lengths).long(), 0)
         kept = KeptSets(offsets, torch.cat(kept_parts).long())
     return MicroBatch(input_ids=input_ids, position_ids=position_ids,
-                      attention_mask=causal_mask(S, segments), targets=targets,
+                      attention_mask=None, targets=targets,
                       score_mask=score, response_mask=resp,
                       routing=routing, routing_valid=valid, kept=kept,
                       sample_indices=list(indices),

@@ -3,7 +3,8 @@ local layer spec, in place of megatron's unfused ``DotProductAttention`` (two ba
 a softmax over the whole [b, heads, s, s] score tensor, materialised).
 
 :class:`SDPAttention` takes what megatron's core attention takes (queries [s, b, heads, dim],
-grouped keys and values, the causal mask of the forwarder's rows) and gives what it gives
+grouped keys and values; no mask for causal rows, as the forwarder's are, or one that says
+otherwise) and gives what it gives
 ([s, b, heads * value dim]): causal attention at megatron's softmax scale, grouped-query
 attention without repeating the keys (``enable_gqa``), MLA's value heads narrower than its
 query/key heads (the output follows the values), and packed (THD) rows slot by slot, each
@@ -50,23 +51,26 @@ class SDPAttention(DotProductAttention):
         self.dropout_p = (config.attention_dropout if attention_dropout is None
                           else attention_dropout)
 
-    def _attend(self, query, key, value):
-        """Causal attention of [b, heads, s, dim] queries on grouped keys and values."""
+    def _attend(self, query, key, value, masked=None):
+        """Attention of [b, heads, s, dim] queries on grouped keys and values: causal, or
+        following ``masked`` (True = masked, megatron's convention) when given."""
         return F.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=self.scale,
+            query, key, value, attn_mask=None if masked is None else ~masked,
+            is_causal=masked is None, scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             enable_gqa=query.shape[1] != key.shape[1])
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        """[sq, b, heads, dim] queries -> [sq, b, heads * value dim]. ``attention_mask`` is the
-        forwarder's causal triangle (its rows are causal, padding after the tokens), which
-        ``is_causal`` computes without the mask tensor."""
+        """[sq, b, heads, dim] queries -> [sq, b, heads * value dim]; causal without a mask
+        (the forwarder's rows, computed by the kernel itself), else as ``attention_mask``
+        says."""
         if attention_bias is not None:
             raise ValueError("attention_bias: not taken by the SDPA core attention")
         if packed_seq_params is None:
             s, b = query.shape[:2]
-            out = self._attend(*(t.permute(1, 2, 0, 3) for t in (query, key, value)))
+            out = self._attend(*(t.permute(1, 2, 0, 3) for t in (query, key, value)),
+                               attention_mask)
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed rows: SDPA attention takes the 'thd' format, got "

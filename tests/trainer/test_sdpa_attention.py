@@ -8,10 +8,10 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
+from moe_rl.trainer.cpu_compat import apply_cpu_shims
 from moe_rl.trainer.local_attention import PackedLocalAttention
 from moe_rl.trainer.local_mla import LocalMLACoreAttention
 from moe_rl.trainer.model_builder import build_model
-from moe_rl.trainer.packing import causal_mask
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.trainer.sdpa_attention import SDPAttention, attention_unsupported
 from moe_rl.weights.hf import load_hf_into_megatron
@@ -22,6 +22,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.fixture(scope="module", autouse=True)
 def parallel_state():
+    apply_cpu_shims()
     init_distributed()
     init_model_parallel()
     yield
@@ -51,13 +52,27 @@ def _both(local, fused, args, kwargs):
     return outs, grads
 
 
+def _causal(s):
+    return torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def _block_diagonal(lengths):
+    """Causal inside each block, nothing across (True = masked)."""
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return _causal(seg.numel()) | (seg[:, None] != seg[None])[None, None]
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "block"])
 @pytest.mark.parametrize("groups", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_padded_rows_equal_the_local_kernel(groups):
+def test_padded_rows_equal_the_local_kernel(groups, mask):
+    """No mask (causal: the forwarder's rows), the causal triangle given, or another mask
+    (block-diagonal), which is followed, not taken for causal."""
     cfg = _config(groups=groups)
     args = (cfg, 1, AttnMaskType.causal, "self")
     local, fused = PackedLocalAttention(*args), SDPAttention(*args)
+    given = {"none": None, "causal": _causal(7), "block": _block_diagonal([3, 4])}[mask]
     (want, got), (want_g, got_g) = _both(local, fused, _qkv(7, 3, 4, groups, 8, 8),
-                                         dict(attention_mask=causal_mask(7)))
+                                         dict(attention_mask=given))
     assert got.shape == want.shape == (7, 3, 32)
     torch.testing.assert_close(got, want, **TOL)
     for a, b in zip(got_g, want_g):
@@ -87,7 +102,7 @@ def test_mlas_narrower_values_and_its_softmax_scale():
     kw = dict(softmax_scale=0.3, k_channels=24, v_channels=16)
     local, fused = LocalMLACoreAttention(*args, **kw), SDPAttention(*args, **kw)
     (want, got), (want_g, got_g) = _both(local, fused, _qkv(6, 2, 4, 4, 24, 16),
-                                         dict(attention_mask=causal_mask(6)))
+                                         dict(attention_mask=None))
     assert got.shape == (6, 2, 64)
     torch.testing.assert_close(got, want, **TOL)
     for a, b in zip(got_g, want_g):
