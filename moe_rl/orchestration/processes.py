@@ -177,7 +177,8 @@ class Trainers:
         return None
 
     def compute_paths(self) -> dict[str, tuple[str, str]]:
-        """How rank 0's experts and attention compute and why (every rank builds the same)."""
+        """How rank 0's experts, attention and dispatch compute and why (every rank builds
+        the same)."""
         return ray.get(self.actors[0].compute_paths.remote())
 
     def addresses(self) -> list[str]:

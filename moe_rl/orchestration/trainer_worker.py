@@ -33,8 +33,9 @@ class TrainerWorker:
         return ray.util.get_node_ip_address()
 
     def compute_paths(self) -> dict[str, tuple[str, str]]:
-        """How this rank's MoE experts (``trainer.experts`` as built) and attention compute, and
-        why: ``{"experts": (path, why), "attention": (path, why)}``."""
+        """How this rank's MoE experts (``trainer.experts`` as built), attention and token
+        dispatch compute, and why: ``{"experts": (path, why), "attention": ..., "dispatch":
+        ...}``."""
         return self.trainer.compute_paths
 
     def data_parallel_rank(self) -> int:

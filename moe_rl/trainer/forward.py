@@ -77,8 +77,8 @@ def forward_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0,
                          "return_sampling_mask)")
     # None: causal, which every core attention computes without a mask tensor ([S, S] bools
     # per micro-batch, 1 GiB at 32k tokens, and torch's fused kernels take none)
-    mask = None if (mb.packed or cp > 1 or mb.attention_mask is None) else \
-        mb.attention_mask.to(device)
+    mask = (None if (mb.packed or cp > 1 or mb.attention_mask is None)
+            else mb.attention_mask.to(device))
     if cp > 1:
         every = cp_maps.every_rank_positions(mb, cp)
         positions = every[ps.get_context_parallel_rank()]

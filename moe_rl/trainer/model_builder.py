@@ -182,10 +182,13 @@ def uses_te_spec(model) -> bool:
 def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                 dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                 recompute: bool = False, pre_process: bool = True, post_process: bool = True,
-                expert_bias_update_rate: float = 0.0, experts: str = "auto"):
+                expert_bias_update_rate: float = 0.0, experts: str = "auto",
+                sort_dispatch: bool = True):
     """Build the megatron GPTModel for ``hf_config`` (needs the parallel state initialised),
-    its experts on the path ``experts`` chooses (``trainer.experts``: :mod:`.expert_path`;
-    the model's ``expert_path`` says which ran and why).
+    its experts on the path ``experts`` chooses (``trainer.experts``: :mod:`.expert_path`),
+    its tokens dispatched by sort where every expert is local (``sort_dispatch``:
+    :mod:`.sort_dispatcher`; False keeps megatron's dispatcher, for comparisons); the model's
+    ``expert_path``, ``attention_path`` and ``dispatch_path`` say which ran and why.
 
     Clears megatron's global RouterReplay registry first, so the replay controller of this
     model sees exactly this model's routers. Returns (model, ModelSpec).
@@ -225,4 +228,18 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
     if not cuda_absent():
         model = model.cuda()
     model.expert_path, model.attention_path = expert_path, attention_path
+    model.dispatch_path = _dispatch(model, config, sort_dispatch)
     return model, spec
+
+
+def _dispatch(model, config, sort_dispatch: bool) -> tuple[str, str]:
+    """Every MoE layer's tokens dispatched by sort when all its experts are on this rank (in
+    place); (path, why)."""
+    local = config.expert_model_parallel_size == 1 and config.expert_tensor_parallel_size == 1
+    megatron = config.moe_token_dispatcher_type
+    if not (sort_dispatch and local):
+        why = ("experts on other ranks" if not local else "asked for megatron's")
+        return megatron, f"megatron's {megatron} dispatcher ({why})"
+    from moe_rl.trainer.sort_dispatcher import use_sort_dispatcher
+    use_sort_dispatcher(model)
+    return "sort", "every expert local: permutation by sort, no host synchronisation"

@@ -53,7 +53,8 @@ class PolicyTrainer:
                                        experts=t.experts)
         load_hf_into_megatron(model, self.spec, hf_path)
         # how the experts and the attention compute as built: {"experts": (path, why), ...}
-        self.compute_paths = {"experts": model.expert_path, "attention": model.attention_path}
+        self.compute_paths = {"experts": model.expert_path, "attention": model.attention_path,
+                              "dispatch": model.dispatch_path}
         risk = mla_packing_warning(model.config, t.pack_sequences)
         if risk is not None:
             print(f"warning: {risk}", file=sys.stderr, flush=True)

@@ -47,6 +47,7 @@ def test_both_paths_train_the_same_run_and_a_checkpoint_crosses_them(model, tmp_
         in grouped.stdout
     assert "trainer experts: sequential (trainer.experts=sequential" in loop.stdout
     assert "trainer attention: sdpa (torch's scaled_dot_product_attention)" in grouped.stdout
+    assert "trainer dispatch: sort (every expert local" in grouped.stdout
     want, got = rows(tmp_path / "loop"), rows(tmp_path / "grouped")
     assert [r["step"] for r in got] == [0, 1, 2]
     for a, b in zip(want, got):
