@@ -1,8 +1,10 @@
 """Folders moe_rl writes and may later replace or remove carry a mark, written when moe_rl
-creates them and naming the folder it was written in (its inode): a folder without the mark, or
-a copy of one (``cp -r`` carries the mark into a new folder), is never removed, and files moe_rl
-did not write are never deleted to make room (an export into a folder that holds them is
-refused). Files moe_rl rewrites are replaced whole (:func:`write_atomic`)."""
+creates them and naming the folder it was written in (its inode and its name): a folder without
+the mark, or a copy of one under another name (``cp -r weights/v3 weights/keep`` carries the
+mark into a new folder), is never removed, and files moe_rl did not write are never deleted to
+make room (an export into a folder that holds them is refused). A folder moe_rl renamed keeps
+its inode, a run directory copied whole keeps its folders' names: both stay moe_rl's. Files
+moe_rl rewrites are replaced whole (:func:`write_atomic`)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +22,8 @@ MARK_MAX_BYTES = 4096
 
 def owned(path: str) -> bool:
     """Whether moe_rl created ``path``: a folder (not a link) holding the mark as a regular
-    file, written for this very folder (a mark naming another inode came with a copy; a mark
-    of an earlier release names none and is trusted)."""
+    file, written for this folder (its inode, or its name: a mark naming neither came with a
+    copy under another name; a mark of an earlier release names none and is trusted)."""
     mark = os.path.join(path, MARK)
     try:
         if os.path.islink(path) or not stat.S_ISREG(os.lstat(mark).st_mode):
@@ -32,7 +34,10 @@ def owned(path: str) -> bool:
         return False
     if not isinstance(written, dict):
         return False
-    return written.get("inode", os.lstat(path).st_ino) == os.lstat(path).st_ino
+    if "inode" not in written and "name" not in written:
+        return True
+    here = os.path.basename(os.path.normpath(path))
+    return written.get("inode") == os.lstat(path).st_ino or written.get("name") == here
 
 
 def check_claimable(path: str) -> None:
@@ -53,7 +58,8 @@ def claim(path: str) -> str:
     os.makedirs(path, exist_ok=True)
     if not owned(path):
         write_atomic(os.path.join(path, MARK), json.dumps(
-            {"pid": os.getpid(), "time": time.time(), "inode": os.lstat(path).st_ino}))
+            {"pid": os.getpid(), "time": time.time(), "inode": os.lstat(path).st_ino,
+             "name": os.path.basename(os.path.normpath(path))}))
     return path
 
 

@@ -22,7 +22,8 @@ def coverage_context(request, monkeypatch):
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
     """One short real run (3 steps, IcePop then seq-MIS, a HF export at step 2; its logging.dir
-    already holds a user's folder weights/precious), shared by the
+    already holds a user's folder weights/precious and a copy of an export, weights/v1-kept),
+    shared by the
     loop, convert and report tests; tests that change it work on a copy. Made once per pytest
     session, by whichever pytest-xdist worker asks first (the others wait on its lock)."""
     from filelock import FileLock
@@ -37,6 +38,12 @@ def trained_run(tmp_path_factory):
             # a user's folder where the disk weight sync exports: the run must leave it whole
             (base / "run" / "weights" / "precious").mkdir(parents=True)
             (base / "run" / "weights" / "precious" / "model.bin").write_text("data")
+            # and a user's copy of an export (`cp -r`: it carries moe_rl's mark, of another
+            # folder): the run's sync must leave it whole too
+            from moe_rl.owned_dirs import claim
+            claim(str(base / "an_export"))
+            (base / "an_export" / "model.safetensors").write_text("kept")
+            shutil.copytree(base / "an_export", base / "run" / "weights" / "v1-kept")
             subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                             str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(base / "model")],
                            check=True, capture_output=True, timeout=120)

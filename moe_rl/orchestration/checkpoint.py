@@ -19,7 +19,7 @@ import sys
 
 from moe_rl.config import Config, dump_config
 from moe_rl.errors import UserError
-from moe_rl.owned_dirs import MARK, check_claimable, claim, owned, remove_owned
+from moe_rl.owned_dirs import check_claimable, claim, owned, remove_owned
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -104,12 +104,9 @@ def _write_json(path: str, value) -> None:
 
 
 def _is_checkpoint(path: str) -> bool:
-    """A folder moe_rl saved: marked for this folder when its save began (a copy carries a mark
-    naming another: not this run's), or (saved before the mark) holding the manifest every save
-    writes."""
-    if os.path.lexists(os.path.join(path, MARK)):
-        return owned(path)
-    return os.path.isfile(os.path.join(path, MANIFEST))
+    """A folder moe_rl saved: marked when its save began, or (saved before the mark) holding
+    the manifest every save writes."""
+    return owned(path) or os.path.isfile(os.path.join(path, MANIFEST))
 
 
 def _remove_checkpoint(path: str) -> None:

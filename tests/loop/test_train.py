@@ -81,11 +81,14 @@ def test_loop_runs_logs_checkpoints_and_resumes(trained_run, tmp_path):
 @pytest.mark.e2e
 def test_a_run_removes_only_the_weight_exports_it_wrote(trained_run):
     """The disk weight sync drops each earlier export, and nothing else: the user's folder in
-    <logging.dir>/weights/ (there before the run) is whole."""
+    <logging.dir>/weights/ (there before the run) is whole, and so is the user's copy of an
+    export (it carries the mark, naming the folder it was copied from: it was deleted)."""
     from moe_rl.owned_dirs import owned
     weights = trained_run / "run" / "weights"
     assert (weights / "precious" / "model.bin").read_text() == "data"
-    exports = sorted(p.name for p in weights.iterdir() if p.name != "precious")
+    assert (weights / "v1-kept" / "model.safetensors").read_text() == "kept"
+    assert not owned(str(weights / "v1-kept"))
+    exports = sorted(p.name for p in weights.iterdir() if p.name not in ("precious", "v1-kept"))
     assert len(exports) == 1 and exports[0].startswith("v"), exports
     assert owned(str(weights / exports[0]))
 

@@ -271,8 +271,9 @@ def test_the_disk_sync_queues_the_read_and_the_load_and_confirms_them_later(monk
 
 def test_a_copy_of_an_export_is_not_this_runs_to_delete(tmp_path):
     """``cp -r weights/v1 weights/v1-keep`` carries moe_rl's mark: the copy is the user's (its
-    mark names another folder), so the next sync keeps it and an export into it is refused;
-    the run's own export, even renamed (same folder), is still its own."""
+    mark names another folder, by inode and name), so the next sync keeps it and an export into
+    it is refused; the run's own export, even renamed (same inode), is still its own, and so is
+    one in a run directory copied whole (same name)."""
     import shutil
     from moe_rl.errors import UserError
     from moe_rl.orchestration.weight_sync import DiskExport
@@ -287,6 +288,10 @@ def test_a_copy_of_an_export_is_not_this_runs_to_delete(tmp_path):
     assert (tmp_path / "v1-keep" / "model.safetensors").read_text() == "export 1"
     with pytest.raises(UserError, match="holds files moe_rl did not write"):
         claim(str(tmp_path / "v1-keep"))
+    claim(str(tmp_path / "v5"))
+    shutil.copytree(tmp_path, tmp_path.parent / "copied_run")
+    DiskExport(None, None, str(tmp_path.parent / "copied_run")).drop_older(6)
+    assert sorted(p.name for p in (tmp_path.parent / "copied_run").iterdir()) == ["v1-keep"]
 
 
 def test_request_bodies():
