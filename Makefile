@@ -37,12 +37,13 @@ UPSTREAM_VENV ?= .venv-upstream
 UPSTREAM_PY := $(UPSTREAM_VENV)/bin/python
 UPSTREAM_STAMP := $(UPSTREAM_VENV)/.installed
 UPSTREAM_PINS := megatron-core==0.19.2 torch==2.15.0 transformers==5.24.0 ray==2.60.0
-# the trainer, checkpoints, DeepSeek-V3, gpt-oss, packing / context parallel, parallel ranks, bf16, and
+# the trainer, checkpoints, DeepSeek-V3, gpt-oss, packing / context parallel, parallel ranks, bf16,
+# SDPA attention and the dispatch by sort (megatron-core 0.19.2 is the GPU matrix's), and
 # the loop tests marked `upstream` (R3 + GSPO through `moe-rl train`)
 UPSTREAM_TESTS := tests/trainer/test_step.py tests/trainer/test_model.py \
 	tests/trainer/test_parallel.py tests/orchestration/test_checkpoint.py tests/trainer/test_checkpoint_reshard.py \
 	tests/families/test_deepseek_v3.py tests/families/test_gpt_oss.py tests/trainer/test_packed_sequences.py tests/trainer/test_context_parallel.py \
-	tests/trainer/test_bf16.py
+	tests/trainer/test_bf16.py tests/trainer/test_sdpa_attention.py tests/trainer/test_sort_dispatcher.py
 
 .PHONY: bytecode coverage setup lock test test-newest test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster test-upstream docs demo demo-sglang bench study clean
 
