@@ -172,7 +172,8 @@ def main() -> int:
         spread[variant] = {"mean": float(np.mean(last)), "min": float(min(last)),
                            "max": float(max(last)), "seeds": len(last)}
     (RESULTS / "async_throughput.json").write_text(json.dumps(
-        {"steps": args.steps, "medium_steps": args.medium_steps, "ratios": ratios, "reward_last20_over_seeds": spread,
+        {"steps": args.steps, "medium_steps": args.medium_steps, "ratios": ratios,
+         "reward_last20_over_seeds": spread,
          "runs": {n: {k: v for k, v in r.items() if k not in ("reward", "wall")}
                   for n, r in results.items()},
          "curves": {n: {"reward": r["reward"], "wall": r["wall"]}

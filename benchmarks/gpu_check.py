@@ -360,7 +360,8 @@ def check_bf16_policy(path: str) -> dict:
         ms = [t.train_step(copy.deepcopy(b)) for b in batches]
         torch.cuda.synchronize()
         out[name] = {"k3_step1": ms[0]["mismatch/k3"], "grad_norm": [m["grad_norm"] for m in ms],
-                     "loss": [m["loss"] for m in ms], "s_per_step": (time.perf_counter() - start) / 3,
+                     "loss": [m["loss"] for m in ms],
+                     "s_per_step": (time.perf_counter() - start) / 3,
                      "param_dtypes": sorted({str(p.dtype) for p in t.model.module.parameters()})}
         if dtype == "float16":
             out[name]["loss_scale"] = [m["train/loss_scale"] for m in ms]
@@ -379,7 +380,8 @@ def check_bf16_policy(path: str) -> dict:
             with cuda_factories_on_cpu():   # nothing on CUDA; lets the check run on CPU too
                 t.optimizer.step()
             t.state.ema_update()
-        moves[dtype] = {n: main_weights(p).detach().double() - start_w[n] for n, p in params.items()}
+        moves[dtype] = {n: main_weights(p).detach().double() - start_w[n]
+                        for n, p in params.items()}
         del t
     f32 = moves["float32"]
     total = sum(float(d.norm() ** 2) for d in f32.values()) ** 0.5

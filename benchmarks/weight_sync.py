@@ -107,7 +107,8 @@ def main(argv: list[str]) -> int:
              f"Bucket {BUCKET_MB} MiB. Bound of the streaming exporter: one bucket plus the "
              f"largest tensor (plus, on the disk path, the bucket's serialisation buffer).", "",
              "| params | model MiB | largest tensor MiB | whole→disk peak MiB (s) | "
-             "streamed→disk peak MiB (s) | whole→send peak MiB (s) | streamed→send peak MiB (s) |",
+             "streamed→disk peak MiB (s) | whole→send peak MiB (s) | "
+             "streamed→send peak MiB (s) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(

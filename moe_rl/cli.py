@@ -11,22 +11,31 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "run RL training from a YAML config with key=value overrides"),
     "demo": ("demo", "build the tiny model and run the CPU demo (what `make demo` runs)"),
-    "init-model": ("init_model", "write a tiny MoE model (Qwen3-MoE, DeepSeek-V3 or GLM-4.5 shape) and its tokenizer in HF format"),
-    "serve-reference": ("moe_rl.engines.reference.command", "serve a HF MoE model with SGLang's HTTP protocol on CPU"),
-    "sglang-cpu-env": ("moe_rl.engines.sglang.cpu_environment", "prepare an SGLang environment that serves on CPU (CPU torch, SGLang, its import-time shims)"),
+    "init-model": ("init_model", "write a tiny MoE model (Qwen3-MoE, DeepSeek-V3, GLM-4.5, "
+                   "gpt-oss or MiniMax-M2 shape) and its tokenizer in HF format"),
+    "serve-reference": ("moe_rl.engines.reference.command",
+                        "serve a HF MoE model with SGLang's HTTP protocol on CPU"),
+    "sglang-cpu-env": ("moe_rl.engines.sglang.cpu_environment",
+                       "prepare an SGLang environment that serves on CPU (CPU torch, SGLang, "
+                       "its import-time shims)"),
     "convert": ("convert", "convert checkpoints between Hugging Face and Megatron layouts"),
     "eval": ("eval", "evaluate a saved policy (checkpoint or HF model) on the eval.sets"),
     "report": ("report", "plot and summarise runs from their TensorBoard events"),
     "plan": ("plan", "print every process a run would start: node, GPUs, engine command lines"),
-    "doctor": ("doctor", "check this node before a run: torch/CUDA, GPUs, megatron-core, TE, SGLang, NCCL, disk, shared filesystem, ports"),
-    "check-model": ("check_model", "check that a HF checkpoint is aligned in moe_rl: transformers, the trainer (and engines) on the same prompts, routing and log-probs per layer"),
+    "doctor": ("doctor", "check this node before a run: torch/CUDA, GPUs, megatron-core, TE, "
+               "SGLang, NCCL, disk, shared filesystem, ports"),
+    "check-model": ("check_model", "check that a HF checkpoint is aligned in moe_rl: "
+                    "transformers, the trainer (and engines) on the same prompts, routing and "
+                    "log-probs per layer"),
     "config": ("show_config", "print the resolved configuration, or the table of every key"),
 }
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser with every available sub-command, and each sub-command's parser."""
-    parser = argparse.ArgumentParser(prog="moe-rl", description="RL for Mixture-of-Experts LLMs: megatron-core trainer, SGLang or CPU reference engine.")
+    parser = argparse.ArgumentParser(
+        prog="moe-rl", description="RL for Mixture-of-Experts LLMs: megatron-core trainer, "
+        "SGLang or CPU reference engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     commands = {}
     for name, (module, help_text) in COMMANDS.items():   # each imports its work lazily

@@ -251,8 +251,9 @@ class Sample:
                 raise self._fail("routing", f"expert id {int(r.max())} >= num_experts "
                                             f"{moe_shape.num_experts}")
             if r.dtype != routing_dtype(moe_shape.num_experts):
-                raise self._fail("routing", f"expected dtype {routing_dtype(moe_shape.num_experts)} "
-                                            f"for {moe_shape.num_experts} experts, got {r.dtype}")
+                want = routing_dtype(moe_shape.num_experts)
+                raise self._fail("routing", f"expected dtype {want} for "
+                                            f"{moe_shape.num_experts} experts, got {r.dtype}")
 
     def _check_sampling_mask(self, vocab_size: int | None) -> None:
         off, ids = self.sampling_mask_offsets, self.sampling_mask_ids
@@ -286,7 +287,8 @@ class Sample:
         """Kept token ids of response token ``j``."""
         if self.sampling_mask_offsets is None:
             raise self._fail("sampling_mask_ids", "this sample has no sampling mask")
-        return self.sampling_mask_ids[self.sampling_mask_offsets[j]:self.sampling_mask_offsets[j + 1]]
+        offsets = self.sampling_mask_offsets
+        return self.sampling_mask_ids[offsets[j]:offsets[j + 1]]
 
 
 # ---------------------------------------------------------------------- batch + serialisation

@@ -113,7 +113,8 @@ def _opsm(x: CorrectionInputs, p: Any):
 
 def trm_divergence(log_rho: torch.Tensor, measure: str) -> torch.Tensor:
     """Per-token divergence of Trust Region Masking from log ρ_t = lp_old - lp_roll:
-    ``log_ratio`` |log ρ|, ``k2`` (log ρ)²/2, ``k3`` ρ - 1 - log ρ (each >= 0, 0 iff ρ = 1)."""
+    ``log_ratio`` |log ρ|, ``k2`` (log ρ)²/2, ``k3`` ρ - 1 - log ρ (each >= 0, 0 iff
+    ρ = 1)."""
     if measure == "log_ratio":
         return log_rho.abs()
     if measure == "k2":

@@ -1,7 +1,7 @@
 """Policy losses (per token, minimised): PPO-clip / GRPO, GSPO, GMPO, DPPO, CISPO and SAPO, plus
-Clip-Cov and KL-Cov. The ratio losses (PPO-clip, GSPO, GMPO) take an optional ``log_scale`` [B, T], a detached
-per-token log factor on the ratio applied before clipping and aggregation (RSPO's router-shift
-weight, :mod:`moe_rl.algo.router_shift`)."""
+Clip-Cov and KL-Cov. The ratio losses (PPO-clip, GSPO, GMPO) take an optional ``log_scale``
+[B, T], a detached per-token log factor on the ratio applied before clipping and aggregation
+(RSPO's router-shift weight, :mod:`moe_rl.algo.router_shift`)."""
 from __future__ import annotations
 
 import torch

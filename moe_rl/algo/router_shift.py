@@ -27,7 +27,9 @@ def router_log_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor
         raise ValueError(f"score_function: expected one of {SCORE_FUNCTIONS}, got "
                          f"{score_function!r}")
     x = logits.double() if logits.dtype == torch.float64 else logits.float()
-    return torch.log_softmax(x, -1) if score_function == "softmax" else torch.nn.functional.logsigmoid(x)
+    if score_function == "softmax":
+        return torch.log_softmax(x, -1)
+    return torch.nn.functional.logsigmoid(x)
 
 
 def router_shift_weight(old: torch.Tensor, new: torch.Tensor, floor: float) -> torch.Tensor:

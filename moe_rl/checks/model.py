@@ -125,7 +125,8 @@ def transformers_reference(path: str, prompts: list[list[int]], moe_shape: MoESh
                 logits = model(input_ids=torch.tensor([ids])).logits[0].float()
             lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])
             ref.logprobs.append(lp[:, 0])
-            chosen = torch.stack([picks[layer].reshape(len(ids), -1) for layer in moe_shape.moe_layers], 1)
+            chosen = torch.stack([picks[layer].reshape(len(ids), -1)
+                                  for layer in moe_shape.moe_layers], 1)
             ref.routing.append(chosen[:-1])
     finally:
         for h in hooks:
@@ -169,7 +170,8 @@ def check_trainer(path: str, ref: Reference, moe_shape: MoEShape) -> tuple[SideR
     samples = _samples(ref, [r.to(dtype) for r in ref.routing])
     mb = pack_one(samples, list(range(len(samples))), pad_token_id=0,
                   num_experts=moe_shape.num_experts)
-    ctl = ReplayController(model, spec.moe_shape.moe_layers, spec.moe_shape.topk, spec.moe_shape.num_experts)
+    ctl = ReplayController(model, spec.moe_shape.moe_layers, spec.moe_shape.topk,
+                           spec.moe_shape.num_experts)
     reports = []
     try:
         for mode in ("replayed", "own"):

@@ -1,7 +1,8 @@
 """Checks of one node before a run (``moe-rl doctor``): the Python, the working directory (no
 folder hiding an installed package), torch and CUDA, the GPUs the config asks for, megatron-core,
-Transformer Engine and the rollout engine's environment against the versions moe_rl supports, NCCL, the free disk under ``logging.dir``, a shared filesystem for multi-node runs, and
-the engine ports. Each check returns a :class:`Finding` with the fix when something is wrong."""
+Transformer Engine and the rollout engine's environment against the versions moe_rl supports,
+NCCL, the free disk under ``logging.dir``, a shared filesystem for multi-node runs, and the
+engine ports. Each check returns a :class:`Finding` with the fix when something is wrong."""
 from __future__ import annotations
 
 import importlib.metadata

@@ -1,6 +1,7 @@
 """``moe-rl check-model PATH [--data FILE] [--engine URL ...] [--start-engine reference|sglang]``:
-is this checkpoint aligned in moe_rl? transformers, moe_rl's megatron-core model (and engine servers) on the same prompts:
-routing agreement per MoE layer and |delta log-prob|, then a verdict line (exit 1: not aligned)."""
+is this checkpoint aligned in moe_rl? transformers, moe_rl's megatron-core model (and engine
+servers) on the same prompts: routing agreement per MoE layer and |delta log-prob|, then a
+verdict line (exit 1: not aligned)."""
 from __future__ import annotations
 
 import argparse

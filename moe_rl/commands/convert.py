@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 model.load_state_dict(state)
             except (RuntimeError, KeyError, TypeError) as exc:
-                        raise UserError(f"--megatron {args.megatron}: does not fit the model of --hf "
+                raise UserError(f"--megatron {args.megatron}: does not fit the model of --hf "
                                 f"{hf}: {first_line(exc)}") from None
         save_hf_checkpoint(megatron_to_hf(model, spec), spec, args.out, source_dir=hf)
     print(f"wrote {args.out}")

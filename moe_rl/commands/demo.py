@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"YAML config file or the name of a shipped one (default "
                              f"{DEFAULT_CONFIG})")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="config overrides, e.g. trainer.steps=20 algorithm.replay=off (flags and overrides in any order)")
+                        help="config overrides, e.g. trainer.steps=20 algorithm.replay=off "
+                             "(flags and overrides in any order)")
 
 
 def run(args: argparse.Namespace) -> int:

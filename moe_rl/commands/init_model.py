@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="output directory (default: model.path of the config, or "
                                       "the preset's folder under outputs/)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="config overrides, e.g. model.init.architecture=deepseek_v3 model.init.seed=3 (flags and overrides in any order)")
+                        help="config overrides, e.g. model.init.architecture=deepseek_v3 "
+                             "model.init.seed=3 (flags and overrides in any order)")
 
 
 def run(args: argparse.Namespace) -> int:

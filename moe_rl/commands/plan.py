@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the checks of the model, tokenizer, data and reward function "
                              "(a model's config.json is still read when present)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="config overrides, e.g. cluster.num_nodes=4 trainer.tensor_parallel=2 (flags and overrides in any order)")
+                        help="config overrides, e.g. cluster.num_nodes=4 trainer.tensor_parallel=2 "
+                             "(flags and overrides in any order)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -84,7 +84,8 @@ def check_places(cfg: Config) -> None:
 
 
 def check_sampling(cfg: Config, moe_shape: MoEShape) -> None:
-    """The sampling settings and the distribution pi_old is scored on (one rule for top_k against the mask's cap)."""
+    """The sampling settings and the distribution pi_old is scored on (one rule for top_k
+    against the mask's cap)."""
     a, r = cfg.algorithm, cfg.rollout
     if r.top_k == 0:
         raise ConfigError("rollout.top_k: 0 is not valid; use -1 for no top-k or a value >= 1")
@@ -97,7 +98,8 @@ def check_sampling(cfg: Config, moe_shape: MoEShape) -> None:
         if r.top_k >= r.sampling_mask_max_tokens:
             raise ConfigError(f"rollout.top_k: {r.top_k} must stay below "
                               f"rollout.sampling_mask_max_tokens ({r.sampling_mask_max_tokens}): "
-                              f"tokens tied at the top-k cut overflow the cap and SGLang answers 400")
+                              f"tokens tied at the top-k cut overflow the cap and SGLang "
+                              f"answers 400")
         if r.temperature == 0:
             raise ConfigError("algorithm.keep_sampling_mask: greedy sampling (rollout.temperature"
                               "=0) keeps one token; turn the mask off")

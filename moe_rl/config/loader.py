@@ -270,7 +270,8 @@ def load_yaml(stream):
                           "takes") from None
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | os.PathLike | None = None,
+                overrides: list[str] | None = None) -> Config:
     """Read YAML ``path`` (optional), apply ``overrides`` and return a validated :class:`Config`."""
     tree: dict = {}
     if path is not None:

@@ -47,7 +47,8 @@ class SGLangConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["reference", "sglang"] = _f("reference", "inference engine: CPU reference or SGLang")
+    engine: Literal["reference", "sglang"] = _f("reference",
+                                                "inference engine: CPU reference or SGLang")
     num_servers: int = _f(1, "engine servers behind the dispatcher",
         **_rng(1, 4096, why="servers behind one dispatcher, each a process started and watched"))
     host: str = _f("127.0.0.1", "address the engine servers bind")
@@ -163,13 +164,15 @@ class CorrectionParams:
     icepop_low: float = _f(0.5, "IcePop lower bound alpha", **_rng(0))
     icepop_high: float = _f(5.0, "IcePop upper bound beta", **_rng(0, lo_open=True))
     opsm_delta: float | None = _f(None, "DeepSeek-V3.2 off-policy mask threshold delta", **_rng(0))
-    opsm_reference: Literal["engine", "pi_old"] = _f("engine", "behaviour policy of the DeepSeek mask")
+    opsm_reference: Literal["engine", "pi_old"] = _f("engine",
+                                                     "behaviour policy of the DeepSeek mask")
     trm_delta: float | None = _f(None, "Trust Region Masking: mask a sequence whose largest "
                                  "token divergence exceeds this", **_rng(0, lo_open=True))
     trm_measure: Literal["log_ratio", "k2", "k3"] = _f(
         "log_ratio", "Trust Region Masking's token divergence: abs(log rho), (log rho)^2/2 or "
         "rho - 1 - log rho, rho = pi_old / pi_rollout")
-    metropolis_weight: Literal["seq", "geo", "token"] = _f("seq", "weight the Metropolis sampler uses")
+    metropolis_weight: Literal["seq", "geo", "token"] = _f("seq",
+                                                           "weight the Metropolis sampler uses")
     metropolis_count_repeats: bool = _f(True, "Metropolis as a chain: a sample weighs the steps "
                                         "it was the state (false: accept-or-mask, biased)")
 

@@ -1,6 +1,6 @@
 """The configs that ship with moe_rl (the top-level ``configs/`` folder, installed as the data
-folder ``moe_rl/configs``): ``--config tiny_cpu.yaml`` (or ``tiny_cpu``) names one of them when no such
-file exists where you are, so a wheel installed anywhere runs ``moe-rl demo``."""
+folder ``moe_rl/configs``): ``--config tiny_cpu.yaml`` (or ``tiny_cpu``) names one of them when
+no such file exists where you are, so a wheel installed anywhere runs ``moe-rl demo``."""
 from __future__ import annotations
 
 import os

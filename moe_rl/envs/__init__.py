@@ -56,8 +56,9 @@ def load_environment(spec: str) -> type:
     cls = load_named(spec, "data.environment", BUILTIN, "module:Class")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if not isinstance(cls, type) or missing:
+        lacking = f"; missing {', '.join(missing)}" if missing else ""
         raise ValueError(f"data.environment: {spec!r} is not an environment class (needs "
-                         f"reset and step methods{'; missing ' + ', '.join(missing) if missing else ''})")
+                         f"reset and step methods{lacking})")
     stop = getattr(cls, "stop_token_ids", ())
     if not isinstance(stop, (list, tuple)) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stop):

@@ -3,7 +3,8 @@ module per family, found by the HF ``config.json``'s ``model_type``:
 
 - the megatron-core settings (:func:`megatron_settings`; ``MULTI_LATENT_ATTENTION`` picks
   MLATransformerConfig) and the rotary embedding the GPTModel builds (:func:`rotary`);
-- the HF <-> megatron name table (``HF_ROUTER``, :func:`hf_expert_names`, :func:`hf_attention_names`);
+- the HF <-> megatron name table (``HF_ROUTER``, :func:`hf_expert_names`,
+  :func:`hf_attention_names`);
 - the shapes SGLang's FP8 loader checks (:func:`fp8_head_dim`, :func:`fp8_moe_intermediate`,
   :func:`fp8_dense_mlp`) and the tensors it loads only together (:func:`engine_fused_key`);
 - the tiny CPU model of ``moe-rl init-model`` (:func:`tiny_init_fields`, :func:`check_tiny_init`,

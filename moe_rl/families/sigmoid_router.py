@@ -1,6 +1,7 @@
-"""The DeepSeek-V3 router, which other families share (GLM-4.5, MiniMax-M2): sigmoid scores, an expert bias
-(``e_score_correction_bias``) that steers the top-k choice only, group-limited top-k, the gates
-renormalised and scaled by ``routed_scaling_factor``, shared experts beside the routed ones."""
+"""The DeepSeek-V3 router, which other families share (GLM-4.5, MiniMax-M2): sigmoid scores, an
+expert bias (``e_score_correction_bias``) that steers the top-k choice only, group-limited top-k,
+the gates renormalised and scaled by ``routed_scaling_factor``, shared experts beside the routed
+ones."""
 from __future__ import annotations
 
 from moe_rl.errors import ConfigError

@@ -1,6 +1,6 @@
-"""The tiny Qwen3-MoE, DeepSeek-V3, GLM-4.5 or gpt-oss model and character-level tokenizer of the CPU
-demo, built locally and deterministically (same config -> byte-identical files); nothing is
-downloaded."""
+"""The tiny Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss or MiniMax-M2 model and character-level
+tokenizer of the CPU demo, built locally and deterministically (same config -> byte-identical
+files); nothing is downloaded."""
 from __future__ import annotations
 
 import os
@@ -80,8 +80,8 @@ def check_tiny_size(hf_fields: dict) -> None:
 
 def write_tiny_model(init: ModelInitConfig, out_dir: str) -> str:
     """Write config.json, model.safetensors and the tokenizer of the tiny model of ``init``
-    (Qwen3-MoE, DeepSeek-V3, GLM-4.5 or gpt-oss) to ``out_dir``, deterministically from ``init.seed``.
-    Returns ``out_dir``."""
+    (Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss or MiniMax-M2) to ``out_dir``, deterministically
+    from ``init.seed``. Returns ``out_dir``."""
     import torch
     import transformers
     tokenizer = build_tokenizer()

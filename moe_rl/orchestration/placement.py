@@ -16,8 +16,8 @@ spread over the nodes in contiguous blocks. The rollout worker runs on node 0.
 Addresses: a single-node run binds the servers to ``rollout.host``; a multi-node run binds
 each server to its node's address (a loopback ``rollout.host`` cannot be reached from another
 node). Ports: server k of a node tries ``rollout.base_port + k`` first (``k x 240`` with SGLang's
-``--enable-dp-attention``, under which a server also binds port+233..port+239) and takes the next free
-one on that node; the plan ``train`` writes to ``<run>/plan.json`` holds the ports taken."""
+``--enable-dp-attention``, under which a server also binds port+233..port+239) and takes the next
+free one on that node; the plan ``train`` writes to ``<run>/plan.json`` holds the ports taken."""
 from __future__ import annotations
 
 import dataclasses

@@ -43,7 +43,8 @@ RESUMABLE_PREFIXES = ("cluster.", "logging.", "model.init.", "eval.")   # eval n
 
 
 def checkpoint_dir(cfg: Config) -> str:
-    """Where the run's checkpoints go (``trainer.checkpoint_dir`` or ``<logging.dir>/checkpoints``)."""
+    """Where the run's checkpoints go (``trainer.checkpoint_dir`` or
+    ``<logging.dir>/checkpoints``)."""
     return cfg.trainer.checkpoint_dir or os.path.join(cfg.logging.dir, "checkpoints")
 
 

@@ -37,7 +37,8 @@ def shown_samples(samples: list, tokenizer, prompts, k: int) -> list[dict]:
         out.append({"group_id": s.group_id, "sample_id": s.sample_id,
                     "weight_version": s.weight_version, "reward": s.reward,
                     "prompt": _cut(item["prompt"]), "response": _cut(item["response"]),
-                    "response_tokens": int(s.response_ids.numel()), "label": _cut_value(item["label"]),
+                    "response_tokens": int(s.response_ids.numel()),
+                    "label": _cut_value(item["label"]),
                     "metadata": _cut_value(item["metadata"])})
     return out
 

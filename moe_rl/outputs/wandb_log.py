@@ -1,6 +1,7 @@
 """Weights & Biases logging of a run (``logging.wandb``): the resolved config once, then every
-step's scalars (the ones TensorBoard gets) and each evaluation as a table, into one W&B run per run directory, which a resumed
-run continues (its id is kept in ``<run>/wandb_run_id``). Files go under ``<run>/wandb``."""
+step's scalars (the ones TensorBoard gets) and each evaluation as a table, into one W&B run per run
+directory, which a resumed run continues (its id is kept in ``<run>/wandb_run_id``). Files go under
+``<run>/wandb``."""
 from __future__ import annotations
 
 import math

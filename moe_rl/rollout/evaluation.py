@@ -29,7 +29,8 @@ def eval_ks(cfg: Config) -> list[int]:
 
 
 def eval_sampling(cfg: Config) -> SamplingConfig:
-    """The evaluation's sampling: ``eval.*`` where set, else the rollout's (temperature 0: greedy)."""
+    """The evaluation's sampling: ``eval.*`` where set, else the rollout's (temperature 0:
+    greedy)."""
     e, r = cfg.eval, cfg.rollout
     return SamplingConfig(r.temperature if e.temperature is None else e.temperature,
                           r.top_p if e.top_p is None else e.top_p, r.top_k, r.min_p,

@@ -3,11 +3,11 @@
 (:func:`generate_samples`); multi-turn trajectories run against an environment, token ids end to
 end (:func:`rollout_trajectories`).
 
-Each turn of a multi-turn trajectory sends the whole trajectory so far as ``input_ids`` to the same server (its prefix cache
-serves the earlier turns), with routing and sampling masks requested; the model's ids are kept
-exactly as generated and the environment's observation ids are appended as given (nothing is
-decoded and re-encoded). Observation tokens get loss mask 0, rollout log-prob 0 and a one-token
-kept set (the trainer scores them nowhere that counts).
+Each turn of a multi-turn trajectory sends the whole trajectory so far as ``input_ids`` to the same
+server (its prefix cache serves the earlier turns), with routing and sampling masks requested; the
+model's ids are kept exactly as generated and the environment's observation ids are appended as
+given (nothing is decoded and re-encoded). Observation tokens get loss mask 0, rollout log-prob 0
+and a one-token kept set (the trainer scores them nowhere that counts).
 
 Routing across turns: the routing replayed for a position is the one recorded when the KV that
 later tokens attended to was computed. A turn asks for ``routed_experts_start_len`` = the

@@ -2,11 +2,11 @@
 
 megatron-core's ``dist_checkpointing.load`` reads a step's ``trainer/dist/.metadata`` through
 torch's ``FileSystemReader.read_metadata``, a plain ``pickle.load``: a crafted file would run
-whatever it names. :func:`install` replaces that read with an unpickler that admits only the
-classes DCP's metadata is made of (the ``torch.distributed.checkpoint`` metadata and plan
-records, ``torch.Size``, torch dtypes and layouts, a path) and refuses anything else, naming the file and
-the global, before any of it is called. Every other file of a checkpoint is already read without
-pickle code (safetensors, or ``torch.load(weights_only=True)``)."""
+whatever it names. :func:`install` replaces that read with an unpickler that admits only the classes
+DCP's metadata is made of (the ``torch.distributed.checkpoint`` metadata and plan records,
+``torch.Size``, torch dtypes and layouts, a path) and refuses anything else, naming the file and the
+global, before any of it is called. Every other file of a checkpoint is already read without pickle
+code (safetensors, or ``torch.load(weights_only=True)``)."""
 from __future__ import annotations
 
 import pickle

@@ -19,8 +19,8 @@ from moe_rl.trainer.local_attention import PackedLocalAttention
 
 
 class LocalMLACoreAttention(PackedLocalAttention):
-    """megatron's local dot-product attention (packed rows too) with MLA's head sizes: queries and keys of
-    ``k_channels`` (nope + rope dims), values and output of ``v_channels`` per head. The
+    """megatron's local dot-product attention (packed rows too) with MLA's head sizes: queries and
+    keys of ``k_channels`` (nope + rope dims), values and output of ``v_channels`` per head. The
     softmax scale is the one MLA passes (YaRN's mscale included)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,

@@ -60,8 +60,8 @@ class PolicyTrainer:
             print(f"warning: {risk}", file=sys.stderr, flush=True)
         moe_shape = self.spec.moe_shape
         self.moe_shape = moe_shape
-        self.replay = ReplayController(model, moe_shape.moe_layers, moe_shape.topk, moe_shape.num_experts,
-                                       recompute=t.recompute_activations)
+        self.replay = ReplayController(model, moe_shape.moe_layers, moe_shape.topk,
+                                       moe_shape.num_experts, recompute=t.recompute_activations)
         self.routes = ReplayPlan.from_algorithm(cfg.algorithm)   # each pass's routing
         use_dist_opt = t.distributed_optimizer and not cuda_absent()
         self.model = DistributedDataParallel(
@@ -103,7 +103,8 @@ class PolicyTrainer:
         self.generator = torch.Generator().manual_seed(t.seed)
         self.loss = PolicyLoss(cfg.algorithm, self.generator)
         # the parts: one forward, the step's no-grad passes, the optimizer steps, the state
-        self.forwarder = Forwarder(cfg, moe_shape.num_experts, model.config.moe_token_dispatcher_type)
+        self.forwarder = Forwarder(cfg, moe_shape.num_experts,
+                                   model.config.moe_token_dispatcher_type)
         self.state = TrainerState(cfg, self.model, self.spec, hf_path, self.optimizer,
                                   self.scheduler, self)
         self.passes = StepPasses(cfg, self.forwarder, self.model, self.replay, self.ref_model,

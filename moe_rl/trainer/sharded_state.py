@@ -142,7 +142,8 @@ def sharded_trainer_state(model, optimizer, ema: dict | None, loading: bool = Fa
                 slot = leaf.optimizer.state[main]
                 if started:
                     for k in _MOMENTS:
-                        slot.setdefault(k, torch.zeros_like(main, memory_format=torch.preserve_format))
+                        slot.setdefault(k, torch.zeros_like(
+                            main, memory_format=torch.preserve_format))
                 sharded, name = by_param[id(param)], names[id(param)]
                 for k in _MOMENTS:
                     if k in slot:

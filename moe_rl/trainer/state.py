@@ -122,7 +122,8 @@ class TrainerState:
                  "adam_steps": optimizer_step_count(self.optimizer),
                  "loss_scaler": loss_scaler_state(self.optimizer),
                  "guard_skipped_total": self.counters.guard_skipped_total,
-                 "generator": self.counters.generator.get_state(), "torch_rng": torch.get_rng_state(),
+                 "generator": self.counters.generator.get_state(),
+                 "torch_rng": torch.get_rng_state(),
                  "python_rng": random.getstate(), "numpy_rng": _numpy_rng_state()}
         torch.save(state, os.path.join(path, f"rank{rank()}.pt"))
 

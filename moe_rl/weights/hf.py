@@ -124,7 +124,8 @@ ROWS = "rows:"   # a way of the name table: one expert's row of a stacked HF ten
 
 class Source(NamedTuple):
     """How megatron parameter's value is made of HF tensors: ``how`` ("copy", "cat", "qkv", or
-    ``rows:<kind>``: row ``row`` of the stacked tensor ``parts[0]``, see :func:`row_to_megatron`)."""
+    ``rows:<kind>``: row ``row`` of the stacked tensor ``parts[0]``, see
+    :func:`row_to_megatron`)."""
     how: str
     parts: list[str]
     row: int | None = None
@@ -203,7 +204,8 @@ class _Names:
             "mlp.linear_fc1.layer_norm_weight": ("copy", [p + "post_attention_layernorm.weight"]),
             "mlp.router.weight": ("copy", [p + self.router + ".weight"]),
             "mlp.router.expert_bias": ("copy", [p + self.router + ".e_score_correction_bias"]),
-            "mlp.linear_fc1.weight": ("cat", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            "mlp.linear_fc1.weight": ("cat", [p + "mlp.gate_proj.weight",
+                                              p + "mlp.up_proj.weight"]),
             "mlp.linear_fc2.weight": ("copy", [p + "mlp.down_proj.weight"]),
         }
         table.update(self.family.hf_attention_names(p))
@@ -241,7 +243,8 @@ class HFCheckpoint:
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
             with open(index, encoding="utf-8") as fh:
-                self.where = {k: os.path.join(path, f) for k, f in json.load(fh)["weight_map"].items()}
+                weight_map = json.load(fh)["weight_map"]
+            self.where = {k: os.path.join(path, f) for k, f in weight_map.items()}
         else:
             single = os.path.join(path, "model.safetensors")
             if not os.path.isfile(single):

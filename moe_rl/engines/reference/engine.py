@@ -430,7 +430,8 @@ class ReferenceEngine:
 
     def _full_routing(self, moe_rows: torch.Tensor) -> np.ndarray:
         """[N, L_moe, K] -> [N, num_hidden_layers, K] with dense layers 0 (SGLang layout)."""
-        full = np.zeros((moe_rows.shape[0], self.moe_shape.num_layers, self.moe_shape.topk), np.int32)
+        shape = self.moe_shape
+        full = np.zeros((moe_rows.shape[0], shape.num_layers, shape.topk), np.int32)
         full[:, list(self.moe_shape.moe_layers)] = moe_rows.numpy()
         return full
 

@@ -1,7 +1,8 @@
 """The reference engine's MXFP4 rollout weights (``--quantization mxfp4``): every weight the FP8
 path quantises (linear layers and routed experts; not router gates, embeddings, the LM head or
-norms; not biases) is replaced by its MXFP4 round trip (:func:`moe_rl.weights.mxfp4.mxfp4_round_trip`,
-blocks along each matrix's input dimension), at every load; the matmuls then run in the engine's dtype on those values."""
+norms; not biases) is replaced by its MXFP4 round trip
+(:func:`moe_rl.weights.mxfp4.mxfp4_round_trip`, blocks along each matrix's input dimension), at
+every load; the matmuls then run in the engine's dtype on those values."""
 from __future__ import annotations
 
 import torch

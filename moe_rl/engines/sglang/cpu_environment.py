@@ -23,7 +23,8 @@ PTH_LINE = f"import {SHIM_MODULE}; {SHIM_MODULE}.install()\n"
 FACTS = ("import json, sys, sysconfig\n"
          "try:\n    import torch; cuda = torch.version.cuda\nexcept ImportError:\n"
          "    torch = None; cuda = None\n"
-         "print(json.dumps({'site': sysconfig.get_paths()['purelib'], 'python': sys.version_info[:2],"
+         "print(json.dumps({'site': sysconfig.get_paths()['purelib'],"
+         " 'python': sys.version_info[:2],"
          " 'torch': torch.__version__ if torch else None, 'cuda': cuda}))")
 
 

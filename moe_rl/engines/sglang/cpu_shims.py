@@ -25,12 +25,12 @@ Each fix applies as its module is imported, through a finder first on ``sys.meta
    SGLang's ``except ImportError`` fallbacks apply); calling one raises :class:`KernelUnavailable`
    after writing ``MOE_RL_SGL_KERNEL_CALLED <name>`` to stderr, so a call fails loudly and shows
    in the server's log. A real ``sgl_kernel``, when one is installed, is always preferred.
-3. ``host_alloc``, in ``sglang.srt.mem_cache.pool_host.common``: ``ALLOC_MEMORY_FUNCS`` (line 453) maps every device
-   but npu/musa/xpu, "cpu" included, to ``alloc_with_host_register``, which pins memory through
-   ``torch.cuda.cudart().cudaHostRegister`` and fails without CUDA; the routed-experts capturer
-   (``sglang/srt/state_capturer/base.py``, ``BaseHostCache``, line 67) allocates through
-   ``ALLOC_MEMORY_FUNCS["cpu"]`` under ``--enable-return-routed-experts``. The fix maps "cpu" to a
-   plain allocation.
+3. ``host_alloc``, in ``sglang.srt.mem_cache.pool_host.common``: ``ALLOC_MEMORY_FUNCS`` (line 453)
+   maps every device but npu/musa/xpu, "cpu" included, to ``alloc_with_host_register``, which pins
+   memory through ``torch.cuda.cudart().cudaHostRegister`` and fails without CUDA; the
+   routed-experts capturer (``sglang/srt/state_capturer/base.py``, ``BaseHostCache``, line 67)
+   allocates through ``ALLOC_MEMORY_FUNCS["cpu"]`` under ``--enable-return-routed-experts``. The fix
+   maps "cpu" to a plain allocation.
 """
 from __future__ import annotations
 

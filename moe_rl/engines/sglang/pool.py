@@ -5,8 +5,9 @@ passes, weight updates, health) wait for its restart and are sent again.
 
 A slow answer is not death: SGLang's non-streaming ``/generate`` sends nothing until the whole
 generation is done, so a server silent for ``timeout`` seconds is asked ``GET /health`` (answered
-within ``health_timeout``); while it answers, the wait goes on. Only a server that refuses connections or leaves its health check
-unanswered, or answers it with a server error, is taken for dead (and restarted)."""
+within ``health_timeout``); while it answers, the wait goes on. Only a server that refuses
+connections or leaves its health check unanswered, or answers it with a server error, is taken
+for dead (and restarted)."""
 from __future__ import annotations
 
 import asyncio
