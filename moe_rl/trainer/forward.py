@@ -43,13 +43,19 @@ def output_weight(model) -> torch.Tensor:
 
 
 def packed_seq_params(mb: MicroBatch, device):
-    """megatron's THD parameters of a packed row: every slot one sequence (its padding inside)."""
+    """megatron's THD parameters of a packed row: every slot one sequence (its padding inside);
+    the slots' bounds read on the host, where the row was packed (nothing waits for the
+    device)."""
     from megatron.core.packed_seq_params import PackedSeqParams
-    cu = mb.cu_seqlens().to(device)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    host = mb.cu_seqlens()
+    longest = int((host[1:] - host[:-1]).max())
+    cu = host.to(device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    bounds = host.tolist()
+    params.moe_rl_slot_bounds = list(zip(bounds[:-1], bounds[1:]))
+    return params
 
 
 def forward_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0,

@@ -16,12 +16,16 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 def slot_bounds(packed_seq_params) -> list[tuple[int, int]]:
     """[start, end) of every slot of a THD packed row (the padded ``cu_seqlens`` when given:
-    each slot's padding belongs to it)."""
-    cu = packed_seq_params.cu_seqlens_q_padded
-    if cu is None:
-        cu = packed_seq_params.cu_seqlens_q
-    cu = cu.tolist()
-    return list(zip(cu[:-1], cu[1:]))
+    each slot's padding belongs to it). Read once per row and kept on its parameters: every
+    layer attends the same slots, and reading a GPU tensor waits for the device."""
+    bounds = getattr(packed_seq_params, "moe_rl_slot_bounds", None)
+    if bounds is None:
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        cu = cu.tolist()
+        bounds = packed_seq_params.moe_rl_slot_bounds = list(zip(cu[:-1], cu[1:]))
+    return bounds
 
 
 class PackedLocalAttention(DotProductAttention):

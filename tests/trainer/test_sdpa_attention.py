@@ -137,3 +137,24 @@ def test_every_family_model_on_sdpa_equals_the_local_kernel(tmp_path, monkeypatc
         torch.testing.assert_close(got_lp, want_lp, **TOL)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_packed_rows_slots_are_read_on_the_host_once():
+    """Every layer attends the same slots: the forwarder puts their bounds, read where the row
+    was packed, on the row's parameters, and a row without them is read once (reading a GPU
+    tensor per layer made every layer wait for the device)."""
+    from moe_rl.rollout_record import Sample
+    from moe_rl.trainer.forward import packed_seq_params
+    from moe_rl.trainer.local_attention import slot_bounds
+    from moe_rl.trainer.packing import pack_one
+    samples = [Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5], rollout_logprobs=-torch.ones(2)),
+               Sample(prompt_ids=[6, 7], response_ids=[8, 9, 10], rollout_logprobs=-torch.ones(3))]
+    mb = pack_one(samples, [0, 1], pad_token_id=0, packed=True)
+    params = packed_seq_params(mb, "cpu")
+    cu = mb.cu_seqlens().tolist()
+    assert params.moe_rl_slot_bounds == list(zip(cu[:-1], cu[1:]))
+    assert slot_bounds(params) is params.moe_rl_slot_bounds
+    bare = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens(),
+                           cu_seqlens_kv=mb.cu_seqlens())
+    first = slot_bounds(bare)
+    assert first == params.moe_rl_slot_bounds and slot_bounds(bare) is first
