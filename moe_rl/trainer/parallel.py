@@ -53,8 +53,6 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if master_port is not None:
         os.environ["MASTER_PORT"] = str(master_port)
-    elif world_size == 1:   # a port inherited from a parent process may still be bound there
-        os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     backend = default_backend(cuda=not cuda_absent())
     if not cuda_absent():
@@ -62,7 +60,10 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
             local = os.environ.get("LOCAL_RANK")
             gpu = int(local) if local is not None else rank % torch.cuda.device_count()
         torch.cuda.set_device(gpu)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    if world_size == 1:   # no rendezvous: a port picked free may be taken before it is bound
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
 
 
 def init_model_parallel(sizes: ParallelSizes = ParallelSizes()) -> None:

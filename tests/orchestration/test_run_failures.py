@@ -36,6 +36,15 @@ def bug() -> None:
     raise ValueError("a bug in the run's own code")
 
 
+@ray.remote(num_cpus=0)
+class BrokenRank:
+    def __init__(self):
+        raise RuntimeError("the rendezvous port is taken")
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+
 def _dead_rank():
     rank = Rank.remote()
     ray.get(rank.node_ip.remote())
@@ -56,6 +65,15 @@ def test_lost_actors_are_recognised_and_bugs_are_not(local_ray):
         ray.get(bug.remote())
     assert lost_process(own.value) is None
     assert lost_process(ValueError("x")) is None
+
+
+def test_a_rank_that_failed_to_start_says_why(local_ray):
+    """An actor whose constructor raised: the one line ends with the error it raised, not
+    only Ray's "died in its creation task" (whose traceback the user never sees)."""
+    with pytest.raises(ray.exceptions.RayActorError) as failed:
+        ray.get(BrokenRank.remote().node_ip.remote())
+    said = lost_process(failed.value)
+    assert said.endswith("it said: RuntimeError: the rendezvous port is taken"), said
 
 
 def test_the_rank_that_is_gone_is_named(local_ray):

@@ -176,8 +176,8 @@ def test_expert_parallel_ranks_with_different_micro_batch_shapes(tmp_path):
 def test_the_planned_master_address_wins_over_an_inherited_one():
     """A trainer rank is told rank 0's address by the plan; an inherited ``MASTER_ADDR`` (some
     Slurm templates export one) must not override it, or the ranks never meet. Here the
-    inherited name does not resolve (no traffic leaves the machine): the rendezvous must use
-    the planned 127.0.0.1."""
+    inherited name does not resolve (no traffic leaves the machine): the planned 127.0.0.1
+    must be the one set."""
     code = ("import os; from moe_rl.trainer.parallel import free_port, init_distributed; "
             "init_distributed(rank=0, world_size=1, master_addr='127.0.0.1', "
             "master_port=free_port()); print(os.environ['MASTER_ADDR'])")
@@ -185,6 +185,22 @@ def test_the_planned_master_address_wins_over_an_inherited_one():
                          timeout=120, env={**os.environ, "MASTER_ADDR": "inherited.invalid"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "127.0.0.1"
+
+
+def test_one_rank_needs_no_rendezvous_port():
+    """A one-rank trainer meets nobody: its group starts even when the port it was given was
+    taken between being picked free and being bound (the run's engines and other processes
+    pick ports on the same machine at the same time)."""
+    from moe_rl.engines.process import bind_port
+    from moe_rl.trainer.parallel import free_port
+    with bind_port("127.0.0.1", free_port()) as busy:
+        code = ("from moe_rl.trainer.parallel import init_distributed; import torch.distributed "
+                f"as d; init_distributed(rank=0, world_size=1, master_addr='127.0.0.1', "
+                f"master_port={busy.getsockname()[1]}); print(d.get_world_size())")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "1"
 
 
 def _agreement_worker(rank, port, sizes, out_dir):
