@@ -43,7 +43,8 @@ UPSTREAM_PINS := megatron-core==0.19.2 torch==2.15.0 transformers==5.24.0 ray==2
 UPSTREAM_TESTS := tests/trainer/test_step.py tests/trainer/test_model.py \
 	tests/trainer/test_parallel.py tests/orchestration/test_checkpoint.py tests/trainer/test_checkpoint_reshard.py \
 	tests/families/test_deepseek_v3.py tests/families/test_gpt_oss.py tests/trainer/test_packed_sequences.py tests/trainer/test_context_parallel.py \
-	tests/trainer/test_bf16.py tests/trainer/test_sdpa_attention.py tests/trainer/test_sort_dispatcher.py
+	tests/trainer/test_bf16.py tests/trainer/test_sdpa_attention.py tests/trainer/test_sort_dispatcher.py \
+	tests/trainer/test_grouped_experts.py tests/benchmarks/test_trainer_ops.py
 
 .PHONY: bytecode coverage setup lock test test-newest test-loop test-slow test-all test-contract test-sglang test-multinode test-cluster test-upstream docs demo demo-sglang bench study clean
 

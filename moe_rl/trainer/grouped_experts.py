@@ -8,7 +8,10 @@ Hugging Face export and import, every weight sync and expert parallelism (``allr
 on expert parameters) are the loop's, and a checkpoint crosses between the two paths as is. Only
 ``forward`` differs: the tokens arrive grouped by expert (megatron's dispatcher permutes them),
 so one GEMM per projection covers every local expert, with each expert's weights stacked for
-the call and not kept (:class:`GroupedLinear` stacks them again in the backward pass). The
+the call and not kept (:class:`GroupedLinear` stacks them again in the backward pass), and one
+GEMM gives every expert's weight gradient, deposited in one op (:func:`deposit_grads`; the
+experts' ops per layer do not grow with their number: 94 at E = 128, 348 when autograd
+accumulated each expert's, ``benchmarks/trainer_ops.py``). The
 activation, the gate's scaling and the biases follow megatron's ``MLP.forward`` step for step,
 so both paths agree bit for bit on CPU (``tests/trainer/test_grouped_experts.py``).
 
@@ -18,11 +21,12 @@ must be multiples of 16 bytes: :func:`config_unsupported`).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from moe_rl.trainer.expert_path import grouped_unsupported
-
 
 
 def config_unsupported(config, dtype: torch.dtype) -> str | None:
@@ -35,47 +39,91 @@ def config_unsupported(config, dtype: torch.dtype) -> str | None:
     return grouped_unsupported(config.hidden_size, width, dtype)
 
 
+def deposit_grads(params, grads: torch.Tensor) -> None:
+    """Add ``grads[e]`` to expert ``e``'s parameter gradient, for all experts in one op: into
+    megatron DDP's ``main_grad`` when the parameter has one (what DDP's per-parameter hook
+    would add; no overlapped reduce is configured, so the hook has nothing else to do), else
+    into ``.grad`` as autograd would accumulate it. Parameters that do not learn are left."""
+    learning = [p.requires_grad for p in params]
+    if not any(learning):
+        return
+    main = hasattr(params[0], "main_grad")
+    if main:   # DDP's buffers are float32: the stacked gradient converted once
+        grads = grads.to(params[0].main_grad.dtype)
+    rows = [g for g, learns in zip(grads.unbind(0), learning) if learns]
+    params = [p for p, learns in zip(params, learning) if learns]
+    if main:
+        torch._foreach_add_([p.main_grad for p in params], rows)
+        return
+    held = [(p.grad, g) for p, g in zip(params, rows) if p.grad is not None]
+    for p, g in zip(params, rows):
+        if p.grad is None:
+            p.grad = g
+    if held:
+        torch._foreach_add_([h for h, _ in held], [g for _, g in held])
+
+
+def _learning(x: torch.Tensor, params) -> torch.Tensor:
+    """``x``, made to carry a gradient when ``params`` learn and ``x`` does not (the backward
+    below, which feeds the parameters, runs only for an input that carries one)."""
+    if torch.is_grad_enabled() and not x.requires_grad and any(p.requires_grad for p in params):
+        return x.detach().requires_grad_()
+    return x
+
+
 class GroupedLinear(torch.autograd.Function):
     """``y[rows of e] = x[rows of e] @ weights[e].T`` for every expert ``e`` at once; ``offs``
-    (int32, on x's device): each expert's end row. The stacked weights live for one call."""
+    (int32, on x's device): each expert's end row. The experts' weights are not autograd inputs
+    (one per expert would cost autograd one accumulation per expert): the backward stacks their
+    gradient in one GEMM and deposits it (:func:`deposit_grads`). The stacked weights live for
+    one call."""
 
     @staticmethod
-    def forward(ctx, x, offs, *weights):
-        ctx.save_for_backward(x, offs, *weights)
-        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+    def forward(ctx, x, offs, weights):
+        ctx.save_for_backward(x, offs)
+        ctx.weights = weights
+        with torch.no_grad():
+            stacked = torch.stack(weights)
+        return torch._grouped_mm(x, stacked.transpose(1, 2), offs=offs)
 
     @staticmethod
     def backward(ctx, grad):
-        x, offs, *weights = ctx.saved_tensors
+        x, offs = ctx.saved_tensors
+        weights = ctx.weights
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offs)
-        grad_w = [None] * len(weights)
-        if any(ctx.needs_input_grad[2:]):   # each expert's rows, summed over its tokens
-            grad_w = list(torch._grouped_mm(grad.t(), x, offs=offs).unbind(0))
-        return grad_x, None, *grad_w
+            with torch.no_grad():
+                stacked = torch.stack(weights)
+            grad_x = torch._grouped_mm(grad, stacked, offs=offs)
+        if any(w.requires_grad for w in weights):   # each expert's rows, summed over its tokens
+            deposit_grads(weights, torch._grouped_mm(grad.t(), x, offs=offs))
+        return grad_x, None, None
 
 
 class BiasRows(torch.autograd.Function):
     """``biases[e]`` for each of expert ``e``'s ``counts[e]`` rows (no host sync: the row count
-    is given); each bias's gradient summed over its rows in float32 and rounded once, as the
-    loop's broadcast add sums it (the order of the sum differs: equal within float32's
-    rounding, not bit for bit)."""
+    is given; ``anchor``: the rows' input, through which the backward runs); each bias's
+    gradient summed over its rows in float32 and rounded once, as the loop's broadcast add sums
+    it (the order of the sum differs: equal within float32's rounding, not bit for bit), and
+    deposited like the weights'."""
 
     @staticmethod
-    def forward(ctx, counts, rows: int, *biases):
+    def forward(ctx, anchor, counts, rows: int, biases):
         ctx.save_for_backward(counts)
-        ctx.rows = rows
-        return torch.repeat_interleave(torch.stack(biases), counts, dim=0, output_size=rows)
+        ctx.rows, ctx.biases = rows, biases
+        with torch.no_grad():
+            return torch.repeat_interleave(torch.stack(biases), counts, dim=0, output_size=rows)
 
     @staticmethod
     def backward(ctx, grad):
         (counts,) = ctx.saved_tensors
-        experts = torch.arange(counts.numel(), device=grad.device)
-        owner = torch.repeat_interleave(experts, counts, output_size=ctx.rows)
-        sums = grad.new_zeros((counts.numel(), grad.shape[1]), dtype=torch.float32)
-        sums.index_add_(0, owner, grad.float())
-        return None, None, *sums.to(grad.dtype).unbind(0)
+        if any(b.requires_grad for b in ctx.biases):
+            experts = torch.arange(counts.numel(), device=grad.device)
+            owner = torch.repeat_interleave(experts, counts, output_size=ctx.rows)
+            sums = grad.new_zeros((counts.numel(), grad.shape[1]), dtype=torch.float32)
+            sums.index_add_(0, owner, grad.float())
+            deposit_grads(ctx.biases, sums.to(grad.dtype))
+        return None, None, None, None
 
 
 class GroupedExperts(SequentialMLP):
@@ -90,17 +138,18 @@ class GroupedExperts(SequentialMLP):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = hidden.shape[0]
         fc1 = [e.linear_fc1 for e in experts]
-        h = GroupedLinear.apply(hidden, offs, *(lin.weight for lin in fc1))
+        fc2 = [e.linear_fc2 for e in experts]
+        hidden = _learning(hidden, [p for lin in fc1 + fc2 for p in lin.parameters()])
+        h = GroupedLinear.apply(hidden, offs, [lin.weight for lin in fc1])
         if getattr(fc1[0], "bias", None) is not None:
-            h = h + BiasRows.apply(counts, rows, *(lin.bias for lin in fc1))
+            h = h + BiasRows.apply(h, counts, rows, [lin.bias for lin in fc1])
         h = self._activation(h)
         dtype = h.dtype   # megatron's MLP scales by the gate in the promoted type, then casts
         h = (h * probs.unsqueeze(-1)).to(dtype)
-        fc2 = [e.linear_fc2 for e in experts]
-        out = GroupedLinear.apply(h, offs, *(lin.weight for lin in fc2))
+        out = GroupedLinear.apply(h, offs, [lin.weight for lin in fc2])
         if getattr(fc2[0], "bias", None) is not None:
-            scaled = BiasRows.apply(counts, rows, *(lin.bias for lin in fc2)) * probs.unsqueeze(-1)
-            out = (out + scaled).to(out.dtype)
+            bias = BiasRows.apply(out, counts, rows, [lin.bias for lin in fc2])
+            out = (out + bias * probs.unsqueeze(-1)).to(out.dtype)
         return out, None
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
@@ -118,12 +167,21 @@ class GroupedExperts(SequentialMLP):
 
 def use_grouped_experts(block) -> int:
     """Every MoE layer of decoder block spec ``block`` builds :class:`GroupedExperts` for its
-    experts (in place); returns how many layers changed."""
+    experts (in place); returns how many layers changed. megatron-core writes a layer's MLP as
+    a ``ModuleSpec`` (up to 0.16) or a ``functools.partial`` (0.19): both are read."""
     changed = 0
     for layer in block.layer_specs:
         mlp = layer.submodules.mlp
-        experts = getattr(getattr(mlp, "submodules", None), "experts", None)
-        if experts is not None and experts.module is SequentialMLP:
+        subs = getattr(mlp, "submodules", None)
+        if subs is None and isinstance(mlp, functools.partial):
+            subs = mlp.keywords.get("submodules")
+        experts = getattr(subs, "experts", None)
+        if experts is None:
+            continue
+        if getattr(experts, "module", None) is SequentialMLP:
             experts.module = GroupedExperts
+            changed += 1
+        elif isinstance(experts, functools.partial) and experts.func is SequentialMLP:
+            subs.experts = functools.partial(GroupedExperts, *experts.args, **experts.keywords)
             changed += 1
     return changed

@@ -179,6 +179,16 @@ def uses_te_spec(model) -> bool:
     return any("layer_norm_weight" in n for n, _ in model.named_parameters())
 
 
+NO_EXPERT_SLOT = "this megatron-core's layer spec has no SequentialMLP slot to fill"
+
+
+def _is_moe(mlp) -> bool:
+    """Whether a layer spec's MLP (a ``ModuleSpec`` or a ``functools.partial``) is an MoE
+    layer."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    return getattr(mlp, "module", getattr(mlp, "func", None)) is MoELayer
+
+
 def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                 dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                 recompute: bool = False, pre_process: bool = True, post_process: bool = True,
@@ -209,7 +219,11 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                                      // config.expert_tensor_parallel_size, dtype)
     if expert_path[0] == "grouped":
         from moe_rl.trainer.grouped_experts import use_grouped_experts
-        use_grouped_experts(block)
+        if not use_grouped_experts(block) and any(
+                _is_moe(layer.submodules.mlp) for layer in block.layer_specs):
+            if experts == "grouped":
+                raise ValueError(f"trainer.experts: grouped cannot run here: {NO_EXPERT_SLOT}")
+            expert_path = ("sequential", f"megatron's loop over the experts ({NO_EXPERT_SLOT})")
     if spec.family.QK_NORM_ACROSS_HEADS:
         from moe_rl.trainer.full_width_qk_norm import use_full_width_qk_norm
         use_full_width_qk_norm(block)

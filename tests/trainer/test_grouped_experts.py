@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_rl.trainer.expert_path import choose_expert_path, model_expert_path
-from moe_rl.trainer.grouped_experts import GroupedExperts, GroupedLinear
+from moe_rl.trainer.grouped_experts import GroupedExperts, GroupedLinear, deposit_grads
 from moe_rl.trainer.model_builder import build_model, load_hf_config
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
 from moe_rl.weights.hf import load_hf_into_megatron
@@ -88,13 +88,80 @@ def test_the_grouped_linear_is_each_experts_matmul_and_its_gradients():
     x = x64.detach().float().requires_grad_()
     ws = [w.detach().float().requires_grad_() for w in w64]
     offs = torch.tensor(bounds[1:], dtype=torch.int32)
-    y = GroupedLinear.apply(x, offs, *ws)
+    y = GroupedLinear.apply(x, offs, ws)
     (y * r.float()).sum().backward()
     assert torch.allclose(y.double(), ref, atol=1e-5)
     assert torch.allclose(x.grad.double(), x64.grad, atol=1e-5)
     for w, w_ref in zip(ws, w64):
         assert torch.allclose(w.grad.double(), w_ref.grad, atol=1e-5)
     assert not ws[1].grad.any()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_under_megatron_ddp_the_main_grads_equal_the_loops(tmp_path, kind):
+    """The trainer wraps the model in megatron's DDP (float32 gradient buffers): the grouped
+    experts deposit their gradients straight into each expert's ``main_grad``, which must hold
+    what DDP's per-parameter hook gives the loop's, over two micro-batches (accumulated), in
+    bfloat16; no expert parameter keeps a ``.grad`` of its own."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    path = _write(kind, tmp_path)
+    got = {}
+    for experts in ("sequential", "grouped"):
+        model, spec = _built(path, experts, torch.bfloat16)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True), model)
+        ddp.zero_grad_buffer()
+        for seed in (0, 1):
+            _run(model, spec, _batch(spec, seed=seed))
+        ddp.finish_grad_sync()
+        got[experts] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+        assert not any(p.grad is not None for n, p in model.named_parameters()
+                       if ".local_experts." in n and experts == "grouped")
+    want, have = got["sequential"], got["grouped"]
+    assert set(want) == set(have) and any(".local_experts." in n for n in have)
+    for name in want:
+        if ".local_experts." in name and name.endswith(".bias"):   # summed in another order
+            assert torch.allclose(want[name], have[name], rtol=2 ** -7, atol=2 ** -7), name
+        else:
+            assert torch.equal(want[name], have[name]), name
+    assert any(have[n].any() for n in have if ".local_experts." in n)
+
+
+def test_deposited_gradients_accumulate_like_autograds():
+    """Into ``.grad`` without DDP: the first deposit sets it, the next adds (two micro-batches),
+    a frozen parameter is left; into ``main_grad`` in its dtype where one exists."""
+    w = [torch.zeros(2, 3, requires_grad=True) for _ in range(3)]
+    w[2].requires_grad_(False)
+    g = torch.arange(18, dtype=torch.float32).reshape(3, 2, 3)
+    deposit_grads(w, g.clone())   # a backward's gradient is its own tensor
+    deposit_grads(w, g.clone())
+    assert torch.equal(w[0].grad, 2 * g[0]) and torch.equal(w[1].grad, 2 * g[1])
+    assert w[2].grad is None
+    m = [torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16)) for _ in range(2)]
+    for p in m:
+        p.main_grad = torch.ones(2, 3)
+    deposit_grads(m, g[:2].bfloat16() / 7)
+    for p, row in zip(m, g[:2]):
+        assert p.grad is None and p.main_grad.dtype == torch.float32
+        assert torch.equal(p.main_grad, 1 + (row / 7).bfloat16().float())
+
+
+def test_a_deposit_costs_the_same_ops_for_any_number_of_experts():
+    """Into bfloat16 parameters' float32 ``main_grad`` (the trainer's case): one conversion,
+    one split, one foreach add, whatever the number of experts."""
+    from benchmarks.trainer_ops import OpCounter
+
+    def ops(experts: int) -> int:
+        params = [torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
+                  for _ in range(experts)]
+        for p in params:
+            p.main_grad = torch.zeros(4, 4)
+        grads = torch.ones(experts, 4, 4, dtype=torch.bfloat16)
+        with OpCounter() as counter:
+            deposit_grads(params, grads)
+        assert all(p.main_grad.eq(1).all() for p in params)
+        return counter.ops
+    assert ops(8) == ops(128) <= 4
 
 
 def test_the_path_is_chosen_from_sizes_and_refused_where_it_cannot_run():
@@ -106,6 +173,20 @@ def test_the_path_is_chosen_from_sizes_and_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="trainer.experts: grouped cannot run here: the hidden "
                                          "size 36"):
         choose_expert_path("grouped", 36, 64, torch.bfloat16)
+
+
+def test_a_spec_without_the_loops_slot_is_said_not_claimed(tmp_path, monkeypatch):
+    """A megatron-core whose layer spec moe_rl cannot edit: ``auto`` builds the loop and says
+    why (the start-up line never claims grouped experts that were not built), ``grouped``
+    refuses."""
+    import moe_rl.trainer.grouped_experts as grouped
+    path = _write("qwen3_moe", tmp_path)
+    monkeypatch.setattr(grouped, "use_grouped_experts", lambda block: 0)
+    model, _ = build_model(path, experts="auto")
+    assert model.expert_path[0] == "sequential" and "no SequentialMLP slot" in model.expert_path[1]
+    assert not any(isinstance(m, GroupedExperts) for m in model.modules())
+    with pytest.raises(ValueError, match="trainer.experts: grouped cannot run here"):
+        build_model(path, experts="grouped")
 
 
 def _ep_worker(rank, port, model_dir, out_dir):
