@@ -83,9 +83,17 @@ def _experts_line(cfg) -> str:
     """How the trainer's MoE experts will compute (``trainer.experts``), as the trainer decides."""
     from moe_rl.rollout_record import MODEL_DTYPES
     from moe_rl.trainer.expert_path import model_expert_path
+    from moe_rl.trainer.model_builder import te_available
     hf, _ = _model_fields(cfg)
-    path, why = model_expert_path(cfg.trainer.experts, hf, cfg.trainer.tensor_parallel,
-                                  MODEL_DTYPES[cfg.model.dtype])
+    te = te_available()
+    requested = cfg.trainer.experts
+    if requested == "te_grouped" and not te:   # decided on the trainer's machine
+        return ("trainer experts: te_grouped where the trainer's machine has Transformer "
+                "Engine and CUDA (refused at its start otherwise; not on this machine)")
+    path, why = model_expert_path(requested, hf, cfg.trainer.tensor_parallel,
+                                  MODEL_DTYPES[cfg.model.dtype], te)
+    if requested == "auto" and not te:
+        why += "; te_grouped where the trainer's machine has Transformer Engine and CUDA"
     return f"trainer experts: {path} ({why})"
 
 

@@ -357,10 +357,12 @@ class TrainerConfig:
         **_rng(1, 4096, why="ranks of one parallel group"))
     sequence_parallel: bool = _f(False, "sequence parallelism (needs tensor_parallel > 1)")
     recompute_activations: bool = _f(False, "full activation recomputation (replay in backward)")
-    experts: Literal["auto", "grouped", "sequential"] = _f(
-        "auto", "the MoE experts' computation: grouped (two grouped GEMMs over the local "
-        "experts, torch._grouped_mm), sequential (megatron's loop over them), auto (grouped "
-        "wherever torch has it and the sizes fit its 16-byte rows)")
+    experts: Literal["auto", "te_grouped", "grouped", "sequential"] = _f(
+        "auto", "the MoE experts' computation: te_grouped (Transformer Engine's grouped GEMM, "
+        "megatron's TEGroupedMLP, with its fused permutation; needs TE and CUDA), grouped (two "
+        "grouped GEMMs over the local experts, torch._grouped_mm), sequential (megatron's loop "
+        "over them), auto (te_grouped where TE and CUDA are, else grouped wherever torch has it "
+        "and the sizes fit its 16-byte rows)")
     distributed_optimizer: bool = _f(True, "megatron distributed optimizer where available")
     loss_scale: LossScaleConfig = _sub(LossScaleConfig, "float16's dynamic loss scaling "
                                        "(skipped steps: train/skipped_steps)")

@@ -101,6 +101,18 @@ def te_available() -> bool:
     return not cuda_absent() and importlib.util.find_spec("transformer_engine") is not None
 
 
+TE_PERMUTE_FUSION = (2, 1)   # the first Transformer Engine with megatron's fused permute
+
+
+def te_permute_fusion() -> bool:
+    """Whether the installed Transformer Engine has the fused token permutation megatron's
+    ``moe_permute_fusion`` needs (TE >= 2.1; ``moe_router_fusion`` stays off: it skips routing
+    replay)."""
+    from importlib.metadata import version
+    te = version("transformer_engine")
+    return tuple(int(x) for x in re.findall(r"\d+", te)[:2]) >= TE_PERMUTE_FUSION
+
+
 def layer_spec(config) -> tuple[object, tuple[str, str]]:
     """Per-layer decoder block spec (dense and MoE layers as ``moe_layer_freq`` says): Transformer
     Engine modules when TE is importable and CUDA present, local modules otherwise; MLA without
@@ -214,9 +226,13 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                                 expert_bias_update_rate=expert_bias_update_rate)
     RouterReplay.clear_global_router_replay_instances()
     hf = spec.hf_config
-    block, attention_path = layer_spec(config)
     expert_path = choose_expert_path(experts, config.hidden_size, config.moe_ffn_hidden_size
-                                     // config.expert_tensor_parallel_size, dtype)
+                                     // config.expert_tensor_parallel_size, dtype,
+                                     te_available())
+    if expert_path[0] == "te_grouped":   # TE's spec then builds TEGroupedMLP
+        config = dataclasses.replace(config, moe_grouped_gemm=True,
+                                     moe_permute_fusion=te_permute_fusion())
+    block, attention_path = layer_spec(config)
     if expert_path[0] == "grouped":
         from moe_rl.trainer.grouped_experts import use_grouped_experts
         if not use_grouped_experts(block) and any(

@@ -216,9 +216,44 @@ class _Names:
 
 def hf_mapped_tensors(model) -> list[tuple[str, torch.Tensor]]:
     """(megatron name, tensor) of everything that maps to the HF checkpoint: the parameters and
-    the routers' persistent expert-bias buffers."""
-    return list(model.named_parameters()) + [
+    the routers' persistent expert-bias buffers. Transformer Engine's grouped experts
+    (``TEGroupedMLP``) are named and ordered as megatron's loop names its experts
+    (:func:`as_sequential_experts`), so every expert path exports, loads and syncs the same."""
+    return as_sequential_experts(model.named_parameters()) + [
         (n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
+
+
+# TEGroupedMLP's expert e: ``linear_fc1.weight<e>`` / ``bias<e>`` of one TE GroupedLinear per
+# projection (megatron-core's ``TEGroupedLinear._sharded_state_dict_grouped`` reads them so)
+_TE_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+
+
+def as_sequential_experts(named: Iterable[tuple[str, torch.Tensor]]
+                          ) -> list[tuple[str, torch.Tensor]]:
+    """``named`` with each TE grouped expert tensor renamed to the loop's name
+    (``...mlp.experts.linear_fc1.weight3`` -> ``...mlp.experts.local_experts.3.linear_fc1.
+    weight``) and a layer's experts in the loop's order (expert by expert: fc1 weight and bias,
+    fc2 weight and bias) where its first tensor stood; every other name as it is."""
+    out: list[tuple[str, torch.Tensor]] = []
+    groups: dict[str, list] = {}
+    for name, tensor in named:
+        m = _TE_EXPERT.match(name)
+        if m is None:
+            out.append((name, tensor))
+            continue
+        prefix, linear, kind, e = m.groups()
+        if prefix not in groups:
+            groups[prefix] = []
+            out.append((prefix, None))   # the layer's experts go here
+        key = (int(e), linear, kind != "weight")
+        groups[prefix].append((key, f"{prefix}local_experts.{e}.{linear}.{kind}", tensor))
+    ordered: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in out:
+        if tensor is None and name in groups:
+            ordered += [(n, t) for _, n, t in sorted(groups[name], key=lambda g: g[0])]
+        else:
+            ordered.append((name, tensor))
+    return ordered
 
 
 def _layer_numbers(model) -> dict[int, int]:

@@ -175,6 +175,43 @@ def test_the_path_is_chosen_from_sizes_and_refused_where_it_cannot_run():
         choose_expert_path("grouped", 36, 64, torch.bfloat16)
 
 
+def test_with_transformer_engine_auto_builds_te_grouped_experts(tmp_path, monkeypatch):
+    """Where TE and CUDA are (only a GPU shows it; here the decision and the configuration it
+    hands megatron's TE spec): ``auto`` and ``te_grouped`` set ``moe_grouped_gemm`` (megatron
+    then builds TEGroupedMLP) and the fused permutation where TE has it, never the router
+    fusion (it skips routing replay); without TE, ``te_grouped`` is refused."""
+    import moe_rl.trainer.model_builder as builder
+    path = _write("qwen3_moe", tmp_path)
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def spec_of(config):
+        seen.append(config)
+        raise Built
+    monkeypatch.setattr(builder, "layer_spec", spec_of)
+    monkeypatch.setattr(builder, "te_available", lambda: True)
+    from megatron.core.transformer.moe import moe_utils   # TE's kernels megatron's check imports
+    for name in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):
+        monkeypatch.setattr(moe_utils, name, object(), raising=False)
+    for fused in (True, False):
+        monkeypatch.setattr(builder, "te_permute_fusion", lambda: fused)
+        for requested in ("auto", "te_grouped"):
+            with pytest.raises(Built):
+                build_model(path, experts=requested, dtype=torch.bfloat16)
+            c = seen.pop()
+            assert c.moe_grouped_gemm and c.moe_permute_fusion == fused
+            assert not c.moe_router_fusion and c.moe_enable_routing_replay
+    with pytest.raises(Built):
+        build_model(path, experts="grouped", dtype=torch.bfloat16)
+    assert not seen.pop().moe_grouped_gemm   # torch's grouped GEMM on TE's spec
+    assert choose_expert_path("auto", 64, 64, torch.bfloat16, te=True)[0] == "te_grouped"
+    with pytest.raises(ValueError, match="te_grouped needs Transformer Engine and a CUDA GPU"):
+        choose_expert_path("te_grouped", 64, 64, torch.bfloat16, te=False)
+
+
 def test_a_spec_without_the_loops_slot_is_said_not_claimed(tmp_path, monkeypatch):
     """A megatron-core whose layer spec moe_rl cannot edit: ``auto`` builds the loop and says
     why (the start-up line never claims grouped experts that were not built), ``grouped``
