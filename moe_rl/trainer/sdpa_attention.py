@@ -7,9 +7,11 @@ grouped keys and values; no mask for causal rows, as the forwarder's are, or one
 otherwise) and gives what it gives
 ([s, b, heads * value dim]): causal attention at megatron's softmax scale, grouped-query
 attention without repeating the keys (``enable_gqa``), MLA's value heads narrower than its
-query/key heads (the output follows the values), and packed (THD) rows slot by slot, each
-causal on its own. torch picks the kernel: FlashAttention or memory-efficient attention on a
-GPU, its fused CPU kernel here. Equal to the local kernel within float32 rounding
+query/key heads (the output follows the values), and packed (THD) rows, each slot causal on
+its own: in one call of torch's variable-length attention where it runs
+(``torch.nn.attention.varlen.varlen_attn``: CUDA, 16-bit, equal head sizes; :func:`varlen_kernel`
+reads the installed torch's signature), slot by slot otherwise. torch picks the kernel:
+FlashAttention or memory-efficient attention on a GPU, its fused CPU kernel here. Equal to the local kernel within float32 rounding
 (``tests/trainer/test_sdpa_attention.py``).
 
 Where the local kernel stays (:func:`attention_unsupported`): attention sinks (gpt-oss's
@@ -33,6 +35,35 @@ def attention_unsupported(config) -> str | None:
     return None
 
 
+def varlen_kernel():
+    """torch's variable-length attention as ``f(q, k, v, cu, max_len, scale, gqa)`` (causal
+    within each slot of the cumulative bounds ``cu``), or None where this torch has none or
+    one whose causal switch it does not know (2.10's ``is_causal``, 2.13's ``window_size``)."""
+    import inspect
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    gqa = "enable_gqa" in params
+
+    def attend(q, k, v, cu, max_len, scale, enable_gqa):
+        if enable_gqa and not gqa:   # a torch whose kernel takes no grouped heads
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        extra = {"enable_gqa": True} if enable_gqa and gqa else {}
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal, **extra)
+    return attend
+
+
+VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+
+
 class SDPAttention(DotProductAttention):
     """megatron's core attention computed by ``torch.nn.functional.scaled_dot_product_attention``
     (see the module's doc); ``k_channels`` / ``v_channels``: MLA's head sizes (the output is as
@@ -50,6 +81,14 @@ class SDPAttention(DotProductAttention):
                                            if config.apply_query_key_layer_scaling else 1)
         self.dropout_p = (config.attention_dropout if attention_dropout is None
                           else attention_dropout)
+        self._varlen = varlen_kernel()
+
+    def _varlen_fits(self, query, value) -> bool:
+        """Whether these packed rows go to the variable-length kernel (FlashAttention: CUDA,
+        16-bit, the values' heads as wide as the queries', no dropout)."""
+        return (query.is_cuda and query.dtype in VARLEN_DTYPES
+                and query.shape[-1] == value.shape[-1] <= 256
+                and not (self.training and self.dropout_p))
 
     def _attend(self, query, key, value, masked=None):
         """Attention of [b, heads, s, dim] queries on grouped keys and values: causal, or
@@ -75,8 +114,17 @@ class SDPAttention(DotProductAttention):
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed rows: SDPA attention takes the 'thd' format, got "
                              f"{packed_seq_params.qkv_format!r}")
+        bounds = slot_bounds(packed_seq_params)
+        if self._varlen is not None and self._varlen_fits(query, value):
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            out = self._varlen(query, key, value, cu.to(torch.int32),
+                               max(b - a for a, b in bounds), self.scale,
+                               query.shape[1] != key.shape[1])
+            return out.reshape(query.shape[0], -1)
         parts = []
-        for a, b in slot_bounds(packed_seq_params):   # [t, heads, dim] -> [1, heads, t, dim]
+        for a, b in bounds:   # [t, heads, dim] -> [1, heads, t, dim]
             out = self._attend(*(t[a:b].transpose(0, 1)[None] for t in (query, key, value)))
             parts.append(out[0].transpose(0, 1).reshape(b - a, -1))
         return torch.cat(parts)

@@ -32,6 +32,10 @@ CI_RUNS = [dict(c, family="glm4_moe") if c["replay"] == "r3" else c
            for c in every_value_and_both_masks()]
 CI_RUNS[-1] = dict(CI_RUNS[-1], replay="r3", family="gpt_oss")
 CI_RUNS.append(dict(CI_RUNS[1], family="minimax_m2"))   # its q/k norm over all heads
+# megatron's loop over the experts (every other run: the grouped experts, the default) on the
+# tiny GLM-4.5 and gpt-oss (shared experts; expert biases and the clamped SwiGLU)
+CI_RUNS += [dict(CI_RUNS[0], family="glm4_moe", experts="sequential"),
+            dict(CI_RUNS[-2], experts="sequential")]
 # R2 (the trainer replays the routing of its own pi_old pass) on the same two families, on the
 # reference engine (`make test-slow`; on the real SGLang: tests/loop/test_sglang.py)
 FAMILY_R2 = [dict(c, replay="r2") for c in CI_RUNS if c.get("family")]

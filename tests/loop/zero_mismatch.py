@@ -111,6 +111,8 @@ def overrides(combo: dict) -> list[str]:
                 "data.reward=graded_reward:score"]
     if combo.get("mini_batches"):   # the later mini-batches' ratio is live
         out.append(f"trainer.mini_batches={combo['mini_batches']}")
+    if combo.get("experts"):   # the default (auto) takes the grouped experts on CPU
+        out.append(f"trainer.experts={combo['experts']}")
     return out
 
 

@@ -3,7 +3,8 @@ and back, over gloo processes: every tensor of the state (weights, Adam's moment
 exactly, and Adam's step count with it (multiproc); for Qwen3-MoE, for GLM-4.5 (attention
 biases, shared experts beside the split ones, the expert bias, a dense first layer) and for
 gpt-oss (sinks, the router's bias, each expert's biases split with it) and for MiniMax-M2
-(the q/k norms over all heads)."""
+(the q/k norms over all heads); the one-rank leg computes its experts in megatron's loop and
+the others in grouped GEMMs, so the checkpoint crosses expert paths too."""
 import os
 
 import pytest
@@ -13,7 +14,7 @@ from tests.helpers import engine_samples, start_ranks, write_tiny_qwen
 from tests.hf_models import write_deepseek, write_gpt_oss, write_minimax_m2
 
 
-def _worker(rank, world, port, model_dir, base, load_from, save_to):
+def _worker(rank, world, port, model_dir, base, load_from, save_to, experts):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from moe_rl.config import config_from_dict
     from moe_rl.trainer.parallel import ParallelSizes, destroy, init_distributed, \
@@ -25,7 +26,7 @@ def _worker(rank, world, port, model_dir, base, load_from, save_to):
     cfg = config_from_dict({"model": {"path": model_dir},
                             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
                             "trainer": {"lr": 1e-2, "grad_clip": 0.0, "expert_parallel": world,
-                                        "ema_decay": 0.5},
+                                        "ema_decay": 0.5, "experts": experts},
                             "cluster": {"trainer_workers": world}})
     trainer = PolicyTrainer(cfg, model_dir)
     if load_from:
@@ -69,9 +70,11 @@ def test_ep2_dp2_checkpoint_loads_with_ep1_dp1_and_back(tmp_path, family):
     RolloutBatch(engine_samples(hf, n_groups=2, group_size=2, seed=42)).save(
         str(tmp_path / "samples.st"))
     args = (str(model_dir), str(tmp_path))
-    _run(2, *args, None, "ep2")      # trained and saved by 2 ranks, experts split in two
-    _run(1, *args, "ep2", "ep1")     # loaded by 1 rank holding every expert, saved again
-    _run(2, *args, "ep1", "ep2b")    # and back to 2 ranks
+    # trained and saved by 2 ranks (experts split in two, grouped GEMMs); loaded by 1 rank
+    # holding every expert (megatron's loop) and saved again; and back to 2 ranks
+    _run(2, *args, None, "ep2", "grouped")
+    _run(1, *args, "ep2", "ep1", "sequential")
+    _run(2, *args, "ep1", "ep2b", "grouped")
     first, single, back = (_plain(tmp_path / d) for d in ("ep2", "ep1", "ep2b"))
     keys = set(first)
     assert keys == set(single) == set(back)

@@ -2,6 +2,8 @@
 megatron-core's local kernel: equal within float32 rounding, forward and backward, on padded and
 packed (THD) rows, grouped-query heads and MLA's narrower value heads; every family's model
 built on it but gpt-oss (attention sinks, sliding windows), whose attention stays local."""
+import functools
+
 import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -13,7 +15,7 @@ from moe_rl.trainer.local_attention import PackedLocalAttention
 from moe_rl.trainer.local_mla import LocalMLACoreAttention
 from moe_rl.trainer.model_builder import build_model
 from moe_rl.trainer.parallel import init_distributed, init_model_parallel
-from moe_rl.trainer.sdpa_attention import SDPAttention, attention_unsupported
+from moe_rl.trainer.sdpa_attention import SDPAttention, attention_unsupported, varlen_kernel
 from moe_rl.weights.hf import load_hf_into_megatron
 from tests.trainer_runs import FAMILIES, logprobs_and_grads, three_samples, write_family
 
@@ -93,6 +95,85 @@ def test_packed_rows_equal_the_local_kernel_slot_by_slot():
     torch.testing.assert_close(got, want, **TOL)
     for a, b in zip(got_g, want_g):
         torch.testing.assert_close(a, b, **TOL)
+
+
+def _varlen_stand_in(signature: str):
+    """A variable-length attention with the installed torch's ``signature`` (torch's own runs
+    on CUDA only; this one attends slot by slot from the bounds it is given, so that what
+    moe_rl hands the kernel, not the kernel, is under test here)."""
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, enable_gqa=False, **causal):
+        assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+        assert max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+        assert causal in ({"window_size": (-1, 0)}, {"is_causal": True})
+        if signature == "old_no_gqa":
+            assert q.shape[1] == k.shape[1]   # the grouped heads were repeated for it
+        bounds = cu_q.tolist()
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, scale=scale,
+            enable_gqa=enable_gqa)[0].transpose(0, 1) for a, b in zip(bounds, bounds[1:])])
+    if signature == "new":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
+                        window_size=(-1, -1), enable_gqa=False):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                          enable_gqa=enable_gqa, window_size=window_size)
+    elif signature == "old":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
+                        is_causal=False, scale=None, enable_gqa=False):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                          enable_gqa=enable_gqa, is_causal=is_causal)
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
+                        is_causal=False, scale=None):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                          is_causal=is_causal)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("signature", ["new", "old", "old_no_gqa"])
+def test_packed_rows_go_to_the_variable_length_kernel_in_one_call(monkeypatch, signature):
+    """Where torch's variable-length attention runs (CUDA, 16-bit): one call for the whole
+    packed row with its padded bounds, the longest slot, the scale and the grouped heads,
+    through whichever causal switch the installed torch has (2.10's ``is_causal``, 2.13's
+    ``window_size``); equal to the slot-by-slot path. A torch without a known switch keeps
+    the slots."""
+    import types
+    calls = []
+    kernel = _varlen_stand_in(signature)
+
+    @functools.wraps(kernel)   # its signature is the one read
+    def counted(*a, **k):
+        calls.append(a[5])
+        return kernel(*a, **k)
+    monkeypatch.setitem(__import__("sys").modules, "torch.nn.attention.varlen",
+                        types.SimpleNamespace(varlen_attn=counted))
+    cfg = _config()
+    args = (cfg, 1, AttnMaskType.causal, "self")
+    fused = SDPAttention(*args)
+    assert fused._varlen is not None
+    monkeypatch.setattr(fused, "_varlen_fits", lambda q, v: True)
+    cu = torch.tensor([0, 3, 8, 12], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=5, max_seqlen_kv=5)
+    q, k, v = (t[:, 0] for t in _qkv(12, 1, 4, 2, 8, 8))
+    (want, got), (want_g, got_g) = _both(PackedLocalAttention(*args), fused, (q, k, v),
+                                         dict(attention_mask=None, packed_seq_params=params))
+    assert calls == [5]
+    torch.testing.assert_close(got, want, **TOL)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, **TOL)
+    monkeypatch.setitem(__import__("sys").modules, "torch.nn.attention.varlen",
+                        types.SimpleNamespace(varlen_attn=lambda q, k, v, cu, max_len: q))
+    assert varlen_kernel() is None
+
+
+def test_the_variable_length_kernel_takes_only_what_flash_attention_runs():
+    fused = SDPAttention(_config(), 1, AttnMaskType.causal, "self")
+    q = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    assert not fused._varlen_fits(q, q)   # on the CPU: slot by slot
+    if torch.cuda.is_available():
+        assert fused._varlen_fits(q.cuda(), q.cuda())
+        assert not fused._varlen_fits(q.float().cuda(), q.float().cuda())
+        assert not fused._varlen_fits(q.cuda(), q[..., :4].cuda())   # MLA's narrower values
 
 
 def test_mlas_narrower_values_and_its_softmax_scale():
