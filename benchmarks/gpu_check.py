@@ -281,6 +281,38 @@ def check_grouped_experts_cuda(path: str) -> dict:
             "worst_relative_grad_diff": worst, "host_syncs_per_moe_layer_e128": syncs}
 
 
+def check_varlen_attention() -> dict:
+    """A packed row (three slots) through torch's variable-length attention against the
+    slot-by-slot path, in bfloat16 on CUDA: outputs and gradients within bfloat16's rounding,
+    and the one call taken (a torch whose signature moe_rl does not know keeps the slots)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+    from moe_rl.trainer.sdpa_attention import SDPAttention
+    cfg = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=8,
+                            num_query_groups=2, kv_channels=64, attention_dropout=0.0,
+                            hidden_dropout=0.0, bf16=True, params_dtype=torch.bfloat16)
+    varlen, slots = (SDPAttention(cfg, 1, AttnMaskType.causal, "self") for _ in range(2))
+    slots._varlen = None
+    cu = torch.tensor([0, 300, 800, 1200], dtype=torch.int32, device="cuda")
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=500, max_seqlen_kv=500)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = [torch.randn(1200, h, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+           for h in (8, 2, 2)]
+    outs = []
+    for module in (varlen, slots):
+        args = [t.clone().requires_grad_() for t in qkv]
+        out = module(*args, None, packed_seq_params=params)
+        out.float().square().sum().backward()
+        outs.append([out.float()] + [a.grad.float() for a in args])
+    took = varlen._varlen is not None and varlen._varlen_fits(qkv[0], qkv[2])
+    worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+                for a, b in zip(*outs))
+    return {"status": "pass" if took and worst < 0.02 else "fail", "varlen_taken": took,
+            "worst_relative_diff": worst}
+
+
 def check_doctor() -> dict:
     """`moe-rl doctor` on this node for a one-node run on its GPUs (the reference engine) and
     for the same run with SGLang (it has to import in this environment)."""
@@ -607,6 +639,7 @@ def main() -> int:
                   "bf16_dist_opt_resume": lambda: check_dist_opt_resume(path),
                   "parallel_equivalence": lambda: check_parallel(path),
                   "grouped_experts_cuda": lambda: check_grouped_experts_cuda(path),
+                  "varlen_attention_cuda": check_varlen_attention,
                   # the matrix: expert path x shape (the loop, megatron's SequentialMLP, is the
                   # 1.7 % MFU of 2026-12-03; grouped GEMMs, torch._grouped_mm)
                   "trainer_throughput_bf16": lambda: check_trainer_throughput(

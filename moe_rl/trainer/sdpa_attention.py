@@ -11,7 +11,8 @@ query/key heads (the output follows the values), and packed (THD) rows, each slo
 its own: in one call of torch's variable-length attention where it runs
 (``torch.nn.attention.varlen.varlen_attn``: CUDA, 16-bit, equal head sizes; :func:`varlen_kernel`
 reads the installed torch's signature), slot by slot otherwise. torch picks the kernel:
-FlashAttention or memory-efficient attention on a GPU, its fused CPU kernel here. Equal to the local kernel within float32 rounding
+FlashAttention or memory-efficient attention on a GPU, its fused CPU kernel here. Equal to the
+local kernel within float32 rounding
 (``tests/trainer/test_sdpa_attention.py``).
 
 Where the local kernel stays (:func:`attention_unsupported`): attention sinks (gpt-oss's
