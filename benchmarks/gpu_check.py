@@ -148,16 +148,19 @@ def training_flops_per_token(hf: dict, seq_len: int) -> float:
 
 def measure_trainer_throughput(hf: dict, dtype: torch.dtype, *, seq_len: int, micro_batch: int,
                                steps: int, response_len: int | None = None,
-                               profile: bool = False, experts: str = "auto") -> dict:
+                               profile: bool = False, experts: str = "auto",
+                               fast: bool = True) -> dict:
     """Tokens/s of the trainer's forward (moe_rl.trainer.forward, megatron GPTModel + the
     log-prob kernel) and backward on random-initialised weights, ``steps`` timed after one
     warm-up; the optimizer step is not included. ``profile``: also the ten kernels that take
-    the most GPU time in one more step (torch.profiler). ``experts``: trainer.experts."""
+    the most GPU time in one more step (torch.profiler). ``experts``: trainer.experts;
+    ``fast``: False keeps megatron's local attention and dispatcher (the 2026-12-03 baseline)."""
     from moe_rl.trainer.packing import pack_one
     from moe_rl.trainer import model_builder
     from moe_rl.trainer.forward import forward_logprobs
     from moe_rl.rollout_record import Sample
-    model, spec = model_builder.build_model(hf, dtype=dtype, experts=experts)
+    model, spec = model_builder.build_model(hf, dtype=dtype, experts=experts, sdpa=fast,
+                                            sort_dispatch=fast)
     model.train()
     response_len = response_len or seq_len // 2
     g = torch.Generator().manual_seed(0)
@@ -216,7 +219,7 @@ def _profile_step(step) -> list:
 
 def check_trainer_throughput(dtype_name: str, layers: int | None = None,
                              micro_batch: int = 2, profile: bool = False,
-                             experts: str = "auto") -> dict:
+                             experts: str = "auto", fast: bool = True) -> dict:
     """The trainer's tokens/s and MFU on a Qwen3-30B-A3B-shaped model: by default the most
     layers whose weights and gradients take at most 45% of this GPU's memory (the rest holds
     the activations of 2 x 2048 tokens under megatron's local, unfused attention)."""
@@ -230,7 +233,7 @@ def check_trainer_throughput(dtype_name: str, layers: int | None = None,
     try:
         out = measure_trainer_throughput(dict(QWEN3_30B_A3B, num_hidden_layers=layers), dtype,
                                          seq_len=2048, micro_batch=micro_batch, steps=3,
-                                         profile=profile, experts=experts)
+                                         profile=profile, experts=experts, fast=fast)
     finally:
         gc.collect()
         torch.cuda.empty_cache()
@@ -595,12 +598,14 @@ def write_report(report: dict) -> None:
     if runs:
         lines += ["", "## Trainer throughput (forward + backward, Qwen3-30B-A3B layer shape, "
                   "random weights, megatron local spec)", "",
-                  "| run | experts | dtype | layers | params total / active (B) | tokens a step "
-                  "| s/step | tokens/s | TFLOP/s | MFU | peak GiB |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| run | experts | attention | dispatch | dtype | layers | params total / "
+                  "active (B) | tokens a step | s/step | tokens/s | TFLOP/s | MFU | peak GiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for k, v in runs.items():
             mfu = f"{100 * v['mfu']:.1f}%" if v.get("mfu") else "n/a"
-            lines.append(f"| {k} | {v.get('experts', 'sequential')} | {v['dtype']} | "
+            lines.append(f"| {k} | {v.get('experts', 'sequential')} | "
+                         f"{v.get('attention', 'local')} | {v.get('dispatch', 'megatron')} | "
+                         f"{v['dtype']} | "
                          f"{v['layers']} | {v['params_total_b']:.1f} / "
                          f"{v['params_active_b']:.2f} | {v['seq_len'] * v['micro_batch']} | "
                          f"{v['s_per_step']:.2f} | {v['tokens_per_s']:.0f} | "
@@ -640,12 +645,16 @@ def main() -> int:
                   "parallel_equivalence": lambda: check_parallel(path),
                   "grouped_experts_cuda": lambda: check_grouped_experts_cuda(path),
                   "varlen_attention_cuda": check_varlen_attention,
-                  # the matrix: expert path x shape (the loop, megatron's SequentialMLP, is the
-                  # 1.7 % MFU of 2026-12-03; grouped GEMMs, torch._grouped_mm)
+                  # the matrix: expert path x attention and dispatch x shape (the loop,
+                  # megatron's SequentialMLP, local attention and dispatcher: the 1.7 % MFU
+                  # of 2026-12-03; grouped GEMMs, torch._grouped_mm, SDPA, dispatch by sort)
                   "trainer_throughput_bf16": lambda: check_trainer_throughput(
                       "bfloat16", profile=True, experts="grouped"),
+                  "trainer_throughput_bf16_grouped_local_attention":
+                      lambda: check_trainer_throughput("bfloat16", experts="grouped",
+                                                       fast=False),
                   "trainer_throughput_bf16_loop": lambda: check_trainer_throughput(
-                      "bfloat16", experts="sequential"),
+                      "bfloat16", experts="sequential", fast=False),
                   "trainer_throughput_fp16": lambda: check_trainer_throughput(
                       "float16", experts="grouped"),
                   # 4x the tokens a step on 8 layers
@@ -653,7 +662,7 @@ def main() -> int:
                       "bfloat16", layers=8, micro_batch=8, experts="grouped"),
                   "trainer_throughput_bf16_8_layers_16k_tokens_loop":
                       lambda: check_trainer_throughput("bfloat16", layers=8, micro_batch=8,
-                                                       experts="sequential"),
+                                                       experts="sequential", fast=False),
                   "nccl_weight_sync": check_nccl_sync,
                   "tensor_sync_unopened_freed": check_unopened_shares_freed}
         for name, fn in checks.items():

@@ -113,7 +113,7 @@ def te_permute_fusion() -> bool:
     return tuple(int(x) for x in re.findall(r"\d+", te)[:2]) >= TE_PERMUTE_FUSION
 
 
-def layer_spec(config) -> tuple[object, tuple[str, str]]:
+def layer_spec(config, sdpa: bool = True) -> tuple[object, tuple[str, str]]:
     """Per-layer decoder block spec (dense and MoE layers as ``moe_layer_freq`` says): Transformer
     Engine modules when TE is importable and CUDA present, local modules otherwise; MLA without
     query LoRA with the checkpoint's query projection (:mod:`moe_rl.trainer.mla_query`). With the
@@ -125,7 +125,7 @@ def layer_spec(config) -> tuple[object, tuple[str, str]]:
                                              normalization="RMSNorm")
     attention = ("te", "Transformer Engine's fused attention")
     if not use_te:
-        attention = use_local_attention(block, config)
+        attention = use_local_attention(block, config, sdpa)
     if config.multi_latent_attention and config.q_lora_rank is None:
         use_hf_query_projection(block)
     return block, attention
@@ -162,16 +162,17 @@ def mla_packing_warning(config, packed: bool) -> str | None:
             f"megatron-core >= 0.17 (Python 3.12)")
 
 
-def use_local_attention(block, config) -> tuple[str, str]:
+def use_local_attention(block, config, sdpa: bool = True) -> tuple[str, str]:
     """A local-spec decoder block ``block`` of megatron-core ``config``: core attention through
-    torch's fused kernel (:mod:`moe_rl.trainer.sdpa_attention`) where it fits, else megatron's
+    torch's fused kernel (:mod:`moe_rl.trainer.sdpa_attention`) where it fits (and ``sdpa``;
+    False keeps the local kernel, for comparisons), else megatron's
     local kernel that also takes packed (THD) rows (:mod:`moe_rl.trainer.local_attention`;
     MLA's: :mod:`moe_rl.trainer.local_mla`) (in place). Returns (path, why)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from moe_rl.trainer.local_attention import PackedLocalAttention
     from moe_rl.trainer.local_mla import LocalMLACoreAttention, use_local_mla
     from moe_rl.trainer.sdpa_attention import SDPAttention, attention_unsupported
-    why = attention_unsupported(config)
+    why = attention_unsupported(config) if sdpa else "sdpa=False, for comparison"
     mla = config.multi_latent_attention
     if mla:
         use_local_mla(block)
@@ -205,11 +206,12 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                 dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                 recompute: bool = False, pre_process: bool = True, post_process: bool = True,
                 expert_bias_update_rate: float = 0.0, experts: str = "auto",
-                sort_dispatch: bool = True):
+                sort_dispatch: bool = True, sdpa: bool = True):
     """Build the megatron GPTModel for ``hf_config`` (needs the parallel state initialised),
     its experts on the path ``experts`` chooses (``trainer.experts``: :mod:`.expert_path`),
     its tokens dispatched by sort where every expert is local (``sort_dispatch``:
-    :mod:`.sort_dispatcher`; False keeps megatron's dispatcher, for comparisons); the model's
+    :mod:`.sort_dispatcher`; False keeps megatron's dispatcher, for comparisons), its attention
+    through torch's SDPA where it fits (``sdpa``; False: megatron's local kernel); the model's
     ``expert_path``, ``attention_path`` and ``dispatch_path`` say which ran and why.
 
     Clears megatron's global RouterReplay registry first, so the replay controller of this
@@ -232,7 +234,7 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
     if expert_path[0] == "te_grouped":   # TE's spec then builds TEGroupedMLP
         config = dataclasses.replace(config, moe_grouped_gemm=True,
                                      moe_permute_fusion=te_permute_fusion())
-    block, attention_path = layer_spec(config)
+    block, attention_path = layer_spec(config, sdpa)
     if expert_path[0] == "grouped":
         from moe_rl.trainer.grouped_experts import use_grouped_experts
         if not use_grouped_experts(block) and any(

@@ -187,7 +187,7 @@ def test_with_transformer_engine_auto_builds_te_grouped_experts(tmp_path, monkey
     class Built(Exception):
         pass
 
-    def spec_of(config):
+    def spec_of(config, sdpa=True):
         seen.append(config)
         raise Built
     monkeypatch.setattr(builder, "layer_spec", spec_of)

@@ -176,6 +176,13 @@ def test_the_variable_length_kernel_takes_only_what_flash_attention_runs():
         assert not fused._varlen_fits(q.cuda(), q[..., :4].cuda())   # MLA's narrower values
 
 
+def test_sdpa_false_keeps_the_local_kernel_for_comparisons(tmp_path):
+    model, _ = build_model(write_family("qwen3_moe", tmp_path), sdpa=False)
+    assert model.attention_path[0] == "local" and "sdpa=False" in model.attention_path[1]
+    assert not any(isinstance(m, SDPAttention) for m in model.modules())
+    assert any(isinstance(m, PackedLocalAttention) for m in model.modules())
+
+
 def test_mlas_narrower_values_and_its_softmax_scale():
     """MLA: query/key heads of 24, values of 16, the scale MLA passes (YaRN's mscale)."""
     cfg = _config(heads=4, groups=4, dim=24)
