@@ -32,16 +32,6 @@ def served_checkpoint(cfg, path: str, work_dir: str | None = None) -> str:
                                 else os.path.join(path, "fp8"))
 
 
-def check_served_version(served: list[str], started: set[str], version: int, step: int) -> None:
-    """Every server must report weight ``version`` (before the first sync, a version a server
-    started with counts as 0); else RuntimeError: a weight update that did not land where the
-    loop expects it stops the run instead of training on samples of other weights."""
-    fine = [v == str(version) or (version == 0 and v in started) for v in served]
-    if not all(fine):
-        raise RuntimeError(f"rollout: step {step}'s batch is to be generated from weight "
-                           f"version {version}, but the engine servers report {served}")
-
-
 @ray.remote(concurrency_groups={"status": 1})
 class RolloutWorker:
     """Starts the engine servers (CPU reference engine or SGLang) and serves the loop's rollout
@@ -75,7 +65,7 @@ class RolloutWorker:
         self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
         self.inputs = load_run_inputs(cfg, training)   # tokenizer, prompts, reward function
         self.eval_scorer = None   # eval.reward (made at the first evaluation)
-        self.started_versions = set(self.engine.weight_versions())   # version 0, unsynced
+        self.served.record_start(self.engine.weight_versions())   # version 0, unsynced
         self.partial = None   # rollout.partial: the responses in flight between steps
         if r.partial and training:
             from moe_rl.rollout.partial import partial_rollout
@@ -104,8 +94,8 @@ class RolloutWorker:
 
     def _check_serving(self, version: int, step: int) -> None:
         """The pipeline's invariant, checked before a batch is generated (see
-        :func:`check_served_version`)."""
-        check_served_version(self.engine.weight_versions(), self.started_versions, version, step)
+        :meth:`ServedWeights.check_serving`)."""
+        self.served.check_serving(self.engine.weight_versions(), version, step)
 
     def collect(self, indices: list[int], step: int, version: int, seed: int, shards: int,
                 extra: list[int] = ()) -> tuple:

@@ -111,16 +111,15 @@ class TrainerSenders:
 
 class WeightSync:
     """Brings every engine server to the trainer's weights after each update, and alone holds
-    the weight state: :attr:`version` (what the engines serve once the last sync is
-    confirmed), whether the transport must be reopened, :attr:`recoveries` and the weight
-    check (:attr:`check`, ``rollout.weight_check``)."""
+    the driver's weight state: whether the transport must be reopened, :attr:`recoveries` and
+    the weight check (:attr:`check`, ``rollout.weight_check``); what the engines serve is the
+    rollout side's record (:class:`moe_rl.rollout.served.ServedWeights`)."""
 
     def __init__(self, cfg: Config, plan, trainers, rollout, weights_dir: str):
         self.cfg, self.rollout = cfg, rollout
         self.disk = DiskExport(trainers, rollout, weights_dir)
         self.transport = (self.disk if cfg.cluster.weight_sync == "disk"
                           else TrainerSenders(plan, trainers, rollout, weights_dir))
-        self.version = 0
         self.reopen = False   # the transport is broken: a sync failed midway
         self.recoveries = 0
         self.check = None     # the WeightCheck, once the run has one
@@ -178,7 +177,6 @@ class WeightSync:
         refs, version = self._pending
         self._pending = None
         ray.get(refs)
-        self.version = version
         self.verify(version)
         self.disk.drop_older(version)
 

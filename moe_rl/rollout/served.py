@@ -1,6 +1,7 @@
 """What the engine servers serve, on the rollout side (:class:`ServedWeights`): the weight
-version, the last checkpoint they loaded from disk, the servers restarted since the last sync,
-and how one restarted server is restored. The driver's :class:`moe_rl.orchestration.weight_sync.
+version, the versions they reported at start, the last checkpoint they loaded from disk, the
+servers restarted since the last sync, how one restarted server is restored, and the check
+that they serve the version a batch is to be generated from. The driver's :class:`moe_rl.orchestration.weight_sync.
 WeightSync` reads it once per sync; nothing else on the rollout side tracks weights."""
 from __future__ import annotations
 
@@ -23,6 +24,22 @@ class ServedWeights:
         self.checkpoint: str | None = None   # the last checkpoint loaded from disk
         self.restarted: list[str] = []     # servers restarted since the last sync
         self.trainer_export: TrainerExport | None = None
+        self.started: set[str] = set()     # the versions the servers reported at start
+
+    def record_start(self, versions: list[str]) -> None:
+        """The versions the servers report before any sync (SGLang: "default"): they count as
+        version 0."""
+        self.started = set(versions)
+
+    def check_serving(self, served: list[str], version: int, step: int) -> None:
+        """Every server must report weight ``version`` (``served``: what each reports; before
+        the first sync, a version a server started with counts as 0); else RuntimeError: a
+        weight update that did not land where the loop expects it stops the run instead of
+        training on samples of other weights."""
+        fine = [v == str(version) or (version == 0 and v in self.started) for v in served]
+        if not all(fine):
+            raise RuntimeError(f"rollout: step {step}'s batch is to be generated from weight "
+                               f"version {version}, but the engine servers report {served}")
 
     def loaded(self, checkpoint: str, version: int) -> None:
         """Every server loaded ``checkpoint`` as ``version``."""

@@ -184,18 +184,3 @@ def test_train_with_dynamic_sampling_through_the_loop(tmp_path):
         assert r["rollout/filled_groups"] <= 4
     assert sum(r["rollout/dropped_groups"] for r in rows) > 0   # a 2-step warm start: many
     # groups are all-zero
-
-
-def test_a_batch_is_generated_only_from_the_version_it_was_launched_with():
-    """The pipeline's invariant as a check (RolloutWorker._check_serving): every server must
-    report the expected weight version; before the first sync the starting version counts as
-    0. Any other answer stops the run naming the step and what the servers report."""
-    from moe_rl.orchestration.rollout_worker import check_served_version
-    check_served_version(["default", "default"], {"default"}, 0, 0)   # SGLang, never synced
-    check_served_version(["0", "0"], {"default"}, 0, 0)               # after the warm start
-    check_served_version(["3", "3"], {"default"}, 3, 4)               # one step stale, k >= 1
-    with pytest.raises(RuntimeError, match=r"step 4's batch is to be generated from weight "
-                                           r"version 4, but the engine servers report \['4', '3'\]"):
-        check_served_version(["4", "3"], {"0"}, 4, 4)                 # one server missed it
-    with pytest.raises(RuntimeError, match="version 2"):
-        check_served_version(["0"], {"0"}, 2, 2)   # a restarted server back at the start

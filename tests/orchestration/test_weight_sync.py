@@ -213,13 +213,14 @@ def test_the_drivers_in_memory_sync_is_one_call_to_the_trainers(monkeypatch, cap
     cfg = types.SimpleNamespace(cluster=types.SimpleNamespace(weight_sync="distributed"))
     plan = types.SimpleNamespace(tensor_sources=None)
     sync = weight_sync.WeightSync(cfg, plan, trainers, rollout, "/nonexistent")
-    monkeypatch.setattr(sync.disk, "drop_older", lambda v: None)
+    confirmed = []   # each confirmed sync drops the exports older than its version
+    monkeypatch.setattr(sync.disk, "drop_older", confirmed.append)
     assert calls == [("urls", ()), ("connect", (["u0", "u1"], None)),
                      ("set_weight_source", (["a0"], "/nonexistent"))]
     del calls[:]
     sync.sync(1)
     assert calls == [("served_state", ()), ("send_weights", (1, False)), ("mark_served", (1,))]
-    assert sync.version == 1
+    assert confirmed == [1]
     restarted[0] = ["u1"]   # a server restarted since
     del calls[:]
     capsys.readouterr()
@@ -234,7 +235,7 @@ def test_the_drivers_in_memory_sync_is_one_call_to_the_trainers(monkeypatch, cap
     sync.sync(3)
     assert [c[0] for c in calls] == ["served_state", "send_weights", "served_state", "abort",
                                      "export", "update_weights"]
-    assert sync.recoveries == 1 and sync.version == 3
+    assert sync.recoveries == 1 and confirmed[-1] == 3
     failing[0] = False
     del calls[:]
     sync.sync(4)
@@ -244,8 +245,8 @@ def test_the_drivers_in_memory_sync_is_one_call_to_the_trainers(monkeypatch, cap
 def test_the_disk_sync_queues_the_read_and_the_load_and_confirms_them_later(monkeypatch,
                                                                            tmp_path):
     """Disk sync in the asynchronous pipeline: export, then the rollout side's read and the
-    load queued (not awaited); the next sync (or wait) confirms them, sets the served
-    version and drops the older exports, only those this run marked."""
+    load queued (not awaited); the next sync (or wait) confirms them and drops the older
+    exports, only those this run marked."""
     import types
     import ray
     from moe_rl.orchestration import weight_sync
@@ -259,13 +260,15 @@ def test_the_disk_sync_queues_the_read_and_the_load_and_confirms_them_later(monk
     cfg = types.SimpleNamespace(cluster=types.SimpleNamespace(weight_sync="disk"))
     (tmp_path / "users").mkdir()
     sync = weight_sync.WeightSync(cfg, None, trainers, rollout, str(tmp_path))
+    confirmed, drop = [], sync.disk.drop_older   # each confirmed sync drops the older exports
+    monkeypatch.setattr(sync.disk, "drop_older", lambda v: confirmed.append(v) or drop(v))
     sync.sync(1, wait=False)
     assert calls == [("served_state", ()), ("update_weights", (str(tmp_path / "v1"), 1))]
-    assert got == [] and sync.version == 0   # queued, unconfirmed
+    assert got == [] and confirmed == []   # queued, unconfirmed
     sync.sync(2, wait=False)
-    assert got == [["served_state", "update_weights"]] and sync.version == 1
+    assert got == [["served_state", "update_weights"]] and confirmed == [1]
     sync.wait()
-    assert sync.version == 2
+    assert confirmed == [1, 2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["users", "v2"]
 
 
