@@ -13,7 +13,9 @@ module per family, found by the HF ``config.json``'s ``model_type``:
 A family whose runs cannot take every option refuses them in an optional
 ``check_config(cfg, hf)``, run when the configuration is loaded.
 
-A new family is one module here and one line in :data:`FAMILIES`. A checkpoint of a family's
+A new family is one module here and one line in :data:`FAMILIES`; what it leaves out it takes
+from :mod:`moe_rl.families.defaults` (so a new trait or hook edits that module and the
+families that differ, not every family). A checkpoint of a family's
 layout under its own ``model_type`` (Kimi-K2's ``kimi_k2``, DeepSeek-V3's code shipped beside
 it) is one name in its module's ``OTHER_MODEL_TYPES``: transformers then builds it by the
 family's own type (:func:`transformers_config`)."""
@@ -52,11 +54,21 @@ class TinyFamily(Family, Protocol):
     def tiny_hf_config(self, transformers, common: dict, fields: dict, init): ...
 
 
+def with_defaults(module):
+    """Family ``module`` with every name of :data:`moe_rl.families.defaults.DEFAULTS` it does
+    not define taken from there (in place); returns it."""
+    from moe_rl.families import defaults
+    for name in defaults.DEFAULTS:
+        if not hasattr(module, name):
+            setattr(module, name, getattr(defaults, name))
+    return module
+
+
 from moe_rl.families import (deepseek_v3, glm4_moe, gpt_oss, minimax_m2, mixtral,  # noqa: E402
                              qwen3_moe)
 
 FAMILIES: dict[str, Family] = {
-    t: m for m in (qwen3_moe, mixtral, deepseek_v3, glm4_moe, gpt_oss, minimax_m2)
+    t: with_defaults(m) for m in (qwen3_moe, mixtral, deepseek_v3, glm4_moe, gpt_oss, minimax_m2)
     for t in (m.MODEL_TYPE, *getattr(m, "OTHER_MODEL_TYPES", ()))}
 SUPPORTED = tuple(FAMILIES)
 TINY_FAMILIES = tuple(t for t, m in FAMILIES.items()   # `moe-rl init-model` builds

@@ -12,8 +12,6 @@ from moe_rl.families.sigmoid_router import (check_tiny_router, shared_expert_nam
 MODEL_TYPE = "deepseek_v3"
 OTHER_MODEL_TYPES = ("kimi_k2",)   # Kimi-K2: DeepseekV3ForCausalLM, 384 experts, one group, YaRN
 MULTI_LATENT_ATTENTION = True
-ATTENTION_SINKS = False
-QK_NORM_ACROSS_HEADS = False
 TINY = True
 HF_ROUTER = "mlp.gate"
 

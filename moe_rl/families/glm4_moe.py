@@ -9,17 +9,11 @@ from __future__ import annotations
 
 from moe_rl.errors import ConfigError
 from moe_rl.families.names import gated_mlp_expert_names
-# as Qwen3-MoE: each tensor loaded alone; head_dim, expert width from config.json
-from moe_rl.families.qwen3_moe import (engine_fused_key, fp8_head_dim,  # noqa: F401
-                                       fp8_moe_intermediate)
 from moe_rl.families.rope import check_tiny_partial_rotary, gpt_rotary
 from moe_rl.families.sigmoid_router import (ROUTER_INIT_FIELDS, check_tiny_router,
                                             shared_expert_names, sigmoid_router_settings)
 
 MODEL_TYPE = "glm4_moe"
-MULTI_LATENT_ATTENTION = False
-ATTENTION_SINKS = False
-QK_NORM_ACROSS_HEADS = False
 TINY = True
 HF_ROUTER = "mlp.gate"
 

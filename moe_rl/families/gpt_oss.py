@@ -17,9 +17,7 @@ from moe_rl.errors import ConfigError
 from moe_rl.families.rope import rope_table
 
 MODEL_TYPE = "gpt_oss"
-MULTI_LATENT_ATTENTION = False
 ATTENTION_SINKS = True
-QK_NORM_ACROSS_HEADS = False
 TINY = True
 HF_ROUTER = "mlp.router"
 
@@ -141,24 +139,6 @@ def hf_expert_names(prefix: str) -> dict:
             "linear_fc1.bias": ("rows:gate_up_bias", [x + "gate_up_proj_bias"]),
             "linear_fc2.weight": ("rows:down", [x + "down_proj"]),
             "linear_fc2.bias": ("rows:copy", [x + "down_proj_bias"])}
-
-
-def engine_fused_key(hf: dict, name: str) -> str | None:
-    """Each stacked tensor is loaded whole (the name table keeps a stacked tensor's rows in one
-    bucket); nothing else waits for another tensor."""
-    return None
-
-
-def fp8_head_dim(hf: dict, heads: int) -> int | None:
-    return int(hf.get("head_dim") or hf["hidden_size"] // heads)
-
-
-def fp8_moe_intermediate(hf: dict) -> int:
-    return int(hf.get("intermediate_size") or 0)
-
-
-def fp8_dense_mlp(hf: dict, experts: int) -> bool:
-    return False
 
 
 def tiny_init_fields(fields: dict, sections: dict) -> dict:

@@ -12,16 +12,10 @@ from __future__ import annotations
 
 from moe_rl.errors import ConfigError
 from moe_rl.families.names import gated_mlp_expert_names
-# as gpt-oss: each tensor loaded alone, head_dim and the expert width (intermediate_size) from
-# config.json, every layer MoE
-from moe_rl.families.gpt_oss import (engine_fused_key, fp8_dense_mlp, fp8_head_dim,  # noqa: F401
-                                     fp8_moe_intermediate)
 from moe_rl.families.rope import check_tiny_partial_rotary, gpt_rotary
 from moe_rl.families.sigmoid_router import sigmoid_router_settings
 
 MODEL_TYPE = "minimax_m2"
-MULTI_LATENT_ATTENTION = False
-ATTENTION_SINKS = False
 QK_NORM_ACROSS_HEADS = True
 TINY = True
 HF_ROUTER = "block_sparse_moe.gate"

@@ -6,10 +6,6 @@ from moe_rl.families.names import gated_mlp_expert_names
 from moe_rl.families.rope import gpt_rotary
 
 MODEL_TYPE = "mixtral"
-MULTI_LATENT_ATTENTION = False
-ATTENTION_SINKS = False
-QK_NORM_ACROSS_HEADS = False
-TINY = False
 HF_ROUTER = "block_sparse_moe.gate"
 
 
@@ -23,27 +19,9 @@ def rotary(hf: dict) -> dict:
     return gpt_rotary(hf)
 
 
-def hf_attention_names(prefix: str) -> dict:
-    return {}
-
-
 def hf_expert_names(prefix: str) -> dict:
     return gated_mlp_expert_names(prefix, "block_sparse_moe", "w1", "w3", "w2")
 
 
-def engine_fused_key(hf: dict, name: str) -> str | None:
-    """SGLang loads each of this family's tensors on its own (none waits for another in the
-    same update call)."""
-    return None
-
-
 def fp8_head_dim(hf: dict, heads: int) -> int | None:
     return int(hf["hidden_size"] // heads)   # SGLang's rule for Mixtral
-
-
-def fp8_moe_intermediate(hf: dict) -> int:
-    return int(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0)
-
-
-def fp8_dense_mlp(hf: dict, experts: int) -> bool:
-    return False

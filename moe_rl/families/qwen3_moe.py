@@ -8,9 +8,6 @@ from moe_rl.families.names import gated_mlp_expert_names
 from moe_rl.families.rope import gpt_rotary
 
 MODEL_TYPE = "qwen3_moe"
-MULTI_LATENT_ATTENTION = False
-ATTENTION_SINKS = False
-QK_NORM_ACROSS_HEADS = False
 TINY = True
 HF_ROUTER = "mlp.gate"
 
@@ -31,28 +28,8 @@ def rotary(hf: dict) -> dict:
     return gpt_rotary(hf)
 
 
-def hf_attention_names(prefix: str) -> dict:
-    """Rows of the megatron -> HF name table beyond the shared attention ones."""
-    return {}
-
-
 def hf_expert_names(prefix: str) -> dict:
     return gated_mlp_expert_names(prefix)
-
-
-def engine_fused_key(hf: dict, name: str) -> str | None:
-    """SGLang loads each of this family's tensors on its own (none waits for another in the
-    same update call)."""
-    return None
-
-
-def fp8_head_dim(hf: dict, heads: int) -> int | None:
-    """The head dimension of the merged QKV projection SGLang's FP8 loader checks."""
-    return int(hf.get("head_dim") or hf["hidden_size"] // heads)
-
-
-def fp8_moe_intermediate(hf: dict) -> int:
-    return int(hf.get("moe_intermediate_size") or 0)
 
 
 def fp8_dense_mlp(hf: dict, experts: int) -> bool:

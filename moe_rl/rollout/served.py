@@ -1,8 +1,9 @@
 """What the engine servers serve, on the rollout side (:class:`ServedWeights`): the weight
 version, the versions they reported at start, the last checkpoint they loaded from disk, the
 servers restarted since the last sync, how one restarted server is restored, and the check
-that they serve the version a batch is to be generated from. The driver's :class:`moe_rl.orchestration.weight_sync.
-WeightSync` reads it once per sync; nothing else on the rollout side tracks weights."""
+that they serve the version a batch is to be generated from. The driver's
+:class:`moe_rl.orchestration.weight_sync.WeightSync` reads it once per sync; nothing else on
+the rollout side tracks weights."""
 from __future__ import annotations
 
 from typing import Callable

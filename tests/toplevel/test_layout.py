@@ -214,6 +214,29 @@ def test_every_family_module_satisfies_the_family_protocol():
     assert not isinstance(partial, Family)
 
 
+def test_a_family_says_only_where_it_differs_from_the_defaults():
+    """A family module holds only what it changes: a module of the required names alone takes
+    every default (and is a Family), and no family module restates a default's value (a new
+    trait then edits moe_rl/families/defaults.py and the families that differ)."""
+    import types
+    from moe_rl.families import Family, defaults, with_defaults
+    bare = types.ModuleType("bare")
+    bare.__dict__.update(MODEL_TYPE="bare", HF_ROUTER="mlp.gate",
+                         megatron_settings=lambda spec, sizes, rate: {},
+                         rotary=lambda hf: {}, hf_expert_names=lambda prefix: {})
+    assert not isinstance(bare, Family)
+    assert isinstance(with_defaults(bare), Family) and bare.TINY is False
+    assert bare.fp8_moe_intermediate({"intermediate_size": 7}) == 7
+    restated = []
+    for path in (ROOT / "families").glob("*.py"):
+        if path.name in ("defaults.py", "__init__.py"):
+            continue
+        for name in ("MULTI_LATENT_ATTENTION", "ATTENTION_SINKS", "QK_NORM_ACROSS_HEADS", "TINY"):
+            if re.search(rf"^{name} = {getattr(defaults, name)!r}$", path.read_text(), re.M):
+                restated.append(f"{path.name}: {name}")
+    assert restated == []
+
+
 def test_an_engine_kind_is_one_object_and_the_driver_never_speaks_to_engines_for_weights():
     """Each ``rollout.engine`` value is one EngineKind (its package's ``KIND``), complete (no
     abstract method left); the orchestration builds no receiver or sender itself: the trainer
