@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moe_rl.orchestration.run_inputs import inputs_summary, load_run_inputs, unknown_characters
+from moe_rl.data.prompt_rules import unknown_characters
+from moe_rl.orchestration.run_inputs import inputs_summary, load_run_inputs
 from moe_rl.config import Config, ConfigError, dump_config, iter_keys, load_config
 from moe_rl.config.checks import config_warnings
 
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     if not args.no_inputs:   # on stderr: stdout stays the YAML alone
         inputs = load_run_inputs(cfg)
-        warning = unknown_characters(inputs)
+        warning = unknown_characters(inputs.tokenizer, inputs.prompt_sets())
         if warning:
             print(warning, file=sys.stderr)
         print(inputs_summary(cfg, inputs), file=sys.stderr)

@@ -8,7 +8,8 @@ import shlex
 from moe_rl.config import iter_keys, load_config
 from moe_rl.config.checks import config_warnings
 from moe_rl.errors import UserError
-from moe_rl.orchestration.run_inputs import load_run_inputs, unknown_characters
+from moe_rl.data.prompt_rules import unknown_characters
+from moe_rl.orchestration.run_inputs import load_run_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     inputs = load_run_inputs(cfg)
     from moe_rl.engines.factory import engine_kind
-    for warning in (unknown_characters(inputs), *config_warnings(cfg),
-                    *engine_kind(cfg).config_warnings()):
+    unreadable = unknown_characters(inputs.tokenizer, inputs.prompt_sets())
+    for warning in (unreadable, *config_warnings(cfg), *engine_kind(cfg).config_warnings()):
         if warning:
             print(warning, file=sys.stderr, flush=True)
     from moe_rl.orchestration.placement import make_plan
