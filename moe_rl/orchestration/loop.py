@@ -57,7 +57,8 @@ class StepLoop:
 
     def run(self) -> None:
         run, cfg = self.run_, self.cfg
-        if eval_due(cfg, run.start_step):   # a resumed run repeats the one its rows lost
+        # a resumed run repeats the evaluation its rows lost
+        if eval_due(cfg.eval, cfg.trainer.steps, run.start_step):
             run.evals.append(run_eval(run.rollout, run.logger, run.start_step))
         for step in range(run.start_step, cfg.trainer.steps):
             if run.stop.signum:
@@ -158,7 +159,8 @@ class StepLoop:
                                                        "sampler": self.pipeline.sampler_state()},
                                         cfg, run.checkpoints, step + 1)
             self.last_save = time.monotonic()
-        if eval_due(cfg, step + 1) and not run.stop.signum:   # after the sync it names
+        # after the sync it names
+        if eval_due(cfg.eval, cfg.trainer.steps, step + 1) and not run.stop.signum:
             run.evals.append(run_eval(run.rollout, run.logger, step + 1))
         every = cfg.trainer.export_hf_interval
         if every and (step + 1) % every == 0:
@@ -216,11 +218,11 @@ class RolloutPipeline:
         while self.next_step < steps and self.next_step - version <= ahead:
             state = self.sampler.state_dict()
             indices = self.sampler.next_batch()
-            extra = extra_prompts(self.cfg, self.sampler, first=not self.started)
+            extra = extra_prompts(self.cfg.rollout, self.sampler, first=not self.started)
             self.started = True
             t = self.next_step
             refs = self.rollout.collect.options(num_returns=self.n_shards + 1).remote(
-                indices, t, version, step_seed(self.cfg, t), self.n_shards, extra)
+                indices, t, version, step_seed(self.cfg.trainer.seed, t), self.n_shards, extra)
             self.pending.append((t, state, refs))
             self.next_step += 1
 

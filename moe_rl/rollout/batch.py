@@ -8,21 +8,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from moe_rl.config import Config, set_name
+from moe_rl.config import Config, RolloutConfig, set_name
 from moe_rl.rollout.groups import build_groups, retraction_counts, reward_by_set
 
 
-def step_seed(cfg: Config, step: int) -> int:
-    """The sampling seed of step ``step``'s batch."""
-    return cfg.trainer.seed * 100_003 + step * 10_007
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of step ``step``'s batch in a run of ``trainer.seed`` = ``seed``."""
+    return seed * 100_003 + step * 10_007
 
 
-def extra_prompts(cfg: Config, sampler, first: bool) -> list[int]:
+def extra_prompts(r: RolloutConfig, sampler, first: bool) -> list[int]:
     """The prompts a step's batch may use beyond its ``prompts_per_step``: with dynamic
     sampling up to ``rollout.max_oversample`` (to replace groups whose rewards are all equal);
     with partial rollouts, on the first batch, ``partial_extra_groups`` (groups started ahead);
     else none. Drawn from ``sampler`` in whole batches (default cap: one batch)."""
-    r = cfg.rollout
     if not (r.dynamic_sampling or (r.partial and first)):
         return []
     cap = r.max_oversample if r.dynamic_sampling else r.partial_extra_groups

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from moe_rl.config import Config
+from moe_rl.config import Config, EvalConfig, RolloutConfig
 from moe_rl.engines.base import SamplingConfig
 
 METRICS = ("reward_mean", "pass@1", "response_len_mean", "truncated_frac")
@@ -22,16 +22,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def eval_ks(cfg: Config) -> list[int]:
+def eval_ks(e: EvalConfig) -> list[int]:
     """The k of the pass@k estimates besides pass@1: ``eval.pass_k``, else ``eval.n`` when n > 1."""
-    ks = cfg.eval.pass_k or ([cfg.eval.n] if cfg.eval.n > 1 else [])
+    ks = e.pass_k or ([e.n] if e.n > 1 else [])
     return sorted({k for k in ks if k != 1})
 
 
-def eval_sampling(cfg: Config) -> SamplingConfig:
+def eval_sampling(e: EvalConfig, r: RolloutConfig) -> SamplingConfig:
     """The evaluation's sampling: ``eval.*`` where set, else the rollout's (temperature 0:
     greedy)."""
-    e, r = cfg.eval, cfg.rollout
     return SamplingConfig(r.temperature if e.temperature is None else e.temperature,
                           r.top_p if e.top_p is None else e.top_p, r.top_k, r.min_p,
                           r.max_new_tokens if e.max_new_tokens is None else e.max_new_tokens)
@@ -60,7 +59,7 @@ def evaluate(cfg: Config, engine, tokenizer, eval_sets: list, scorer, seed: int)
     the ``eval/*`` metrics."""
     from moe_rl.rewards.functions import reward_items
     from moe_rl.rollout.trajectories import generate_samples
-    sampling, ks, n = eval_sampling(cfg), eval_ks(cfg), cfg.eval.n
+    sampling, ks, n = eval_sampling(cfg.eval, cfg.rollout), eval_ks(cfg.eval), cfg.eval.n
     out: dict[str, float] = {}
     for name, prompts in eval_sets:
         rewards: dict[int, list[float]] = {}
@@ -82,12 +81,11 @@ def evaluate(cfg: Config, engine, tokenizer, eval_sets: list, scorer, seed: int)
     return out
 
 
-def eval_due(cfg: Config, done: int) -> bool:
-    """Whether the policy after ``done`` updates is evaluated: before the first one with
-    ``eval.at_start``, every ``eval.interval`` updates, and after the last one."""
-    e = cfg.eval
+def eval_due(e: EvalConfig, steps: int, done: int) -> bool:
+    """Whether the policy after ``done`` of ``steps`` updates is evaluated: before the first
+    one with ``eval.at_start``, every ``eval.interval`` updates, and after the last one."""
     if not e.sets:
         return False
     if done == 0:
         return e.at_start
-    return done == cfg.trainer.steps or bool(e.interval and done % e.interval == 0)
+    return done == steps or bool(e.interval and done % e.interval == 0)

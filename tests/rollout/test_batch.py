@@ -25,14 +25,14 @@ def test_the_extra_prompts_follow_the_strategy(overrides, first, expected):
     sampler = PromptSampler(40, 4, seed=1)
     reference = PromptSampler(40, 4, seed=1)
     drawn = [i for _ in range(-(-expected // 4)) for i in reference.next_batch()][:expected]
-    assert extra_prompts(cfg, sampler, first) == drawn
+    assert extra_prompts(cfg.rollout, sampler, first) == drawn
     assert sampler.state_dict() == reference.state_dict()   # whole batches drawn
 
 
 def test_every_step_has_its_own_seed():
     cfg = load_config(CONFIG, [])
-    assert len({step_seed(cfg, t) for t in range(1000)}) == 1000
-    assert step_seed(load_config(CONFIG, ["trainer.seed=2"]), 0) != step_seed(cfg, 0)
+    assert len({step_seed(cfg.trainer.seed, t) for t in range(1000)}) == 1000
+    assert step_seed(load_config(CONFIG, ["trainer.seed=2"]).trainer.seed, 0) != step_seed(cfg.trainer.seed, 0)
 
 
 def test_the_summary_gives_the_rollout_metrics_and_whether_the_reward_failed_everywhere():

@@ -394,8 +394,8 @@ def test_sglang_is_started_with_every_flag_its_requests_need(replay, mask, pi_ol
                                           "pi_old": pi_old, "pi_old_passes": 2}})
     argv, _ = sglang_command(cfg, 30000)
     layout = MoEShape(2, (0, 1), 2, 8)
-    eng = SGLangEngine(lambda: None, layout, need_routing=requests_routing(cfg),
-                            need_mask=requests_sampling_mask(cfg))
+    eng = SGLangEngine(lambda: None, layout, need_routing=requests_routing(cfg.algorithm, cfg.rollout),
+                            need_mask=requests_sampling_mask(cfg.algorithm))
     body = eng.generate_body([1, 2, 3], SamplingConfig(top_k=20), seed=1)
     assert body["return_routed_experts"] == ("--enable-return-routed-experts" in argv)
     assert body["return_sampling_mask"] == ("--sampling-mask-max-tokens" in argv)
@@ -404,7 +404,7 @@ def test_sglang_is_started_with_every_flag_its_requests_need(replay, mask, pi_ol
                             "rollout": {"engine": "sglang", "return_routing": False},
                             "algorithm": {"replay": replay}})
     assert ("--enable-return-routed-experts" in sglang_command(off, 30000)[0]) == \
-        (replay == "r3") == requests_routing(off)
+        (replay == "r3") == requests_routing(off.algorithm, off.rollout)
 
 
 @pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)

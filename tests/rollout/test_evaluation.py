@@ -49,19 +49,19 @@ def test_the_evaluation_schedule_and_sampling():
     cfg = load_config("tiny_cpu.yaml", ["eval.sets=[{path: x.jsonl}]", "eval.interval=3",
                                         "trainer.steps=7", "eval.temperature=0",
                                         "eval.max_new_tokens=9", "eval.n=4"])
-    assert [d for d in range(8) if eval_due(cfg, d)] == [3, 6, 7]
+    assert [d for d in range(8) if eval_due(cfg.eval, cfg.trainer.steps, d)] == [3, 6, 7]
     cfg.eval.at_start = True
-    assert [d for d in range(8) if eval_due(cfg, d)] == [0, 3, 6, 7]
+    assert [d for d in range(8) if eval_due(cfg.eval, cfg.trainer.steps, d)] == [0, 3, 6, 7]
     cfg.eval.interval = 0
-    assert [d for d in range(8) if eval_due(cfg, d)] == [0, 7]   # always at the end
-    s = eval_sampling(cfg)
+    assert [d for d in range(8) if eval_due(cfg.eval, cfg.trainer.steps, d)] == [0, 7]   # always at the end
+    s = eval_sampling(cfg.eval, cfg.rollout)
     assert (s.temperature, s.top_p, s.max_new_tokens) == (0.0, 1.0, 9)
-    assert eval_ks(cfg) == [4]
+    assert eval_ks(cfg.eval) == [4]
     cfg.eval.pass_k = [1, 2]
-    assert eval_ks(cfg) == [2]
+    assert eval_ks(cfg.eval) == [2]
     none = load_config("tiny_cpu.yaml")
-    assert not any(eval_due(none, d) for d in range(30))   # no sets: never
-    assert eval_sampling(none).max_new_tokens == none.rollout.max_new_tokens
+    assert not any(eval_due(none.eval, none.trainer.steps, d) for d in range(30))   # no sets: never
+    assert eval_sampling(none.eval, none.rollout).max_new_tokens == none.rollout.max_new_tokens
 
 
 def test_eval_config_refusals():

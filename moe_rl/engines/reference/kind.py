@@ -29,7 +29,7 @@ class ReferenceKind(SGLangProtocolKind):
         r = self.cfg.rollout
         return (reference_argv(model_path, host, port, dtype=r.engine_dtype,
                                seed=self.cfg.trainer.seed + index, api_key=r.api_key,
-                               return_routed_experts=requests_routing(self.cfg),
+                               return_routed_experts=requests_routing(self.cfg.algorithm, r),
                                sampling_mask_max_tokens=r.sampling_mask_max_tokens,
                                deterministic_inference=r.sglang.deterministic_inference,
                                # FP8 arrives as an FP8 checkpoint; MXFP4 is quantised at each load

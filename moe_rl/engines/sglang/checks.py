@@ -138,7 +138,7 @@ def check_moe_runner(cfg: Config) -> None:
     """A MoE runner of ``rollout.sglang.extra_args`` that routes inside its kernel, where the
     run needs the engine's routing (it would come back all zeros)."""
     args = list(cfg.rollout.sglang.extra_args)
-    if not requests_routing(cfg) or "--moe-runner-backend" not in args:
+    if not requests_routing(cfg.algorithm, cfg.rollout) or "--moe-runner-backend" not in args:
         return
     at = args.index("--moe-runner-backend")
     runner = args[at + 1] if at + 1 < len(args) else ""

@@ -41,8 +41,8 @@ class SGLangProtocolKind(EngineKind):
     def connect(self, urls, moe_shape: MoEShape, restarters=None) -> SGLangEngine:
         from moe_rl.engines.sglang.client import SGLangEngine
         return SGLangEngine(self._pool_factory(urls, restarters), moe_shape,
-                            need_routing=requests_routing(self.cfg),
-                            need_mask=requests_sampling_mask(self.cfg),
+                            need_routing=requests_routing(self.cfg.algorithm, self.cfg.rollout),
+                            need_mask=requests_sampling_mask(self.cfg.algorithm),
                             ranks_per_server=self.weight_ranks_per_server())
 
     def receiver(self, urls) -> SGLangWeightReceiver:

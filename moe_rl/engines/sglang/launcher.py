@@ -37,11 +37,11 @@ def sglang_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]
         argv += ["--base-gpu-id", "0"]
         if g.max_total_tokens:
             argv += ["--max-total-tokens", str(g.max_total_tokens)]
-    if requests_routing(cfg):
+    if requests_routing(cfg.algorithm, cfg.rollout):
         argv.append("--enable-return-routed-experts")
         if g.device == "cuda" and "--moe-runner-backend" not in g.extra_args:
             argv += ["--moe-runner-backend", ROUTING_RUNNER]
-    if requests_sampling_mask(cfg):
+    if requests_sampling_mask(cfg.algorithm):
         argv += ["--sampling-mask-max-tokens", str(r.sampling_mask_max_tokens)]
     if cfg.cluster.colocate:
         argv.append("--enable-memory-saver")
