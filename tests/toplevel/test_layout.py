@@ -192,9 +192,10 @@ def test_rollout_engines_and_trainer_take_their_section_not_the_whole_config():
 
 
 # the library's functions above radon's rank C today (complexity), and those over 100 lines:
-# the caps may only fall (issue 79: the reference engine's request parsing and app first)
+# the caps may only fall (issue 79: the reference engine's app next; its request parsing, 63,
+# has left)
 COMPLEXITY_ALLOWED = {
-    "engines/reference/server.py:_as_requests": 63, "config/loader.py:_coerce": 39,
+    "config/loader.py:_coerce": 39,
     "rollout_record.py:to_bytes": 32, "engines/reference/engine.py:step": 26,
     "engines/reference/engine.py:load": 24, "engines/reference/engine.py:_prefill_batch": 24,
     "engines/reference/engine.py:parse_sampling_params": 23, "config/checks.py:check_loss": 23,

@@ -111,10 +111,8 @@ def _token_list(value, name: str) -> None:
         raise RequestError(f"{name}: expected a list of integer token ids")
 
 
-def _as_requests(body: dict, engine: ReferenceEngine, counter, limits: Limits = Limits()
-                 ) -> tuple[list[Request], bool]:
-    """Parse a /generate body into requests; returns (requests, whether it was a batch).
-    ``limits`` are checked before any sub-request is built."""
+def _inputs(body, limits: Limits) -> tuple[list, bool]:
+    """The body's input sequences and whether it is a batch (a list of lists)."""
     if not isinstance(body, dict):
         raise RequestError("body: expected a JSON object")
     if "text" in body and "input_ids" not in body:
@@ -135,41 +133,61 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter, limits: Limits = 
             raise RequestError(f"{name}: expected a boolean")
     if body.get("stream"):
         raise RequestError("stream: the reference engine does not stream")
+    return seqs, batch
+
+
+def _per_input(body: dict, seqs: list, batch: bool) -> tuple[list, list, list]:
+    """The sampling parameters, request ids and log-prob starts of each input (one value
+    given for all, or one per input)."""
+    n = len(seqs)
     params = body.get("sampling_params") or {}
-    plist = params if isinstance(params, list) else [params] * len(seqs)
-    if len(plist) != len(seqs):
+    plist = params if isinstance(params, list) else [params] * n
+    if len(plist) != n:
         raise RequestError("sampling_params: a list must have one entry per input")
-    rids = body.get("rid")
-    if batch and rids is not None and (not isinstance(rids, list) or len(rids) != len(seqs)):
-        raise RequestError(f"rid: a batch of {len(seqs)} inputs needs a list of {len(seqs)} "
-                           f"request ids")
-    if not batch and isinstance(rids, list):
-        raise RequestError("rid: a single input takes one request id, not a list")
-    rids = rids if isinstance(rids, list) else [rids] * len(seqs)
-    if any(r is not None and not isinstance(r, str) for r in rids):
-        raise RequestError("rid: expected string request ids")
+    rids = _request_ids(body, batch, n)
     start = body.get("logprob_start_len", -1)
-    starts = start if isinstance(start, list) else [start] * len(seqs)
-    if len(starts) != len(seqs) or (isinstance(start, list) and not batch):
+    starts = start if isinstance(start, list) else [start] * n
+    if len(starts) != n or (isinstance(start, list) and not batch):
         raise RequestError("logprob_start_len: a list needs a batch input, one entry per input")
     if any(not isinstance(x, int) or isinstance(x, bool) or x < -1 for x in starts):
         raise RequestError("logprob_start_len: expected an integer >= -1 (or one per input)")
-    r_start = body.get("routed_experts_start_len", 0)
-    if not isinstance(r_start, int) or isinstance(r_start, bool):
-        raise RequestError("routed_experts_start_len: expected an integer")
-    want_mask = bool(body.get("return_sampling_mask", False))
-    mode = body.get("sampling_logprobs_mode", "selected")
+    return plist, rids, starts
+
+
+def _request_ids(body: dict, batch: bool, n: int) -> list:
+    """``rid`` of each of the ``n`` inputs: one string (or none) for a single input, a list of
+    ``n`` for a batch."""
+    rids = body.get("rid")
+    if batch and rids is not None and (not isinstance(rids, list) or len(rids) != n):
+        raise RequestError(f"rid: a batch of {n} inputs needs a list of {n} request ids")
+    if not batch and isinstance(rids, list):
+        raise RequestError("rid: a single input takes one request id, not a list")
+    rids = rids if isinstance(rids, list) else [rids] * n
+    if any(r is not None and not isinstance(r, str) for r in rids):
+        raise RequestError("rid: expected string request ids")
+    return rids
+
+
+def _listed_token_ids(body: dict, batch: bool, n: int) -> list:
+    """``token_ids_logprob`` of each of the ``n`` inputs (checked)."""
     listed = body.get("token_ids_logprob")
     if listed is not None and not isinstance(listed, list):
         raise RequestError("token_ids_logprob: expected a list of token ids (or one per input)")
     listed_per = (listed if batch and listed and isinstance(listed[0], list)
-                  else [listed] * len(seqs))
-    if len(listed_per) != len(seqs):
+                  else [listed] * n)
+    if len(listed_per) != n:
         raise RequestError("token_ids_logprob: a list of lists must have one entry per input")
     for i, ids_lp in enumerate(listed_per):
         if ids_lp is not None:
             _token_list(ids_lp, f"token_ids_logprob[{i}]" if listed_per is listed
                         else "token_ids_logprob")
+    return listed_per
+
+
+def _parsed_params(plist: list, seqs: list, engine: ReferenceEngine, want_mask: bool,
+                   limits: Limits) -> list:
+    """Each input's sampling parameters, parsed, within the server's limits on samples,
+    sub-requests and tokens per call."""
     parsed = []
     for p in plist:
         if not isinstance(p, dict):
@@ -187,6 +205,22 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter, limits: Limits = 
     if tokens > limits.max_request_tokens:
         raise RequestError(f"input_ids + max_new_tokens: {tokens} tokens in one call, over the "
                            f"server's limit {limits.max_request_tokens} (--max-request-tokens)")
+    return parsed
+
+
+def _as_requests(body: dict, engine: ReferenceEngine, counter, limits: Limits = Limits()
+                 ) -> tuple[list[Request], bool]:
+    """Parse a /generate body into requests; returns (requests, whether it was a batch).
+    ``limits`` are checked before any sub-request is built."""
+    seqs, batch = _inputs(body, limits)
+    plist, rids, starts = _per_input(body, seqs, batch)
+    r_start = body.get("routed_experts_start_len", 0)
+    if not isinstance(r_start, int) or isinstance(r_start, bool):
+        raise RequestError("routed_experts_start_len: expected an integer")
+    want_mask = bool(body.get("return_sampling_mask", False))
+    mode = body.get("sampling_logprobs_mode", "selected")
+    listed_per = _listed_token_ids(body, batch, len(seqs))
+    parsed = _parsed_params(plist, seqs, engine, want_mask, limits)
     out = []
     for seq, params, rid, ids_lp, start in zip(seqs, parsed, rids, listed_per, starts):
         _token_list(seq, "input_ids")
