@@ -73,7 +73,7 @@ SERVE = {"control_fp32": ("float32", "none"), "bf16": ("bfloat16", "none"),
 # engine's log-probs matter beyond the first ratio
 BASE = ["algorithm.loss=ppo", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
         "algorithm.aggregation=token-mean", "algorithm.pi_old=trainer", "trainer.epochs=2",
-        "trainer.mini_batches=2", "trainer.micro_batch_size=32", "trainer.sft_warmup_steps=0",
+        "trainer.mini_batches=2", "trainer.micro_batch_size=32", "trainer.warmup.steps=0",
         "trainer.export_hf=false", "trainer.save_interval=0", "trainer.save_interval_minutes=600",
         "logging.progress=false", "rollout.prompts_per_step=8", "rollout.n_samples_per_prompt=8",
         "rollout.max_new_tokens=4"]
@@ -84,8 +84,8 @@ ARMS = {
     # sequence's importance ratio leaves [1/C, C], C = 2) is the one chosen here
     "r3_seq_mis": ["algorithm.replay=r3", "algorithm.corrections=[seq_mis]",
                    "algorithm.correction.mis_c=2.0"],
-    "r3_ema": ["algorithm.replay=r3", "algorithm.corrections=[]", "trainer.ema_decay=0.9",
-               "trainer.ema_policy=true"],
+    "r3_ema": ["algorithm.replay=r3", "algorithm.corrections=[]", "trainer.ema.decay=0.9",
+               "trainer.ema.policy=true"],
     "r3_trm": ["algorithm.replay=r3", "algorithm.corrections=[trm]",
                "algorithm.correction.trm_delta=0.5", "algorithm.correction.trm_measure=log_ratio"],
     "keep_mask_r3": ["algorithm.replay=r3", "algorithm.corrections=[]",

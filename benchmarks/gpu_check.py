@@ -404,7 +404,7 @@ def check_bf16_policy(path: str) -> dict:
         del t
     moves = {}
     for dtype in ("bfloat16", "float32"):
-        t = trainer(dtype, False, ema_decay=0.99, ema_policy=True)
+        t = trainer(dtype, False, ema={"decay": 0.99, "policy": True})
         params = dict(t.model.module.named_parameters())
         start_w = {n: main_weights(p).detach().double().clone() for n, p in params.items()}
         for _ in range(20):
@@ -454,7 +454,7 @@ def check_dist_opt_resume(path: str) -> dict:
         return config_from_dict({
             "model": {"path": path, "dtype": "bfloat16"}, "cluster": {"gpus_per_node": 1},
             "rollout": {"n_samples_per_prompt": 4},
-            "trainer": {"lr": 1e-3, "seed": 1, "micro_batch_size": 4, "ema_decay": 0.9,
+            "trainer": {"lr": 1e-3, "seed": 1, "micro_batch_size": 4, "ema": {"decay": 0.9},
                         "distributed_optimizer": True},
             "algorithm": {"replay": "r3"}})
     ckpt = tempfile.mkdtemp(prefix="gpu_check_ckpt_")

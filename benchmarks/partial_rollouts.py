@@ -36,7 +36,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 MEDIAN, SIGMA, SIZE, CAP = 6, 0.8, 200, 64
 COMMON = ["logging.progress=false", "trainer.export_hf=false", "data.source=jsonl",
           "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=8",
-          f"rollout.max_new_tokens={CAP}", "trainer.sft_warmup_steps=30"]
+          f"rollout.max_new_tokens={CAP}", "trainer.warmup.steps=30"]
 PARTIAL = ["rollout.max_staleness=2", "rollout.partial=true"]
 ARMS = {"sync": ["rollout.max_staleness=1"],
         "partial": PARTIAL,

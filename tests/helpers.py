@@ -230,7 +230,7 @@ def train_cli(workdir, steps, *extra, resume=False, config="tiny_cpu.yaml"):
         cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
                str(ROOT / "configs" / config), f"model.path={workdir / 'model'}",
                f"logging.dir={workdir / 'run'}", f"trainer.steps={steps}",
-               "trainer.sft_warmup_steps=2", "trainer.save_interval=2", "logging.progress=false",
+               "trainer.warmup.steps=2", "trainer.save_interval=2", "logging.progress=false",
                f"rollout.base_port={busy.getsockname()[1]}", "rollout.prompts_per_step=4",
                "rollout.n_samples_per_prompt=4", *extra]
         if resume:
@@ -301,7 +301,7 @@ def train_tiny(tmp_path, steps: int, samples: int, *overrides, exit_code: int = 
         [sys.executable, "-m", "moe_rl.cli", "train", "--config",
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
          f"logging.dir={tmp_path / 'run'}", f"trainer.steps={steps}",
-         "trainer.sft_warmup_steps=0", "logging.progress=false",
+         "trainer.warmup.steps=0", "logging.progress=false",
          f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=4",
          f"rollout.n_samples_per_prompt={samples}", *overrides],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise UserError("--to hf --megatron: needs --hf DIR (the architecture)")
     if step_dir and args.ema and not _layout(step_dir).get("ema"):
-        raise UserError(f"--ema: {step_dir} was saved without an EMA (trainer.ema_decay unset)")
+        raise UserError(f"--ema: {step_dir} was saved without an EMA (trainer.ema.decay unset)")
     state = _read_megatron(args.megatron) if args.megatron else None
     # megatron-core only now: a refused input answers without its import (~9 s of CPU on 2 cores)
     import torch

@@ -181,14 +181,14 @@ def check_loss_scale(cfg: Config) -> None:
 
 
 def check_ema(cfg: Config) -> None:
-    """EMA policy smoothing averages with ``trainer.ema_decay``."""
+    """EMA policy smoothing averages with ``trainer.ema.decay``."""
     t = cfg.trainer
-    if (t.ema_policy or t.ema_start_step) and t.ema_decay is None:
-        key = "trainer.ema_policy" if t.ema_policy else "trainer.ema_start_step"
-        raise ConfigError(f"{key}: needs trainer.ema_decay (the EMA's decay, e.g. 0.9)")
-    if (t.ema_policy and cfg.model.dtype != "float32" and t.distributed_optimizer
+    if (t.ema.policy or t.ema.start_step) and t.ema.decay is None:
+        key = "trainer.ema.policy" if t.ema.policy else "trainer.ema.start_step"
+        raise ConfigError(f"{key}: needs trainer.ema.decay (the EMA's decay, e.g. 0.9)")
+    if (t.ema.policy and cfg.model.dtype != "float32" and t.distributed_optimizer
             and cfg.cluster.gpus_per_node > 0):
-        raise ConfigError(f"trainer.ema_policy: with model.dtype={cfg.model.dtype} the EMA is "
+        raise ConfigError(f"trainer.ema.policy: with model.dtype={cfg.model.dtype} the EMA is "
                           "written into "
                           "the optimizer's float32 main weights, of which megatron's distributed "
                           "optimizer keeps only a shard per rank; set "

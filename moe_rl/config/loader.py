@@ -3,6 +3,7 @@ and ranges checked here (the cross-field rules in :mod:`moe_rl.config.checks`); 
 the table of every key."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -15,6 +16,7 @@ import yaml
 
 from moe_rl.config.checks import validate
 from moe_rl.config.fields import ConfigError, as_dict
+from moe_rl.config.moved_keys import move_keys, moved_key
 from moe_rl.config.schema import Config
 
 
@@ -295,9 +297,17 @@ def load_config(path: str | os.PathLike | None = None,
             raise ConfigError(f"config file {path}: {exc}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    move_keys(tree)
+    given: dict[str, str] = {}   # each override's key, by its current name
     for item in overrides or []:
         key, value = parse_override(item)
-        _set_dotted(tree, key, value)
+        new = moved_key(key)
+        if new in given and given[new] != key:
+            old = key if key != new else given[new]
+            raise ConfigError(f"{old} and {new}: the same key under its old and new names; "
+                              f"keep {new}")
+        given[new] = key
+        _set_dotted(tree, new, value)
     cfg = _build(Config, tree, "")
     resolve_paths(cfg, os.path.dirname(os.path.abspath(path)) if path is not None else None)
     validate(cfg)
@@ -339,8 +349,9 @@ def resolve_paths(cfg: Config, config_dir: str | None = None) -> None:
 
 
 def config_from_dict(tree: dict) -> Config:
-    """Build and validate a :class:`Config` from a plain nested dict."""
-    cfg = _build(Config, tree, "")
+    """Build and validate a :class:`Config` from a plain nested dict (old key names moved to
+    their sections, with a warning: :mod:`moe_rl.config.moved_keys`)."""
+    cfg = _build(Config, move_keys(copy.deepcopy(tree)), "")
     validate(cfg)
     return cfg
 

@@ -58,7 +58,7 @@ class TrainerMemory:
     weights: float
     gradients: float
     optimizer: float
-    ema: float              # the float32 EMA of the weights (trainer.ema_decay)
+    ema: float              # the float32 EMA of the weights (trainer.ema.decay)
     reference: float        # the KL reference model (algorithm.kl.coef > 0)
     activations: float
     logits: float
@@ -73,8 +73,8 @@ class TrainerMemory:
         """{what a person calls it: bytes}, the biggest first."""
         named = {"weights": self.weights, "gradients (float32)": self.gradients,
                  "optimizer (Adam's moments, float32 master weights)": self.optimizer,
-                 "EMA (float32; only the final export reads it, unless trainer.ema_policy "
-                 "serves it; trainer.ema_decay=null drops it)": self.ema,
+                 "EMA (float32; only the final export reads it, unless trainer.ema.policy "
+                 "serves it; trainer.ema.decay=null drops it)": self.ema,
                  "KL reference model": self.reference, "activations": self.activations,
                  "logits": self.logits}
         return dict(sorted(named.items(), key=lambda kv: -kv[1]))
@@ -112,7 +112,7 @@ def trainer_memory(cfg: Config, hf: dict, counts: ParamCounts, seq_len: int) -> 
     state = 8 + (4 if b < 4 else 0)   # Adam's m and v, the float32 master copy
     distributed = t.distributed_optimizer and cfg.cluster.gpus_per_node   # as on GPUs
     sharded = dense / dp + experts / edp if distributed else params
-    ema = 4 * params if t.ema_decay is not None else 0
+    ema = 4 * params if t.ema.decay is not None else 0
     reference = b * params if cfg.algorithm.kl.coef > 0 else 0
     tokens = (t.max_tokens_per_micro_batch or (t.micro_batch_size or 1) * seq_len) / cp
     h = int(hf["hidden_size"])

@@ -319,6 +319,25 @@ class LossScaleConfig:
 
 
 @dataclass
+class EMAConfig:
+    decay: float | None = _f(None, "Polyak average of the weights, updated after every "
+                             "optimizer step and exported as final_hf (rollouts keep the raw "
+                             "weights unless trainer.ema.policy; null = off)",
+                             **_rng(0, 1, lo_open=True, hi_open=True))
+    policy: bool = _f(False, "EMA policy smoothing: after every optimizer step the weights are "
+                      "replaced by their EMA, which the engines serve and the next step starts "
+                      "from (needs trainer.ema.decay)")
+    start_step: int = _f(0, "RL step from which the EMA averages; before it the EMA (and with "
+                         "trainer.ema.policy the policy) follows the raw weights", **_rng(0))
+
+
+@dataclass
+class WarmupConfig:
+    steps: int = _f(0, "supervised warm-start steps before RL", **_rng(0))
+    lr: float = _f(1e-3, "learning rate of the supervised warm-start", **_rng(0, lo_open=True))
+
+
+@dataclass
 class TrainerConfig:
     steps: int = _f(20, "RL steps", **_rng(1))
     seed: int = _f(1234, "global seed", **_rng(0, 2 ** 32 - 1))
@@ -366,21 +385,12 @@ class TrainerConfig:
     distributed_optimizer: bool = _f(True, "megatron distributed optimizer where available")
     loss_scale: LossScaleConfig = _sub(LossScaleConfig, "float16's dynamic loss scaling "
                                        "(skipped steps: train/skipped_steps)")
-    ema_decay: float | None = _f(None, "Polyak average of the weights, updated after every "
-                                 "optimizer step and exported as final_hf (rollouts keep the raw "
-                                 "weights unless trainer.ema_policy; null = off)",
-                                 **_rng(0, 1, lo_open=True, hi_open=True))
-    ema_policy: bool = _f(False, "EMA policy smoothing: after every optimizer step the weights "
-                          "are replaced by their EMA, which the engines serve and the next step "
-                          "starts from (needs trainer.ema_decay)")
-    ema_start_step: int = _f(0, "RL step from which the EMA averages; before it the EMA (and "
-                             "with ema_policy the policy) follows the raw weights", **_rng(0))
+    ema: EMAConfig = _sub(EMAConfig, "the Polyak average (EMA) of the weights")
     expert_bias_update_rate: float = _f(0.0, "DeepSeek-V3 routers: megatron's aux-loss-free "
                                         "expert-bias update per optimizer step, from the "
                                         "batch's tokens per expert (0 = frozen, the default)",
                                         **_rng(0))
-    sft_warmup_steps: int = _f(0, "supervised warm-start steps before RL", **_rng(0))
-    sft_lr: float = _f(1e-3, "learning rate of the supervised warm-start", **_rng(0, lo_open=True))
+    warmup: WarmupConfig = _sub(WarmupConfig, "the supervised warm start before RL")
     save_interval: int = _f(50, "checkpoint every n steps (0 = by time and at the end only)",
                             **_rng(0))
     save_interval_minutes: float = _f(30.0, "also checkpoint when this many minutes passed since "

@@ -54,7 +54,7 @@ def check_answer_lengths(prompts, where: str, context: int | None, tokenizer) ->
         raise ConfigError(f"data.answer_key: {where}: {len(long_rows)} answer(s) too long for the "
                           f"warm start, which trains on prompt + answer + end of text within the "
                           f"model's context of {context} tokens (max_position_embeddings): "
-                          f"{_rows(long_rows)}; shorten them or set trainer.sft_warmup_steps=0")
+                          f"{_rows(long_rows)}; shorten them or set trainer.warmup.steps=0")
 
 
 def prompt_limit(context: int | None, new_tokens: int, new_tokens_key: str

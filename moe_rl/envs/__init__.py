@@ -10,7 +10,7 @@ and, when the episode is over, ``done`` with its ``reward``. ``stop_token_ids`` 
 attribute) are the ids that end a model turn besides end of text (e.g. the closing token of a
 tool call). An optional ``demonstration(prompt)`` returns the segments of one correct trajectory,
 model turn first, alternating model and observation ids; the supervised warm start
-(``trainer.sft_warmup_steps``) trains on the model segments of these.
+(``trainer.warmup.steps``) trains on the model segments of these.
 """
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def _layout(cfg: Config) -> dict:
             "n_routed_experts", "num_local_experts", "num_experts_per_tok",
             "moe_intermediate_size", "num_attention_heads", "num_key_value_heads")
     return {"model": {k: model[k] for k in keys if k in model},
-            "optimizer_dtype": cfg.model.dtype, "ema": t.ema_decay is not None,
+            "optimizer_dtype": cfg.model.dtype, "ema": t.ema.decay is not None,
             "parallel": {"trainer_workers": cfg.cluster.trainer_workers,
                          "tensor_parallel": t.tensor_parallel,
                          "expert_parallel": t.expert_parallel,

@@ -138,12 +138,12 @@ class StepLoop:
             return
         alike = ("every reward 0" if metrics.get("reward/mean") == 0
                  and metrics.get("reward/std") == 0 else "no spread within any group")
-        warm = self.cfg.trainer.sft_warmup_steps
+        warm = self.cfg.trainer.warmup.steps
         print(f"warning: step {step}: no learning signal for {NO_SIGNAL_STEPS} steps: every "
               f"response of each group scored alike ({alike}; advantage/zero_frac 1), so the "
               f"policy loss has no gradient. Likely causes: "
               + ("a model that never answers in the reward's format yet (a new `moe-rl "
-                 "init-model` model is random: warm it up with trainer.sft_warmup_steps, "
+                 "init-model` model is random: warm it up with trainer.warmup.steps, "
                  "supervised steps on the data's answers); " if warm == 0 else "")
               + f"the answer format the reward ({self.cfg.data.reward}) expects differs from "
               f"what the model writes (see samples.jsonl); prompts all too hard or too easy "
@@ -282,10 +282,10 @@ def export_final(cfg: Config, trainers: Trainers) -> None:
     if not cfg.trainer.export_hf:
         return
     final = os.path.join(cfg.logging.dir, "final_hf")
-    if cfg.trainer.ema_decay is not None and not cfg.trainer.ema_policy:   # EMA released
+    if cfg.trainer.ema.decay is not None and not cfg.trainer.ema.policy:   # EMA released
         trainers.export(final, use_ema=True)
         trainers.export(os.path.join(cfg.logging.dir, "final_hf_raw"))
-        print(f"final policy (EMA, decay {cfg.trainer.ema_decay}) exported to {final}; "
+        print(f"final policy (EMA, decay {cfg.trainer.ema.decay}) exported to {final}; "
               f"the raw weights to {final}_raw", flush=True)
     else:
         trainers.export(final)

@@ -128,7 +128,7 @@ class Run:
         if self.start_step:
             self.trainers.load(os.path.join(self.resume_path, "trainer"))
             self.weights.sync(self.start_step)
-        elif cfg.trainer.sft_warmup_steps:
+        elif cfg.trainer.warmup.steps:
             warm_start(cfg, self.trainers, self.inputs, self.stop)
             self.weights.sync(0)
         if cfg.rollout.weight_check:   # the probe, and what the engine's precision explains

@@ -10,6 +10,7 @@ import stat
 import yaml
 
 from moe_rl.config import Config, ConfigError, dump_config, load_yaml
+from moe_rl.config.moved_keys import moved_flat
 from moe_rl.errors import UserError
 from moe_rl.owned_dirs import check_claimable
 
@@ -34,7 +35,7 @@ RESUMABLE = {
     "rollout.sglang.tp_size", "rollout.sglang.dp_size",
     "rollout.sglang.ep_size", "rollout.sglang.mem_fraction_static", "rollout.sglang.python",
     "data.reward_timeout_s", "data.environment_timeout_s", "data.max_failed_reward_batches",
-    "trainer.sft_warmup_steps", "trainer.sft_lr",   # used before step 0 only
+    "trainer.warmup.steps", "trainer.warmup.lr",   # used before step 0 only
     "data.reward_service.timeout_s", "data.reward_service.max_concurrency",
     "data.reward_service.batch_size", "data.reward_service.max_retries",
     "data.reward_service.api_key_env",
@@ -182,7 +183,7 @@ def resume_changes(saved_config: str, cfg: Config) -> list[tuple[str, object, ob
     between the config saved at ``saved_config`` (a checkpoint's ``config.yaml``) and ``cfg``."""
     with open(saved_config, encoding="utf-8") as fh:
         try:
-            saved = _flat(load_yaml(fh) or {})
+            saved = moved_flat(_flat(load_yaml(fh) or {}))   # a run saved with old key names
         except ConfigError as exc:
             raise UserError(f"{saved_config}: {exc}") from None
     now = _flat(yaml.safe_load(dump_config(cfg)))

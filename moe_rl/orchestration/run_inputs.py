@@ -59,7 +59,7 @@ def load_run_inputs(cfg: Config, training: bool = True) -> RunInputs:
     if not training:
         return RunInputs(tokenizer, [], reward, environment, [], load_eval_sets(cfg, tokenizer))
     prompts, sizes = load_training_prompts(cfg, tokenizer, with_answers=(
-        bool(cfg.trainer.sft_warmup_steps) and environment is None))
+        bool(cfg.trainer.warmup.steps) and environment is None))
     return RunInputs(tokenizer, prompts, reward, environment, sizes,
                      load_eval_sets(cfg, tokenizer))
 
@@ -97,12 +97,12 @@ def load_user_code(cfg: Config, training: bool) -> tuple:
         environment = load_environment(cfg.data.environment)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if training and cfg.trainer.sft_warmup_steps and not callable(
+    if training and cfg.trainer.warmup.steps and not callable(
             getattr(environment, "demonstration", None)):
-        raise ConfigError(f"trainer.sft_warmup_steps: the warm start of a multi-turn run "
+        raise ConfigError(f"trainer.warmup.steps: the warm start of a multi-turn run "
                           f"trains on the environment's demonstrations, and "
                           f"{cfg.data.environment!r} has no demonstration(prompt) method; "
-                          f"set trainer.sft_warmup_steps=0")
+                          f"set trainer.warmup.steps=0")
     return reward, environment
 
 

@@ -1,4 +1,4 @@
-"""The supervised warm start before RL (``trainer.sft_warmup_steps``): the reference answers,
+"""The supervised warm start before RL (``trainer.warmup.steps``): the reference answers,
 or the environment's demonstrations, as supervised samples."""
 from __future__ import annotations
 
@@ -32,17 +32,18 @@ def sft_samples(prompts, indices: list[int], tokenizer, environment: type | None
 
 
 def warm_start(cfg: Config, trainers, inputs: RunInputs, stop) -> None:
-    """``trainer.sft_warmup_steps`` supervised steps on the reference answers (or the
+    """``trainer.warmup.steps`` supervised steps on the reference answers (or the
     environment's demonstrations), with their progress; a stop signal ends them early."""
     prompts, tokenizer = inputs.prompts, inputs.tokenizer
     sft = PromptSampler(len(prompts), cfg.rollout.prompts_per_step * 4, cfg.data.shuffle_seed + 1)
-    bar = StepProgress(cfg.trainer.sft_warmup_steps, "warm start", cfg.logging.progress,
+    bar = StepProgress(cfg.trainer.warmup.steps, "warm start", cfg.logging.progress,
                        cfg.logging.log_interval)
-    for _ in range(cfg.trainer.sft_warmup_steps):
+    for _ in range(cfg.trainer.warmup.steps):
         if stop.signum:
             break
-        m = trainers.sft_step(sft_samples(prompts, sft.next_batch(), tokenizer,
-                                          inputs.environment, len(tokenizer)), cfg.trainer.sft_lr)
+        batch = sft_samples(prompts, sft.next_batch(), tokenizer, inputs.environment,
+                            len(tokenizer))
+        m = trainers.sft_step(batch, cfg.trainer.warmup.lr)
         bar.update({"loss": f"{m['sft/loss']:.3f}"}, skipped=m.get("sft/skipped", 0))
     bar.close()
     if bar.done:

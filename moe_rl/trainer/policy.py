@@ -115,7 +115,7 @@ class PolicyTrainer:
 
     @property
     def ema(self) -> dict | None:
-        """The EMA of the weights by parameter name (``trainer.ema_decay``), or None."""
+        """The EMA of the weights by parameter name (``trainer.ema.decay``), or None."""
         return self.state.ema
 
     def prepare(self, samples: list[Sample]) -> tuple[StepBatch, dict[str, float]]:

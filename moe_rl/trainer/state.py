@@ -21,7 +21,7 @@ def main_weights(param: torch.nn.Parameter) -> torch.Tensor:
     megatron's mixed-precision optimizer keeps for a bfloat16 parameter (``param.main_param``,
     megatron/core/optimizer/optimizer.py:683), else the parameter itself. The distributed
     optimizer keeps only a shard of it on each rank (``main_param_sharded``): there the
-    parameter itself (an EMA of it is good to the parameter's rounding; ``trainer.ema_policy``
+    parameter itself (an EMA of it is good to the parameter's rounding; ``trainer.ema.policy``
     is refused there by the config checks)."""
     main = getattr(param, "main_param", None)
     if main is None or getattr(param, "main_param_sharded", False):
@@ -57,26 +57,26 @@ class TrainerState:
         self.optimizer, self.scheduler, self.counters = optimizer, scheduler, counters
         self.bucket_bytes = max(1, int(cfg.cluster.weight_sync_bucket_mb * (1 << 20)))
         self.ema = None
-        if cfg.trainer.ema_decay is not None:
+        if cfg.trainer.ema.decay is not None:
             self.ema = {n: main_weights(p).detach().clone().float()
                         for n, p in model.module.named_parameters()}
 
     def ema_update(self) -> None:
-        """Fold the current weights into the EMA (``trainer.ema_decay``; before the RL step
-        ``trainer.ema_start_step`` the EMA takes the weights as they are), when kept. The EMA
+        """Fold the current weights into the EMA (``trainer.ema.decay``; before the RL step
+        ``trainer.ema.start_step`` the EMA takes the weights as they are), when kept. The EMA
         averages the optimizer's float32 main weights (a bfloat16 model's master copies: its
         own bfloat16 weights would round each step's update, already scaled by 1 - decay, away).
-        With ``trainer.ema_policy`` the EMA is then written into those main weights and the
+        With ``trainer.ema.policy`` the EMA is then written into those main weights and the
         model's weights (rounded to their dtype), so the next step starts from the EMA."""
         if self.ema is None:
             return
         t = self.cfg.trainer
-        d = t.ema_decay if self.counters.step >= t.ema_start_step else 0.0
+        d = t.ema.decay if self.counters.step >= t.ema.start_step else 0.0
         with torch.no_grad():
             for name, p in self.model.module.named_parameters():
                 master = main_weights(p)
                 self.ema[name].mul_(d).add_(master.float(), alpha=1 - d)
-                if t.ema_policy:
+                if t.ema.policy:
                     master.copy_(self.ema[name])
                     if master is not p:
                         p.copy_(self.ema[name].to(p.dtype))

@@ -121,8 +121,8 @@ def test_deepseek_mask_needs_delta():
     cfg = load_config(None, ["algorithm.corrections=[opsm]", "algorithm.correction.opsm_delta=1e-3"])
     assert cfg.algorithm.correction.opsm_delta == 1e-3
     assert "algorithm.correction.trm_delta" in _err(["algorithm.corrections=[trm]"])
-    assert "trainer.ema_policy: needs trainer.ema_decay" in _err(["trainer.ema_policy=true"])
-    assert "trainer.ema_start_step: needs" in _err(["trainer.ema_start_step=3"])
+    assert "trainer.ema.policy: needs trainer.ema.decay" in _err(["trainer.ema.policy=true"])
+    assert "trainer.ema.start_step: needs" in _err(["trainer.ema.start_step=3"])
     assert "trainer.micro_batch_size: null needs" in _err(["trainer.micro_batch_size=null"])
     assert "'log_ratio', 'k2', 'k3'" in _err(["algorithm.corrections=[trm]",
                                                 "algorithm.correction.trm_delta=0.1",
@@ -140,9 +140,9 @@ def test_other_incompatible_combinations():
     assert "pipeline schedules" in _err(["trainer.pipeline_parallel=2", "cluster.gpus_per_node=8"])
     # bf16 training runs on CPU (megatron's mixed-precision optimizer); an EMA policy written into
     # the float32 master weights needs them whole, which the distributed optimizer (GPUs) is not
-    load_config(None, ["model.dtype=bfloat16", "trainer.ema_decay=0.9", "trainer.ema_policy=true"])
+    load_config(None, ["model.dtype=bfloat16", "trainer.ema.decay=0.9", "trainer.ema.policy=true"])
     assert "set trainer.distributed_optimizer=false" in _err(
-        ["model.dtype=bfloat16", "trainer.ema_decay=0.9", "trainer.ema_policy=true",
+        ["model.dtype=bfloat16", "trainer.ema.decay=0.9", "trainer.ema.policy=true",
          "cluster.gpus_per_node=1"])
     assert "trainer.expert_parallel" in _err(["trainer.expert_parallel=3"])
     assert "algorithm.correction.rs_low" in _err(["algorithm.correction.rs_low=3"])
@@ -511,7 +511,7 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path, monkey
               "text within the model's context of 256 tokens (max_position_embeddings): row 1 "
               "(409 tokens after a"),
              (["data.source=jsonl", f"data.path={tmp_path / 'answer_huge.jsonl'}"],
-              "row 0 (3000000 characters); shorten them or set trainer.sft_warmup_steps=0")]
+              "row 0 (3000000 characters); shorten them or set trainer.warmup.steps=0")]
     for i, (extra, message) in enumerate(cases):
         for command in ("config", "train"):
             if i == 0:
@@ -524,7 +524,7 @@ def test_config_and_train_refuse_missing_inputs_before_starting(tmp_path, monkey
             assert message in err and "Traceback" not in err, (command, extra)
     assert not (tmp_path / "run").exists()   # train refused before creating anything
     # without the warm start a long answer is only the reward's label: accepted
-    assert main(["config", *base, "data.source=jsonl", "trainer.sft_warmup_steps=0",
+    assert main(["config", *base, "data.source=jsonl", "trainer.warmup.steps=0",
                  f"data.path={tmp_path / 'answer_long.jsonl'}"]) == 0
     capsys.readouterr()
     ok = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", *base],

@@ -57,7 +57,7 @@ def test_without_recompute_every_layer_keeps_its_activations_and_tp_cp_split_the
         "trainer.recompute_activations=false", "trainer.tensor_parallel=2",
         "trainer.sequence_parallel=true", "trainer.context_parallel=2",
         "trainer.expert_parallel=4", "trainer.distributed_optimizer=false",
-        "trainer.ema_decay=null"])
+        "trainer.ema.decay=null"])
     m = trainer_memory(cfg, QWEN3_30B_A3B, COUNTS, seq_len=4096)
     params = (COUNTS.dense + COUNTS.embedding) / 2 + COUNTS.experts / 8
     assert m.optimizer == pytest.approx(12 * params) and m.ema == 0
@@ -121,7 +121,7 @@ def test_plan_estimates_a_shipped_config_before_its_checkpoint_and_warns_without
             "gradients (float32) 19.2 GiB; EMA (float32; only the final export reads it")\
         in warning
     assert "KV pool 49.8 GiB (~2,175,025 tokens per server)" in out
-    assert "headroom" not in plan("qwen3_30b_a3b_r3_gspo", "trainer.ema_decay=null")
+    assert "headroom" not in plan("qwen3_30b_a3b_r3_gspo", "trainer.ema.decay=null")
     tiny = plan("tiny_one_gpu", f"model.path={tmp_path}/none")
     assert "memory estimated for the model.init shape" in tiny and "headroom" not in tiny
 

@@ -79,7 +79,7 @@ def test_engine_results_depend_on_the_batch_unless_deterministic(tmp_path):
 def _train(model, run_dir, *overrides):
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={model}",
-           f"logging.dir={run_dir}", "trainer.steps=1", "trainer.sft_warmup_steps=0",
+           f"logging.dir={run_dir}", "trainer.steps=1", "trainer.warmup.steps=0",
            "trainer.export_hf=false", "rollout.prompts_per_step=2",
            "rollout.n_samples_per_prompt=4", f"rollout.base_port={engine_base_port()}",
            "logging.progress=false", "logging.tensorboard=false", "algorithm.pi_old=engine_avg",
@@ -318,7 +318,7 @@ def test_preset_warm_up_moves_the_routers_and_is_cached(tmp_path):
 def test_demo_runs_on_fp8_and_reports_what_replay_removed(tmp_path):
     """`moe-rl demo` (a few steps): the FP8 engine, then the reward rise and the replay summary."""
     res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "demo", "trainer.steps=3",
-                          "trainer.sft_warmup_steps=2", f"model.path={tmp_path / 'model'}",
+                          "trainer.warmup.steps=2", f"model.path={tmp_path / 'model'}",
                           f"logging.dir={tmp_path / 'run'}", "logging.progress=false",
                           "trainer.export_hf=false", f"rollout.base_port={engine_base_port()}",
                           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4"],

@@ -308,7 +308,7 @@ def test_cpu_twin_config_trains_through_the_loop_with_r3_and_converts(tmp_path):
     # trainer.expert_bias_update_rate > 0 through the loop: the bias moves by +-rate per
     # optimizer step, and the engine serves it (the float32 engine still equals the trainer)
     shutil.rmtree(tmp_path / "run")
-    train_cli(tmp_path, 2, "trainer.expert_bias_update_rate=0.01", "trainer.sft_warmup_steps=0",
+    train_cli(tmp_path, 2, "trainer.expert_bias_update_rate=0.01", "trainer.warmup.steps=0",
               config="deepseek_tiny_cpu.yaml")
     moved = load_file(tmp_path / "run" / "final_hf" / "model.safetensors")
     for k in biases:

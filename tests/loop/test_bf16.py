@@ -67,7 +67,7 @@ def test_bf16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corr
     logged; with the EMA policy (decay 0.9 from step 0) the served policy moves off the initial
     weights."""
     work = workdir(tmp_path, model_dir, "run")
-    extra = ["trainer.ema_decay=0.9", "trainer.ema_policy=true"] if ema else []
+    extra = ["trainer.ema.decay=0.9", "trainer.ema.policy=true"] if ema else []
     extra += ["algorithm.correction.opsm_delta=1e-3", "algorithm.correction.trm_delta=1e-3"]
     res = train_cli(work, 2, *BF16, f"algorithm.replay={replay}",
                     f"algorithm.corrections={corrections}", "cluster.weight_sync=distributed",

@@ -26,7 +26,7 @@ def train(model, run, *overrides, resume=()):
         [sys.executable, "-m", "moe_rl.cli", "train", "--config",
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={model}", f"logging.dir={run}",
          f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=2",
-         "rollout.n_samples_per_prompt=2", "trainer.sft_warmup_steps=2",
+         "rollout.n_samples_per_prompt=2", "trainer.warmup.steps=2",
          "trainer.save_interval=1", "rollout.sglang.deterministic_inference=true",
          "logging.progress=false", *overrides, *resume],
         cwd=run.parent, capture_output=True, text=True, timeout=600)

@@ -35,13 +35,13 @@ def test_a_run_whose_rewards_are_all_zero_says_it_learns_nothing(model, tmp_path
     (tmp_path / "zero_reward.py").write_text(
         "def zero(prompt, response, answer, metadata):\n    return 0.0\n")
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
-    got = train(model, tmp_path / "run", "trainer.steps=3", "trainer.sft_warmup_steps=0",
+    got = train(model, tmp_path / "run", "trainer.steps=3", "trainer.warmup.steps=0",
                 "data.reward=zero_reward:zero", env=env)
     said = [line for line in got.stdout.splitlines() if "no learning signal" in line]
     assert len(said) == 1, got.stdout[-3000:]
     assert said[0].startswith("warning: step 2: no learning signal for 3 steps")
     assert "(every reward 0; advantage/zero_frac 1)" in said[0]
-    assert "warm it up with trainer.sft_warmup_steps" in said[0]
+    assert "warm it up with trainer.warmup.steps" in said[0]
     assert "the reward (zero_reward:zero)" in said[0]
 
 
@@ -51,7 +51,7 @@ def test_float16_skipped_steps_show_and_the_default_scale_skips_none(model, tmp_
     """At a scale every gradient overflows, each warm-start step is skipped and the progress
     line counts them; at the default (2^14) none of four is, and model.dtype=float16 set alone
     is warned about (the engine stays float32)."""
-    fp16 = ("model.dtype=float16", "trainer.steps=1", "trainer.sft_warmup_steps=4")
+    fp16 = ("model.dtype=float16", "trainer.steps=1", "trainer.warmup.steps=4")
     high = train(model, tmp_path / "high", *fp16, "rollout.engine_dtype=float16",
                  "trainer.loss_scale.initial=1e18")
     lines = [ln for ln in high.stdout.splitlines() if ln.startswith("warm start")]
@@ -80,7 +80,7 @@ def test_a_float16_run_whose_every_step_was_skipped_does_not_end_as_a_success(mo
         [sys.executable, "-m", "moe_rl.cli", "train", "--config",
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={model}", f"logging.dir={run}",
          f"rollout.base_port={engine_base_port()}", *SMALL, "trainer.steps=2",
-         "trainer.sft_warmup_steps=0", "model.dtype=float16", "rollout.engine_dtype=float16",
+         "trainer.warmup.steps=0", "model.dtype=float16", "rollout.engine_dtype=float16",
          "trainer.loss_scale.initial=1e18", "trainer.loss_scale.hysteresis=1000",
          "data.reward=length_reward:by_length", "rollout.n_samples_per_prompt=4"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,

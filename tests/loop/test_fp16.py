@@ -35,7 +35,7 @@ def test_fp16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corr
     2^16), the engine started with the fp32 head, the export float16; a bfloat16 engine is
     warned about by name."""
     work = workdir(tmp_path, model_dir, "run")
-    extra = ["trainer.ema_decay=0.9", "trainer.ema_policy=true"] if replay == "r3" else []
+    extra = ["trainer.ema.decay=0.9", "trainer.ema.policy=true"] if replay == "r3" else []
     extra += ["algorithm.correction.opsm_delta=1e-3", "algorithm.correction.trm_delta=1e-3"]
     res = train_cli(work, 2, *FP16, f"rollout.engine_dtype={engine}",
                     f"algorithm.replay={replay}", f"algorithm.corrections={corrections}",
@@ -87,7 +87,7 @@ def test_a_loss_scale_at_its_minimum_ends_the_run_with_one_line(tmp_path, model_
     res = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config", "tiny_cpu.yaml",
          f"model.path={work / 'model'}", f"logging.dir={work / 'run'}", "trainer.steps=2",
-         "trainer.sft_warmup_steps=0", "logging.progress=false",
+         "trainer.warmup.steps=0", "logging.progress=false",
          f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=4",
          "rollout.n_samples_per_prompt=4", "model.dtype=float16",
          "rollout.engine_dtype=float16", "trainer.loss_scale.initial=4294967296",

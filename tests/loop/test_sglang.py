@@ -118,7 +118,7 @@ def test_multi_turn_agentic_replays_routing_across_turns(tmp_path_factory, tmp_p
     computed; the trainer replays it and agrees everywhere."""
     model = _model(tmp_path_factory, AGENTIC, "sglang_agentic")
     run = tmp_path / "run"
-    _, rows = _train(AGENTIC, model, run, "trainer.sft_warmup_steps=60",
+    _, rows = _train(AGENTIC, model, run, "trainer.warmup.steps=60",
                      "rollout.n_samples_per_prompt=4")
     assert max(m["rollout/turns_mean"] for m in rows) > 1.0
     for m in rows:
@@ -136,7 +136,7 @@ def test_async_staleness_one_and_the_group_on_loopback(model_dir, tmp_path):
     staleness; weights travel over gloo, the group's address 127.0.0.1 on this one node."""
     run = tmp_path / "run"
     res, rows = _train(CONFIG, model_dir, run, "rollout.max_staleness=1",
-                       "cluster.weight_sync=distributed", "trainer.sft_warmup_steps=0",
+                       "cluster.weight_sync=distributed", "trainer.warmup.steps=0",
                        "rollout.max_new_tokens=3", steps=3)
     for m in rows:
         check_real_engine("async", m)
@@ -154,7 +154,7 @@ def test_partial_rollouts_continue_responses_across_versions_on_sglang(model_dir
     k3 ~0 and agreement 1.0 at every step, every token at most 2 versions old."""
     run = tmp_path / "run"
     _, rows = _train(CONFIG, model_dir, run, "rollout.partial=true", "rollout.max_staleness=2",
-                     "trainer.sft_warmup_steps=0", "rollout.max_new_tokens=24",
+                     "trainer.warmup.steps=0", "rollout.max_new_tokens=24",
                      "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
                      "rollout.top_k=20", "rollout.partial_extra_groups=6",
                      # 4 requests at a time: the groups finish one after another, not together
@@ -175,7 +175,7 @@ def test_the_demo_on_sglang_in_bfloat16(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "demo", *on_sglang(), "rollout.quantization=none",
          f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
-         "trainer.steps=2", "trainer.sft_warmup_steps=5", "trainer.export_hf=false",
+         "trainer.steps=2", "trainer.warmup.steps=5", "trainer.export_hf=false",
          "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
          f"rollout.base_port={engine_base_port()}", "logging.progress=false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -203,7 +203,7 @@ def test_a_16_bit_trainer_syncs_into_sglang_of_its_precision(model_dir, tmp_path
     extra = ["model.fp32_output_layer=true", "trainer.loss_scale.initial=65536"] if head else []
     res, rows = _train(CONFIG, model_dir, run, f"model.dtype={dtype}",
                        f"rollout.engine_dtype={dtype}", "cluster.weight_sync=distributed",
-                       "trainer.sft_warmup_steps=0", "rollout.max_new_tokens=3", *extra,
+                       "trainer.warmup.steps=0", "rollout.max_new_tokens=3", *extra,
                        steps=3)
     assert [r["weight_version/min"] for r in rows] == [0.0, 1.0, 2.0]
     for m in rows:
@@ -274,7 +274,7 @@ def test_retraction_under_a_small_kv_pool_stays_exact(model_dir, tmp_path, parti
     mode = (["rollout.partial=true", "rollout.max_staleness=2", "rollout.partial_extra_groups=12"]
             if partial else ["rollout.retracted=mask", "rollout.prompts_per_step=8",
                              "rollout.n_samples_per_prompt=8"])
-    _, rows = _train(CONFIG, model_dir, run, "trainer.sft_warmup_steps=0",
+    _, rows = _train(CONFIG, model_dir, run, "trainer.warmup.steps=0",
                      "rollout.max_new_tokens=40", "rollout.sglang.max_total_tokens=192",
                      "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
                      "rollout.top_k=20", *mode,
@@ -392,7 +392,7 @@ def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
     run = tmp_path / "run"
     res, rows = _train(CONFIG, model_dir, run, "rollout.num_servers=2", "rollout.partial=true",
                        "rollout.max_staleness=2", "rollout.partial_extra_groups=6",
-                       "trainer.sft_warmup_steps=0",
+                       "trainer.warmup.steps=0",
                        "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=24",
                        "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
                        "rollout.top_k=20", "cluster.weight_sync=distributed",

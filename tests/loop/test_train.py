@@ -139,14 +139,14 @@ def test_saved_steps_convert_to_hf_and_exports_every_n_steps(trained_run, tmp_pa
 def test_colocated_engines_synced_over_gloo_serve_the_ema_policy_and_trm_removes_nothing(
         tmp_path):
     """Two colocated engines (they give their memory to the trainer for each update) get each
-    version broadcast over gloo in ~20 KB buckets; trainer.ema_policy from step 1 makes them
+    version broadcast over gloo in ~20 KB buckets; trainer.ema.policy from step 1 makes them
     serve the smoothed weights the trainer continues from, under Trust Region Masking: every
     step's samples come from the previous update's weights, the float32 engine equals the
     trainer (k3 ~ 0) and TRM removes nothing; one final policy is exported (the EMA)."""
     init_tiny_model(str(tmp_path / "model"))
     res = _train(tmp_path, 3, "cluster.weight_sync=distributed", "cluster.colocate=true",
                  "rollout.num_servers=2", "cluster.weight_sync_bucket_mb=0.02",
-                 "trainer.ema_decay=0.5", "trainer.ema_policy=true", "trainer.ema_start_step=1",
+                 "trainer.ema.decay=0.5", "trainer.ema.policy=true", "trainer.ema.start_step=1",
                  "algorithm.corrections=[trm]", "algorithm.correction.trm_delta=1e-3")
     rows = [json.loads(line) for line in
             (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -165,7 +165,7 @@ def _reward_run_command(tmp_path) -> list[str]:
     init_tiny_model(str(tmp_path / "model"))
     return [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
-           f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
+           f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.warmup.steps=0",
            "logging.progress=false", f"rollout.base_port={engine_base_port()}",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2"]
 
@@ -249,7 +249,7 @@ def _run_with_a_killer_reward(tmp_path, reward: str, *overrides: str) -> tuple[l
                KILL_AT="4", KILL_MATCH=str(tmp_path / "model"), KILL_ARGV="serve-reference")
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
-           f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=0",
+           f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.warmup.steps=0",
            "logging.progress=false", f"rollout.base_port={engine_base_port()}",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
            "data.reward=killer_reward:score", "trainer.export_hf=false", *overrides]
@@ -319,7 +319,7 @@ def test_two_deterministic_runs_are_bit_identical(tmp_path):
         work.mkdir()
         (work / "model").symlink_to(tmp_path / "model")
         _train(work, 2, "rollout.sglang.deterministic_inference=true", "trainer.export_hf=false",
-               "trainer.sft_warmup_steps=1")
+               "trainer.warmup.steps=1")
         rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text()
                 .splitlines()]
         runs.append([{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows])
@@ -336,7 +336,7 @@ def test_expert_parallel_export_streams_sharded_checkpoints_and_resumes_on_one_r
     init_tiny_model(str(tmp_path / "model"))
     _train(tmp_path, 2, "cluster.trainer_workers=2", "trainer.expert_parallel=2",
            "cluster.weight_sync_bucket_mb=0.02", "trainer.export_hf=false",
-           "trainer.sft_warmup_steps=1")
+           "trainer.warmup.steps=1")
     rows = [json.loads(line) for line in
             (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["weight_version/min"] for r in rows] == [0.0, 1.0]
@@ -351,7 +351,7 @@ def test_expert_parallel_export_streams_sharded_checkpoints_and_resumes_on_one_r
     before = {k: v for p in shards for k, v in load_file(p).items()}
     one_rank = ("cluster.trainer_workers=1", "trainer.expert_parallel=1",
                 "cluster.weight_sync_bucket_mb=0.02", "trainer.export_hf=false",
-                "trainer.sft_warmup_steps=1")
+                "trainer.warmup.steps=1")
     res = _train(tmp_path, 2, *one_rank, resume=True)   # nothing left to do: sync and stop
     assert "resharding" in res.stdout and "resuming at step 2" in res.stdout
     after = {k: v for p in (tmp_path / "run" / "weights" / "v2").glob("model-*.safetensors")
@@ -382,7 +382,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
     def command(run, resume):
         return [sys.executable, "-m", "moe_rl.cli", "train", "--config",
                 str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
-                f"logging.dir={run}", f"trainer.steps={steps}", "trainer.sft_warmup_steps=1",
+                f"logging.dir={run}", f"trainer.steps={steps}", "trainer.warmup.steps=1",
                 "trainer.save_interval=1", "logging.progress=false",
                 f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=2",
                 "rollout.n_samples_per_prompt=2", "rollout.sglang.deterministic_inference=true",

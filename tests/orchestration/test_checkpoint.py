@@ -95,7 +95,7 @@ def test_another_model_or_optimizer_is_refused_another_layout_resharded(tmp_path
                                "trainer.expert_parallel=2", "rollout.prompts_per_step=2"])
     assert checkpoint.open_checkpoint(path, other)["step"] == 1
     assert "resharding" in capsys.readouterr().out
-    for override, named in (("trainer.ema_decay=0.9", "ema: checkpoint False, this run True"),
+    for override, named in (("trainer.ema.decay=0.9", "ema: checkpoint False, this run True"),
                             ("model.dtype=bfloat16", "optimizer_dtype: checkpoint 'float32'")):
         changed = load_config(None, [f"model.path={cfg.model.path}", override,
                                      "cluster.gpus_per_node=8"])

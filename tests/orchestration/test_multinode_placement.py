@@ -54,7 +54,7 @@ def test_train_places_engines_on_their_nodes_and_gpus_as_planned(cluster, tmp_pa
                  "rollout.engine=sglang", f"rollout.sglang.python={_shim(tmp_path, shim_dir)}",
                  "rollout.sglang.tp_size=2", "rollout.num_servers=2",
                  "cluster.num_nodes=2", f"cluster.gpus_per_node={GPUS}",
-                 "cluster.trainer_workers=2", "trainer.steps=2", "trainer.sft_warmup_steps=1",
+                 "cluster.trainer_workers=2", "trainer.steps=2", "trainer.warmup.steps=1",
                  "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
                  "logging.progress=false"]
     planned = json.loads(subprocess.run(

@@ -41,7 +41,7 @@ def steps_of(run) -> list[int]:
 @pytest.mark.slow   # `make test-slow`: every line it runs is run in CI (suite_time.md)
 def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     run = tmp_path / "run"
-    base = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=1",
+    base = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=1",
             f"rollout.base_port={engine_base_port()}", "trainer.save_interval_minutes=0.0001", *SMALL]
     first = train(tmp_path, *base, "trainer.steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -138,7 +138,7 @@ def test_a_signal_finishes_the_step_checkpoints_it_and_the_printed_command_resum
     sends it) alike: the step in flight finishes and is checkpointed, nothing since the last
     save is lost, and the printed command resumes."""
     run = tmp_path / "run"
-    args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
+    args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
             "trainer.steps=100", "trainer.save_interval=0", "trainer.save_interval_minutes=0",
             "trainer.stop_grace_s=60", f"rollout.base_port={engine_base_port()}",
             "logging.log_interval=2", *SMALL]
@@ -188,7 +188,7 @@ def test_ctrl_c_twice_abandons_the_step_and_stops_everything(model, tmp_path):
         "import time\nfrom moe_rl.rewards.functions import toy_reward\n"
         "def slow(prompt, response, answer, metadata):\n"
         "    time.sleep(1.0)\n    return toy_reward(prompt, response, answer, metadata)\n")
-    args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
+    args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
             "trainer.steps=100", "trainer.save_interval=2", f"rollout.base_port={engine_base_port()}",
             "data.reward=slow_reward:slow", *SMALL]
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
@@ -247,7 +247,7 @@ def test_ctrl_c_while_the_engines_load_stops_the_start_up_at_once(model, tmp_pat
     (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_ENGINE_START)
     env = dict(os.environ, SLOW_ENGINE_START_S="600",
                PYTHONPATH=f"{tmp_path / 'site'}:{os.environ.get('PYTHONPATH', '')}")
-    args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
+    args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
             "trainer.steps=5", "trainer.stop_grace_s=300", "rollout.startup_timeout_s=900",
             f"rollout.base_port={engine_base_port()}", *SMALL]
     proc = _start(tmp_path, args, session=True, env=env)
@@ -286,7 +286,7 @@ def test_a_run_whose_ray_is_stopped_from_outside_says_so(model, tmp_path):
     in one line with the last checkpoint, not as a bare ActorDiedError."""
     import psutil
     run = tmp_path / "run"
-    args = [f"model.path={model}", f"logging.dir={run}", "trainer.sft_warmup_steps=0",
+    args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
             "trainer.steps=100", "trainer.save_interval=1", f"rollout.base_port={engine_base_port()}",
             *SMALL]
     proc = _start(tmp_path, args)

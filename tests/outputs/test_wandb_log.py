@@ -54,7 +54,7 @@ def _train(tmp, steps, *extra):
     from tests.helpers import engine_base_port
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp / 'model'}",
-           f"logging.dir={tmp / 'run'}", f"trainer.steps={steps}", "trainer.sft_warmup_steps=0",
+           f"logging.dir={tmp / 'run'}", f"trainer.steps={steps}", "trainer.warmup.steps=0",
            "trainer.save_interval=1", "logging.progress=false", f"rollout.base_port={engine_base_port()}",
            "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=2",
            "logging.wandb.enabled=true", "logging.wandb.mode=offline",

@@ -162,7 +162,7 @@ def test_an_evaluation_reads_its_sets_and_not_the_training_data(tmp_path):
     for train in ([f"data.sets=[{{path: {tmp_path / 'gone.jsonl'}}}]"],
                   ["data.source=jsonl", f"data.path={long}"]):
         cfg = load_config("tiny_cpu.yaml", [f"model.path={model}", *train,
-                                            "trainer.sft_warmup_steps=5",
+                                            "trainer.warmup.steps=5",
                                             f"eval.sets=[{{path: {held}, name: held}}]"])
         with pytest.raises(ConfigError, match=r"data\.(sets\[0\]\.path|answer_key)"):
             load_run_inputs(cfg)

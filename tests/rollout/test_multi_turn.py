@@ -369,7 +369,7 @@ def test_environment_refusals_through_moe_rl_config(agentic_model, tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     res = _cli("config", "--config", str(AGENTIC), f"model.path={agentic_model}",
                "data.environment=plain_env:Env", cwd=tmp_path, env=env)
-    assert res.returncode == 2 and "trainer.sft_warmup_steps: " in res.stderr
+    assert res.returncode == 2 and "trainer.warmup.steps: " in res.stderr
     assert "no demonstration(prompt)" in res.stderr
 
 
@@ -389,7 +389,7 @@ def _train(model, run_dir, *overrides, env=None, steps=2):
 def test_agentic_config_trains_with_r3(agentic_model, tmp_path):
     """The demo config through `moe-rl train`: warm start on the calculator's demonstrations,
     then RL steps with R3 on multi-turn trajectories."""
-    res, rows = _train(agentic_model, tmp_path / "run", "trainer.sft_warmup_steps=60")
+    res, rows = _train(agentic_model, tmp_path / "run", "trainer.warmup.steps=60")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "warm start: 60 supervised steps" in res.stdout
     for m in rows:
@@ -407,7 +407,7 @@ def test_agentic_config_trains_with_partial_rollouts(agentic_model, tmp_path):
     every segment compares with the trainer at its own version."""
     # k = 1: nothing launched ahead, so every continuation runs under the next version; one
     # group of 2 a step among 7 in flight: the abort finds trajectories mid-way
-    res, rows = _train(agentic_model, tmp_path / "run", "trainer.sft_warmup_steps=60",
+    res, rows = _train(agentic_model, tmp_path / "run", "trainer.warmup.steps=60",
                        "rollout.partial=true", "rollout.max_staleness=1",
                        "rollout.partial_stale=mask", "rollout.partial_mask_offpolicy=true",
                        "rollout.prompts_per_step=1", "rollout.n_samples_per_prompt=2",
@@ -489,7 +489,7 @@ def test_two_turn_zero_mismatch_invariant(agentic_model, tmp_path, env_module, m
              "engine_avg", "algorithm.pi_old_passes=2"] if mode.startswith("mask") else \
         ["algorithm.pi_old=trainer"]
     res, rows = _train(agentic_model, tmp_path / "run", "data.environment=two_turn_envs:TwoTurns",
-                       "trainer.sft_warmup_steps=0", "rollout.temperature=0.8",
+                       "trainer.warmup.steps=0", "rollout.temperature=0.8",
                        "algorithm.corrections=[seq_mis,icepop]", *extra, env=env_module,
                        steps=1)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -511,7 +511,7 @@ def test_failing_and_hanging_environments_lose_their_trajectories_and_the_run_go
     rollout/env_timeouts) and named in the log; the run ends normally."""
     res, rows = _train(agentic_model, tmp_path / "run",
                        "data.environment=two_turn_envs:FailsOrHangs",
-                       "trainer.sft_warmup_steps=0", "data.environment_timeout_s=2",
+                       "trainer.warmup.steps=0", "data.environment_timeout_s=2",
                        env=env_module)
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(rows) == 2
@@ -527,7 +527,7 @@ def test_failing_and_hanging_environments_lose_their_trajectories_and_the_run_go
 def test_an_environment_failing_on_every_trajectory_stops_the_run(agentic_model, tmp_path,
                                                                   env_module):
     res, rows = _train(agentic_model, tmp_path / "broken",
-                       "data.environment=two_turn_envs:Broken", "trainer.sft_warmup_steps=0",
+                       "data.environment=two_turn_envs:Broken", "trainer.warmup.steps=0",
                        env=env_module)
     assert res.returncode != 0
     assert "data.environment: two_turn_envs:Broken failed on every trajectory" in res.stderr

@@ -117,7 +117,7 @@ def test_ema_policy_moves_bf16_master_weights_as_float32_does(tiny):
     path, _ = tiny
     runs = {}
     for dtype in ("bfloat16", "float32"):
-        trainer = PolicyTrainer(make_cfg(path, dtype, lr=1e-4, ema_decay=0.99, ema_policy=True),
+        trainer = PolicyTrainer(make_cfg(path, dtype, lr=1e-4, ema={"decay": 0.99, "policy": True}),
                                 path)
         params = dict(trainer.model.module.named_parameters())
         start = {n: main_weights(p).detach().clone().double() for n, p in params.items()}
@@ -152,7 +152,7 @@ def test_resume_continues_adam_exactly(tiny, tmp_path, adam, dtype):
     path, hf_model = tiny
 
     def cfg():
-        return make_cfg(path, dtype, ema_decay=0.5, ema_policy=True, ema_start_step=1)
+        return make_cfg(path, dtype, ema={"decay": 0.5, "policy": True, "start_step": 1})
     batches = [engine_samples(hf_model, seed=10 + i) for i in range(2)]
     run = PolicyTrainer(cfg(), path)
     run.train_step(copy.deepcopy(batches[0]))

@@ -117,7 +117,7 @@ def test_resume_is_bit_identical(tiny, tmp_path, ema_policy):
     def cfg():
         c = make_cfg(path, corrections=["metropolis"])
         if ema_policy:   # the EMA policy, smoothing from step 1: checkpointed and resumed
-            c.trainer.ema_decay, c.trainer.ema_policy, c.trainer.ema_start_step = 0.5, True, 1
+            c.trainer.ema.decay, c.trainer.ema.policy, c.trainer.ema.start_step = 0.5, True, 1
         return c
     batches = [engine_samples(hf_model, seed=10 + i) for i in range(3)]
     run = PolicyTrainer(cfg(), path)
@@ -290,7 +290,7 @@ def test_ema_follows_the_polyak_formula_and_is_what_gets_exported(tiny, tmp_path
     from safetensors.torch import load_file
     path, hf_model = tiny
     cfg = make_cfg(path)
-    cfg.trainer.ema_decay, cfg.trainer.mini_batches, cfg.trainer.lr = 0.6, 2, 1e-2
+    cfg.trainer.ema.decay, cfg.trainer.mini_batches, cfg.trainer.lr = 0.6, 2, 1e-2
     trainer = PolicyTrainer(cfg, path)
     params = dict(trainer.model.module.named_parameters())
     expected = {n: p.detach().double().clone() for n, p in params.items()}
@@ -318,13 +318,13 @@ def test_ema_follows_the_polyak_formula_and_is_what_gets_exported(tiny, tmp_path
 
 
 def test_ema_policy_replaces_the_weights_from_its_start_step(tiny):
-    """trainer.ema_policy: after each optimizer step the weights become the EMA, e_k = d e_{k-1}
+    """trainer.ema.policy: after each optimizer step the weights become the EMA, e_k = d e_{k-1}
     + (1 - d) p_k (p_k the weights the optimizer step produced, from e_{k-1}), in float64; before
     ema_start_step (RL step 1 here) d is 0, the weights stay raw. The optimizer continues from
     the EMA: a step that changes nothing (learning rate 0) leaves the EMA weights in place."""
     path, hf_model = tiny
     cfg = make_cfg(path)
-    cfg.trainer.ema_decay, cfg.trainer.ema_policy, cfg.trainer.ema_start_step = 0.6, True, 1
+    cfg.trainer.ema.decay, cfg.trainer.ema.policy, cfg.trainer.ema.start_step = 0.6, True, 1
     cfg.trainer.mini_batches, cfg.trainer.lr = 2, 1e-2
     trainer = PolicyTrainer(cfg, path)
     params = dict(trainer.model.module.named_parameters())

@@ -1,0 +1,66 @@
+"""Keys that moved into a section (issue 79: a component receives its section): each old
+dotted name and its new one. A configuration, an override, a run directory's or checkpoint's
+saved ``config.yaml`` that uses an old name still loads, with a one-line warning naming the
+new one; giving both is refused."""
+from __future__ import annotations
+
+import sys
+
+from moe_rl.errors import ConfigError
+
+MOVED_KEYS = {
+    "trainer.ema_decay": "trainer.ema.decay",
+    "trainer.ema_policy": "trainer.ema.policy",
+    "trainer.ema_start_step": "trainer.ema.start_step",
+    "trainer.sft_warmup_steps": "trainer.warmup.steps",
+    "trainer.sft_lr": "trainer.warmup.lr",
+}
+
+
+def _warn(old: str, new: str) -> None:
+    print(f"warning: {old} is now {new} (the old name still loads; rename it)",
+          file=sys.stderr, flush=True)
+
+
+def moved_key(key: str, warn: bool = True) -> str:
+    """The current name of dotted key ``key`` (an override's), warning when it is an old one."""
+    new = MOVED_KEYS.get(key)
+    if new is None:
+        return key
+    if warn:
+        _warn(key, new)
+    return new
+
+
+def move_keys(tree: dict, warn: bool = True) -> dict:
+    """``tree`` (a nested configuration mapping) with every old key moved to its new place (in
+    place; returned). ConfigError when a key is given under both names."""
+    for old, new in MOVED_KEYS.items():
+        *old_path, old_name = old.split(".")
+        node = tree
+        for part in old_path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or old_name not in node:
+            continue
+        value = node.pop(old_name)
+        *new_path, new_name = new.split(".")
+        target = tree
+        for part in new_path:
+            if target.get(part) is None:
+                target[part] = {}
+            target = target[part]
+            if not isinstance(target, dict):
+                raise ConfigError(f"{new}: its section is given as a value; {old} cannot move "
+                                  f"there")
+        if new_name in target:
+            raise ConfigError(f"{old} and {new}: the same key under its old and new names; "
+                              f"keep {new}")
+        target[new_name] = value
+        if warn:
+            _warn(old, new)
+    return tree
+
+
+def moved_flat(flat: dict) -> dict:
+    """A flat ``{dotted key: value}`` mapping with old names replaced by the new ones."""
+    return {MOVED_KEYS.get(k, k): v for k, v in flat.items()}

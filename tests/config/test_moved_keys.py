@@ -1,0 +1,89 @@
+"""Keys that moved into a section (moe_rl/config/moved_keys.py) keep loading under their old
+names, key by key: from a YAML file, an override and a saved run's config.yaml, each with a
+one-line warning naming the new key; both names at once are refused; a resume compares a run
+saved under the old names with the new ones."""
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from moe_rl.config import ConfigError, config_from_dict, dump_config, load_config
+from moe_rl.config.moved_keys import MOVED_KEYS
+
+# (old key, new key, a value that is not the default)
+MOVES = [("trainer.ema_decay", "trainer.ema.decay", 0.9),
+         ("trainer.ema_policy", "trainer.ema.policy", True),
+         ("trainer.ema_start_step", "trainer.ema.start_step", 3),
+         ("trainer.sft_warmup_steps", "trainer.warmup.steps", 7),
+         ("trainer.sft_lr", "trainer.warmup.lr", 0.02)]
+
+
+def _value(cfg, dotted):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _nested(dotted, value):
+    tree = value
+    for part in reversed(dotted.split(".")):
+        tree = {part: tree}
+    return tree
+
+
+def _with_ema(tree):   # the EMA's policy and start step need its decay (given by its new name)
+    tree.setdefault("trainer", {}).setdefault("ema", {}).setdefault("decay", 0.5)
+    return tree
+
+
+NEEDS_DECAY = ("trainer.ema_policy", "trainer.ema_start_step")
+
+
+def test_every_moved_key_is_tested_here():
+    assert MOVED_KEYS == {old: new for old, new, _ in MOVES}
+
+
+@pytest.mark.parametrize("old,new,value", MOVES, ids=[m[0] for m in MOVES])
+def test_an_old_key_loads_in_its_new_place_with_a_warning(old, new, value, tmp_path, capsys):
+    extra = ["trainer.ema.decay=0.5"] if old in NEEDS_DECAY else []
+    cfg = load_config(None, [f"{old}={value}", *extra])   # an override
+    assert _value(cfg, new) == value
+    assert f"warning: {old} is now {new}" in capsys.readouterr().err
+    path = tmp_path / "old.yaml"   # a file
+    tree = _nested(old, value)
+    path.write_text(yaml.safe_dump(_with_ema(tree) if old in NEEDS_DECAY else tree))
+    assert _value(load_config(path), new) == value
+    assert f"warning: {old} is now {new}" in capsys.readouterr().err
+    saved = yaml.safe_load(dump_config(cfg))   # a saved config.yaml, written with old names
+    parent, name = new.rsplit(".", 1)
+    section = saved
+    for part in parent.split("."):
+        section = section[part]
+    section.pop(name)
+    saved["trainer"][old.split(".")[1]] = value
+    assert _value(config_from_dict(saved), new) == value
+    with pytest.raises(ConfigError, match=f"{old} and {new}: the same key under its old and new"):
+        load_config(None, [f"{old}={value}", f"{new}={value}", *extra])
+
+
+def test_a_resume_compares_a_run_saved_under_the_old_names(tmp_path):
+    from moe_rl.orchestration.run_dir import resume_changes
+    saved = yaml.safe_load(dump_config(load_config(None, ["trainer.ema.decay=0.9"])))
+    saved["trainer"]["ema_decay"] = saved["trainer"]["ema"].pop("decay")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(saved))
+    assert resume_changes(str(path), load_config(None, ["trainer.ema.decay=0.9"])) == []
+    assert resume_changes(str(path), load_config(None, ["trainer.ema.decay=0.8"])) == [
+        ("trainer.ema.decay", 0.9, 0.8)]
+
+
+def test_the_cli_says_the_new_name_of_an_old_key(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("trainer:\n  sft_warmup_steps: 4\n")
+    res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "config", "--no-inputs", "--config",
+                          str(path)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.count("warning: trainer.sft_warmup_steps is now trainer.warmup.steps") == 1
+    assert "warmup:\n    steps: 4" in res.stdout
