@@ -29,7 +29,7 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-COMMON = ["logging.progress=false", "trainer.export_hf=false"]
+COMMON = ["logging.progress=false", "trainer.checkpoint.export_hf=false"]
 MEDIUM = ["model.init.hidden_size=256", "model.init.num_hidden_layers=8",
           "model.init.num_attention_heads=8", "model.init.num_key_value_heads=4",
           "model.init.head_dim=32", "model.init.moe_intermediate_size=128",

@@ -74,7 +74,8 @@ SERVE = {"control_fp32": ("float32", "none"), "bf16": ("bfloat16", "none"),
 BASE = ["algorithm.loss=ppo", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
         "algorithm.aggregation=token-mean", "algorithm.pi_old=trainer", "trainer.epochs=2",
         "trainer.mini_batches=2", "trainer.micro_batch_size=32", "trainer.warmup.steps=0",
-        "trainer.export_hf=false", "trainer.save_interval=0", "trainer.save_interval_minutes=600",
+        "trainer.checkpoint.export_hf=false", "trainer.checkpoint.interval=0",
+        "trainer.checkpoint.interval_minutes=600",
         "logging.progress=false", "rollout.prompts_per_step=8", "rollout.n_samples_per_prompt=8",
         "rollout.max_new_tokens=4"]
 ARMS = {

@@ -34,7 +34,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MEDIAN, SIGMA, SIZE, CAP = 6, 0.8, 200, 64
-COMMON = ["logging.progress=false", "trainer.export_hf=false", "data.source=jsonl",
+COMMON = ["logging.progress=false", "trainer.checkpoint.export_hf=false", "data.source=jsonl",
           "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=8",
           f"rollout.max_new_tokens={CAP}", "trainer.warmup.steps=30"]
 PARTIAL = ["rollout.max_staleness=2", "rollout.partial=true"]

@@ -67,7 +67,7 @@ def run(concurrency: int) -> list[dict]:
                 [sys.executable, "-m", "moe_rl.cli", "train", "--config", CONFIG,
                  f"model.path={tmp}/model", f"logging.dir={tmp}/run", f"trainer.steps={STEPS}",
                  "trainer.warmup.steps=0", "logging.progress=false",
-                 "trainer.export_hf=false", f"rollout.base_port={free_port()}",
+                 "trainer.checkpoint.export_hf=false", f"rollout.base_port={free_port()}",
                  f"rollout.prompts_per_step={GROUPS}", f"rollout.n_samples_per_prompt={SAMPLES}",
                  f"rollout.concurrency={concurrency}", f"data.reward_service.url={url}",
                  f"data.reward_service.batch_size={SAMPLES}",

@@ -24,7 +24,7 @@ def run(config: str, model: pathlib.Path, out: pathlib.Path, steps: int, check: 
     from moe_rl.trainer.parallel import free_port
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config", config,
                     f"model.path={model}", f"logging.dir={out}", f"trainer.steps={steps}",
-                    "trainer.warmup.steps=0", "trainer.export_hf=false",
+                    "trainer.warmup.steps=0", "trainer.checkpoint.export_hf=false",
                     "logging.progress=false", f"rollout.base_port={free_port()}",
                     f"rollout.weight_check={str(check).lower()}"],
                    check=True, capture_output=True, timeout=1800, cwd=out.parent)

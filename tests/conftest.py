@@ -48,7 +48,7 @@ def trained_run(tmp_path_factory):
                             str(ROOT / "configs" / "tiny_cpu.yaml"), "--out", str(base / "model")],
                            check=True, capture_output=True, timeout=120)
             train_cli(base, 3, "algorithm.corrections=[icepop,seq_mis]",
-                      "trainer.export_hf_interval=2")
+                      "trainer.checkpoint.export_hf_interval=2")
             (base / "done").touch()
     return base
 

@@ -230,7 +230,7 @@ def train_cli(workdir, steps, *extra, resume=False, config="tiny_cpu.yaml"):
         cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
                str(ROOT / "configs" / config), f"model.path={workdir / 'model'}",
                f"logging.dir={workdir / 'run'}", f"trainer.steps={steps}",
-               "trainer.warmup.steps=2", "trainer.save_interval=2", "logging.progress=false",
+               "trainer.warmup.steps=2", "trainer.checkpoint.interval=2", "logging.progress=false",
                f"rollout.base_port={busy.getsockname()[1]}", "rollout.prompts_per_step=4",
                "rollout.n_samples_per_prompt=4", *extra]
         if resume:

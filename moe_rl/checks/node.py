@@ -172,7 +172,7 @@ def _model_params(model_path: str) -> int | None:
 
 
 def check_disk(cfg: Config) -> Finding:
-    """Free space under logging.dir for ``trainer.keep_checkpoints`` + 1 checkpoints (one is
+    """Free space under logging.dir for ``trainer.checkpoint.keep`` + 1 checkpoints (one is
     written before the oldest goes) and the HF exports."""
     where = _existing(cfg.logging.dir)
     free = shutil.disk_usage(where).free
@@ -185,13 +185,13 @@ def check_disk(cfg: Config) -> Finding:
         return Finding("disk", "ok", f"{free / 2**30:.1f} GiB free at {where} (model.path has "
                        f"no safetensors yet: need unknown)")
     export = 4 if cfg.model.dtype == "float32" else 2
-    need = params * ((cfg.trainer.keep_checkpoints + 1) * CHECKPOINT_BYTES_PER_PARAM + 2 * export)
-    text = (f"{free / 2**30:.1f} GiB free at {where}; {cfg.trainer.keep_checkpoints + 1} "
+    need = params * ((cfg.trainer.checkpoint.keep + 1) * CHECKPOINT_BYTES_PER_PARAM + 2 * export)
+    text = (f"{free / 2**30:.1f} GiB free at {where}; {cfg.trainer.checkpoint.keep + 1} "
             f"checkpoints and 2 exports of {params / 1e9:.3g}B parameters need "
             f"~{need / 2**30:.1f} GiB")
     if free < need:
         return Finding("disk", "fail", text, "free space there, point logging.dir elsewhere, or "
-                       "lower trainer.keep_checkpoints")
+                       "lower trainer.checkpoint.keep")
     return Finding("disk", "ok", text)
 
 

@@ -316,7 +316,7 @@ def load_config(path: str | os.PathLike | None = None,
 
 # file and folder keys; relative ones resolve against the current directory when the config is
 # loaded (so every process of the run, on every node, sees the same absolute path)
-PATH_KEYS = ("model.path", "data.path", "logging.dir", "trainer.checkpoint_dir",
+PATH_KEYS = ("model.path", "data.path", "logging.dir", "trainer.checkpoint.dir",
              "data.sets[].path", "eval.sets[].path")
 # the data files among them: one not found under the current directory is looked for beside
 # the config file (a shipped config's data, wherever the package is installed)

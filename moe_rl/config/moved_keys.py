@@ -14,6 +14,13 @@ MOVED_KEYS = {
     "trainer.ema_start_step": "trainer.ema.start_step",
     "trainer.sft_warmup_steps": "trainer.warmup.steps",
     "trainer.sft_lr": "trainer.warmup.lr",
+    "trainer.save_interval": "trainer.checkpoint.interval",
+    "trainer.save_interval_minutes": "trainer.checkpoint.interval_minutes",
+    "trainer.stop_grace_s": "trainer.checkpoint.stop_grace_s",
+    "trainer.checkpoint_dir": "trainer.checkpoint.dir",
+    "trainer.keep_checkpoints": "trainer.checkpoint.keep",
+    "trainer.export_hf": "trainer.checkpoint.export_hf",
+    "trainer.export_hf_interval": "trainer.checkpoint.export_hf_interval",
 }
 
 

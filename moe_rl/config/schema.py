@@ -338,6 +338,24 @@ class WarmupConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    interval: int = _f(50, "checkpoint every n steps (0 = by time and at the end only)",
+                       **_rng(0))
+    interval_minutes: float = _f(30.0, "also checkpoint when this many minutes passed since the "
+                                 "last checkpoint (whichever of steps or minutes comes first; 0 "
+                                 "= by steps only)", **_rng(0))
+    stop_grace_s: float = _f(120.0, "on SIGINT / SIGTERM / SIGUSR1, seconds the current step and "
+                             "its checkpoint may still take; past them the step is abandoned",
+                             **_rng(0, lo_open=True))
+    dir: str | None = _f(None, "checkpoint folder (null = <logging.dir>/checkpoints)")
+    keep: int = _f(2, "saved steps kept (iter_NNNNNNN/ folders; older ones are removed once a "
+                   "newer one is complete)", **_rng(1, 10000, why="checkpoints kept on disk"))
+    export_hf: bool = _f(True, "export the final policy as a Hugging Face model")
+    export_hf_interval: int = _f(0, "also export the policy as a Hugging Face model every n "
+                                 "steps, to <logging.dir>/hf/iter_NNNNNNN (0 = never)", **_rng(0))
+
+
+@dataclass
 class TrainerConfig:
     steps: int = _f(20, "RL steps", **_rng(1))
     seed: int = _f(1234, "global seed", **_rng(0, 2 ** 32 - 1))
@@ -391,21 +409,8 @@ class TrainerConfig:
                                         "batch's tokens per expert (0 = frozen, the default)",
                                         **_rng(0))
     warmup: WarmupConfig = _sub(WarmupConfig, "the supervised warm start before RL")
-    save_interval: int = _f(50, "checkpoint every n steps (0 = by time and at the end only)",
-                            **_rng(0))
-    save_interval_minutes: float = _f(30.0, "also checkpoint when this many minutes passed since "
-                                      "the last checkpoint (whichever of steps or minutes comes "
-                                      "first; 0 = by steps only)", **_rng(0))
-    stop_grace_s: float = _f(120.0, "on SIGINT / SIGTERM / SIGUSR1, seconds the current step and "
-                             "its checkpoint may still take; past them the step is abandoned",
-                             **_rng(0, lo_open=True))
-    checkpoint_dir: str | None = _f(None, "checkpoint folder (null = <logging.dir>/checkpoints)")
-    keep_checkpoints: int = _f(2, "saved steps kept (iter_NNNNNNN/ folders; older ones are "
-                               "removed once a newer one is complete)",
-        **_rng(1, 10000, why="checkpoints kept on disk"))
-    export_hf: bool = _f(True, "export the final policy as a Hugging Face model")
-    export_hf_interval: int = _f(0, "also export the policy as a Hugging Face model every n "
-                                 "steps, to <logging.dir>/hf/iter_NNNNNNN (0 = never)", **_rng(0))
+    checkpoint: CheckpointConfig = _sub(CheckpointConfig, "what the run saves and when: its "
+                                        "checkpoints, Hugging Face exports, the stop's grace")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Run checkpoints: one directory per saved step (``iter_0000100/``), written under a temporary
 name and renamed when complete, then the tracker file (``latest_checkpointed_iteration.txt``)
-replaced atomically; the last ``trainer.keep_checkpoints`` are kept. A directory holds the
+replaced atomically; the last ``trainer.checkpoint.keep`` are kept. A directory holds the
 trainer state (``trainer/dist``: weights, Adam state and EMA as megatron-core ``dist_checkpointing``
 shards that any parallel layout can load; ``trainer/rank{r}.pt``: each rank's scheduler, counters
 and RNG states), the loop state (step, data sampler), the resolved config, the model and layout
@@ -92,7 +92,7 @@ def save(trainers, loop_state: dict, cfg: Config, ckpt_dir: str, step: int) -> s
     except BaseException:
         remove_owned(tmp)
         raise
-    _prune(ckpt_dir, cfg.trainer.keep_checkpoints, step)
+    _prune(ckpt_dir, cfg.trainer.checkpoint.keep, step)
     return final
 
 

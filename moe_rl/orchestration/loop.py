@@ -162,7 +162,7 @@ class StepLoop:
         # after the sync it names
         if eval_due(cfg.eval, cfg.trainer.steps, step + 1) and not run.stop.signum:
             run.evals.append(run_eval(run.rollout, run.logger, step + 1))
-        every = cfg.trainer.export_hf_interval
+        every = cfg.trainer.checkpoint.export_hf_interval
         if every and (step + 1) % every == 0:
             run.trainers.export(os.path.join(run.dir, "hf", f"iter_{step + 1:07d}"))
 
@@ -252,11 +252,12 @@ def run_eval(rollout, logger: MetricsLogger, done: int) -> dict:
 
 def checkpoint_due(cfg: Config, done: int, since_save_s: float) -> bool:
     """Whether a checkpoint is due after ``done`` steps, ``since_save_s`` seconds after the last:
-    at the last step, every ``trainer.save_interval`` steps, or ``save_interval_minutes`` after
+    at the last step, every ``trainer.checkpoint.interval`` steps, or ``interval_minutes`` after
     the last save, whichever comes first."""
     t = cfg.trainer
-    return (done == t.steps or bool(t.save_interval and done % t.save_interval == 0)
-            or bool(t.save_interval_minutes and since_save_s >= 60 * t.save_interval_minutes))
+    c = t.checkpoint
+    return (done == t.steps or bool(c.interval and done % c.interval == 0)
+            or bool(c.interval_minutes and since_save_s >= 60 * c.interval_minutes))
 
 
 def check_batch(cfg: Config, summary: BatchSummary, failed_batches: int) -> None:
@@ -278,8 +279,8 @@ def check_batch(cfg: Config, summary: BatchSummary, failed_batches: int) -> None
 
 def export_final(cfg: Config, trainers: Trainers) -> None:
     """The final policy as a HF model in ``<run>/final_hf`` (with an EMA: the EMA there, the raw
-    weights in ``final_hf_raw``), when ``trainer.export_hf``."""
-    if not cfg.trainer.export_hf:
+    weights in ``final_hf_raw``), when ``trainer.checkpoint.export_hf``."""
+    if not cfg.trainer.checkpoint.export_hf:
         return
     final = os.path.join(cfg.logging.dir, "final_hf")
     if cfg.trainer.ema.decay is not None and not cfg.trainer.ema.policy:   # EMA released

@@ -79,7 +79,7 @@ class Run:
         self.engines: ServedEngines | None = None
         self.trainers = self.rollout = self.weights = self.reservation = None
         self.abandoned = self.lost = self.outside = None
-        self.stop = StopRequest(cfg.trainer.stop_grace_s)
+        self.stop = StopRequest(cfg.trainer.checkpoint.stop_grace_s)
         self._own_ray = False   # this run connected Ray (and shuts it down at its end)
         self._exit = contextlib.ExitStack()
 

@@ -21,9 +21,10 @@ RUN_MARKERS = ("config.yaml", "metrics.jsonl", "tb", "checkpoints")
 # served, and time limits; every other key shapes what the run learns and must match the
 # checkpoint's (or be named with --allow-change)
 RESUMABLE = {
-    "trainer.steps", "trainer.save_interval", "trainer.save_interval_minutes",
-    "trainer.keep_checkpoints", "trainer.checkpoint_dir", "trainer.export_hf",
-    "trainer.export_hf_interval", "trainer.stop_grace_s", "trainer.tensor_parallel",
+    "trainer.steps", "trainer.checkpoint.interval", "trainer.checkpoint.interval_minutes",
+    "trainer.checkpoint.keep", "trainer.checkpoint.dir", "trainer.checkpoint.export_hf",
+    "trainer.checkpoint.export_hf_interval", "trainer.checkpoint.stop_grace_s",
+    "trainer.tensor_parallel",
     "trainer.pipeline_parallel", "trainer.expert_parallel", "trainer.context_parallel",
     "trainer.sequence_parallel", "trainer.recompute_activations", "trainer.experts",
     "model.path",
@@ -44,9 +45,9 @@ RESUMABLE_PREFIXES = ("cluster.", "logging.", "model.init.", "eval.")   # eval n
 
 
 def checkpoint_dir(cfg: Config) -> str:
-    """Where the run's checkpoints go (``trainer.checkpoint_dir`` or
+    """Where the run's checkpoints go (``trainer.checkpoint.dir`` or
     ``<logging.dir>/checkpoints``)."""
-    return cfg.trainer.checkpoint_dir or os.path.join(cfg.logging.dir, "checkpoints")
+    return cfg.trainer.checkpoint.dir or os.path.join(cfg.logging.dir, "checkpoints")
 
 
 def holds_run(path: str) -> bool:
@@ -69,18 +70,18 @@ def _aside(path: str) -> str:
 
 def prepare(cfg: Config, resume: bool, overwrite: bool) -> None:
     """Check that a new run may write into ``logging.dir`` (and a separate
-    ``trainer.checkpoint_dir``). A resumed run continues the run there. Otherwise a directory
+    ``trainer.checkpoint.dir``). A resumed run continues the run there. Otherwise a directory
     that holds a run is refused (UserError naming ``--resume``, a new ``logging.dir`` and
     ``--overwrite``) or, with ``overwrite``, moved aside to ``<dir>.old-N`` (said on stdout)."""
     run, ckpt = cfg.logging.dir, checkpoint_dir(cfg)
-    for key, path in (("logging.dir", run), ("trainer.checkpoint_dir", ckpt)):
+    for key, path in (("logging.dir", run), ("trainer.checkpoint.dir", ckpt)):
         _check_writable_dir(key, path)
         check_contents(key, path)
     if resume:
         return
     _check_exports_free(run)
     taken = [p for p in (run,) if holds_run(p)]
-    if cfg.trainer.checkpoint_dir and _has_checkpoints(ckpt):
+    if cfg.trainer.checkpoint.dir and _has_checkpoints(ckpt):
         taken.append(ckpt)
     if not taken:
         return

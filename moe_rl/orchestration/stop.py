@@ -1,8 +1,8 @@
 """Clean stops of a run on a signal. SIGINT (Ctrl-C), SIGTERM (Slurm's preemption and
 ``scancel``) and SIGUSR1 (``sbatch --signal``) ask the loop to stop after the current step and
 to checkpoint that step (nothing since the last save is lost).
-The step and its checkpoint get ``trainer.stop_grace_s`` seconds; past them, or on a second
-signal, the step is abandoned (nothing more is saved). During the run's start-up (engines
+The step and its checkpoint get ``trainer.checkpoint.stop_grace_s`` seconds; past them, or on a
+second signal, the step is abandoned (nothing more is saved). During the run's start-up (engines
 loading, the trainer built, the warm start) there is no step to finish: the first signal ends
 it at once. The run then stops its engines and Ray and ``moe-rl`` prints one line: where the
 last checkpoint is and the command that resumes."""
@@ -101,8 +101,8 @@ class StopRequest:
             signal.setitimer(signal.ITIMER_REAL, self.grace_s)
             return
         print(f"{self.name}: finishing the current step (at most {self.grace_s:g} s, "
-              f"trainer.stop_grace_s), then checkpoint it, stop; send it again to abandon the "
-              f"step now",
+              f"trainer.checkpoint.stop_grace_s), then checkpoint it, stop; send it again to "
+              f"abandon the step now",
               file=sys.stderr, flush=True)
         signal.setitimer(signal.ITIMER_REAL, self.grace_s)
 
@@ -114,4 +114,5 @@ class StopRequest:
             raise Abandoned(self.STARTUP)
 
     def _on_alarm(self, signum, frame) -> None:
-        raise Abandoned(f"the grace period of {self.grace_s:g} s (trainer.stop_grace_s) ran out")
+        raise Abandoned(f"the grace period of {self.grace_s:g} s "
+                        f"(trainer.checkpoint.stop_grace_s) ran out")

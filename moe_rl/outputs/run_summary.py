@@ -53,7 +53,7 @@ def run_summary(history: list[dict], cfg, seconds: float, checkpoint: str | None
              f"  run directory {cfg.logging.dir}; last checkpoint {checkpoint or 'none'}"]
     if eval_line(list(evals)):
         lines.insert(2, eval_line(list(evals)))
-    if cfg.trainer.export_hf:
+    if cfg.trainer.checkpoint.export_hf:
         lines.append(f"  final policy (HF) {os.path.join(cfg.logging.dir, 'final_hf')}")
     return "\n".join(lines)
 

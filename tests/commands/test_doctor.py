@@ -122,7 +122,7 @@ def test_too_little_disk_for_the_checkpoints_fails(capsys, monkeypatch, tmp_path
                         lambda p: usage._replace(free=1 << 20))
     rc, found = doctor(capsys, f"model.path={tmp_path}/model", f"logging.dir={tmp_path}/run/a")
     assert rc == 1 and found["disk"]["status"] == "fail"
-    assert "trainer.keep_checkpoints" in found["disk"]["fix"]
+    assert "trainer.checkpoint.keep" in found["disk"]["fix"]
 
 
 @pytest.mark.parametrize("kind,status", [("ext4", "fail"), ("nfs4", "ok"), ("lustre", "ok"),

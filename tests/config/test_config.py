@@ -607,10 +607,10 @@ def test_every_shipped_config_states_its_checkpoint_interval():
     configs = sorted((pathlib.Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
     assert len(configs) >= 5
     for path in configs:
-        trainer = yaml.safe_load(path.read_text())["trainer"]
-        assert trainer.get("save_interval", 0) > 0 and trainer.get("save_interval_minutes", 0) > 0, \
-            path.name
-    assert TrainerConfig().save_interval > 0 and TrainerConfig().save_interval_minutes > 0
+        saved = yaml.safe_load(path.read_text())["trainer"].get("checkpoint", {})
+        assert saved.get("interval", 0) > 0 and saved.get("interval_minutes", 0) > 0, path.name
+    c = TrainerConfig().checkpoint
+    assert c.interval > 0 and c.interval_minutes > 0
 
 
 def test_readme_and_the_manual_name_the_same_libraries():
@@ -818,7 +818,7 @@ def test_gpt_oss_in_float16_on_sglang_is_warned_about_its_bfloat16_sinks(tmp_pat
 
 
 def test_every_numeric_key_has_a_top():
-    """trainer.steps=10**400 crashed after step 1, trainer.stop_grace_s=1e10 at the stop
+    """trainer.steps=10**400 crashed after step 1, trainer.checkpoint.stop_grace_s=1e10 at the stop
     (setitimer), data.reward_abs_max=1e300 at the first reward: every int and float key is
     refused above its bound when the config loads, naming the key."""
     from moe_rl.config import iter_keys

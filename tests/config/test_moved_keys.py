@@ -16,7 +16,14 @@ MOVES = [("trainer.ema_decay", "trainer.ema.decay", 0.9),
          ("trainer.ema_policy", "trainer.ema.policy", True),
          ("trainer.ema_start_step", "trainer.ema.start_step", 3),
          ("trainer.sft_warmup_steps", "trainer.warmup.steps", 7),
-         ("trainer.sft_lr", "trainer.warmup.lr", 0.02)]
+         ("trainer.sft_lr", "trainer.warmup.lr", 0.02),
+         ("trainer.save_interval", "trainer.checkpoint.interval", 7),
+         ("trainer.save_interval_minutes", "trainer.checkpoint.interval_minutes", 5.0),
+         ("trainer.stop_grace_s", "trainer.checkpoint.stop_grace_s", 30.0),
+         ("trainer.checkpoint_dir", "trainer.checkpoint.dir", "/srv/ckpt"),
+         ("trainer.keep_checkpoints", "trainer.checkpoint.keep", 3),
+         ("trainer.export_hf", "trainer.checkpoint.export_hf", False),
+         ("trainer.export_hf_interval", "trainer.checkpoint.export_hf_interval", 4)]
 
 
 def _value(cfg, dotted):

@@ -56,7 +56,7 @@ def _submit(cluster, work, name: str) -> int:
         "-N", "2", "--gpus-per-node=0", f"--output={work / name}-%j.out", str(SCRIPT),
         f"model.path={work / 'model'}", f"logging.dir={work / name}",
         "cluster.trainer_workers=2", "cluster.cpus_per_worker=0.5", f"trainer.steps={STEPS}",
-        "trainer.save_interval=1", "trainer.warmup.steps=0", "rollout.prompts_per_step=2",
+        "trainer.checkpoint.interval=1", "trainer.warmup.steps=0", "rollout.prompts_per_step=2",
         "rollout.n_samples_per_prompt=2", "rollout.sglang.deterministic_inference=true",
         "logging.progress=false", cwd=work, env=env)
 

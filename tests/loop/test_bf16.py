@@ -137,7 +137,7 @@ def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_c
     res = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(ROOT / "configs" / config),
          f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
-         "logging.progress=false", "trainer.steps=3", "trainer.save_interval=3",
+         "logging.progress=false", "trainer.steps=3", "trainer.checkpoint.interval=3",
          f"rollout.base_port={engine_base_port()}", *CPU_SCALE, *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]

@@ -27,7 +27,7 @@ def train(model, run, *overrides, resume=()):
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={model}", f"logging.dir={run}",
          f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=2",
          "rollout.n_samples_per_prompt=2", "trainer.warmup.steps=2",
-         "trainer.save_interval=1", "rollout.sglang.deterministic_inference=true",
+         "trainer.checkpoint.interval=1", "rollout.sglang.deterministic_inference=true",
          "logging.progress=false", *overrides, *resume],
         cwd=run.parent, capture_output=True, text=True, timeout=600)
     assert got.returncode == 0, got.stderr[-3000:]

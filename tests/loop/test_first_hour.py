@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import ROOT, engine_base_port, init_tiny_model
 
 SMALL = ("rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-         "trainer.save_interval=100", "logging.progress=true")
+         "trainer.checkpoint.interval=100", "logging.progress=true")
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,7 @@ def test_zero_mismatch_covering_set_on_sglang(model_dir, tmp_path):
 def _train(config, model, run_dir, *extra, steps=2, env=None):
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(config),
            f"model.path={model}", f"logging.dir={run_dir}", f"trainer.steps={steps}",
-           "trainer.export_hf=false", "rollout.prompts_per_step=2",
+           "trainer.checkpoint.export_hf=false", "rollout.prompts_per_step=2",
            "rollout.n_samples_per_prompt=2", f"rollout.base_port={engine_base_port()}",
            "logging.progress=false", "logging.tensorboard=false", *on_sglang(), *extra]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +175,7 @@ def test_the_demo_on_sglang_in_bfloat16(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "demo", *on_sglang(), "rollout.quantization=none",
          f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
-         "trainer.steps=2", "trainer.warmup.steps=5", "trainer.export_hf=false",
+         "trainer.steps=2", "trainer.warmup.steps=5", "trainer.checkpoint.export_hf=false",
          "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
          f"rollout.base_port={engine_base_port()}", "logging.progress=false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -97,7 +97,7 @@ def test_a_run_removes_only_the_weight_exports_it_wrote(trained_run):
 @pytest.mark.e2e
 def test_saved_steps_convert_to_hf_and_exports_every_n_steps(trained_run, tmp_path):
     """`moe-rl convert --to hf --checkpoint`: a run's checkpoint folder converts (its latest
-    step: the final policy exactly), so does a named step; trainer.export_hf_interval=2 wrote
+    step: the final policy exactly), so does a named step; trainer.checkpoint.export_hf_interval=2 wrote
     the policy of step 2, equal to its checkpoint's; a damaged step is refused naming the file;
     --ema without an EMA is refused."""
     import shutil
@@ -252,7 +252,7 @@ def _run_with_a_killer_reward(tmp_path, reward: str, *overrides: str) -> tuple[l
            f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.warmup.steps=0",
            "logging.progress=false", f"rollout.base_port={engine_base_port()}",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-           "data.reward=killer_reward:score", "trainer.export_hf=false", *overrides]
+           "data.reward=killer_reward:score", "trainer.checkpoint.export_hf=false", *overrides]
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                          env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
@@ -318,7 +318,7 @@ def test_two_deterministic_runs_are_bit_identical(tmp_path):
         work = tmp_path / name
         work.mkdir()
         (work / "model").symlink_to(tmp_path / "model")
-        _train(work, 2, "rollout.sglang.deterministic_inference=true", "trainer.export_hf=false",
+        _train(work, 2, "rollout.sglang.deterministic_inference=true", "trainer.checkpoint.export_hf=false",
                "trainer.warmup.steps=1")
         rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text()
                 .splitlines()]
@@ -335,7 +335,7 @@ def test_expert_parallel_export_streams_sharded_checkpoints_and_resumes_on_one_r
     float32 engine equals the trainer at every step; the run resumes on one rank."""
     init_tiny_model(str(tmp_path / "model"))
     _train(tmp_path, 2, "cluster.trainer_workers=2", "trainer.expert_parallel=2",
-           "cluster.weight_sync_bucket_mb=0.02", "trainer.export_hf=false",
+           "cluster.weight_sync_bucket_mb=0.02", "trainer.checkpoint.export_hf=false",
            "trainer.warmup.steps=1")
     rows = [json.loads(line) for line in
             (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -350,7 +350,7 @@ def test_expert_parallel_export_streams_sharded_checkpoints_and_resumes_on_one_r
     from safetensors.torch import load_file
     before = {k: v for p in shards for k, v in load_file(p).items()}
     one_rank = ("cluster.trainer_workers=1", "trainer.expert_parallel=1",
-                "cluster.weight_sync_bucket_mb=0.02", "trainer.export_hf=false",
+                "cluster.weight_sync_bucket_mb=0.02", "trainer.checkpoint.export_hf=false",
                 "trainer.warmup.steps=1")
     res = _train(tmp_path, 2, *one_rank, resume=True)   # nothing left to do: sync and stop
     assert "resharding" in res.stdout and "resuming at step 2" in res.stdout
@@ -383,7 +383,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
         return [sys.executable, "-m", "moe_rl.cli", "train", "--config",
                 str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
                 f"logging.dir={run}", f"trainer.steps={steps}", "trainer.warmup.steps=1",
-                "trainer.save_interval=1", "logging.progress=false",
+                "trainer.checkpoint.interval=1", "logging.progress=false",
                 f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=2",
                 "rollout.n_samples_per_prompt=2", "rollout.sglang.deterministic_inference=true",
                 *(["--resume"] if resume else [])]

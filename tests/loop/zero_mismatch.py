@@ -131,7 +131,7 @@ def train_steps(model: pathlib.Path, run_dir: pathlib.Path, combo: dict,
     overrides choose); returns each step's metrics."""
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(CONFIG),
            f"model.path={model}", f"logging.dir={run_dir}", f"trainer.steps={steps}",
-           "trainer.warmup.steps=0", "trainer.export_hf=false",
+           "trainer.warmup.steps=0", "trainer.checkpoint.export_hf=false",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
            "rollout.max_new_tokens=3", f"rollout.base_port={engine_base_port()}",
            "logging.progress=false", "logging.tensorboard=false", *overrides(combo), *engine]

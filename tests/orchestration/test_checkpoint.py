@@ -16,7 +16,7 @@ from tests.helpers import FakeTrainers
 @pytest.fixture()
 def cfg(tmp_path):
     write_tiny_model(ModelInitConfig(), str(tmp_path / "model"))
-    return load_config(None, [f"model.path={tmp_path / 'model'}", "trainer.keep_checkpoints=2"])
+    return load_config(None, [f"model.path={tmp_path / 'model'}", "trainer.checkpoint.keep=2"])
 
 
 def test_numbered_folders_tracker_and_pruning(tmp_path, cfg):

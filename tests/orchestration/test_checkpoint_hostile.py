@@ -122,7 +122,7 @@ def _two_steps(tmp_path):
     from moe_rl.orchestration import checkpoint
     from tests.helpers import FakeTrainers
     write_tiny_model(ModelInitConfig(), str(tmp_path / "model"))
-    cfg = load_config(None, [f"model.path={tmp_path / 'model'}", "trainer.keep_checkpoints=3"])
+    cfg = load_config(None, [f"model.path={tmp_path / 'model'}", "trainer.checkpoint.keep=3"])
     ck = tmp_path / "ck"
     ck.mkdir()
     for step in (4, 10):

@@ -16,7 +16,7 @@ def _cfg(tmp_path, *extra):
 
 
 def test_a_directory_holding_a_run_is_refused_or_moved_aside_whole(tmp_path):
-    cfg = _cfg(tmp_path, f"trainer.checkpoint_dir={tmp_path / 'ck'}")
+    cfg = _cfg(tmp_path, f"trainer.checkpoint.dir={tmp_path / 'ck'}")
     run_dir.prepare(cfg, resume=False, overwrite=False)   # nothing there: fine
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")   # not a run's file
@@ -52,7 +52,7 @@ def test_resume_changes_name_the_keys_that_shape_the_run(tmp_path):
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "config.yaml").write_text(dump_config(saved))
     same_run = _cfg(tmp_path, "trainer.lr=1e-3", "trainer.steps=50", "rollout.base_port=1234",
-                    "cluster.trainer_workers=2", "trainer.save_interval=5",
+                    "cluster.trainer_workers=2", "trainer.checkpoint.interval=5",
                     "data.reward_timeout_s=5", f"logging.dir={tmp_path / 'moved'}")
     assert run_dir.resume_changes(str(tmp_path / "ck" / "config.yaml"), same_run) == []
     other = _cfg(tmp_path, "trainer.lr=1e-5", "algorithm.replay=off")
@@ -64,20 +64,20 @@ def test_resume_changes_name_the_keys_that_shape_the_run(tmp_path):
 
 
 def test_checkpoint_due_by_steps_or_minutes_whichever_first(tmp_path):
-    cfg = _cfg(tmp_path, "trainer.steps=100", "trainer.save_interval=10",
-               "trainer.save_interval_minutes=5")
+    cfg = _cfg(tmp_path, "trainer.steps=100", "trainer.checkpoint.interval=10",
+               "trainer.checkpoint.interval_minutes=5")
     assert [d for d in range(1, 101) if checkpoint_due(cfg, d, 0.0)] == list(range(10, 101, 10))
     assert checkpoint_due(cfg, 3, 5 * 60) and not checkpoint_due(cfg, 3, 5 * 60 - 1)
-    only_end = _cfg(tmp_path, "trainer.steps=7", "trainer.save_interval=0",
-                    "trainer.save_interval_minutes=0")
+    only_end = _cfg(tmp_path, "trainer.steps=7", "trainer.checkpoint.interval=0",
+                    "trainer.checkpoint.interval_minutes=0")
     assert [d for d in range(1, 8) if checkpoint_due(only_end, d, 1e9)] == [7]
 
 
 def test_a_checkpoint_dir_inside_the_run_moves_aside_with_it(tmp_path):
-    """trainer.checkpoint_dir set to <logging.dir>/checkpoints with --overwrite: the run moves
+    """trainer.checkpoint.dir set to <logging.dir>/checkpoints with --overwrite: the run moves
     aside whole, its checkpoints with it, nothing lost (the second move raised
     FileNotFoundError)."""
-    cfg = _cfg(tmp_path, f"trainer.checkpoint_dir={tmp_path / 'run' / 'checkpoints'}")
+    cfg = _cfg(tmp_path, f"trainer.checkpoint.dir={tmp_path / 'run' / 'checkpoints'}")
     (tmp_path / "run" / "checkpoints" / "iter_0000002").mkdir(parents=True)
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     run_dir.prepare(cfg, resume=False, overwrite=True)

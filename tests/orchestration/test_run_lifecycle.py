@@ -18,7 +18,7 @@ from tests.helpers import engine_base_port
 
 CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
 SMALL = ["rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-         "trainer.export_hf=false"]
+         "trainer.checkpoint.export_hf=false"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def steps_of(run) -> list[int]:
 def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     run = tmp_path / "run"
     base = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=1",
-            f"rollout.base_port={engine_base_port()}", "trainer.save_interval_minutes=0.0001", *SMALL]
+            f"rollout.base_port={engine_base_port()}", "trainer.checkpoint.interval_minutes=0.0001", *SMALL]
     first = train(tmp_path, *base, "trainer.steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
     # not a terminal: one progress line per step, the warm start's too, then the summary
@@ -53,7 +53,7 @@ def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     assert "| k3 " in out and "| agreement " in out
     assert "run finished: 2 RL steps (steps 0-1)" in out and "mean reward of the first" in out
     assert f"last checkpoint {run / 'checkpoints' / 'iter_0000002'}" in out
-    # save_interval_minutes (here 6 ms) came before save_interval (25 steps): every step saved
+    # checkpoint.interval_minutes (here 6 ms) came before checkpoint.interval (25 steps): every step saved
     assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == \
         ["iter_0000001", "iter_0000002"]
     # a warning a run printed, fixed at its cause: transformers' deprecated `past_key_values`
@@ -139,8 +139,8 @@ def test_a_signal_finishes_the_step_checkpoints_it_and_the_printed_command_resum
     save is lost, and the printed command resumes."""
     run = tmp_path / "run"
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
-            "trainer.steps=100", "trainer.save_interval=0", "trainer.save_interval_minutes=0",
-            "trainer.stop_grace_s=60", f"rollout.base_port={engine_base_port()}",
+            "trainer.steps=100", "trainer.checkpoint.interval=0", "trainer.checkpoint.interval_minutes=0",
+            "trainer.checkpoint.stop_grace_s=60", f"rollout.base_port={engine_base_port()}",
             "logging.log_interval=2", *SMALL]
     proc = _start(tmp_path, args, session=True)
     lines = _wait_for_line(proc, "RL step 2/100")
@@ -155,9 +155,9 @@ def test_a_signal_finishes_the_step_checkpoints_it_and_the_printed_command_resum
     out, err = proc.communicate(timeout=60 + 60)
     took = time.monotonic() - sent
     assert proc.returncode == 128 + sig, err[-3000:]
-    assert took < 60 + 60, took   # trainer.stop_grace_s + the engines' stop
+    assert took < 60 + 60, took   # trainer.checkpoint.stop_grace_s + the engines' stop
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert f"{sig.name}: finishing the current step (at most 60 s, trainer.stop_grace_s), " \
+    assert f"{sig.name}: finishing the current step (at most 60 s, trainer.checkpoint.stop_grace_s), " \
         "then checkpoint it, stop" in err
     last = [line for line in err.splitlines() if line.startswith("moe-rl train: stopped")]
     assert len(last) == 1, err[-3000:]
@@ -189,7 +189,7 @@ def test_ctrl_c_twice_abandons_the_step_and_stops_everything(model, tmp_path):
         "def slow(prompt, response, answer, metadata):\n"
         "    time.sleep(1.0)\n    return toy_reward(prompt, response, answer, metadata)\n")
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
-            "trainer.steps=100", "trainer.save_interval=2", f"rollout.base_port={engine_base_port()}",
+            "trainer.steps=100", "trainer.checkpoint.interval=2", f"rollout.base_port={engine_base_port()}",
             "data.reward=slow_reward:slow", *SMALL]
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     proc = _start(tmp_path, args, session=True, env=env)
@@ -248,7 +248,7 @@ def test_ctrl_c_while_the_engines_load_stops_the_start_up_at_once(model, tmp_pat
     env = dict(os.environ, SLOW_ENGINE_START_S="600",
                PYTHONPATH=f"{tmp_path / 'site'}:{os.environ.get('PYTHONPATH', '')}")
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
-            "trainer.steps=5", "trainer.stop_grace_s=300", "rollout.startup_timeout_s=900",
+            "trainer.steps=5", "trainer.checkpoint.stop_grace_s=300", "rollout.startup_timeout_s=900",
             f"rollout.base_port={engine_base_port()}", *SMALL]
     proc = _start(tmp_path, args, session=True, env=env)
 
@@ -287,7 +287,7 @@ def test_a_run_whose_ray_is_stopped_from_outside_says_so(model, tmp_path):
     import psutil
     run = tmp_path / "run"
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
-            "trainer.steps=100", "trainer.save_interval=1", f"rollout.base_port={engine_base_port()}",
+            "trainer.steps=100", "trainer.checkpoint.interval=1", f"rollout.base_port={engine_base_port()}",
             *SMALL]
     proc = _start(tmp_path, args)
     _wait_for_line(proc, "RL step 2/100")

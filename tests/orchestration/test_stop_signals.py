@@ -24,7 +24,7 @@ def test_first_signal_is_recorded_then_the_grace_period_abandons(sig, capsys):
         assert 0.2 < time.monotonic() - start < 2
     assert signal.getsignal(sig) is before
     assert f"{signal.Signals(sig).name}: finishing the current step (at most 0.3 s, " \
-        f"trainer.stop_grace_s), then checkpoint it, stop" in capsys.readouterr().err
+        f"trainer.checkpoint.stop_grace_s), then checkpoint it, stop" in capsys.readouterr().err
 
 
 def test_second_signal_abandons_at_once_and_stop_clock_disarms_the_grace():

@@ -106,7 +106,7 @@ def _train(model, base, name: str, mode: str, check: bool, sync: str = "disk",
         [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(ROOT / "configs" /
                                                                       "tiny_cpu.yaml"),
          f"model.path={model}", f"logging.dir={work / 'run'}", "trainer.steps=4",
-         "trainer.warmup.steps=0", "trainer.export_hf=false", "logging.progress=false",
+         "trainer.warmup.steps=0", "trainer.checkpoint.export_hf=false", "logging.progress=false",
          "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
          f"rollout.base_port={engine_base_port()}", f"cluster.weight_sync={sync}",
          f"rollout.weight_check={str(check).lower()}", *engine],

@@ -375,7 +375,7 @@ def test_environment_refusals_through_moe_rl_config(agentic_model, tmp_path):
 
 def _train(model, run_dir, *overrides, env=None, steps=2):
     res = _cli("train", "--config", str(AGENTIC), f"model.path={model}",
-               f"logging.dir={run_dir}", f"trainer.steps={steps}", "trainer.export_hf=false",
+               f"logging.dir={run_dir}", f"trainer.steps={steps}", "trainer.checkpoint.export_hf=false",
                "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4",
                f"rollout.base_port={engine_base_port()}", "logging.progress=false", *overrides,
                cwd=run_dir.parent, env=env)
