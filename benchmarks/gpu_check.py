@@ -510,8 +510,8 @@ def parallel_worker(path: str) -> None:
         init_model_parallel(ParallelSizes(tp, 1, ep, cp))
         cfg = config_from_dict({"model": {"path": path}, "cluster": {"gpus_per_node": 2},
                                 "rollout": {"n_samples_per_prompt": 2},
-                                "trainer": {"tensor_parallel": tp, "expert_parallel": ep,
-                                            "context_parallel": cp, "sequence_parallel": sp,
+                                "trainer": {"parallel": {"tensor": tp, "expert": ep,
+                                                         "context": cp, "sequence": sp},
                                             "lr": 1e-3, "seed": 1, "pack_sequences": packed,
                                             "max_tokens_per_micro_batch": 64},
                                 "algorithm": {"replay": "off", "pi_old": "rollout"}})

@@ -109,7 +109,7 @@ def check_transformer_engine(cfg: Config) -> Finding:
     if not _gpu_run(cfg):
         return Finding("transformer-engine", "skip", "CPU run: megatron's local layers")
     found = check_package("transformer-engine", "transformer_engine", "transformer-engine",
-                          required=cfg.trainer.context_parallel > 1, extra="te",
+                          required=cfg.trainer.parallel.context > 1, extra="te",
                           install="pip install 'moe_rl[te]' (Transformer Engine builds against "
                                   "the CUDA toolkit: use the NGC PyTorch image's own TE)")
     if found.status == "warn":

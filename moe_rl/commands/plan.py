@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the checks of the model, tokenizer, data and reward function "
                              "(a model's config.json is still read when present)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="config overrides, e.g. cluster.num_nodes=4 trainer.tensor_parallel=2 "
+                        help="config overrides, e.g. cluster.num_nodes=4 trainer.parallel.tensor=2 "
                              "(flags and overrides in any order)")
 
 
@@ -90,7 +90,7 @@ def _experts_line(cfg) -> str:
     if requested == "te_grouped" and not te:   # decided on the trainer's machine
         return ("trainer experts: te_grouped where the trainer's machine has Transformer "
                 "Engine and CUDA (refused at its start otherwise; not on this machine)")
-    path, why = model_expert_path(requested, hf, cfg.trainer.tensor_parallel,
+    path, why = model_expert_path(requested, hf, cfg.trainer.parallel.tensor,
                                   MODEL_DTYPES[cfg.model.dtype], te)
     if requested == "auto" and not te:
         why += "; te_grouped where the trainer's machine has Transformer Engine and CUDA"

@@ -276,7 +276,7 @@ def check_experts(cfg: Config) -> None:
     if cfg.trainer.experts != "grouped":
         return
     why = grouped_misaligned(*expert_sizes(model_hf_fields(cfg.model),
-                                           cfg.trainer.tensor_parallel), cfg.model.dtype)
+                                           cfg.trainer.parallel.tensor), cfg.model.dtype)
     if why:
         raise ConfigError(f"trainer.experts: grouped cannot run this model: {why}; use auto "
                           f"(the loop where the grouped GEMM cannot run) or sequential")
@@ -299,33 +299,34 @@ def check_optimiser_and_layout(cfg: Config, moe_shape: MoEShape) -> None:
     t = cfg.trainer
     if t.min_lr > t.lr:
         raise ConfigError(f"trainer.min_lr: {t.min_lr} exceeds trainer.lr = {t.lr}")
-    if t.sequence_parallel and t.tensor_parallel == 1:
-        raise ConfigError("trainer.sequence_parallel: needs trainer.tensor_parallel > 1")
-    if moe_shape.moe_layers and moe_shape.num_experts % t.expert_parallel:
-        raise ConfigError(f"trainer.expert_parallel: {t.expert_parallel} does not divide the "
+    if t.parallel.sequence and t.parallel.tensor == 1:
+        raise ConfigError("trainer.parallel.sequence: needs trainer.parallel.tensor > 1")
+    if moe_shape.moe_layers and moe_shape.num_experts % t.parallel.expert:
+        raise ConfigError(f"trainer.parallel.expert: {t.parallel.expert} does not divide the "
                           f"{moe_shape.num_experts} experts")
-    if t.pipeline_parallel > 1:
-        raise ConfigError("trainer.pipeline_parallel: the training step runs the model without "
+    if t.parallel.pipeline > 1:
+        raise ConfigError("trainer.parallel.pipeline: the training step runs the model without "
                           "megatron's pipeline schedules; use 1 (data, expert, tensor and context "
                           "parallelism are supported)")
 
 
 # refused where the model is built (the trainer's nodes, which may have Transformer Engine where
 # the driver does not), before the first forward would assert
-CP_NEEDS_TE = ("trainer.context_parallel: > 1 needs Transformer Engine's attention on GPUs "
+CP_NEEDS_TE = ("trainer.parallel.context: > 1 needs Transformer Engine's attention on GPUs "
                "(megatron-core's local DotProductAttention asserts context parallel 1, "
                "transformer/dot_product_attention.py:58); install transformer-engine[pytorch] "
-               "or set trainer.context_parallel=1")
+               "or set trainer.parallel.context=1")
 
 
 def check_cpu(cfg: Config) -> None:
     """What a CPU run (cluster.gpus_per_node 0) cannot do."""
     t = cfg.trainer
     if cfg.cluster.gpus_per_node == 0:
-        for key in ("tensor_parallel", "context_parallel"):
-            if getattr(t, key) > 1:
-                raise ConfigError(f"trainer.{key}: > 1 is not supported on CPU (megatron-core's "
-                                  "local spec refuses sequence parallelism there); run it on GPUs")
+        for key in ("tensor", "context"):
+            if getattr(t.parallel, key) > 1:
+                raise ConfigError(f"trainer.parallel.{key}: > 1 is not supported on CPU "
+                                  "(megatron-core's local spec refuses sequence parallelism "
+                                  "there); run it on GPUs")
 
 
 def check_weight_sync(cfg: Config) -> None:
@@ -346,9 +347,9 @@ def check_weight_sync(cfg: Config) -> None:
 def check_model_parallel(cfg: Config, moe_shape: MoEShape) -> None:
     """Tensor parallelism of a MoE model."""
     t = cfg.trainer
-    if t.tensor_parallel > 1 and moe_shape.moe_layers and not t.sequence_parallel:
-        raise ConfigError("trainer.sequence_parallel: megatron-core's MoE layers need sequence "
-                          "parallelism when trainer.tensor_parallel > 1; set it true")
+    if t.parallel.tensor > 1 and moe_shape.moe_layers and not t.parallel.sequence:
+        raise ConfigError("trainer.parallel.sequence: megatron-core's MoE layers need sequence "
+                          "parallelism when trainer.parallel.tensor > 1; set it true")
 
 
 def check_async(cfg: Config) -> None:
@@ -389,13 +390,13 @@ def check_partial(cfg: Config) -> None:
 def check_ranks(cfg: Config) -> None:
     """The trainer ranks split into model-parallel groups, each data-parallel rank with prompts."""
     r, t = cfg.rollout, cfg.trainer
-    model_parallel = t.tensor_parallel * t.pipeline_parallel * t.context_parallel
+    model_parallel = t.parallel.tensor * t.parallel.pipeline * t.parallel.context
     if (cfg.cluster.trainer_workers % model_parallel or
-            (cfg.cluster.trainer_workers // model_parallel) % t.expert_parallel):
+            (cfg.cluster.trainer_workers // model_parallel) % t.parallel.expert):
         raise ConfigError(f"cluster.trainer_workers: {cfg.cluster.trainer_workers} ranks do not "
                           f"split into tensor x pipeline x context parallel ({model_parallel}) "
                           f"groups whose data-parallel size is a multiple of "
-                          f"trainer.expert_parallel ({t.expert_parallel})")
+                          f"trainer.parallel.expert ({t.parallel.expert})")
     data_parallel = cfg.cluster.trainer_workers // model_parallel
     if r.prompts_per_step < data_parallel:
         raise ConfigError(f"rollout.prompts_per_step: {r.prompts_per_step} prompt groups cannot "

@@ -102,7 +102,7 @@ def trainer_memory(cfg: Config, hf: dict, counts: ParamCounts, seq_len: int) -> 
     ``trainer.max_tokens_per_micro_batch`` tokens) split by tensor (sequence) and context
     parallelism, and its float32 logits."""
     t = cfg.trainer
-    tp, cp, ep = t.tensor_parallel, t.context_parallel, t.expert_parallel
+    tp, cp, ep = t.parallel.tensor, t.parallel.context, t.parallel.expert
     world = cfg.cluster.trainer_workers
     dp, edp = world // (tp * cp), world // (tp * ep)
     b = DTYPE_BYTES[cfg.model.dtype]
@@ -155,7 +155,7 @@ def format_memory(trainer: TrainerMemory, engine: EngineMemory | None, gpu_bytes
              f"({trainer.total / gpu_bytes:.0%})"]
     biggest = "; ".join(f"{name} {gib(size)}" for name, size in
                         list(trainer.parts().items())[:3] if size)
-    fixes = ("raise trainer.expert_parallel or trainer.tensor_parallel, set "
+    fixes = ("raise trainer.parallel.expert or trainer.parallel.tensor, set "
              "trainer.recompute_activations, or lower trainer.max_tokens_per_micro_batch / "
              "micro_batch_size")
     if trainer.total > gpu_bytes:

@@ -21,6 +21,11 @@ MOVED_KEYS = {
     "trainer.keep_checkpoints": "trainer.checkpoint.keep",
     "trainer.export_hf": "trainer.checkpoint.export_hf",
     "trainer.export_hf_interval": "trainer.checkpoint.export_hf_interval",
+    "trainer.tensor_parallel": "trainer.parallel.tensor",
+    "trainer.pipeline_parallel": "trainer.parallel.pipeline",
+    "trainer.expert_parallel": "trainer.parallel.expert",
+    "trainer.context_parallel": "trainer.parallel.context",
+    "trainer.sequence_parallel": "trainer.parallel.sequence",
 }
 
 

@@ -338,6 +338,18 @@ class WarmupConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor: int = _f(1, "tensor-parallel size", **_rng(1, 4096, why="ranks of one parallel group"))
+    pipeline: int = _f(1, "pipeline-parallel size",
+                       **_rng(1, 4096, why="ranks of one parallel group"))
+    expert: int = _f(1, "expert-parallel size", **_rng(1, 4096, why="ranks of one parallel group"))
+    context: int = _f(1, "context-parallel size: every sequence cut in 2 x CP chunks, rank r "
+                      "holding chunks r and 2CP-1-r (needs Transformer Engine's attention, GPU)",
+                      **_rng(1, 4096, why="ranks of one parallel group"))
+    sequence: bool = _f(False, "sequence parallelism (needs trainer.parallel.tensor > 1)")
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = _f(50, "checkpoint every n steps (0 = by time and at the end only)",
                        **_rng(0))
@@ -382,17 +394,7 @@ class TrainerConfig:
                               "max_tokens_per_micro_batch tokens (first-fit decreasing), "
                               "attention causal within each sample only (THD with cu_seqlens: "
                               "Transformer Engine on GPU, slot by slot on CPU)")
-    tensor_parallel: int = _f(1, "tensor-parallel size",
-        **_rng(1, 4096, why="ranks of one parallel group"))
-    pipeline_parallel: int = _f(1, "pipeline-parallel size",
-        **_rng(1, 4096, why="ranks of one parallel group"))
-    expert_parallel: int = _f(1, "expert-parallel size",
-        **_rng(1, 4096, why="ranks of one parallel group"))
-    context_parallel: int = _f(1, "context-parallel size: every sequence cut in 2 x CP chunks, "
-                               "rank r holding chunks r and 2CP-1-r (needs Transformer Engine's "
-                               "attention, GPU)",
-        **_rng(1, 4096, why="ranks of one parallel group"))
-    sequence_parallel: bool = _f(False, "sequence parallelism (needs tensor_parallel > 1)")
+    parallel: ParallelConfig = _sub(ParallelConfig, "how the trainer's ranks split the model")
     recompute_activations: bool = _f(False, "full activation recomputation (replay in backward)")
     experts: Literal["auto", "te_grouped", "grouped", "sequential"] = _f(
         "auto", "the MoE experts' computation: te_grouped (Transformer Engine's grouped GEMM, "

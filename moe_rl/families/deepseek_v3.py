@@ -67,7 +67,7 @@ def _mla_and_router(spec, sizes, bias_update_rate: float) -> dict:
             raise ValueError(f"{key}: {hf.get(key)!r} is not supported for DeepSeek-V3: {why}")
     router = sigmoid_router_settings(spec, bias_update_rate, "DeepSeek-V3")
     if sizes.tensor > 1:
-        raise ValueError("trainer.tensor_parallel: > 1 is not supported for DeepSeek-V3 (MLA) "
+        raise ValueError("trainer.parallel.tensor: > 1 is not supported for DeepSeek-V3 (MLA) "
                          "models yet; use expert and data parallelism")
     return dict(
         multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"),

@@ -29,8 +29,8 @@ def check_config(cfg, hf: dict) -> None:
     weights, the reference engine's FP8 experts [E, out, in] without biases; gpt-oss stacks
     them [E, in, out] with biases). ``hf``: the model's config.json fields (or its
     ``model.init`` shape's)."""
-    if cfg.trainer.tensor_parallel > 1:
-        raise ConfigError("trainer.tensor_parallel: > 1 is not supported for gpt-oss models yet "
+    if cfg.trainer.parallel.tensor > 1:
+        raise ConfigError("trainer.parallel.tensor: > 1 is not supported for gpt-oss models yet "
                           "(megatron-core builds expert biases only without expert tensor "
                           "parallelism); use expert and data parallelism")
     if cfg.rollout.quantization == "fp8":
@@ -59,7 +59,7 @@ def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
         if bad:
             raise ValueError(f"{key}: {hf.get(key)!r} is not supported for gpt-oss: {why}")
     if sizes.tensor > 1:
-        raise ValueError("trainer.tensor_parallel: > 1 is not supported for gpt-oss models yet "
+        raise ValueError("trainer.parallel.tensor: > 1 is not supported for gpt-oss models yet "
                          "(megatron-core builds expert biases only without expert tensor "
                          "parallelism); use expert and data parallelism")
     inter = int(hf["intermediate_size"])

@@ -24,8 +24,8 @@ HF_ROUTER = "block_sparse_moe.gate"
 def check_config(cfg, hf: dict) -> None:
     """Refused when the configuration loads: tensor parallelism (the q/k norm spans every
     head, which tensor parallelism splits across ranks)."""
-    if cfg.trainer.tensor_parallel > 1:
-        raise ConfigError("trainer.tensor_parallel: > 1 is not supported for MiniMax-M2 models "
+    if cfg.trainer.parallel.tensor > 1:
+        raise ConfigError("trainer.parallel.tensor: > 1 is not supported for MiniMax-M2 models "
                           "yet (its q/k RMSNorm spans all heads, which tensor parallelism "
                           "splits); use expert and data parallelism")
 
@@ -49,7 +49,7 @@ def megatron_settings(spec, sizes, bias_update_rate: float) -> dict:
         if bad:
             raise ValueError(f"{key}: {hf.get(key)!r} is not supported for MiniMax-M2: {why}")
     if sizes.tensor > 1:
-        raise ValueError("trainer.tensor_parallel: > 1 is not supported for MiniMax-M2 models "
+        raise ValueError("trainer.parallel.tensor: > 1 is not supported for MiniMax-M2 models "
                          "yet (its q/k RMSNorm spans all heads); use expert and data "
                          "parallelism")
     ffn = int(hf["intermediate_size"])

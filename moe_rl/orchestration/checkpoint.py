@@ -48,9 +48,9 @@ def _layout(cfg: Config) -> dict:
     return {"model": {k: model[k] for k in keys if k in model},
             "optimizer_dtype": cfg.model.dtype, "ema": t.ema.decay is not None,
             "parallel": {"trainer_workers": cfg.cluster.trainer_workers,
-                         "tensor_parallel": t.tensor_parallel,
-                         "expert_parallel": t.expert_parallel,
-                         "pipeline_parallel": t.pipeline_parallel}}
+                         "tensor_parallel": t.parallel.tensor,
+                         "expert_parallel": t.parallel.expert,
+                         "pipeline_parallel": t.parallel.pipeline}}
 
 
 def save(trainers, loop_state: dict, cfg: Config, ckpt_dir: str, step: int) -> str:

@@ -24,9 +24,9 @@ RESUMABLE = {
     "trainer.steps", "trainer.checkpoint.interval", "trainer.checkpoint.interval_minutes",
     "trainer.checkpoint.keep", "trainer.checkpoint.dir", "trainer.checkpoint.export_hf",
     "trainer.checkpoint.export_hf_interval", "trainer.checkpoint.stop_grace_s",
-    "trainer.tensor_parallel",
-    "trainer.pipeline_parallel", "trainer.expert_parallel", "trainer.context_parallel",
-    "trainer.sequence_parallel", "trainer.recompute_activations", "trainer.experts",
+    "trainer.parallel.tensor",
+    "trainer.parallel.pipeline", "trainer.parallel.expert", "trainer.parallel.context",
+    "trainer.parallel.sequence", "trainer.recompute_activations", "trainer.experts",
     "model.path",
     "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",   # same gradient
     "trainer.pack_sequences",

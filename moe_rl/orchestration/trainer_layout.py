@@ -40,11 +40,11 @@ def _digits(rank: int, sizes: tuple[int, ...]) -> list[int]:
 
 
 def trainer_layout(cfg: Config) -> Layout:
-    """The layout of ``cluster.trainer_workers`` ranks under the ``trainer.*_parallel`` sizes
+    """The layout of ``cluster.trainer_workers`` ranks under the ``trainer.parallel`` sizes
     (the config checks make them divide the world)."""
     t, world = cfg.trainer, cfg.cluster.trainer_workers
-    tp, pp, cp, ep = (t.tensor_parallel, t.pipeline_parallel, t.context_parallel,
-                      t.expert_parallel)
+    tp, pp, cp, ep = (t.parallel.tensor, t.parallel.pipeline, t.parallel.context,
+                      t.parallel.expert)
     dp = world // (tp * cp * pp)
     edp = world // (tp * ep * pp)
     ranks = []

@@ -24,8 +24,8 @@ class TrainerWorker:
         t = cfg.trainer
         init_distributed(rank=rank, world_size=world, master_addr=master_addr,
                          master_port=master_port, gpu=gpu)
-        init_model_parallel(ParallelSizes(t.tensor_parallel, t.pipeline_parallel,
-                                          t.expert_parallel, t.context_parallel))
+        init_model_parallel(ParallelSizes(t.parallel.tensor, t.parallel.pipeline,
+                                          t.parallel.expert, t.parallel.context))
         self.rank = rank
         self.trainer = PolicyTrainer(cfg, cfg.model.path)
 

@@ -136,12 +136,12 @@ def check_cpu_settings(*, tensor_parallel: int, pipeline_parallel: int, context_
         raise ValueError(f"moe_token_dispatcher_type: '{dispatcher}' needs CUDA (it creates a "
                          f"torch.cuda.Stream); use 'allgather' on CPU")
     if tensor_parallel > 1:
-        raise ValueError("trainer.tensor_parallel: > 1 needs sequence parallelism with MoE, which "
+        raise ValueError("trainer.parallel.tensor: > 1 needs sequence parallelism with MoE, which "
                          "the local layer norm refuses on CPU; run tensor parallelism on GPUs")
     if sequence_parallel:
-        raise ValueError("trainer.sequence_parallel: not supported on CPU")
+        raise ValueError("trainer.parallel.sequence: not supported on CPU")
     if pipeline_parallel > 1:
-        raise ValueError("trainer.pipeline_parallel: > 1 is not supported on CPU (megatron's "
+        raise ValueError("trainer.parallel.pipeline: > 1 is not supported on CPU (megatron's "
                          "pipeline schedules use CUDA streams); run it on GPUs")
     if context_parallel > 1:
-        raise ValueError("trainer.context_parallel: > 1 needs GPU attention kernels")
+        raise ValueError("trainer.parallel.context: > 1 needs GPU attention kernels")

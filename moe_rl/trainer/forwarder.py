@@ -35,8 +35,8 @@ class Forwarder:
         lengths = [samples[i].prompt_len + samples[i].response_len for i in indices]
         # context parallelism cuts every sequence (slot) in 2 x CP chunks; sequence parallelism
         # then splits each CP rank's positions over the TP ranks
-        slot = 2 * t.context_parallel if t.context_parallel > 1 else 1
-        multiple = slot * (t.tensor_parallel if t.sequence_parallel else 1)
+        slot = 2 * t.parallel.context if t.parallel.context > 1 else 1
+        multiple = slot * (t.parallel.tensor if t.parallel.sequence else 1)
         groups = plan(lengths, micro_batch_size=t.micro_batch_size,
                       max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
                       pack_sequences=t.pack_sequences, slot_multiple=slot)

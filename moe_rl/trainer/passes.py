@@ -253,7 +253,7 @@ class StepPasses:
         self.cfg, self.fw, self.routes, self.loss = cfg, fw, routes, loss
         self.model, self.replay = model, replay
         experts = moe_shape.num_experts if moe_shape is not None else 0
-        sp = cfg.trainer.sequence_parallel
+        sp = cfg.trainer.parallel.sequence
         self.policy = PolicyForward(fw, model, replay, experts, sp)
         self.reference = (PolicyForward(fw, ref_model, ref_replay, experts, sp)
                           if ref_model is not None else None)

@@ -43,11 +43,11 @@ class PolicyTrainer:
         self.cfg = cfg
         self.hf_path = hf_path
         t = cfg.trainer
-        sizes = ParallelSizes(t.tensor_parallel, t.pipeline_parallel, t.expert_parallel,
-                              t.context_parallel)
+        sizes = ParallelSizes(t.parallel.tensor, t.parallel.pipeline, t.parallel.expert,
+                              t.parallel.context)
         dtype = MODEL_DTYPES[cfg.model.dtype]
         model, self.spec = build_model(hf_path, sizes=sizes, dtype=dtype,
-                                       sequence_parallel=t.sequence_parallel,
+                                       sequence_parallel=t.parallel.sequence,
                                        recompute=t.recompute_activations,
                                        expert_bias_update_rate=t.expert_bias_update_rate,
                                        experts=t.experts)
@@ -87,7 +87,7 @@ class PolicyTrainer:
         self.ref_model = self.ref_replay = None
         if cfg.algorithm.kl.coef > 0:
             ref, _ = build_model(hf_path, sizes=sizes, dtype=dtype,
-                                 sequence_parallel=t.sequence_parallel, experts=t.experts)
+                                 sequence_parallel=t.parallel.sequence, experts=t.experts)
             load_hf_into_megatron(ref, self.spec, hf_path)
             ref.eval()
             for p in ref.parameters():

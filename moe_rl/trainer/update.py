@@ -156,7 +156,7 @@ class PolicyUpdate:
         if shift:
             rs = self.cfg.algorithm.router_shift
             now = response_rows(micro_batch_rows(self.replay.router_scores(), mb, self.fw,
-                                                 self.cfg.trainer.sequence_parallel), mb)
+                                                 self.cfg.trainer.parallel.sequence), mb)
             log_scale = router_shift_weight(batch.router_old[rows, :width], now,
                                             rs.floor).log().float()
         inputs = LossInputs(

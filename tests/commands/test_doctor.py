@@ -39,7 +39,7 @@ CPU_NODE = pytest.mark.skipif(__import__("torch").cuda.is_available(),
 @CPU_NODE
 def test_a_gpu_config_on_a_cpu_node_fails_with_the_fixes(capsys):
     """torch without CUDA, no GPUs, no NCCL, and context parallel without Transformer Engine."""
-    rc, found = doctor(capsys, "cluster.gpus_per_node=8", "trainer.context_parallel=2",
+    rc, found = doctor(capsys, "cluster.gpus_per_node=8", "trainer.parallel.context=2",
                        "cluster.trainer_workers=2")
     assert rc == 1
     assert found["torch"]["status"] == "fail" and "CUDA" in found["torch"]["fix"]

@@ -136,15 +136,15 @@ def test_unknown_and_duplicate_corrections():
 
 def test_other_incompatible_combinations():
     assert "rollout.sglang.device=cpu" in _err(["rollout.engine=sglang"])  # no GPUs configured
-    assert "trainer.tensor_parallel" in _err(["trainer.tensor_parallel=2"])
-    assert "pipeline schedules" in _err(["trainer.pipeline_parallel=2", "cluster.gpus_per_node=8"])
+    assert "trainer.parallel.tensor" in _err(["trainer.parallel.tensor=2"])
+    assert "pipeline schedules" in _err(["trainer.parallel.pipeline=2", "cluster.gpus_per_node=8"])
     # bf16 training runs on CPU (megatron's mixed-precision optimizer); an EMA policy written into
     # the float32 master weights needs them whole, which the distributed optimizer (GPUs) is not
     load_config(None, ["model.dtype=bfloat16", "trainer.ema.decay=0.9", "trainer.ema.policy=true"])
     assert "set trainer.distributed_optimizer=false" in _err(
         ["model.dtype=bfloat16", "trainer.ema.decay=0.9", "trainer.ema.policy=true",
          "cluster.gpus_per_node=1"])
-    assert "trainer.expert_parallel" in _err(["trainer.expert_parallel=3"])
+    assert "trainer.parallel.expert" in _err(["trainer.parallel.expert=3"])
     assert "algorithm.correction.rs_low" in _err(["algorithm.correction.rs_low=3"])
     assert "data.path" in _err(["data.source=jsonl"])
     assert "algorithm.kl.in_reward" in _err(["algorithm.kl.in_reward=true"])
@@ -286,15 +286,15 @@ def test_refusals_sglang_and_megatron_would_fail_on():
     with pytest.raises(ConfigError, match="rollout.top_k: 4096 must stay below"):
         load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.top_k=4096"])
     load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.top_k=4095"])
-    with pytest.raises(ConfigError, match="trainer.sequence_parallel: megatron-core's MoE"):
-        load_config(None, gpu + ["trainer.tensor_parallel=2"])
-    load_config(None, gpu + ["trainer.tensor_parallel=2", "trainer.sequence_parallel=true",
+    with pytest.raises(ConfigError, match="trainer.parallel.sequence: megatron-core's MoE"):
+        load_config(None, gpu + ["trainer.parallel.tensor=2"])
+    load_config(None, gpu + ["trainer.parallel.tensor=2", "trainer.parallel.sequence=true",
                              "cluster.trainer_workers=2"])
     # context parallelism: ranks in CP groups of 2; packed rows need a row length
-    cfg = load_config(None, gpu + ["trainer.context_parallel=2", "cluster.trainer_workers=2"])
-    assert cfg.trainer.context_parallel == 2
+    cfg = load_config(None, gpu + ["trainer.parallel.context=2", "cluster.trainer_workers=2"])
+    assert cfg.trainer.parallel.context == 2
     with pytest.raises(ConfigError, match="tensor x pipeline x context parallel"):
-        load_config(None, gpu + ["trainer.context_parallel=2"])
+        load_config(None, gpu + ["trainer.parallel.context=2"])
     with pytest.raises(ConfigError, match="trainer.pack_sequences: needs trainer.max_tokens_per"):
         load_config(None, ["trainer.pack_sequences=true"])
 
@@ -385,7 +385,7 @@ def test_partial_extra_groups_is_bounded_by_what_the_steps_can_take(capsys):
 
 def test_parallel_layout_and_batch_fit_the_trainer_world(tmp_path):
     with pytest.raises(ConfigError, match="cluster.trainer_workers: 3 ranks do not split"):
-        load_config(None, ["cluster.trainer_workers=3", "trainer.expert_parallel=2"])
+        load_config(None, ["cluster.trainer_workers=3", "trainer.parallel.expert=2"])
     with pytest.raises(ConfigError, match="rollout.prompts_per_step: 2 prompt groups cannot"):
         load_config(None, ["cluster.trainer_workers=4", "rollout.prompts_per_step=2"])
     (tmp_path / "config.json").write_text(json.dumps({
@@ -654,7 +654,7 @@ def test_context_parallel_without_transformer_engine_is_refused_early(monkeypatc
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "transformer_engine" else real(name, *a))
-    with pytest.raises(ValueError, match=r"trainer.context_parallel: > 1 needs Transformer "
+    with pytest.raises(ValueError, match=r"trainer.parallel.context: > 1 needs Transformer "
                                          r"Engine.*install transformer-engine\[pytorch\]"):
         model_builder.build_model("unused", sizes=ParallelSizes(1, 1, 1, 2))
 
@@ -745,7 +745,7 @@ def test_the_config_to_start_from_in_own_data_md_runs_its_checks_and_the_gpu_one
     merged = {k: {**cpu.get(k, {}), **gpu.get(k, {})} for k in {*cpu, *gpu}}
     (tmp_path / "gpu.yaml").write_text(yaml.safe_dump(merged))
     cfg = load_config(str(tmp_path / "gpu.yaml"))
-    assert (cfg.cluster.gpus_per_node, cfg.rollout.engine, cfg.trainer.expert_parallel) == \
+    assert (cfg.cluster.gpus_per_node, cfg.rollout.engine, cfg.trainer.parallel.expert) == \
         (8, "sglang", 4)
 
 

@@ -54,9 +54,9 @@ def test_one_trainer_gpu_of_the_four_node_config_worked_by_hand():
 
 def test_without_recompute_every_layer_keeps_its_activations_and_tp_cp_split_them():
     cfg = load_config(str(ROOT / "configs" / "qwen3_30b_a3b_r3_gspo.yaml"), [
-        "trainer.recompute_activations=false", "trainer.tensor_parallel=2",
-        "trainer.sequence_parallel=true", "trainer.context_parallel=2",
-        "trainer.expert_parallel=4", "trainer.distributed_optimizer=false",
+        "trainer.recompute_activations=false", "trainer.parallel.tensor=2",
+        "trainer.parallel.sequence=true", "trainer.parallel.context=2",
+        "trainer.parallel.expert=4", "trainer.distributed_optimizer=false",
         "trainer.ema.decay=null"])
     m = trainer_memory(cfg, QWEN3_30B_A3B, COUNTS, seq_len=4096)
     params = (COUNTS.dense + COUNTS.embedding) / 2 + COUNTS.experts / 8

@@ -23,7 +23,12 @@ MOVES = [("trainer.ema_decay", "trainer.ema.decay", 0.9),
          ("trainer.checkpoint_dir", "trainer.checkpoint.dir", "/srv/ckpt"),
          ("trainer.keep_checkpoints", "trainer.checkpoint.keep", 3),
          ("trainer.export_hf", "trainer.checkpoint.export_hf", False),
-         ("trainer.export_hf_interval", "trainer.checkpoint.export_hf_interval", 4)]
+         ("trainer.export_hf_interval", "trainer.checkpoint.export_hf_interval", 4),
+         ("trainer.tensor_parallel", "trainer.parallel.tensor", 2),
+         ("trainer.pipeline_parallel", "trainer.parallel.pipeline", 2),
+         ("trainer.expert_parallel", "trainer.parallel.expert", 2),
+         ("trainer.context_parallel", "trainer.parallel.context", 2),
+         ("trainer.sequence_parallel", "trainer.parallel.sequence", True)]
 
 
 def _value(cfg, dotted):
@@ -46,6 +51,11 @@ def _with_ema(tree):   # the EMA's policy and start step need its decay (given b
 
 
 NEEDS_DECAY = ("trainer.ema_policy", "trainer.ema_start_step")
+# what a key's value needs beside it to load (parallel sizes: GPUs and ranks)
+GPUS = ["cluster.gpus_per_node=8", "cluster.trainer_workers=8"]
+BESIDE = {"trainer.tensor_parallel": [*GPUS, "trainer.parallel.sequence=true"],
+          "trainer.expert_parallel": GPUS, "trainer.context_parallel": GPUS,
+          "trainer.sequence_parallel": [*GPUS, "trainer.parallel.tensor=2"]}
 
 
 def test_every_moved_key_is_tested_here():
@@ -54,14 +64,19 @@ def test_every_moved_key_is_tested_here():
 
 @pytest.mark.parametrize("old,new,value", MOVES, ids=[m[0] for m in MOVES])
 def test_an_old_key_loads_in_its_new_place_with_a_warning(old, new, value, tmp_path, capsys):
-    extra = ["trainer.ema.decay=0.5"] if old in NEEDS_DECAY else []
+    extra = ["trainer.ema.decay=0.5"] if old in NEEDS_DECAY else BESIDE.get(old, [])
+    if old == "trainer.pipeline_parallel":   # no size but 1 loads: refused under its new name
+        with pytest.raises(ConfigError, match=r"\(1\) trainer.parallel.pipeline: the training step"):
+            load_config(None, [f"{old}={value}"])
+        assert f"warning: {old} is now {new}" in capsys.readouterr().err
+        return
     cfg = load_config(None, [f"{old}={value}", *extra])   # an override
     assert _value(cfg, new) == value
     assert f"warning: {old} is now {new}" in capsys.readouterr().err
     path = tmp_path / "old.yaml"   # a file
     tree = _nested(old, value)
     path.write_text(yaml.safe_dump(_with_ema(tree) if old in NEEDS_DECAY else tree))
-    assert _value(load_config(path), new) == value
+    assert _value(load_config(path, BESIDE.get(old, [])), new) == value
     assert f"warning: {old} is now {new}" in capsys.readouterr().err
     saved = yaml.safe_load(dump_config(cfg))   # a saved config.yaml, written with old names
     parent, name = new.rsplit(".", 1)

@@ -110,13 +110,13 @@ def test_tensor_parallelism_is_refused_naming_the_setting():
     hf = {**GPT_OSS, "model_type": "gpt_oss",
           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
     spec = model_spec(hf)
-    with pytest.raises(ValueError, match="trainer.tensor_parallel"):
+    with pytest.raises(ValueError, match="trainer.parallel.tensor"):
         spec.family.megatron_settings(spec, ParallelSizes(tensor=2), 0.0)
 
 
 @pytest.mark.parametrize("override,key", [
     ("rollout.quantization=fp8", "rollout.quantization"),
-    ("trainer.tensor_parallel=2", "trainer.tensor_parallel")])
+    ("trainer.parallel.tensor=2", "trainer.parallel.tensor")])
 def test_what_a_gpt_oss_run_cannot_take_is_refused_when_its_configuration_loads(override, key):
     """Before any engine starts: FP8 rollout weights (its stacked experts would be served
     unquantised) and tensor parallelism, on the model.init shape as on a checkpoint."""

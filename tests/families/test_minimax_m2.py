@@ -75,7 +75,7 @@ def test_what_is_not_built_is_refused_naming_the_field(change, field):
     spec = model_spec({**MINIMAX_M2, "model_type": "minimax_m2", **change})
     with pytest.raises(ValueError, match=field):
         transformer_config(spec)
-    with pytest.raises(ValueError, match="trainer.tensor_parallel"):
+    with pytest.raises(ValueError, match="trainer.parallel.tensor"):
         spec.family.megatron_settings(model_spec({**MINIMAX_M2, "model_type": "minimax_m2"}),
                                       ParallelSizes(tensor=2), 0.0)
 
@@ -89,6 +89,6 @@ def test_minimax_init_shape_and_tensor_parallelism_at_config_time():
                       "intermediate_size": 64, "partial_rotary_factor": 0.5}
     for override, key in {"model.init.glm.partial_rotary_factor=0.1":
                           "model.init.glm.partial_rotary_factor",
-                          "trainer.tensor_parallel=2": "trainer.tensor_parallel"}.items():
+                          "trainer.parallel.tensor=2": "trainer.parallel.tensor"}.items():
         with pytest.raises(ConfigError, match=key):
             load_config(None, [*base, override, "cluster.gpus_per_node=8"])

@@ -89,7 +89,7 @@ def test_bf16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corr
 
 CPU_SCALE = ["rollout.engine=reference", "rollout.num_servers=1", "rollout.engine_dtype=bfloat16",
              "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
-             "rollout.max_new_tokens=8", "rollout.concurrency=16", "trainer.expert_parallel=2",
+             "rollout.max_new_tokens=8", "rollout.concurrency=16", "trainer.parallel.expert=2",
              "cluster.num_nodes=1", "cluster.gpus_per_node=0", "cluster.trainer_workers=2",
              "data.source=toy", "data.path=null", "data.chat_template=false", "data.reward=toy"]
 
@@ -108,7 +108,7 @@ CPU_SCALE = ["rollout.engine=reference", "rollout.num_servers=1", "rollout.engin
     # GLM-4.5-Air's config on its own tiny twin (128 experts, top-8); tensor and sequence
     # parallelism are GPU-only in megatron-core's local spec
     pytest.param("glm45_air_r3_gspo.yaml", "glm45_air_r3_gspo.yaml",
-                 ["trainer.tensor_parallel=1", "trainer.sequence_parallel=false",
+                 ["trainer.parallel.tensor=1", "trainer.parallel.sequence=false",
                   "rollout.top_k=16", "trainer.max_tokens_per_micro_batch=64"],
                  marks=pytest.mark.slow),
     # gpt-oss-20b's config on its tiny twin (32 experts, top-4, windows, sinks, YaRN)

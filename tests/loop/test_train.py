@@ -334,7 +334,7 @@ def test_expert_parallel_export_streams_sharded_checkpoints_and_resumes_on_one_r
     sent by its owner to the exporting rank, the engines load the sharded checkpoint, and the
     float32 engine equals the trainer at every step; the run resumes on one rank."""
     init_tiny_model(str(tmp_path / "model"))
-    _train(tmp_path, 2, "cluster.trainer_workers=2", "trainer.expert_parallel=2",
+    _train(tmp_path, 2, "cluster.trainer_workers=2", "trainer.parallel.expert=2",
            "cluster.weight_sync_bucket_mb=0.02", "trainer.checkpoint.export_hf=false",
            "trainer.warmup.steps=1")
     rows = [json.loads(line) for line in
@@ -349,7 +349,7 @@ def test_expert_parallel_export_streams_sharded_checkpoints_and_resumes_on_one_r
     # weights it syncs at the resume equal those the two ranks synced after step 2
     from safetensors.torch import load_file
     before = {k: v for p in shards for k, v in load_file(p).items()}
-    one_rank = ("cluster.trainer_workers=1", "trainer.expert_parallel=1",
+    one_rank = ("cluster.trainer_workers=1", "trainer.parallel.expert=1",
                 "cluster.weight_sync_bucket_mb=0.02", "trainer.checkpoint.export_hf=false",
                 "trainer.warmup.steps=1")
     res = _train(tmp_path, 2, *one_rank, resume=True)   # nothing left to do: sync and stop

@@ -92,7 +92,7 @@ def test_another_model_or_optimizer_is_refused_another_layout_resharded(tmp_path
     os.makedirs(ck)
     path = checkpoint.save(FakeTrainers(), {"step": 1, "sampler": {}}, cfg, ck, 1)
     other = load_config(None, [f"model.path={cfg.model.path}", "cluster.trainer_workers=2",
-                               "trainer.expert_parallel=2", "rollout.prompts_per_step=2"])
+                               "trainer.parallel.expert=2", "rollout.prompts_per_step=2"])
     assert checkpoint.open_checkpoint(path, other)["step"] == 1
     assert "resharding" in capsys.readouterr().out
     for override, named in (("trainer.ema.decay=0.9", "ema: checkpoint False, this run True"),

@@ -18,9 +18,9 @@ ON_GPUS = ["cluster.num_nodes=9", "cluster.gpus_per_node=8", "rollout.engine=sgl
 def test_every_rank_sits_where_megatrons_rank_generator_puts_it(world, tp, pp, cp, ep):
     from megatron.core.parallel_state import RankGenerator
     cfg = load_config(None, [*ON_GPUS, f"cluster.trainer_workers={world}",
-                             f"trainer.tensor_parallel={tp}", f"trainer.pipeline_parallel={pp}",
-                             f"trainer.context_parallel={cp}", f"trainer.expert_parallel={ep}",
-                             f"trainer.sequence_parallel={tp > 1}"])
+                             f"trainer.parallel.tensor={tp}", f"trainer.parallel.pipeline={pp}",
+                             f"trainer.parallel.context={cp}", f"trainer.parallel.expert={ep}",
+                             f"trainer.parallel.sequence={tp > 1}"])
     layout = trainer_layout(cfg)
     order = "tp-cp-ep-dp-pp"
     dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order=order)
@@ -40,8 +40,8 @@ def test_every_rank_sits_where_megatrons_rank_generator_puts_it(world, tp, pp, c
 
 
 def test_the_layout_reads_as_sizes_then_one_line_per_rank():
-    cfg = load_config(None, [*ON_GPUS, "cluster.trainer_workers=4", "trainer.tensor_parallel=2",
-                             "trainer.sequence_parallel=true", "trainer.expert_parallel=2"])
+    cfg = load_config(None, [*ON_GPUS, "cluster.trainer_workers=4", "trainer.parallel.tensor=2",
+                             "trainer.parallel.sequence=true", "trainer.parallel.expert=2"])
     text = format_layout(trainer_layout(cfg)).splitlines()
     assert text[0] == ("trainer ranks: TP 2 x CP 1 x DP 2 x PP 1 (experts: EP 2 x expert DP 1 "
                        "x PP 1)")

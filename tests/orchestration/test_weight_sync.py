@@ -474,7 +474,7 @@ def test_tensor_sync_sources_follow_the_plan():
     base = ["rollout.engine=sglang", "cluster.weight_sync=tensor", "cluster.colocate=true"]
     moved = load_config(None, base + [
         "cluster.gpus_per_node=6", "cluster.num_nodes=2", "cluster.trainer_workers=12",
-        "rollout.num_servers=2", "rollout.sglang.tp_size=4", "trainer.expert_parallel=2",
+        "rollout.num_servers=2", "rollout.sglang.tp_size=4", "trainer.parallel.expert=2",
         "rollout.prompts_per_step=12"])
     plan = make_plan(moved)
     assert [(p.node, p.gpus) for p in plan.of("engine")] == [(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3])]
@@ -482,7 +482,7 @@ def test_tensor_sync_sources_follow_the_plan():
     assert plan.to_json()["tensor_sources"] == [[0, 1, 2, 3], [6, 7, 8, 9]]
     ep8 = make_plan(load_config(None, base + [
         "cluster.gpus_per_node=8", "cluster.trainer_workers=8", "rollout.num_servers=1",
-        "rollout.sglang.tp_size=4", "trainer.expert_parallel=8"]))
+        "rollout.sglang.tp_size=4", "trainer.parallel.expert=8"]))
     assert ep8.tensor_sources == [[0, 1, 2, 3]]
     lone = Plan(1, 8, [PlannedProcess("trainer", 0, 0, [0]), PlannedProcess("trainer", 1, 0, [1]),
                        PlannedProcess("engine", 0, 0, [0, 1, 2, 3])])

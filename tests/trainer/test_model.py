@@ -231,10 +231,10 @@ def test_cpu_compat_refusals_and_shims():
                 sequence_parallel=False, dispatcher="allgather")
     check_cpu_settings(**base)
     for change, key in ((dict(dispatcher="alltoall"), "moe_token_dispatcher_type"),
-                        (dict(tensor_parallel=2), "trainer.tensor_parallel"),
-                        (dict(sequence_parallel=True), "trainer.sequence_parallel"),
-                        (dict(pipeline_parallel=2), "trainer.pipeline_parallel"),
-                        (dict(context_parallel=2), "trainer.context_parallel")):
+                        (dict(tensor_parallel=2), "trainer.parallel.tensor"),
+                        (dict(sequence_parallel=True), "trainer.parallel.sequence"),
+                        (dict(pipeline_parallel=2), "trainer.parallel.pipeline"),
+                        (dict(context_parallel=2), "trainer.parallel.context")):
         with pytest.raises(ValueError, match=key):
             check_cpu_settings(**{**base, **change})
 

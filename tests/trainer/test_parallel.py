@@ -48,7 +48,7 @@ def _worker(rank, port, model_dir, out_dir, mode):
         from moe_rl.trainer.policy import PolicyTrainer
         cfg = config_from_dict({"model": {"path": model_dir},
                                 "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-                                "trainer": {"lr": 1e-2, "grad_clip": 0.0, "expert_parallel": 2,
+                                "trainer": {"lr": 1e-2, "grad_clip": 0.0, "parallel": {"expert": 2},
                                             "epochs": 2},
                                 "cluster": {"trainer_workers": 2},
                                 "algorithm": RAGGED_ALGORITHM})

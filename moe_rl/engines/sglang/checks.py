@@ -126,7 +126,7 @@ def check_tensor_sync_ranks(cfg: Config) -> None:
     rank (each builds the payload of the rank sharing its GPU)."""
     c, r, t = cfg.cluster, cfg.rollout, cfg.trainer
     if (c.weight_sync == "tensor" and
-            t.tensor_parallel * t.context_parallel * t.expert_parallel == 1 and
+            t.parallel.tensor * t.parallel.context * t.parallel.expert == 1 and
             c.trainer_workers != r.num_servers * r.sglang.tp_size):
         raise ConfigError(f"cluster.trainer_workers: colocated tensor sync builds each SGLang TP "
                           f"rank's payload on the trainer rank sharing its GPU, so it needs "
