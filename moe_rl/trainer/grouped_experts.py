@@ -47,11 +47,11 @@ def deposit_grads(params, grads: torch.Tensor) -> None:
     learning = [p.requires_grad for p in params]
     if not any(learning):
         return
+    params = [p for p, learns in zip(params, learning) if learns]
     main = hasattr(params[0], "main_grad")
     if main:   # DDP's buffers are float32: the stacked gradient converted once
         grads = grads.to(params[0].main_grad.dtype)
     rows = [g for g, learns in zip(grads.unbind(0), learning) if learns]
-    params = [p for p, learns in zip(params, learning) if learns]
     if main:
         torch._foreach_add_([p.main_grad for p in params], rows)
         return
