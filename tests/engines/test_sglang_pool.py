@@ -304,8 +304,7 @@ def test_a_weight_call_is_bounded_by_the_weight_load_timeout():
                 await pool.request("/update_weights_from_disk", {}, server=pool.servers[0])
         with pytest.raises(EngineHTTPError, match="rollout.weight_load_timeout_s"):
             asyncio.run(main())
-        time.sleep(1.1)   # the stub's handler done before the next test (no thread left over:
-        # CPython 3.11.7's ast.parse failed once with a SystemError while one ran beside it)
+        time.sleep(1.1)   # the stub's handler done before the next test (no thread left over)
     finally:
         stub.close()
 

@@ -4,6 +4,8 @@ another one imports."""
 import ast
 import pathlib
 
+from tests.helpers import parse_python
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 # folders that are not a package of moe_rl/: its top-level modules, runs through `moe-rl train`,
@@ -29,7 +31,7 @@ def imported_test_modules(tests: pathlib.Path) -> list[tuple[str, str]]:
     """(file, module) for every import of a test module or a conftest under ``tests``."""
     found = []
     for path in sorted(tests.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_python(path.read_text())):
             names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
                      [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             found += [(str(path.relative_to(tests)), m) for m in names

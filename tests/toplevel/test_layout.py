@@ -6,6 +6,8 @@ import re
 
 import pytest
 
+from tests.helpers import parse_python
+
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "moe_rl"
 
 # lowest first; a unit may import only units of lower layers
@@ -59,7 +61,7 @@ def test_imports_only_go_down():
         if module == "moe_rl":
             continue
         mine = LAYER_OF[_unit(module)]
-        for target in _imports(ast.parse(path.read_text())):
+        for target in _imports(parse_python(path.read_text())):
             if (not target.startswith("moe_rl.") or _unit(target) not in LAYER_OF
                     or _unit(target) == _unit(module)):
                 continue
@@ -70,7 +72,7 @@ def test_imports_only_go_down():
 
 def test_the_layer_check_sees_an_upward_import(tmp_path):
     """Inside functions and type-only blocks alike."""
-    tree = ast.parse("def f():\n    from moe_rl.orchestration.loop import run\n"
+    tree = parse_python("def f():\n    from moe_rl.orchestration.loop import run\n"
                      "if TYPE_CHECKING:\n    from moe_rl.cli import main\n")
     assert list(_imports(tree)) == ["moe_rl.orchestration.loop", "moe_rl.orchestration.loop.run",
                                     "moe_rl.cli", "moe_rl.cli.main"]
@@ -108,7 +110,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circle_between_modules():
     """No module reaches itself through its imports (type-only ones included)."""
     modules = dict((m, p) for p, m in _modules())
-    graph = {m: {t for t in _imports(ast.parse(p.read_text())) if t in modules and t != m}
+    graph = {m: {t for t in _imports(parse_python(p.read_text())) if t in modules and t != m}
              for m, p in modules.items()}
     assert _circles(graph) == []
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -142,10 +144,10 @@ def test_sglangs_dialect_and_engine_branches_live_in_engines():
 def test_no_function_of_the_top_floor_is_above_radon_c():
     """The run's lifecycle and the step loop stay in functions a reader can hold: cyclomatic
     complexity rank C (<= 20) or better everywhere under orchestration/ (radon's grading)."""
-    from radon.complexity import cc_rank, cc_visit
+    from radon.complexity import cc_rank, cc_visit_ast
     worst = []
     for path in sorted((ROOT / "orchestration").glob("*.py")):
-        for block in cc_visit(path.read_text()):
+        for block in cc_visit_ast(parse_python(path.read_text())):
             for fn in [block, *getattr(block, "methods", [])]:
                 if not hasattr(fn, "methods") and cc_rank(fn.complexity) > "C":
                     worst.append(f"{path.name}:{fn.lineno} {fn.name} {cc_rank(fn.complexity)} "
@@ -173,7 +175,7 @@ WHOLE_CONFIG_ALLOWED = {
 def _takes_whole_config(path) -> list[str]:
     """``file:function`` of every function of ``path`` with a parameter annotated ``Config``."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_python(path.read_text())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 a.annotation is not None and ast.unparse(a.annotation) == "Config"
                 for a in node.args.args + node.args.kwonlyargs):
@@ -206,16 +208,16 @@ LENGTH_ALLOWED = {"engines/reference/server.py:build_app": 315,
 
 
 def test_the_library_keeps_radon_c_and_100_line_functions_outside_an_allow_list():
-    from radon.complexity import cc_rank, cc_visit
+    from radon.complexity import cc_rank, cc_visit_ast
     over, long = {}, {}
     for path in sorted(ROOT.rglob("*.py")):
         name = path.relative_to(ROOT).as_posix()
-        source = path.read_text()
-        for block in cc_visit(source):
+        tree = parse_python(path.read_text())
+        for block in cc_visit_ast(tree):
             for fn in [block, *getattr(block, "methods", [])]:
                 if not hasattr(fn, "methods") and cc_rank(fn.complexity) > "C":
                     over[f"{name}:{fn.name}"] = fn.complexity
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
                 if lines > 100:
