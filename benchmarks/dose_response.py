@@ -286,7 +286,7 @@ def train_run(model: str, data: list[str], label: str, overrides: list[str], ste
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(CONFIG),
            f"model.path={model}", f"logging.dir={run_dir}", f"trainer.steps={steps}",
-           f"trainer.lr={lr}", f"trainer.seed={seed}", f"rollout.base_port={free_port()}",
+           f"trainer.optim.lr={lr}", f"trainer.seed={seed}", f"rollout.base_port={free_port()}",
            *BASE, *data, *overrides]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)

@@ -381,8 +381,8 @@ def check_bf16_policy(path: str) -> dict:
         return PolicyTrainer(config_from_dict({
             "model": {"path": path, "dtype": dtype}, "cluster": {"gpus_per_node": 1},
             "rollout": {"n_samples_per_prompt": 4},
-            "trainer": {"lr": 1e-4, "seed": 1, "micro_batch_size": 4,
-                        "distributed_optimizer": dist_opt, **extra},
+            "trainer": {"optim": {"lr": 1e-4, "distributed": dist_opt}, "seed": 1,
+                        "micro_batch_size": 4, **extra},
             "algorithm": {"replay": "r3", "corrections": ["token_tis"]}}), path)
     out: dict = {}
     for name, dtype, dist_opt in (("f32", "float32", False), ("bf16_dist_opt", "bfloat16", True),
@@ -454,8 +454,8 @@ def check_dist_opt_resume(path: str) -> dict:
         return config_from_dict({
             "model": {"path": path, "dtype": "bfloat16"}, "cluster": {"gpus_per_node": 1},
             "rollout": {"n_samples_per_prompt": 4},
-            "trainer": {"lr": 1e-3, "seed": 1, "micro_batch_size": 4, "ema": {"decay": 0.9},
-                        "distributed_optimizer": True},
+            "trainer": {"optim": {"lr": 1e-3, "distributed": True}, "seed": 1,
+                        "micro_batch_size": 4, "ema": {"decay": 0.9}},
             "algorithm": {"replay": "r3"}})
     ckpt = tempfile.mkdtemp(prefix="gpu_check_ckpt_")
     run = PolicyTrainer(cfg(), path)
@@ -512,7 +512,8 @@ def parallel_worker(path: str) -> None:
                                 "rollout": {"n_samples_per_prompt": 2},
                                 "trainer": {"parallel": {"tensor": tp, "expert": ep,
                                                          "context": cp, "sequence": sp},
-                                            "lr": 1e-3, "seed": 1, "pack_sequences": packed,
+                                            "optim": {"lr": 1e-3}, "seed": 1,
+                                            "pack_sequences": packed,
                                             "max_tokens_per_micro_batch": 64},
                                 "algorithm": {"replay": "off", "pi_old": "rollout"}})
         trainer = PolicyTrainer(cfg, path)

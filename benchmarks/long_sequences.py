@@ -128,7 +128,7 @@ def run_arm(model_dir: str, arm: str, n: int) -> dict:
     init_model_parallel()
     cfg = config_from_dict({"model": {"path": model_dir},
                             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": MAX_LEN},
-                            "trainer": {"lr": 1e-5, "seed": 0, **ARMS[arm]},
+                            "trainer": {"optim": {"lr": 1e-5}, "seed": 0, **ARMS[arm]},
                             "algorithm": {"replay": "r3", "pi_old": "rollout", "loss": "gspo",
                                           "aggregation": "seq-mean-token-mean"}})
     trainer = PolicyTrainer(cfg, model_dir)

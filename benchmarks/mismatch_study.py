@@ -48,7 +48,7 @@ def _cfg(model_dir: str, **algo):
     if algo.get("keep_sampling_mask"):
         rollout["top_k"] = 20
     return config_from_dict({"model": {"path": model_dir}, "rollout": rollout,
-                             "trainer": {"lr": 3e-3, "micro_batch_size": 16},
+                             "trainer": {"optim": {"lr": 3e-3}, "micro_batch_size": 16},
                              "data": {"toy_max_operand": 9, "chat_template": False},
                              "algorithm": algo})
 

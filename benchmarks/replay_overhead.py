@@ -50,7 +50,7 @@ def run_one(model: str, mode: str, steps: int) -> dict:
     init_model_parallel()
     cfg = config_from_dict({"model": {"path": d},
                             "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 32},
-                            "trainer": {"lr": 1e-5, "micro_batch_size": 8},
+                            "trainer": {"optim": {"lr": 1e-5}, "micro_batch_size": 8},
                             "algorithm": {"replay": mode}})
     trainer = PolicyTrainer(cfg, d)
     for _ in range(2):

@@ -70,7 +70,7 @@ def _cfg(model_dir: str, dtype: str = "float32", trainer_dtype: str = "float32",
         "rollout": {"engine": "sglang", "engine_dtype": dtype, "n_samples_per_prompt": 4,
                     "max_new_tokens": 8, "top_k": 20, "return_routing": True,
                     "sglang": {"device": "cpu", "python": sglang_python()}},
-        "trainer": {"lr": 3e-3, "micro_batch_size": 16},
+        "trainer": {"optim": {"lr": 3e-3}, "micro_batch_size": 16},
         "data": {"toy_max_operand": 9, "chat_template": False}, "algorithm": algo})
 
 

@@ -23,7 +23,7 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "stability"
-COMMON = ["rollout.engine_dtype=bfloat16", "rollout.quantization=fp8", "trainer.lr=1e-2",
+COMMON = ["rollout.engine_dtype=bfloat16", "rollout.quantization=fp8", "trainer.optim.lr=1e-2",
           "trainer.epochs=2", "trainer.mini_batches=2", "trainer.micro_batch_size=32",
           "logging.progress=false", "trainer.checkpoint.export_hf=false"]
 PPO = ["algorithm.loss=ppo", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",

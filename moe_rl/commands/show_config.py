@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--get", metavar="KEY",
                         help="print only KEY's resolved value (for scripts; no input checks)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="config overrides, e.g. trainer.lr=1e-5 "
+                        help="config overrides, e.g. trainer.optim.lr=1e-5 "
                              "(flags and overrides in any order)")
 
 

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "config (repeatable; a key that shapes the run is refused "
                              "otherwise)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="config overrides, e.g. algorithm.replay=off trainer.lr=1e-6")
+                        help="config overrides, e.g. algorithm.replay=off trainer.optim.lr=1e-6")
 
 
 def run(args: argparse.Namespace) -> int:

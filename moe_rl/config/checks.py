@@ -186,13 +186,13 @@ def check_ema(cfg: Config) -> None:
     if (t.ema.policy or t.ema.start_step) and t.ema.decay is None:
         key = "trainer.ema.policy" if t.ema.policy else "trainer.ema.start_step"
         raise ConfigError(f"{key}: needs trainer.ema.decay (the EMA's decay, e.g. 0.9)")
-    if (t.ema.policy and cfg.model.dtype != "float32" and t.distributed_optimizer
+    if (t.ema.policy and cfg.model.dtype != "float32" and t.optim.distributed
             and cfg.cluster.gpus_per_node > 0):
         raise ConfigError(f"trainer.ema.policy: with model.dtype={cfg.model.dtype} the EMA is "
                           "written into "
                           "the optimizer's float32 main weights, of which megatron's distributed "
                           "optimizer keeps only a shard per rank; set "
-                          "trainer.distributed_optimizer=false")
+                          "trainer.optim.distributed=false")
 
 
 def precision_pair_warning(cfg: Config) -> str | None:
@@ -297,8 +297,9 @@ def check_micro_batches(cfg: Config) -> None:
 def check_optimiser_and_layout(cfg: Config, moe_shape: MoEShape) -> None:
     """The learning-rate floor and the parallel layouts the trainer runs."""
     t = cfg.trainer
-    if t.min_lr > t.lr:
-        raise ConfigError(f"trainer.min_lr: {t.min_lr} exceeds trainer.lr = {t.lr}")
+    if t.optim.min_lr > t.optim.lr:
+        raise ConfigError(f"trainer.optim.min_lr: {t.optim.min_lr} exceeds trainer.optim.lr = "
+                          f"{t.optim.lr}")
     if t.parallel.sequence and t.parallel.tensor == 1:
         raise ConfigError("trainer.parallel.sequence: needs trainer.parallel.tensor > 1")
     if moe_shape.moe_layers and moe_shape.num_experts % t.parallel.expert:

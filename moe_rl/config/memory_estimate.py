@@ -110,7 +110,7 @@ def trainer_memory(cfg: Config, hf: dict, counts: ParamCounts, seq_len: int) -> 
     experts = counts.experts / (tp * ep)
     params = dense + experts
     state = 8 + (4 if b < 4 else 0)   # Adam's m and v, the float32 master copy
-    distributed = t.distributed_optimizer and cfg.cluster.gpus_per_node   # as on GPUs
+    distributed = t.optim.distributed and cfg.cluster.gpus_per_node   # as on GPUs
     sharded = dense / dp + experts / edp if distributed else params
     ema = 4 * params if t.ema.decay is not None else 0
     reference = b * params if cfg.algorithm.kl.coef > 0 else 0

@@ -26,6 +26,15 @@ MOVED_KEYS = {
     "trainer.expert_parallel": "trainer.parallel.expert",
     "trainer.context_parallel": "trainer.parallel.context",
     "trainer.sequence_parallel": "trainer.parallel.sequence",
+    "trainer.lr": "trainer.optim.lr",
+    "trainer.min_lr": "trainer.optim.min_lr",
+    "trainer.lr_warmup_steps": "trainer.optim.warmup_steps",
+    "trainer.lr_schedule": "trainer.optim.schedule",
+    "trainer.weight_decay": "trainer.optim.weight_decay",
+    "trainer.adam_beta1": "trainer.optim.adam_beta1",
+    "trainer.adam_beta2": "trainer.optim.adam_beta2",
+    "trainer.grad_clip": "trainer.optim.grad_clip",
+    "trainer.distributed_optimizer": "trainer.optim.distributed",
 }
 
 

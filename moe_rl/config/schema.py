@@ -338,6 +338,19 @@ class WarmupConfig:
 
 
 @dataclass
+class OptimConfig:
+    lr: float = _f(1e-5, "peak learning rate", **_rng(0, lo_open=True))
+    min_lr: float = _f(0.0, "final learning rate of the schedule", **_rng(0))
+    warmup_steps: int = _f(0, "linear learning-rate warm-up steps", **_rng(0))
+    schedule: Literal["constant", "linear", "cosine"] = _f("constant", "decay after warm-up")
+    weight_decay: float = _f(0.0, "AdamW weight decay", **_rng(0))
+    adam_beta1: float = _f(0.9, "Adam beta1", **_rng(0, 1, hi_open=True))
+    adam_beta2: float = _f(0.999, "Adam beta2", **_rng(0, 1, hi_open=True))
+    grad_clip: float = _f(1.0, "gradient-norm clip (0 = off)", **_rng(0))
+    distributed: bool = _f(True, "megatron's distributed optimizer where available")
+
+
+@dataclass
 class ParallelConfig:
     tensor: int = _f(1, "tensor-parallel size", **_rng(1, 4096, why="ranks of one parallel group"))
     pipeline: int = _f(1, "pipeline-parallel size",
@@ -371,14 +384,6 @@ class CheckpointConfig:
 class TrainerConfig:
     steps: int = _f(20, "RL steps", **_rng(1))
     seed: int = _f(1234, "global seed", **_rng(0, 2 ** 32 - 1))
-    lr: float = _f(1e-5, "peak learning rate", **_rng(0, lo_open=True))
-    min_lr: float = _f(0.0, "final learning rate of the schedule", **_rng(0))
-    lr_warmup_steps: int = _f(0, "linear warm-up steps", **_rng(0))
-    lr_schedule: Literal["constant", "linear", "cosine"] = _f("constant", "decay after warm-up")
-    weight_decay: float = _f(0.0, "AdamW weight decay", **_rng(0))
-    adam_beta1: float = _f(0.9, "Adam beta1", **_rng(0, 1, hi_open=True))
-    adam_beta2: float = _f(0.999, "Adam beta2", **_rng(0, 1, hi_open=True))
-    grad_clip: float = _f(1.0, "gradient-norm clip (0 = off)", **_rng(0))
     epochs: int = _f(1, "passes over each rollout batch",
         **_rng(1, 1000, why="passes over one rollout batch"))
     mini_batches: int = _f(1, "optimizer steps per epoch (the batch is split in this many)",
@@ -394,6 +399,7 @@ class TrainerConfig:
                               "max_tokens_per_micro_batch tokens (first-fit decreasing), "
                               "attention causal within each sample only (THD with cu_seqlens: "
                               "Transformer Engine on GPU, slot by slot on CPU)")
+    optim: OptimConfig = _sub(OptimConfig, "the optimizer (Adam) and its learning-rate schedule")
     parallel: ParallelConfig = _sub(ParallelConfig, "how the trainer's ranks split the model")
     recompute_activations: bool = _f(False, "full activation recomputation (replay in backward)")
     experts: Literal["auto", "te_grouped", "grouped", "sequential"] = _f(
@@ -402,7 +408,6 @@ class TrainerConfig:
         "grouped GEMMs over the local experts, torch._grouped_mm), sequential (megatron's loop "
         "over them), auto (te_grouped where TE and CUDA are, else grouped wherever torch has it "
         "and the sizes fit its 16-byte rows)")
-    distributed_optimizer: bool = _f(True, "megatron distributed optimizer where available")
     loss_scale: LossScaleConfig = _sub(LossScaleConfig, "float16's dynamic loss scaling "
                                        "(skipped steps: train/skipped_steps)")
     ema: EMAConfig = _sub(EMAConfig, "the Polyak average (EMA) of the weights")

@@ -16,11 +16,10 @@ import torch
 
 from moe_rl.algo import collapse_guard
 from moe_rl.config import Config
-from moe_rl.trainer.cpu_compat import cuda_absent, cuda_factories_on_cpu
 from moe_rl.trainer.forwarder import Forwarder
 from moe_rl.trainer.loss import PolicyLoss
-from moe_rl.trainer.loss_scale import share_loss_scale
 from moe_rl.trainer.model_builder import build_model, mla_packing_warning
+from moe_rl.trainer.optimizer import build_optimizer, uses_distributed_optimizer
 from moe_rl.trainer.parallel import ParallelSizes
 from moe_rl.trainer.passes import StepBatch, StepPasses
 from moe_rl.trainer.replay import ReplayController
@@ -38,8 +37,6 @@ class PolicyTrainer:
     def __init__(self, cfg: Config, hf_path: str):
         from megatron.core.distributed import (DistributedDataParallel,
             DistributedDataParallelConfig)
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         self.cfg = cfg
         self.hf_path = hf_path
         t = cfg.trainer
@@ -63,27 +60,12 @@ class PolicyTrainer:
         self.replay = ReplayController(model, moe_shape.moe_layers, moe_shape.topk,
                                        moe_shape.num_experts, recompute=t.recompute_activations)
         self.routes = ReplayPlan.from_algorithm(cfg.algorithm)   # each pass's routing
-        use_dist_opt = t.distributed_optimizer and not cuda_absent()
         self.model = DistributedDataParallel(
             model.config, DistributedDataParallelConfig(
-                use_distributed_optimizer=use_dist_opt, grad_reduce_in_fp32=True), model)
-        with cuda_factories_on_cpu():
-            self.optimizer = get_megatron_optimizer(OptimizerConfig(
-                optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-                adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.grad_clip,
-                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-                params_dtype=dtype, initial_loss_scale=t.loss_scale.initial,
-                min_loss_scale=t.loss_scale.min, loss_scale_window=t.loss_scale.growth_interval,
-                hysteresis=t.loss_scale.hysteresis,
-                use_distributed_optimizer=use_dist_opt), [self.model])
-        share_loss_scale(self.optimizer)   # float16: one scale for dense and expert leaves
-        decay_steps = max(t.steps * t.epochs * t.mini_batches, 1)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if t.lr_warmup_steps else t.lr, max_lr=t.lr,
-            min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_steps,
-            lr_decay_steps=max(decay_steps, t.lr_warmup_steps + 1),
-            lr_decay_style=t.lr_schedule, start_wd=t.weight_decay, end_wd=t.weight_decay,
-            wd_incr_steps=decay_steps, wd_incr_style="constant")
+                use_distributed_optimizer=uses_distributed_optimizer(t.optim),
+                grad_reduce_in_fp32=True), model)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, t.optim, t.loss_scale, dtype, t.steps * t.epochs * t.mini_batches)
         self.ref_model = self.ref_replay = None
         if cfg.algorithm.kl.coef > 0:
             ref, _ = build_model(hf_path, sizes=sizes, dtype=dtype,

@@ -21,10 +21,10 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 # seen on an H100 without Transformer Engine: megatron's load sets a per-parameter "step" for
 # torch's Adam and then copies every state key from the checkpoint, which has none
 DIST_OPT_RESUME_NEEDS_TE = (
-    "trainer.distributed_optimizer: megatron-core 0.16.1 cannot resume its distributed optimizer "
+    "trainer.optim.distributed: megatron-core 0.16.1 cannot resume its distributed optimizer "
     "without Transformer Engine or Apex (torch's Adam keeps a per-parameter step that its "
     "reshardable load does not restore: KeyError 'step', distrib_optimizer.py:940); install "
-    "transformer-engine[pytorch], or run with trainer.distributed_optimizer=false")
+    "transformer-engine[pytorch], or run with trainer.optim.distributed=false")
 
 
 def leaf_optimizers(optimizer) -> list:

@@ -121,7 +121,7 @@ class PolicyUpdate:
             raise LossScaleCollapsed(
                 f"trainer.loss_scale.min: the float16 loss scale fell to its minimum ({floor:g}) "
                 f"after the gradients overflowed at every larger scale; the step was skipped and "
-                f"the run stops (train in bfloat16, or lower trainer.lr)")
+                f"the run stops (train in bfloat16, or lower trainer.optim.lr)")
 
     def _covariance_selection(self, batch: StepBatch, mini: list[int]) -> torch.Tensor | None:
         """Clip-Cov / KL-Cov tokens chosen over the whole mini-batch (not per micro-batch, where

@@ -166,7 +166,7 @@ def test_train_refuses_an_allowed_change_of_a_key_that_does_not_exist(tmp_path, 
     capsys.readouterr()   # the model writer's progress
     code = main(["train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
                  f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
-                 "--resume", "--allow-change", "trainer.lr,trainer.lrr"])
+                 "--resume", "--allow-change", "trainer.optim.lr,trainer.lrr"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == ["moe-rl train: --allow-change trainer.lrr: not a config key "
                                  "(see moe-rl config --keys)"], err

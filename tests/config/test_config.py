@@ -28,14 +28,14 @@ def test_defaults_validate_and_round_trip_through_yaml(tmp_path):
 
 def test_yaml_then_overrides_take_precedence(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"trainer": {"lr": 1e-4, "steps": 3},
+    f.write_text(yaml.safe_dump({"trainer": {"optim": {"lr": 1e-4}, "steps": 3},
                                  "algorithm": {"loss": "gspo", "clip_low": 3e-4,
                                                "clip_high": 4e-4,
                                                "aggregation": "seq-mean-token-mean"}}))
     cfg = load_config(f, ["trainer.steps=7", "algorithm.corrections=[icepop,seq_mis]",
-                          "algorithm.correction.mis_c=3", "trainer.lr=2e-6"])
+                          "algorithm.correction.mis_c=3", "trainer.optim.lr=2e-6"])
     assert cfg.trainer.steps == 7
-    assert cfg.trainer.lr == 2e-6
+    assert cfg.trainer.optim.lr == 2e-6
     assert cfg.algorithm.loss == "gspo" and cfg.algorithm.clip_high == 4e-4
     assert cfg.algorithm.corrections == ["icepop", "seq_mis"]
     assert cfg.algorithm.correction.mis_c == 3.0 and isinstance(cfg.algorithm.correction.mis_c,
@@ -63,7 +63,7 @@ def test_unknown_key_in_yaml_file(tmp_path):
 
 
 @pytest.mark.parametrize("override,expect", [
-    ("trainer.lr=abc", "trainer.lr: expected a number"),
+    ("trainer.optim.lr=abc", "trainer.optim.lr: expected a number"),
     ("trainer.steps=2.5", "trainer.steps: expected an integer"),
     ("algorithm.keep_sampling_mask=maybe", "expected a boolean"),
     ("algorithm.replay=r4", "algorithm.replay: expected one of 'off', 'r2', 'r3'"),
@@ -76,7 +76,7 @@ def test_wrong_type(override, expect):
 @pytest.mark.parametrize("override,key", [
     ("rollout.top_p=1.5", "rollout.top_p"),
     ("rollout.temperature=-1", "rollout.temperature"),
-    ("trainer.lr=0", "trainer.lr"),
+    ("trainer.optim.lr=0", "trainer.optim.lr"),
     ("model.init.num_experts=0", "model.init.num_experts"),
     ("rollout.base_port=70000", "rollout.base_port"),
 ])
@@ -141,7 +141,7 @@ def test_other_incompatible_combinations():
     # bf16 training runs on CPU (megatron's mixed-precision optimizer); an EMA policy written into
     # the float32 master weights needs them whole, which the distributed optimizer (GPUs) is not
     load_config(None, ["model.dtype=bfloat16", "trainer.ema.decay=0.9", "trainer.ema.policy=true"])
-    assert "set trainer.distributed_optimizer=false" in _err(
+    assert "set trainer.optim.distributed=false" in _err(
         ["model.dtype=bfloat16", "trainer.ema.decay=0.9", "trainer.ema.policy=true",
          "cluster.gpus_per_node=1"])
     assert "trainer.parallel.expert" in _err(["trainer.parallel.expert=3"])
@@ -180,9 +180,9 @@ def test_sglang_on_cpu_refuses_what_needs_cuda():
 
 def test_section_and_value_confusion():
     assert "is a section" in _err(["trainer=3"])
-    assert "is a value" in _err(["trainer.lr.x=3"])
+    assert "is a value" in _err(["trainer.optim.lr.x=3"])
     with pytest.raises(ConfigError, match="expected key.sub=value"):
-        parse_override("trainer.lr")
+        parse_override("trainer.optim.lr")
 
 
 def test_config_from_dict_and_key_table():
@@ -343,13 +343,13 @@ def test_a_16_bit_trainer_against_the_float32_engine_default_is_warned_about(eng
 
 
 @pytest.mark.parametrize("override,message", [
-    ("trainer.lr=nan", "trainer.lr: expected a finite number"),
+    ("trainer.optim.lr=nan", "trainer.optim.lr: expected a finite number"),
     ("rollout.temperature=1e400", "rollout.temperature: expected a finite number"),
     ("algorithm.correction.mis_c=.inf", "algorithm.correction.mis_c: expected a finite number"),
     ("rollout.concurrency=10000000", "rollout.concurrency: 10000000 is out of range, expected a "
      "value in [1, 65536] (requests in flight per server, each a task and a connection)"),
     ("eval.n=100000", "eval.n: 100000 is out of range"),
-    ("trainer.lr=" + "9" * 400, "trainer.lr: expected a finite number, got an integer of 400 "
+    ("trainer.optim.lr=" + "9" * 400, "trainer.optim.lr: expected a finite number, got an integer of 400 "
                                 "digits"),
     ("trainer.seed=-1", "trainer.seed: -1 is out of range"),
     ("trainer.seed=99999999999", "trainer.seed: 99999999999 is out of range"),
@@ -769,8 +769,8 @@ def test_moe_rl_config_prints_every_warning_moe_rl_train_prints(tmp_path):
 
 
 @pytest.mark.parametrize("command,overrides,refusals", [
-    ("config", ["trainer.lr=nan", "rollout.temperature=-1"],
-     ["trainer.lr: expected a finite number", "rollout.temperature: -1.0 is out of range"]),
+    ("config", ["trainer.optim.lr=nan", "rollout.temperature=-1"],
+     ["trainer.optim.lr: expected a finite number", "rollout.temperature: -1.0 is out of range"]),
     ("config", ["algorithm.loss=gspo", "algorithm.aggregation=token-mean",
                 "algorithm.clip_low=-0.1"],
      ["algorithm.clip_low/clip_high: GSPO needs positive clip ranges",

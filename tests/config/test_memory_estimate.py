@@ -56,7 +56,7 @@ def test_without_recompute_every_layer_keeps_its_activations_and_tp_cp_split_the
     cfg = load_config(str(ROOT / "configs" / "qwen3_30b_a3b_r3_gspo.yaml"), [
         "trainer.recompute_activations=false", "trainer.parallel.tensor=2",
         "trainer.parallel.sequence=true", "trainer.parallel.context=2",
-        "trainer.parallel.expert=4", "trainer.distributed_optimizer=false",
+        "trainer.parallel.expert=4", "trainer.optim.distributed=false",
         "trainer.ema.decay=null"])
     m = trainer_memory(cfg, QWEN3_30B_A3B, COUNTS, seq_len=4096)
     params = (COUNTS.dense + COUNTS.embedding) / 2 + COUNTS.experts / 8

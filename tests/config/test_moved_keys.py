@@ -28,7 +28,16 @@ MOVES = [("trainer.ema_decay", "trainer.ema.decay", 0.9),
          ("trainer.pipeline_parallel", "trainer.parallel.pipeline", 2),
          ("trainer.expert_parallel", "trainer.parallel.expert", 2),
          ("trainer.context_parallel", "trainer.parallel.context", 2),
-         ("trainer.sequence_parallel", "trainer.parallel.sequence", True)]
+         ("trainer.sequence_parallel", "trainer.parallel.sequence", True),
+         ("trainer.lr", "trainer.optim.lr", 3e-4),
+         ("trainer.min_lr", "trainer.optim.min_lr", 1e-7),
+         ("trainer.lr_warmup_steps", "trainer.optim.warmup_steps", 5),
+         ("trainer.lr_schedule", "trainer.optim.schedule", "cosine"),
+         ("trainer.weight_decay", "trainer.optim.weight_decay", 0.1),
+         ("trainer.adam_beta1", "trainer.optim.adam_beta1", 0.8),
+         ("trainer.adam_beta2", "trainer.optim.adam_beta2", 0.95),
+         ("trainer.grad_clip", "trainer.optim.grad_clip", 0.5),
+         ("trainer.distributed_optimizer", "trainer.optim.distributed", False)]
 
 
 def _value(cfg, dotted):

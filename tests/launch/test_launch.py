@@ -49,7 +49,7 @@ def test_scripts_parse():
 
 
 def test_three_node_dry_run(slurm_shims, tmp_path):
-    cmds = _dry_run(slurm_shims, "trainer.lr=1e-6", f"logging.dir={tmp_path / 'run'}",
+    cmds = _dry_run(slurm_shims, "trainer.optim.lr=1e-6", f"logging.dir={tmp_path / 'run'}",
                     MOE_RL_HOST_IP="10.0.0.1")
     logs = f"{tmp_path / 'run'}/logs/slurm-77.0"
     assert cmds[0] == f"mkdir -p {logs}"
@@ -57,7 +57,7 @@ def test_three_node_dry_run(slurm_shims, tmp_path):
     for node, cmd in zip(("gpu01", "gpu02", "gpu03"), cmds[1:4]):
         assert cmd == (f"srun --overlap --nodes=1 --ntasks=1 -w {node} --output={logs}/doctor-"
                        f"{node}.log moe-rl doctor --config configs/qwen3_30b_a3b_r3_gspo.yaml "
-                       f"cluster.num_nodes=3 cluster.gpus_per_node=8 trainer.lr=1e-6 "
+                       f"cluster.num_nodes=3 cluster.gpus_per_node=8 trainer.optim.lr=1e-6 "
                        f"logging.dir={tmp_path / 'run'} &")
     cmds = cmds[:1] + cmds[4:]
     head = cmds[1]
@@ -75,7 +75,7 @@ def test_three_node_dry_run(slurm_shims, tmp_path):
     train = cmds[5]
     assert train.startswith("moe-rl train --config configs/qwen3_30b_a3b_r3_gspo.yaml")
     for part in ("cluster.ray_address=10.0.0.1:6379", "cluster.num_nodes=3",
-                 "cluster.gpus_per_node=8", "trainer.lr=1e-6"):
+                 "cluster.gpus_per_node=8", "trainer.optim.lr=1e-6"):
         assert part in train
     assert not train.endswith("--resume")   # a first start: a used run directory is refused
     # teardown: each worker's Ray step told to end, then the head's; nothing else (`ray stop`
@@ -190,7 +190,7 @@ def test_sbatch_passes_slurms_warning_signal_to_train_tears_down_and_requeues(tm
     env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", PYTHON="true",
                MOE_RL=str(shims / "train"), CONFIG="c.yaml", SLURM_JOB_NODELIST="n[1-2]",
                SLURM_JOB_ID="41", SLURM_GPUS_ON_NODE="8", MOE_RL_HOST_IP="10.0.0.1")
-    proc = subprocess.Popen(["bash", str(SBATCH), "trainer.lr=1e-6"], env=env)
+    proc = subprocess.Popen(["bash", str(SBATCH), "trainer.optim.lr=1e-6"], env=env)
     deadline = time.monotonic() + 30
     while "train " not in (log.read_text() if log.exists() else "") and \
             time.monotonic() < deadline:
@@ -201,7 +201,7 @@ def test_sbatch_passes_slurms_warning_signal_to_train_tears_down_and_requeues(tm
     calls = log.read_text()
     assert "train got USR1" in calls
     assert "train train --config c.yaml cluster.ray_address=10.0.0.1:6379" in calls and \
-        "trainer.lr=1e-6\n" in calls
+        "trainer.optim.lr=1e-6\n" in calls
     assert "ray stop" not in calls
     # each node's Ray step was told to end (workers first, then the head)
     logs = tmp_path / "run" / "logs" / "slurm-41.0"

@@ -452,7 +452,7 @@ def test_a_resume_refused_for_a_changed_key_gives_the_command_that_resumes(train
     refused = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config",
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
-         f"logging.dir={run}", "trainer.lr=1e-5", "--resume", *common],
+         f"logging.dir={run}", "trainer.optim.lr=1e-5", "--resume", *common],
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2, refused.stderr[-2000:]
     named = f"moe-rl train --config {run / 'config.yaml'} --resume"

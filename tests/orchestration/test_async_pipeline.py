@@ -31,7 +31,7 @@ def test_stale_samples_are_scored_at_their_own_version(tmp_path, parallel_state,
     cfg = config_from_dict({"model": {"path": str(tmp_path / "qwen")},
                             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5,
                                         "max_staleness": 1},
-                            "trainer": {"lr": 3e-2, "micro_batch_size": 2, "seed": 3},
+                            "trainer": {"optim": {"lr": 3e-2}, "micro_batch_size": 2, "seed": 3},
                             "algorithm": {"replay": replay}})
     trainer = PolicyTrainer(cfg, str(tmp_path / "qwen"))
     first = trainer.train_step(engine_samples(hf_model, n_groups=2, group_size=2, seed=1))

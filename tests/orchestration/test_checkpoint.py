@@ -117,9 +117,9 @@ def test_resuming_the_distributed_optimizer_without_te_is_refused_before_loading
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
     leaf = distrib_optimizer.DistributedOptimizer.__new__(distrib_optimizer.DistributedOptimizer)
     chained = types.SimpleNamespace(chained_optimizers=[leaf])
-    with pytest.raises(ValueError, match=r"trainer.distributed_optimizer: .*install "
+    with pytest.raises(ValueError, match=r"trainer.optim.distributed: .*install "
                                          r"transformer-engine\[pytorch\], or run with "
-                                         r"trainer.distributed_optimizer=false"):
+                                         r"trainer.optim.distributed=false"):
         sharded_state.load_sharded("/nonexistent/dist", model=None, optimizer=chained, ema=None,
                                    step=1)
 

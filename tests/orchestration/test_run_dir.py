@@ -48,19 +48,19 @@ def test_fresh_directories_for_the_demo(tmp_path):
 
 def test_resume_changes_name_the_keys_that_shape_the_run(tmp_path):
     from moe_rl.config import dump_config
-    saved = _cfg(tmp_path, "trainer.lr=1e-3", "trainer.steps=10")
+    saved = _cfg(tmp_path, "trainer.optim.lr=1e-3", "trainer.steps=10")
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "config.yaml").write_text(dump_config(saved))
-    same_run = _cfg(tmp_path, "trainer.lr=1e-3", "trainer.steps=50", "rollout.base_port=1234",
+    same_run = _cfg(tmp_path, "trainer.optim.lr=1e-3", "trainer.steps=50", "rollout.base_port=1234",
                     "cluster.trainer_workers=2", "trainer.checkpoint.interval=5",
                     "data.reward_timeout_s=5", f"logging.dir={tmp_path / 'moved'}")
     assert run_dir.resume_changes(str(tmp_path / "ck" / "config.yaml"), same_run) == []
-    other = _cfg(tmp_path, "trainer.lr=1e-5", "algorithm.replay=off")
+    other = _cfg(tmp_path, "trainer.optim.lr=1e-5", "algorithm.replay=off")
     changes = run_dir.resume_changes(str(tmp_path / "ck" / "config.yaml"), other)
-    assert [c[0] for c in changes] == ["algorithm.replay", "trainer.lr"]
-    with pytest.raises(UserError, match=r"^algorithm.replay: .* \(and trainer.lr\)"):
+    assert [c[0] for c in changes] == ["algorithm.replay", "trainer.optim.lr"]
+    with pytest.raises(UserError, match=r"^algorithm.replay: .* \(and trainer.optim.lr\)"):
         run_dir.check_resume(str(tmp_path / "ck"), other)
-    run_dir.check_resume(str(tmp_path / "ck"), other, ("algorithm.replay", "trainer.lr"))
+    run_dir.check_resume(str(tmp_path / "ck"), other, ("algorithm.replay", "trainer.optim.lr"))
 
 
 def test_checkpoint_due_by_steps_or_minutes_whichever_first(tmp_path):

@@ -71,11 +71,11 @@ def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
     # --resume with a key that shapes the run changed: refused naming it, nothing touched
-    changed = train(tmp_path, *base, "trainer.steps=3", "trainer.lr=1e-5", "--resume",
+    changed = train(tmp_path, *base, "trainer.steps=3", "trainer.optim.lr=1e-5", "--resume",
                     timeout=120)
     assert changed.returncode == 2, changed.stderr[-2000:]
-    assert changed.stderr.startswith("moe-rl train: trainer.lr: the run in ") and \
-        "--allow-change trainer.lr" in changed.stderr
+    assert changed.stderr.startswith("moe-rl train: trainer.optim.lr: the run in ") and \
+        "--allow-change trainer.optim.lr" in changed.stderr
     assert f"resume with the saved config (`moe-rl train --config {run / 'config.yaml'} " \
         f"--resume`)" in changed.stderr
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
@@ -85,11 +85,11 @@ def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
 
     # --resume extending the run (steps, port: keys that do not shape it) continues it
     # (and a key that shapes it, accepted by name)
-    resumed = train(tmp_path, *base, "trainer.steps=3", "trainer.lr=1e-3", "--resume",
-                    "--allow-change", "trainer.lr")
+    resumed = train(tmp_path, *base, "trainer.steps=3", "trainer.optim.lr=1e-3", "--resume",
+                    "--allow-change", "trainer.optim.lr")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at step 2" in resumed.stdout and steps_of(run) == [0, 1, 2]
-    assert "resuming with trainer.lr changed: 0.002 -> 0.001 (--allow-change)" in resumed.stdout
+    assert "resuming with trainer.optim.lr changed: 0.002 -> 0.001 (--allow-change)" in resumed.stdout
 
     # --overwrite: the old run moved aside whole, the new one alone in the directory
     fresh = train(tmp_path, *base, "trainer.steps=1", "--overwrite")

@@ -147,7 +147,7 @@ def test_responses_spanning_two_and_three_versions_are_scored_segment_by_segment
     cfg = config_from_dict({"model": {"path": str(tmp_path / "v0")},
                             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 9,
                                         "max_staleness": 2},
-                            "trainer": {"lr": 3e-2, "micro_batch_size": 2, "seed": 3},
+                            "trainer": {"optim": {"lr": 3e-2}, "micro_batch_size": 2, "seed": 3},
                             "algorithm": {"replay": replay}})
     trainer = PolicyTrainer(cfg, str(tmp_path / "v0"))
     models = [m0]

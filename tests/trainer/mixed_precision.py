@@ -4,11 +4,11 @@ master copy megatron keeps for a 16-bit weight."""
 from moe_rl.config import config_from_dict
 
 
-def make_cfg(path, dtype="bfloat16", algorithm=None, **trainer):
+def make_cfg(path, dtype="bfloat16", algorithm=None, lr=1e-3, **trainer):
     tree = {"model": {"path": path, "dtype": dtype},
             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-            "trainer": {"lr": 1e-3, "micro_batch_size": 2, "steps": 4, "seed": 3,
-                        "distributed_optimizer": False, **trainer},   # CUDA: Float16Optimizer too
+            "trainer": {"optim": {"lr": lr, "distributed": False},   # CUDA: Float16Optimizer too
+                        "micro_batch_size": 2, "steps": 4, "seed": 3, **trainer},
             "algorithm": {"replay": "r3", "corrections": ["token_tis"], **(algorithm or {})}}
     return config_from_dict(tree)
 

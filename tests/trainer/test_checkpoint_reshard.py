@@ -25,7 +25,7 @@ def _worker(rank, world, port, model_dir, base, load_from, save_to, experts):
     from moe_rl.trainer.policy import PolicyTrainer
     cfg = config_from_dict({"model": {"path": model_dir},
                             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-                            "trainer": {"lr": 1e-2, "grad_clip": 0.0, "parallel": {"expert": world},
+                            "trainer": {"optim": {"lr": 1e-2, "grad_clip": 0.0}, "parallel": {"expert": world},
                                         "ema": {"decay": 0.5}, "experts": experts},
                             "cluster": {"trainer_workers": world}})
     trainer = PolicyTrainer(cfg, model_dir)

@@ -24,7 +24,7 @@ def _worker(rank, port, path, out_dir):
     cfg = config_from_dict({
         "model": {"path": path, "dtype": "float16"}, "cluster": {"trainer_workers": 2},
         "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-        "trainer": {"parallel": {"expert": 2}, "distributed_optimizer": False,
+        "trainer": {"parallel": {"expert": 2}, "optim": {"distributed": False},
                     "loss_scale": {"initial": 2.0 ** 10, "hysteresis": 1}}})
     trainer = PolicyTrainer(cfg, path)
     leaves = trainer.optimizer.chained_optimizers

@@ -48,7 +48,7 @@ def _worker(rank, port, model_dir, out_dir, mode):
         from moe_rl.trainer.policy import PolicyTrainer
         cfg = config_from_dict({"model": {"path": model_dir},
                                 "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-                                "trainer": {"lr": 1e-2, "grad_clip": 0.0, "parallel": {"expert": 2},
+                                "trainer": {"optim": {"lr": 1e-2, "grad_clip": 0.0}, "parallel": {"expert": 2},
                                             "epochs": 2},
                                 "cluster": {"trainer_workers": 2},
                                 "algorithm": RAGGED_ALGORITHM})
@@ -62,7 +62,7 @@ def _worker(rank, port, model_dir, out_dir, mode):
         from moe_rl.trainer.policy import PolicyTrainer
         cfg = config_from_dict({"model": {"path": model_dir},
                                 "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-                                "trainer": {"lr": 1e-3, "grad_clip": 0.0}})
+                                "trainer": {"optim": {"lr": 1e-3, "grad_clip": 0.0}}})
         trainer = PolicyTrainer(cfg, model_dir)
         share = [s for s in samples if s.group_id == rank]
         m = trainer.train_step(share)
@@ -139,7 +139,7 @@ def test_data_parallel_gradients_are_the_global_mean(tmp_path):
     init_model_parallel()
     cfg = config_from_dict({"model": {"path": model_dir},
                             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-                            "trainer": {"lr": 1e-3, "grad_clip": 0.0}})
+                            "trainer": {"optim": {"lr": 1e-3, "grad_clip": 0.0}}})
     trainer = PolicyTrainer(cfg, model_dir)
     trainer.train_step(samples)
     for a, p in zip(outs[0]["grads"], trainer.model.module.parameters()):
@@ -162,7 +162,7 @@ def test_expert_parallel_ranks_with_different_micro_batch_shapes(tmp_path):
     init_model_parallel()
     cfg = config_from_dict({"model": {"path": model_dir},
                             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-                            "trainer": {"lr": 1e-2, "grad_clip": 0.0, "epochs": 2},
+                            "trainer": {"optim": {"lr": 1e-2, "grad_clip": 0.0}, "epochs": 2},
                             "algorithm": RAGGED_ALGORITHM})
     share0, share1 = _ragged_shares(samples)
     m = PolicyTrainer(cfg, model_dir).train_step(share0 + share1)

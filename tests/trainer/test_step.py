@@ -23,7 +23,7 @@ def parallel_state():
 def make_cfg(path, **algo):
     tree = {"model": {"path": path},
             "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-            "trainer": {"lr": 1e-3, "micro_batch_size": 2, "steps": 4, "seed": 3},
+            "trainer": {"optim": {"lr": 1e-3}, "micro_batch_size": 2, "steps": 4, "seed": 3},
             "algorithm": {"replay": "r3", **algo}}
     return config_from_dict(tree)
 
@@ -51,7 +51,7 @@ def test_kl_term_matches_a_float64_reference(tiny):
     of the prepared log-probs after one."""
     path, hf_model = tiny
     cfg = make_cfg(path, kl={"coef": 0.1, "off_policy_corrected": True})
-    cfg.trainer.lr = 1e-2
+    cfg.trainer.optim.lr = 1e-2
     trainer = PolicyTrainer(cfg, path)
     first = trainer.train_step(engine_samples(hf_model, seed=2))
     assert first["kl/ref"] == pytest.approx(0.0, abs=1e-7)   # policy == reference
@@ -98,7 +98,7 @@ def test_micro_batch_split_gives_same_update(tiny):
         cfg = make_cfg(path)
         cfg.trainer.micro_batch_size, cfg.trainer.max_tokens_per_micro_batch = mbs, budget
         cfg.trainer.pack_sequences = packed
-        cfg.trainer.grad_clip = 0.0
+        cfg.trainer.optim.grad_clip = 0.0
         trainer = PolicyTrainer(cfg, path)
         metrics.append(trainer.train_step(copy.deepcopy(samples)))
         # the accumulated gradient of the mini-batch (Adam's update would amplify rounding)
@@ -204,7 +204,7 @@ def test_deepseek_mask_fires_on_live_logprobs_after_an_update(tiny):
     path, hf_model = tiny
     cfg = make_cfg(path, corrections=["opsm"],
                    correction={"opsm_delta": 1e-4, "opsm_reference": "pi_old"})
-    cfg.trainer.lr, cfg.trainer.mini_batches, cfg.trainer.epochs = 5e-2, 2, 2
+    cfg.trainer.optim.lr, cfg.trainer.mini_batches, cfg.trainer.epochs = 5e-2, 2, 2
     trainer = PolicyTrainer(cfg, path)
     m = trainer.train_step(_all_negative(engine_samples(hf_model, n_groups=2, group_size=2,
                                                         seed=4)))
@@ -290,7 +290,7 @@ def test_ema_follows_the_polyak_formula_and_is_what_gets_exported(tiny, tmp_path
     from safetensors.torch import load_file
     path, hf_model = tiny
     cfg = make_cfg(path)
-    cfg.trainer.ema.decay, cfg.trainer.mini_batches, cfg.trainer.lr = 0.6, 2, 1e-2
+    cfg.trainer.ema.decay, cfg.trainer.mini_batches, cfg.trainer.optim.lr = 0.6, 2, 1e-2
     trainer = PolicyTrainer(cfg, path)
     params = dict(trainer.model.module.named_parameters())
     expected = {n: p.detach().double().clone() for n, p in params.items()}
@@ -325,7 +325,7 @@ def test_ema_policy_replaces_the_weights_from_its_start_step(tiny):
     path, hf_model = tiny
     cfg = make_cfg(path)
     cfg.trainer.ema.decay, cfg.trainer.ema.policy, cfg.trainer.ema.start_step = 0.6, True, 1
-    cfg.trainer.mini_batches, cfg.trainer.lr = 2, 1e-2
+    cfg.trainer.mini_batches, cfg.trainer.optim.lr = 2, 1e-2
     trainer = PolicyTrainer(cfg, path)
     params = dict(trainer.model.module.named_parameters())
     expected = {n: p.detach().double().clone() for n, p in params.items()}

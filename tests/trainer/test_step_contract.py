@@ -18,7 +18,7 @@ def _cfg(model_dir, **trainer):
     from moe_rl.config import config_from_dict
     return config_from_dict({"model": {"path": model_dir},
                              "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 5},
-                             "trainer": {"lr": 1e-3, "seed": 3, "micro_batch_size": 2,
+                             "trainer": {"optim": {"lr": 1e-3}, "seed": 3, "micro_batch_size": 2,
                                          **trainer},
                              "algorithm": {**ALGO, "collapse_guard_k3": 0.5}})
 
