@@ -90,7 +90,7 @@ ARMS = {
     "r3_trm": ["algorithm.replay=r3", "algorithm.corrections=[trm]",
                "algorithm.correction.trm_delta=0.5", "algorithm.correction.trm_measure=log_ratio"],
     "keep_mask_r3": ["algorithm.replay=r3", "algorithm.corrections=[]",
-                     "algorithm.keep_sampling_mask=true", "rollout.top_k=20"],
+                     "algorithm.keep_sampling_mask=true", "rollout.sampling.top_k=20"],
     "engine_avg4_r3": ["algorithm.replay=r3", "algorithm.corrections=[]",
                        "algorithm.pi_old=engine_avg", "algorithm.pi_old_passes=4"],
     # RSPO as its paper runs it: GMPO (log-ratio range 0.4) with the router-shift weight, no
@@ -286,7 +286,8 @@ def train_run(model: str, data: list[str], label: str, overrides: list[str], ste
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(CONFIG),
            f"model.path={model}", f"logging.dir={run_dir}", f"trainer.steps={steps}",
-           f"trainer.optim.lr={lr}", f"trainer.seed={seed}", f"rollout.base_port={free_port()}",
+           f"trainer.optim.lr={lr}", f"trainer.seed={seed}",
+           f"rollout.servers.base_port={free_port()}",
            *BASE, *data, *overrides]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)

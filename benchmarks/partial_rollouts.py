@@ -37,14 +37,14 @@ MEDIAN, SIGMA, SIZE, CAP = 6, 0.8, 200, 64
 COMMON = ["logging.progress=false", "trainer.checkpoint.export_hf=false", "data.source=jsonl",
           "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=8",
           f"rollout.max_new_tokens={CAP}", "trainer.warmup.steps=30"]
-PARTIAL = ["rollout.max_staleness=2", "rollout.partial=true"]
+PARTIAL = ["rollout.max_staleness=2", "rollout.partial.enabled=true"]
 ARMS = {"sync": ["rollout.max_staleness=1"],
         "partial": PARTIAL,
         "k0": ["rollout.max_staleness=0"],
-        "partial_k1": ["rollout.max_staleness=1", "rollout.partial=true"],
-        "partial_mask": PARTIAL + ["rollout.partial_stale=mask"],
-        "partial_mask_e2": PARTIAL + ["rollout.partial_stale=mask",
-                                      "rollout.partial_extra_groups=2"]}
+        "partial_k1": ["rollout.max_staleness=1", "rollout.partial.enabled=true"],
+        "partial_mask": PARTIAL + ["rollout.partial.stale=mask"],
+        "partial_mask_e2": PARTIAL + ["rollout.partial.stale=mask",
+                                      "rollout.partial.extra_groups=2"]}
 PAIRS = (("partial", "sync"), ("partial_k1", "k0"), ("partial_mask", "sync"),
          ("partial_mask_e2", "sync"))
 

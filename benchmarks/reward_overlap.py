@@ -4,9 +4,9 @@ request, one request per prompt group (batch_size = the group size) and one requ
 at a time. Scored after the whole batch, a step would wait groups x LATENCY for its rewards;
 scored per group as soon as it is generated, it waits only `timing/reward_s`. The figure is
 that ratio, per step, in one run (these machines are shared and noisy), for two engine loads:
-every request of the step admitted at once (`rollout.concurrency` 64: all groups finish in the
-same last decode steps, nothing can be hidden) and one group's requests at a time
-(`rollout.concurrency` = the group size, as an engine at capacity admits them in waves).
+every request of the step admitted at once (`rollout.servers.concurrency` 64: all groups finish
+in the same last decode steps, nothing can be hidden) and one group's requests at a time
+(`rollout.servers.concurrency` = the group size, as an engine at capacity admits them in waves).
 
 Usage: python benchmarks/reward_overlap.py
 """
@@ -67,9 +67,9 @@ def run(concurrency: int) -> list[dict]:
                 [sys.executable, "-m", "moe_rl.cli", "train", "--config", CONFIG,
                  f"model.path={tmp}/model", f"logging.dir={tmp}/run", f"trainer.steps={STEPS}",
                  "trainer.warmup.steps=0", "logging.progress=false",
-                 "trainer.checkpoint.export_hf=false", f"rollout.base_port={free_port()}",
+                 "trainer.checkpoint.export_hf=false", f"rollout.servers.base_port={free_port()}",
                  f"rollout.prompts_per_step={GROUPS}", f"rollout.n_samples_per_prompt={SAMPLES}",
-                 f"rollout.concurrency={concurrency}", f"data.reward_service.url={url}",
+                 f"rollout.servers.concurrency={concurrency}", f"data.reward_service.url={url}",
                  f"data.reward_service.batch_size={SAMPLES}",
                  "data.reward_service.max_concurrency=1"],
                 cwd=tmp, capture_output=True, text=True, env=dict(os.environ))

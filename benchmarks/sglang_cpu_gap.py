@@ -68,7 +68,7 @@ def _cfg(model_dir: str, dtype: str = "float32", trainer_dtype: str = "float32",
         "model": {"path": model_dir, "dtype": trainer_dtype, "fp32_output_layer": fp32_head},
         "cluster": {"gpus_per_node": 0},
         "rollout": {"engine": "sglang", "engine_dtype": dtype, "n_samples_per_prompt": 4,
-                    "max_new_tokens": 8, "top_k": 20, "return_routing": True,
+                    "max_new_tokens": 8, "sampling": {"top_k": 20}, "return_routing": True,
                     "sglang": {"device": "cpu", "python": sglang_python()}},
         "trainer": {"optim": {"lr": 3e-3}, "micro_batch_size": 16},
         "data": {"toy_max_operand": 9, "chat_template": False}, "algorithm": algo})

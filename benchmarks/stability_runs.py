@@ -77,7 +77,7 @@ def main() -> int:
                 res = subprocess.run(
                     [sys.executable, "-m", "moe_rl.cli", "train", "--config", cfg,
                      f"model.path={model}", f"logging.dir={run_dir}",
-                     f"trainer.steps={args.steps}", f"rollout.base_port={free_port()}",
+                     f"trainer.steps={args.steps}", f"rollout.servers.base_port={free_port()}",
                      f"trainer.seed={seed}", f"data.shuffle_seed={seed}", *COMMON, *overrides],
                     capture_output=True, text=True, cwd=work)
                 if res.returncode:

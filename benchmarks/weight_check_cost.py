@@ -25,8 +25,8 @@ def run(config: str, model: pathlib.Path, out: pathlib.Path, steps: int, check: 
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config", config,
                     f"model.path={model}", f"logging.dir={out}", f"trainer.steps={steps}",
                     "trainer.warmup.steps=0", "trainer.checkpoint.export_hf=false",
-                    "logging.progress=false", f"rollout.base_port={free_port()}",
-                    f"rollout.weight_check={str(check).lower()}"],
+                    "logging.progress=false", f"rollout.servers.base_port={free_port()}",
+                    f"rollout.weight_check.enabled={str(check).lower()}"],
                    check=True, capture_output=True, timeout=1800, cwd=out.parent)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][2:]
     mean = lambda key: sum(r.get(key, 0.0) for r in rows) / len(rows)   # noqa: E731

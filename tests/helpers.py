@@ -56,7 +56,7 @@ def measure_as(context: str | None) -> None:
 
 
 def engine_base_port() -> int:
-    """A free port for ``rollout.base_port``, below this machine's ephemeral port range (where
+    """A free port for ``rollout.servers.base_port``, below this machine's ephemeral port range (where
     ``bind(0)`` and outgoing connections never land) and above SGLang's own picks for its NCCL
     port (22000-29999): a server that binds its port itself (SGLang) leaves it unheld for its
     start-up, ~25 s here, and a port from ``free_port()`` was taken meanwhile (once, 2026-11-28:
@@ -236,7 +236,7 @@ WALL_CLOCK = ("timing/", "throughput/")
 def train_cli(workdir, steps, *extra, resume=False, config="tiny_cpu.yaml"):
     """`moe-rl train` of the tiny CPU config (or ``config`` of configs/) in ``workdir`` (model in workdir/model, run in
     workdir/run): SFT warm start, checkpoints every 2 steps; returns the finished process.
-    ``rollout.base_port`` is held busy by another socket all along: the engine must skip it."""
+    ``rollout.servers.base_port`` is held busy by another socket all along: the engine must skip it."""
     from moe_rl.engines.process import bind_port
     from moe_rl.trainer.parallel import free_port
     with bind_port("127.0.0.1", free_port()) as busy:
@@ -244,7 +244,7 @@ def train_cli(workdir, steps, *extra, resume=False, config="tiny_cpu.yaml"):
                str(ROOT / "configs" / config), f"model.path={workdir / 'model'}",
                f"logging.dir={workdir / 'run'}", f"trainer.steps={steps}",
                "trainer.warmup.steps=2", "trainer.checkpoint.interval=2", "logging.progress=false",
-               f"rollout.base_port={busy.getsockname()[1]}", "rollout.prompts_per_step=4",
+               f"rollout.servers.base_port={busy.getsockname()[1]}", "rollout.prompts_per_step=4",
                "rollout.n_samples_per_prompt=4", *extra]
         if resume:
             cmd.append("--resume")
@@ -318,7 +318,7 @@ def train_tiny(tmp_path, steps: int, samples: int, *overrides, exit_code: int = 
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
          f"logging.dir={tmp_path / 'run'}", f"trainer.steps={steps}",
          "trainer.warmup.steps=0", "logging.progress=false",
-         f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=4",
+         f"rollout.servers.base_port={engine_base_port()}", "rollout.prompts_per_step=4",
          f"rollout.n_samples_per_prompt={samples}", *overrides],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"))

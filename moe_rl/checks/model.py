@@ -208,10 +208,10 @@ def check_engine(url: str, ref: Reference, moe_shape: MoEShape, model_path: str,
     from moe_rl.engines.factory import engine_kind
     # any server speaking SGLang's protocol: the protocol's client, routing requested
     cfg = config_from_dict({"model": {"path": model_path}, "algorithm": {"replay": "r3"},
-                            "rollout": {"engine": "reference", "max_retries": 1,
-                                        "request_timeout_s": timeout_s,
-                                        "health_timeout_s": min(timeout_s, 30.0),
-                                        "max_answer_mb": ENGINE_ANSWER_MB}})
+                            "rollout": {"engine": "reference", "servers": {
+                                "max_retries": 1, "request_timeout_s": timeout_s,
+                                "health_timeout_s": min(timeout_s, 30.0),
+                                "max_answer_mb": ENGINE_ANSWER_MB}}})
     engine = engine_kind(cfg).connect([url], moe_shape)
     samples = _samples(ref)
 

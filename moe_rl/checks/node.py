@@ -14,6 +14,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from moe_rl.config import Config
+from moe_rl.config.schema import ServersConfig
 from moe_rl.config.supported_versions import in_range, supported_range
 from moe_rl.safe_path import describe, shadowed_packages
 
@@ -27,7 +28,7 @@ LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay",
 # a checkpoint holds float32 master weights and Adam's two moments (12 bytes a parameter); an
 # exported HF model 2 bytes a parameter (bfloat16) or 4 (float32)
 CHECKPOINT_BYTES_PER_PARAM = 12
-PORT_WINDOW = 200   # servers take free ports from rollout.base_port up: how far the check looks
+PORT_WINDOW = 200   # servers take free ports from rollout.servers.base_port up: the check's reach
 
 
 @dataclass
@@ -235,30 +236,30 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def check_ports(cfg: Config) -> Finding:
-    """The engine servers take free ports from rollout.base_port up on rollout.host."""
-    r = cfg.rollout
-    host, base = r.host, r.base_port
+def check_ports(servers: ServersConfig, num_servers: int) -> Finding:
+    """The engine servers take free ports from rollout.servers.base_port up on
+    rollout.servers.host."""
+    host, base = servers.host, servers.base_port
+    fix = "set rollout.servers.host to an address of this node (127.0.0.1 for one node)"
     try:
         socket.getaddrinfo(host, base, type=socket.SOCK_STREAM)
     except OSError as exc:
-        return Finding("ports", "fail", f"rollout.host {host!r} does not resolve ({exc})",
-                       "set rollout.host to an address of this node (127.0.0.1 for one node)")
+        return Finding("ports", "fail", f"rollout.servers.host {host!r} does not resolve ({exc})",
+                       fix)
     with socket.socket() as probe:
         try:
             probe.bind((host, 0))
         except OSError as exc:
-            return Finding("ports", "fail", f"rollout.host {host!r} is not an address of this "
-                           f"node ({exc.strerror})", "set rollout.host to an address of this "
-                           "node (127.0.0.1 for one node)")
+            return Finding("ports", "fail", f"rollout.servers.host {host!r} is not an address "
+                           f"of this node ({exc.strerror})", fix)
     window = range(base, min(base + PORT_WINDOW, 65536))
     busy = [p for p in window if not _port_free(host, p)]
     free = len(window) - len(busy)
-    if free < r.num_servers:
+    if free < num_servers:
         return Finding("ports", "fail", f"{free} free of ports {base}-{window[-1]} on {host} for "
-                       f"{r.num_servers} servers", "set rollout.base_port to a free range")
+                       f"{num_servers} servers", "set rollout.servers.base_port to a free range")
     if base in busy:
-        return Finding("ports", "warn", f"rollout.base_port {base} on {host} is in use "
+        return Finding("ports", "warn", f"rollout.servers.base_port {base} on {host} is in use "
                        f"({len(busy)} busy of the next {len(window)}); the servers skip to "
                        f"free ones", "another server may be left from an earlier run")
     return Finding("ports", "ok", f"{host}:{base} free ({len(busy)} busy of the next "
@@ -301,4 +302,5 @@ def run_checks(cfg: Config, model_named: bool = True) -> list[Finding]:
             check_package("megatron-core", "megatron.core", "megatron-core", required=True),
             check_package("transformers", "transformers", "transformers", required=True),
             check_transformer_engine(cfg), check_engine(cfg), check_collectives(cfg),
-            check_disk(cfg), check_shared_filesystem(cfg), check_ports(cfg)]
+            check_disk(cfg), check_shared_filesystem(cfg),
+            check_ports(cfg.rollout.servers, cfg.rollout.num_servers)]

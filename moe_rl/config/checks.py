@@ -25,19 +25,20 @@ def check_model_init(cfg: Config) -> None:
 def engine_avg_refusal(cfg: Config, vocab_size: int | None) -> None:
     """engine_avg pi_old at temperature T != 1 without the sampling mask needs the engine's raw
     log-probs of the whole vocabulary at every position (SGLang's prefill log-probs ignore T):
-    exact, but refused above ``rollout.score_full_vocab_max`` ids (``vocab_size`` None: unknown
+    exact, but refused above ``rollout.scoring.full_vocab_max`` ids (``vocab_size`` None: unknown
     yet; the rollout worker checks again with the served model)."""
     a, r = cfg.algorithm, cfg.rollout
-    if a.pi_old != "engine_avg" or a.keep_sampling_mask or r.temperature in (0.0, 1.0):
+    temperature = r.sampling.temperature
+    if a.pi_old != "engine_avg" or a.keep_sampling_mask or temperature in (0.0, 1.0):
         return
-    if vocab_size is not None and vocab_size > r.score_full_vocab_max:
+    if vocab_size is not None and vocab_size > r.scoring.full_vocab_max:
         raise ConfigError(
-            f"algorithm.pi_old: engine_avg at rollout.temperature={r.temperature} needs the "
-            f"engine's log-probs at that temperature, but SGLang's prefill (scoring) log-probs "
-            f"are at T = 1; renormalising them exactly needs all {vocab_size} vocabulary ids at "
-            f"every position (rollout.score_full_vocab_max={r.score_full_vocab_max}). Use "
-            f"algorithm.keep_sampling_mask=true (exact from the kept ids), rollout.temperature=1, "
-            f"or algorithm.pi_old=trainer")
+            f"algorithm.pi_old: engine_avg at rollout.sampling.temperature={temperature} needs "
+            f"the engine's log-probs at that temperature, but SGLang's prefill (scoring) "
+            f"log-probs are at T = 1; renormalising them exactly needs all {vocab_size} "
+            f"vocabulary ids at every position (rollout.scoring.full_vocab_max="
+            f"{r.scoring.full_vocab_max}). Use algorithm.keep_sampling_mask=true (exact from the "
+            f"kept ids), rollout.sampling.temperature=1, or algorithm.pi_old=trainer")
 
 
 def check_model_fit(cfg: Config, moe_shape: MoEShape) -> None:
@@ -76,9 +77,9 @@ def check_family(cfg: Config) -> None:
 def check_places(cfg: Config) -> None:
     """Ports and the run directory."""
     r = cfg.rollout
-    if r.base_port + r.num_servers - 1 > 65535:
-        raise ConfigError(f"rollout.base_port: servers use ports {r.base_port}.."
-                          f"{r.base_port + r.num_servers - 1}, beyond 65535")
+    if r.servers.base_port + r.num_servers - 1 > 65535:
+        raise ConfigError(f"rollout.servers.base_port: servers use ports {r.servers.base_port}.."
+                          f"{r.servers.base_port + r.num_servers - 1}, beyond 65535")
     if not cfg.logging.dir.strip():
         raise ConfigError("logging.dir: expected a directory path, got an empty string")
 
@@ -86,23 +87,25 @@ def check_places(cfg: Config) -> None:
 def check_sampling(cfg: Config, moe_shape: MoEShape) -> None:
     """The sampling settings and the distribution pi_old is scored on (one rule for top_k
     against the mask's cap)."""
-    a, r = cfg.algorithm, cfg.rollout
-    if r.top_k == 0:
-        raise ConfigError("rollout.top_k: 0 is not valid; use -1 for no top-k or a value >= 1")
+    a, s = cfg.algorithm, cfg.rollout.sampling
+    if s.top_k == 0:
+        raise ConfigError("rollout.sampling.top_k: 0 is not valid; use -1 for no top-k or a "
+                          "value >= 1")
     if a.keep_sampling_mask:
-        if not 1 < r.top_k:
+        if not 1 < s.top_k:
             raise ConfigError(
-                "algorithm.keep_sampling_mask: needs a finite rollout.top_k with 1 < top_k < "
-                f"rollout.sampling_mask_max_tokens ({r.sampling_mask_max_tokens}); got "
-                f"rollout.top_k={r.top_k}")
-        if r.top_k >= r.sampling_mask_max_tokens:
-            raise ConfigError(f"rollout.top_k: {r.top_k} must stay below "
-                              f"rollout.sampling_mask_max_tokens ({r.sampling_mask_max_tokens}): "
+                "algorithm.keep_sampling_mask: needs a finite rollout.sampling.top_k with 1 < "
+                f"top_k < rollout.sampling.mask_max_tokens ({s.mask_max_tokens}); got "
+                f"rollout.sampling.top_k={s.top_k}")
+        if s.top_k >= s.mask_max_tokens:
+            raise ConfigError(f"rollout.sampling.top_k: {s.top_k} must stay below "
+                              f"rollout.sampling.mask_max_tokens ({s.mask_max_tokens}): "
                               f"tokens tied at the top-k cut overflow the cap and SGLang "
                               f"answers 400")
-        if r.temperature == 0:
-            raise ConfigError("algorithm.keep_sampling_mask: greedy sampling (rollout.temperature"
-                              "=0) keeps one token; turn the mask off")
+        if s.temperature == 0:
+            raise ConfigError("algorithm.keep_sampling_mask: greedy sampling "
+                              "(rollout.sampling.temperature=0) keeps one token; turn the mask "
+                              "off")
     engine_avg_refusal(cfg, moe_shape.vocab_size)
     if a.pi_old_passes < 1:
         raise ConfigError(f"algorithm.pi_old_passes: expected n >= 1 scoring passes, got "
@@ -370,18 +373,19 @@ def check_async(cfg: Config) -> None:
 def check_partial(cfg: Config) -> None:
     """Partial rollouts (rollout.partial)."""
     r = cfg.rollout
-    if not r.partial:
+    if not r.partial.enabled:
         return
     if r.max_staleness < 1:
-        raise ConfigError("rollout.partial: a response continued under the next weights is "
+        raise ConfigError("rollout.partial.enabled: a response continued under the next weights is "
                           "trained one version after its first tokens; set "
                           "rollout.max_staleness >= 1 (it bounds every token's lag)")
     if r.dynamic_sampling:
-        raise ConfigError("rollout.partial: dynamic sampling is not combined with partial "
-                          "rollouts; set rollout.dynamic_sampling=false or partial=false")
+        raise ConfigError("rollout.partial.enabled: dynamic sampling is not combined with "
+                          "partial rollouts; set rollout.dynamic_sampling=false or "
+                          "rollout.partial.enabled=false")
     most = 8 * r.prompts_per_step * (r.max_staleness + 1)
-    if (r.partial_extra_groups or 0) > most:
-        raise ConfigError(f"rollout.partial_extra_groups: {r.partial_extra_groups} is more than "
+    if (r.partial.extra_groups or 0) > most:
+        raise ConfigError(f"rollout.partial.extra_groups: {r.partial.extra_groups} is more than "
                           f"8 x rollout.prompts_per_step x (rollout.max_staleness + 1) = {most}: "
                           f"a step takes prompts_per_step groups and a token older than "
                           f"max_staleness versions is dropped or masked, so most groups past "

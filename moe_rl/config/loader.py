@@ -146,9 +146,18 @@ def _shown(value: Any) -> str:
 
 
 def _unknown_key(cls: type, name: str, prefix: str) -> ConfigError:
+    """The refusal of key ``name`` under ``prefix``, suggesting the closest key of this section
+    or of one of its sections (a key that moved into one: ``rollout.temprature`` ->
+    ``rollout.sampling.temperature``)."""
     names = [f.name for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+    hints = typing.get_type_hints(cls)
+    paths = {n: n for n in names}   # a key's name -> its path from here, this section's first
+    for n in names:
+        if dataclasses.is_dataclass(hints[n]):
+            for sub in dataclasses.fields(hints[n]):
+                paths.setdefault(sub.name, f"{n}.{sub.name}")
+    close = difflib.get_close_matches(name, list(paths), n=1, cutoff=0.5)
+    hint = f"; did you mean '{prefix}{paths[close[0]]}'?" if close else ""
     return ConfigError(f"unknown config key '{prefix}{name}'{hint} "
                        f"(valid keys under '{prefix or '<top>'}': {', '.join(names)})")
 

@@ -25,7 +25,7 @@ def probe_temperature(cfg: Config) -> float:
     keep-sampling-mask (the kept ids are listed, few), else 1 (the engine's prefill log-probs as
     they are: at another temperature renormalising them would list the whole vocabulary at
     every position). Equal weights give equal log-probs at any temperature."""
-    return cfg.rollout.temperature or 1.0 if cfg.algorithm.keep_sampling_mask else 1.0
+    return cfg.rollout.sampling.temperature or 1.0 if cfg.algorithm.keep_sampling_mask else 1.0
 
 
 def facts_context(model: ModelConfig) -> int | None:

@@ -1,7 +1,9 @@
 """Keys that moved into a section (issue 79: a component receives its section): each old
 dotted name and its new one. A configuration, an override, a run directory's or checkpoint's
 saved ``config.yaml`` that uses an old name still loads, with a one-line warning naming the
-new one; giving both is refused."""
+new one; giving both is refused. Where a switch became its section's ``enabled``
+(``rollout.partial``, ``rollout.weight_check``), a value under the old name is the switch and a
+mapping is the section."""
 from __future__ import annotations
 
 import sys
@@ -35,6 +37,31 @@ MOVED_KEYS = {
     "trainer.adam_beta2": "trainer.optim.adam_beta2",
     "trainer.grad_clip": "trainer.optim.grad_clip",
     "trainer.distributed_optimizer": "trainer.optim.distributed",
+    "rollout.host": "rollout.servers.host",
+    "rollout.base_port": "rollout.servers.base_port",
+    "rollout.api_key": "rollout.servers.api_key",
+    "rollout.request_timeout_s": "rollout.servers.request_timeout_s",
+    "rollout.max_retries": "rollout.servers.max_retries",
+    "rollout.concurrency": "rollout.servers.concurrency",
+    "rollout.health_timeout_s": "rollout.servers.health_timeout_s",
+    "rollout.startup_timeout_s": "rollout.servers.startup_timeout_s",
+    "rollout.weight_load_timeout_s": "rollout.servers.weight_load_timeout_s",
+    "rollout.max_answer_mb": "rollout.servers.max_answer_mb",
+    "rollout.temperature": "rollout.sampling.temperature",
+    "rollout.top_p": "rollout.sampling.top_p",
+    "rollout.top_k": "rollout.sampling.top_k",
+    "rollout.min_p": "rollout.sampling.min_p",
+    "rollout.sampling_mask_max_tokens": "rollout.sampling.mask_max_tokens",
+    "rollout.partial": "rollout.partial.enabled",
+    "rollout.partial_extra_groups": "rollout.partial.extra_groups",
+    "rollout.partial_stale": "rollout.partial.stale",
+    "rollout.partial_mask_offpolicy": "rollout.partial.mask_offpolicy",
+    "rollout.weight_check": "rollout.weight_check.enabled",
+    "rollout.weight_check_prompts": "rollout.weight_check.prompts",
+    "rollout.weight_check_factor": "rollout.weight_check.factor",
+    "rollout.weight_check_floor": "rollout.weight_check.floor",
+    "rollout.score_window_tokens": "rollout.scoring.window_tokens",
+    "rollout.score_full_vocab_max": "rollout.scoring.full_vocab_max",
 }
 
 
@@ -61,8 +88,8 @@ def move_keys(tree: dict, warn: bool = True) -> dict:
         node = tree
         for part in old_path:
             node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or old_name not in node:
-            continue
+        if not isinstance(node, dict) or old_name not in node or isinstance(node[old_name], dict):
+            continue   # absent, or the section a switch became (given under its new form)
         value = node.pop(old_name)
         *new_path, new_name = new.split(".")
         target = tree

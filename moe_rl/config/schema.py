@@ -46,88 +46,11 @@ class SGLangConfig:
 
 
 @dataclass
-class RolloutConfig:
-    engine: Literal["reference", "sglang"] = _f("reference",
-                                                "inference engine: CPU reference or SGLang")
-    num_servers: int = _f(1, "engine servers behind the dispatcher",
-        **_rng(1, 4096, why="servers behind one dispatcher, each a process started and watched"))
+class ServersConfig:
     host: str = _f("127.0.0.1", "address the engine servers bind")
     base_port: int = _f(30000, "first server port tried: servers take the free ports from here "
                         "up, busy ones skipped", **_rng(1, 65535))
     api_key: str | None = _f(None, "API key the servers require (Authorization: Bearer)")
-    engine_dtype: Literal["float32", "bfloat16", "float16"] = _f(
-        "float32", "engine dtype: the reference engine's, and SGLang's --dtype")
-    quantization: Literal["none", "fp8", "mxfp4"] = _f(
-        "none", "rollout numerics: fp8 = the engines serve a block-wise FP8 checkpoint of the "
-        "weights (128x128 E4M3 blocks), every sync quantised; mxfp4 = 4-bit weights (E2M1, a "
-        "power-of-two scale per 32), emulated by the reference engine at every load")
-    prompts_per_step: int = _f(8, "prompts sampled per RL step",
-        **_rng(1, 1048576, why="prompts one step generates and holds in memory at once"))
-    n_samples_per_prompt: int = _f(8, "responses per prompt (the GRPO group size)",
-        **_rng(1, 4096, why="responses of one group, held and scored together"))
-    max_staleness: int = _f(0, "asynchronous pipeline: the rollout generates the next batches "
-                            "while the trainer trains, from weights at most this many versions "
-                            "old (0 = the synchronous loop)",
-        **_rng(0, 1024, why="weight versions the rollout may run ahead, each batch held"))
-    partial: bool = _f(False, "partial rollouts: a step stops generating once it has "
-                       "prompts_per_step complete groups; the responses in flight are aborted, "
-                       "kept with each token's weight version, and continued under the next "
-                       "weights (needs max_staleness >= 1, which then bounds every token's lag)")
-    partial_extra_groups: int | None = _f(None, "partial rollouts: groups started beyond the "
-                                          "first step's, so the engines hold more work than "
-                                          "one step needs (null = prompts_per_step)",
-        **_rng(0, 1048576, why="groups held in flight between steps"))
-    partial_stale: Literal["drop", "mask"] = _f(
-        "drop", "partial rollouts: a response holding a token more than max_staleness versions "
-        "old restarts from its prompt (drop) or keeps that token out of the loss (mask)")
-    partial_mask_offpolicy: bool = _f(False, "partial rollouts: only the tokens of each "
-                                      "response's newest weight version count in the loss "
-                                      "(slime's --mask-offpolicy-in-partial-rollout)")
-    retracted: Literal["keep", "mask"] = _f(
-        "keep", "a response the engine retracted under KV-pool pressure (moved back to its queue "
-        "and re-prefilled later: its routing recomputed, its log-probs those it sampled with) is "
-        "trained as sampled (keep; counted in rollout/retracted) or, under algorithm.replay=r3, "
-        "its tokens leave the loss (mask: the replayed routes may not be those it sampled with "
-        "in bf16/fp16)")
-    dynamic_sampling: bool = _f(False, "drop prompt groups whose rewards are all equal and "
-                                "generate more until the step has prompts_per_step informative "
-                                "groups (DAPO)")
-    max_oversample: int | None = _f(None, "dynamic sampling: most extra prompt groups generated "
-                                    "per step (null = prompts_per_step)",
-        **_rng(0, 1048576, why="extra groups generated in one step"))
-    max_new_tokens: int = _f(16, "response length cap (with data.environment: per model turn)",
-                             **_rng(1))
-    max_turns: int = _f(4, "data.environment: most model turns per trajectory",
-        **_rng(1, 4096, why="model turns of one trajectory, each an engine request"))
-    max_response_tokens: int | None = _f(None, "data.environment: cap on a trajectory's response "
-                                         "(model + observation tokens; null = max_new_tokens x "
-                                         "max_turns)", **_rng(1))
-    temperature: float = _f(1.0, "sampling temperature (0 = greedy)", **_rng(0))
-    top_p: float = _f(1.0, "nucleus sampling mass", **_rng(0, 1, lo_open=True))
-    top_k: int = _f(-1, "top-k sampling (-1 = off)", **_rng(-1))
-    min_p: float = _f(0.0, "min-p relative to the most likely token", **_rng(0, 1))
-    sampling_mask_max_tokens: int = _f(4096, "engine cap on the kept-set size (SGLang "
-                                       "--sampling-mask-max-tokens)",
-        **_rng(2, 1048576, why="kept-set ids per position an engine returns"))
-    return_routing: bool = _f(True, "ask for every token's routing (replay r3 always does; "
-                              "otherwise it only feeds routing/agreement)")
-    weight_check: bool = _f(True, "after every weight sync, score a fixed probe on every engine "
-                            "server and compare with the trainer at the same version; past the "
-                            "limit the sync is redone from disk once, then the run stops")
-    weight_check_prompts: int = _f(2, "probe size: responses to the first N training prompts",
-
-        **_rng(1, 4096, why="probe responses generated after every sync"))
-    weight_check_factor: float = _f(10.0, "the check fires when the probe's k3 exceeds this "
-                                    "times its value at the run's start (what the engine's "
-                                    "precision explains) ...", **_rng(1))
-    weight_check_floor: float = _f(1e-4, "... and this k3 (so identical float32 engine and "
-                                   "trainer never fire)", **_rng(0, lo_open=True))
-    score_window_tokens: int = _f(32, "response tokens per engine scoring request when pi_old "
-                                  "passes are renormalised from listed ids (kept sets, or the "
-                                  "vocabulary at temperature != 1)", **_rng(1))
-    score_full_vocab_max: int = _f(4096, "largest vocabulary for which engine_avg scoring at "
-                                   "temperature != 1 without the sampling mask lists every id",
-                                   **_rng(1))
     request_timeout_s: float = _f(300.0, "seconds a server may stay silent on a request before "
                                   "its /health is checked: a healthy server is waited for (a "
                                   "long generation is not death), an unanswering one restarted",
@@ -150,6 +73,110 @@ class RolloutConfig:
     max_answer_mb: float = _f(1024.0, "the largest answer a server may send, in MB; a larger "
                               "one fails its request (a broken or hostile server cannot fill "
                               "the rollout's memory)", **_rng(0, 1 << 20, lo_open=True))
+
+
+@dataclass
+class RolloutSamplingConfig:
+    temperature: float = _f(1.0, "sampling temperature (0 = greedy)", **_rng(0))
+    top_p: float = _f(1.0, "nucleus sampling mass", **_rng(0, 1, lo_open=True))
+    top_k: int = _f(-1, "top-k sampling (-1 = off)", **_rng(-1))
+    min_p: float = _f(0.0, "min-p relative to the most likely token", **_rng(0, 1))
+    mask_max_tokens: int = _f(4096, "engine cap on the kept-set size (SGLang "
+                              "--sampling-mask-max-tokens)",
+        **_rng(2, 1048576, why="kept-set ids per position an engine returns"))
+
+
+@dataclass
+class PartialConfig:
+    enabled: bool = _f(False, "a step stops generating once it has rollout.prompts_per_step "
+                       "complete groups; the responses in flight are aborted, kept with each "
+                       "token's weight version, and continued under the next weights (needs "
+                       "rollout.max_staleness >= 1, which then bounds every token's lag)")
+    extra_groups: int | None = _f(None, "groups started beyond the first step's, so the engines "
+                                  "hold more work than one step needs (null = "
+                                  "rollout.prompts_per_step)",
+        **_rng(0, 1048576, why="groups held in flight between steps"))
+    stale: Literal["drop", "mask"] = _f(
+        "drop", "a response holding a token more than rollout.max_staleness versions old "
+        "restarts from its prompt (drop) or keeps that token out of the loss (mask)")
+    mask_offpolicy: bool = _f(False, "only the tokens of each response's newest weight version "
+                              "count in the loss (slime's --mask-offpolicy-in-partial-rollout)")
+
+
+@dataclass
+class WeightCheckConfig:
+    enabled: bool = _f(True, "after every weight sync, score a fixed probe on every engine "
+                       "server and compare with the trainer at the same version; past the "
+                       "limit the sync is redone from disk once, then the run stops")
+    prompts: int = _f(2, "probe size: responses to the first N training prompts",
+        **_rng(1, 4096, why="probe responses generated after every sync"))
+    factor: float = _f(10.0, "the check fires when the probe's k3 exceeds this times its value "
+                       "at the run's start (what the engine's precision explains) ...",
+                       **_rng(1))
+    floor: float = _f(1e-4, "... and this k3 (so identical float32 engine and trainer never "
+                      "fire)", **_rng(0, lo_open=True))
+
+
+@dataclass
+class ScoringConfig:
+    window_tokens: int = _f(32, "response tokens per engine scoring request when pi_old passes "
+                            "are renormalised from listed ids (kept sets, or the vocabulary at "
+                            "temperature != 1)", **_rng(1))
+    full_vocab_max: int = _f(4096, "largest vocabulary for which engine_avg scoring at "
+                             "temperature != 1 without the sampling mask lists every id",
+                             **_rng(1))
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["reference", "sglang"] = _f("reference",
+                                                "inference engine: CPU reference or SGLang")
+    num_servers: int = _f(1, "engine servers behind the dispatcher",
+        **_rng(1, 4096, why="servers behind one dispatcher, each a process started and watched"))
+    engine_dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "engine dtype: the reference engine's, and SGLang's --dtype")
+    quantization: Literal["none", "fp8", "mxfp4"] = _f(
+        "none", "rollout numerics: fp8 = the engines serve a block-wise FP8 checkpoint of the "
+        "weights (128x128 E4M3 blocks), every sync quantised; mxfp4 = 4-bit weights (E2M1, a "
+        "power-of-two scale per 32), emulated by the reference engine at every load")
+    prompts_per_step: int = _f(8, "prompts sampled per RL step",
+        **_rng(1, 1048576, why="prompts one step generates and holds in memory at once"))
+    n_samples_per_prompt: int = _f(8, "responses per prompt (the GRPO group size)",
+        **_rng(1, 4096, why="responses of one group, held and scored together"))
+    max_staleness: int = _f(0, "asynchronous pipeline: the rollout generates the next batches "
+                            "while the trainer trains, from weights at most this many versions "
+                            "old (0 = the synchronous loop)",
+        **_rng(0, 1024, why="weight versions the rollout may run ahead, each batch held"))
+    retracted: Literal["keep", "mask"] = _f(
+        "keep", "a response the engine retracted under KV-pool pressure (moved back to its queue "
+        "and re-prefilled later: its routing recomputed, its log-probs those it sampled with) is "
+        "trained as sampled (keep; counted in rollout/retracted) or, under algorithm.replay=r3, "
+        "its tokens leave the loss (mask: the replayed routes may not be those it sampled with "
+        "in bf16/fp16)")
+    dynamic_sampling: bool = _f(False, "drop prompt groups whose rewards are all equal and "
+                                "generate more until the step has prompts_per_step informative "
+                                "groups (DAPO)")
+    max_oversample: int | None = _f(None, "dynamic sampling: most extra prompt groups generated "
+                                    "per step (null = prompts_per_step)",
+        **_rng(0, 1048576, why="extra groups generated in one step"))
+    max_new_tokens: int = _f(16, "response length cap (with data.environment: per model turn)",
+                             **_rng(1))
+    max_turns: int = _f(4, "data.environment: most model turns per trajectory",
+        **_rng(1, 4096, why="model turns of one trajectory, each an engine request"))
+    max_response_tokens: int | None = _f(None, "data.environment: cap on a trajectory's response "
+                                         "(model + observation tokens; null = max_new_tokens x "
+                                         "max_turns)", **_rng(1))
+    return_routing: bool = _f(True, "ask for every token's routing (replay r3 always does; "
+                              "otherwise it only feeds routing/agreement)")
+    servers: ServersConfig = _sub(ServersConfig, "the engine servers: address, ports, key, "
+                                  "timeouts, concurrency, retries")
+    sampling: RolloutSamplingConfig = _sub(RolloutSamplingConfig, "how the engines sample")
+    partial: PartialConfig = _sub(PartialConfig, "partial rollouts: the responses in flight at "
+                                  "a step's end carried into the next")
+    weight_check: WeightCheckConfig = _sub(WeightCheckConfig, "the probe after every weight "
+                                           "sync: the engines serve the trainer's weights")
+    scoring: ScoringConfig = _sub(ScoringConfig, "the engines' scoring passes of pi_old "
+                                  "(algorithm.pi_old=engine_avg)")
     sglang: SGLangConfig = _sub(SGLangConfig, "SGLang server settings")
 
 
@@ -536,8 +563,9 @@ class EvalConfig:
     n: int = _f(1, "samples per prompt",
         **_rng(1, 4096, why="samples per prompt, held and scored together"))
     temperature: float | None = _f(None, "sampling temperature (0 = greedy; null = "
-                                   "rollout.temperature)", **_rng(0))
-    top_p: float | None = _f(None, "top-p (null = rollout.top_p)", **_rng(0, 1, lo_open=True))
+                                   "rollout.sampling.temperature)", **_rng(0))
+    top_p: float | None = _f(None, "top-p (null = rollout.sampling.top_p)",
+                             **_rng(0, 1, lo_open=True))
     max_new_tokens: int | None = _f(None, "response cap (null = rollout.max_new_tokens)",
                                     **_rng(1))
     reward: str | None = _f(None, "reward of the evaluation (null = data.reward, or "

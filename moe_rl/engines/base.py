@@ -257,7 +257,7 @@ class EngineKind(ABC):
                        log_path: str | None = None) -> CommandServer:
         """The supervised process of one server started from ``argv`` / ``env``."""
         return CommandServer(argv, env, host, port, inherits_socket=self.inherits_socket,
-                             api_key=self.cfg.rollout.api_key, log_path=log_path)
+                             api_key=self.cfg.rollout.servers.api_key, log_path=log_path)
 
     @abstractmethod
     def connect(self, urls: list[str], moe_shape: MoEShape,

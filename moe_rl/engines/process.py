@@ -60,7 +60,7 @@ def bind_first_free(host: str, first: int) -> socket.socket:
             return bind_port(host, port)
         except OSError:
             continue
-    raise RuntimeError(f"rollout.base_port: no free port from {first} up on {host}")
+    raise RuntimeError(f"rollout.servers.base_port: no free port from {first} up on {host}")
 
 
 class ServerProcess(ABC):
@@ -132,7 +132,7 @@ class ServerProcess(ABC):
                 self.stop()
                 raise RuntimeError(f"engine server on port {self.port}: another process took "
                                    f"the port between its release and the server's own bind "
-                                   f"(log: {self.log_path}); keep rollout.base_port below "
+                                   f"(log: {self.log_path}); keep rollout.servers.base_port below "
                                    f"this node's ephemeral port range "
                                    f"(/proc/sys/net/ipv4/ip_local_port_range)")
             try:

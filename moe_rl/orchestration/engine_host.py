@@ -8,13 +8,15 @@ import dataclasses
 import ray
 
 from moe_rl.config import config_from_dict
+from moe_rl.config.schema import ServersConfig
 
 
-def startup_timeout(cfg) -> float:
+def startup_timeout(servers: ServersConfig) -> float:
     """How long a starting or restarted engine server may take to answer /health:
-    ``rollout.startup_timeout_s``, else ``rollout.health_timeout_s``."""
-    r = cfg.rollout
-    return r.health_timeout_s if r.startup_timeout_s is None else r.startup_timeout_s
+    ``rollout.servers.startup_timeout_s``, else ``rollout.servers.health_timeout_s``."""
+    if servers.startup_timeout_s is None:
+        return servers.health_timeout_s
+    return servers.startup_timeout_s
 
 
 @ray.remote(max_concurrency=2)
@@ -49,14 +51,14 @@ class EngineHost:
         """Start the server on the held port and wait for its /health; returns
         :meth:`placed`."""
         sock, self.sock = self.sock, None
-        self.server.start(startup_timeout(self.cfg), sock=sock)
+        self.server.start(startup_timeout(self.cfg.rollout.servers), sock=sock)
         return self.placed()
 
     def url(self) -> str:
         return self.server.url
 
     def restart(self) -> None:
-        self.server.restart(startup_timeout(self.cfg))
+        self.server.restart(startup_timeout(self.cfg.rollout.servers))
 
     def restarts(self) -> int:
         return self.server.restarts

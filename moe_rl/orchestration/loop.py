@@ -188,7 +188,7 @@ class RolloutPipeline:
     k versions older than the step that trains on it. With partial rollouts
     (``rollout.partial``) the pipeline launches at most k - 1 steps ahead: one version of the
     bound is left to the responses continued from the step before (every token is at most k
-    versions old when trained); the first batch also starts ``partial_extra_groups`` more
+    versions old when trained); the first batch also starts ``rollout.partial.extra_groups`` more
     groups.
 
     Versions, named once: training step s trains on the batch of step s and its update makes
@@ -214,7 +214,7 @@ class RolloutPipeline:
         """Start generating every batch the staleness bound allows, with the engines at weight
         ``version``: the steps up to ``version + max_staleness`` (and the trainer's steps)."""
         r, steps = self.cfg.rollout, self.cfg.trainer.steps
-        ahead = r.max_staleness - 1 if r.partial else r.max_staleness
+        ahead = r.max_staleness - 1 if r.partial.enabled else r.max_staleness
         while self.next_step < steps and self.next_step - version <= ahead:
             state = self.sampler.state_dict()
             indices = self.sampler.next_batch()

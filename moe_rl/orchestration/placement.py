@@ -13,11 +13,12 @@ slot 0 instead and share the trainer's GPUs (server s, TP rank j on trainer rank
 (``CUDA_VISIBLE_DEVICES``, ``--base-gpu-id 0``). CPU runs (G = 0): trainer ranks and servers are
 spread over the nodes in contiguous blocks. The rollout worker runs on node 0.
 
-Addresses: a single-node run binds the servers to ``rollout.host``; a multi-node run binds
-each server to its node's address (a loopback ``rollout.host`` cannot be reached from another
-node). Ports: server k of a node tries ``rollout.base_port + k`` first (``k x 240`` with SGLang's
-``--enable-dp-attention``, under which a server also binds port+233..port+239) and takes the next
-free one on that node; the plan ``train`` writes to ``<run>/plan.json`` holds the ports taken."""
+Addresses: a single-node run binds the servers to ``rollout.servers.host``; a multi-node run
+binds each server to its node's address (a loopback ``rollout.servers.host`` cannot be reached
+from another node). Ports: server k of a node tries ``rollout.servers.base_port + k`` first
+(``k x 240`` with SGLang's ``--enable-dp-attention``, under which a server also binds
+port+233..port+239) and takes the next free one on that node; the plan ``train`` writes to
+``<run>/plan.json`` holds the ports taken."""
 from __future__ import annotations
 
 import dataclasses
@@ -101,9 +102,9 @@ def is_loopback(host: str) -> bool:
 
 
 def engine_host(cfg: Config, nodes: int, node_address: str) -> str:
-    """The address a server binds: ``rollout.host``; on a multi-node run a loopback
-    ``rollout.host`` is replaced by the node's address."""
-    host = cfg.rollout.host
+    """The address a server binds: ``rollout.servers.host``; on a multi-node run a loopback
+    ``rollout.servers.host`` is replaced by the node's address."""
+    host = cfg.rollout.servers.host
     return node_address if nodes > 1 and is_loopback(host) else host
 
 
@@ -180,7 +181,7 @@ def make_plan(cfg: Config, nodes: int | None = None, gpus_per_node: int | None =
         k = on_node.get(node, 0)
         on_node[node] = k + 1
         procs.append(PlannedProcess("engine", s, node, gpus,
-                                    port=r.base_port + k * engine_kind(cfg).port_span()))
+                                    port=r.servers.base_port + k * engine_kind(cfg).port_span()))
     procs.append(PlannedProcess("rollout", 0, 0, []))
     for p in procs:
         res = ray_resources(cfg, p)

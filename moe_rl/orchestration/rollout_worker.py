@@ -62,12 +62,13 @@ class RolloutWorker:
 
         self.engine = kind.connect(self.server_urls, shape,
                                    [restarter(h, u) for h, u in zip(hosts, self.server_urls)])
-        self.sampling = SamplingConfig(r.temperature, r.top_p, r.top_k, r.min_p, r.max_new_tokens)
+        s = r.sampling
+        self.sampling = SamplingConfig(s.temperature, s.top_p, s.top_k, s.min_p, r.max_new_tokens)
         self.inputs = load_run_inputs(cfg, training)   # tokenizer, prompts, reward function
         self.eval_scorer = None   # eval.reward (made at the first evaluation)
         self.served.record_start(self.engine.weight_versions())   # version 0, unsynced
         self.partial = None   # rollout.partial: the responses in flight between steps
-        if r.partial and training:
+        if r.partial.enabled and training:
             from moe_rl.rollout.partial import partial_rollout
             self.partial = partial_rollout(cfg, self.engine, self.inputs)
 
@@ -131,11 +132,11 @@ class RolloutWorker:
 
     def make_probe(self) -> bytes:
         """The weight check's fixed probe, kept here and returned as rollout-batch bytes (for
-        the trainer's side): one response to each of the first ``rollout.weight_check_prompts``
+        the trainer's side): one response to each of the first ``rollout.weight_check.prompts``
         training prompts, sampled (seeded) as the run samples, by the weights the engines serve
         at the run's start."""
         from moe_rl.rollout.trajectories import generate_samples
-        n = min(self.cfg.rollout.weight_check_prompts, len(self.inputs.prompts))
+        n = min(self.cfg.rollout.weight_check.prompts, len(self.inputs.prompts))
         self.probe = generate_samples(self.engine, [p.ids for p in self.inputs.prompts[:n]], 1,
                                       self.sampling, seed=self.cfg.trainer.seed + 7_000_003)
         return RolloutBatch(self.probe).to_bytes()
@@ -150,7 +151,7 @@ class RolloutWorker:
         samples = [copy.deepcopy(s) for s in self.probe]
         servers = len(self.server_urls)
         self.engine.score(samples, servers, temperature=probe_temperature(self.cfg),
-                          window=self.cfg.rollout.score_window_tokens)
+                          window=self.cfg.rollout.scoring.window_tokens)
         if samples and samples[0].routing is not None:
             async def refetch(session):
                 return await asyncio.gather(*(

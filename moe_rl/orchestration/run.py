@@ -131,7 +131,7 @@ class Run:
         elif cfg.trainer.warmup.steps:
             warm_start(cfg, self.trainers, self.inputs, self.stop)
             self.weights.sync(0)
-        if cfg.rollout.weight_check:   # the probe, and what the engine's precision explains
+        if cfg.rollout.weight_check.enabled:   # the probe, and what the engine's precision explains
             self.weights.check = WeightCheck(cfg, self.trainers, self.rollout)
             self.weights.check.record_trainer(self.start_step)
             self.weights.check.passes(self.start_step)

@@ -30,9 +30,7 @@ RESUMABLE = {
     "model.path",
     "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",   # same gradient
     "trainer.pack_sequences",
-    "rollout.num_servers", "rollout.host", "rollout.base_port", "rollout.api_key",
-    "rollout.request_timeout_s", "rollout.max_retries", "rollout.concurrency",
-    "rollout.health_timeout_s", "rollout.startup_timeout_s", "rollout.max_answer_mb",
+    "rollout.num_servers",
     "rollout.sglang.tp_size", "rollout.sglang.dp_size",
     "rollout.sglang.ep_size", "rollout.sglang.mem_fraction_static", "rollout.sglang.python",
     "data.reward_timeout_s", "data.environment_timeout_s", "data.max_failed_reward_batches",
@@ -41,7 +39,8 @@ RESUMABLE = {
     "data.reward_service.batch_size", "data.reward_service.max_retries",
     "data.reward_service.api_key_env",
 }
-RESUMABLE_PREFIXES = ("cluster.", "logging.", "model.init.", "eval.")   # eval never trains
+RESUMABLE_PREFIXES = ("cluster.", "logging.", "model.init.", "eval.",   # eval never trains
+                      "rollout.servers.")
 
 
 def checkpoint_dir(cfg: Config) -> str:

@@ -11,9 +11,9 @@ is scored by every engine server and by the trainer at the same weight version, 
   each server's routers and the trainer's agree (with routing returned by the engine).
 
 The probe's k3 at the run's start is what the engine's precision explains (bfloat16, FP8); the
-check fires past ``max(weight_check_factor x that, weight_check_floor)``. Then the sync is redone
-from disk once (``weights/check_resyncs``); still past the limit, the run stops naming the
-version, the engine and the figures."""
+check fires past ``max(rollout.weight_check.factor x that, rollout.weight_check.floor)``.
+Then the sync is redone from disk once (``weights/check_resyncs``); still past the limit, the
+run stops naming the version, the engine and the figures."""
 from __future__ import annotations
 
 import math
@@ -44,7 +44,7 @@ class WeightCheck:
     @property
     def limit(self) -> float:
         r = self.cfg.rollout
-        return max(r.weight_check_factor * (self.baseline or 0.0), r.weight_check_floor)
+        return max(r.weight_check.factor * (self.baseline or 0.0), r.weight_check.floor)
 
     def record_trainer(self, version: int) -> None:
         """The trainer's side of ``version``'s check, taken while it holds those weights."""
@@ -76,9 +76,9 @@ class WeightCheck:
             f"weight check: after syncing version {version} ({self.cfg.cluster.weight_sync}) and "
             f"again after reloading it from disk, the engine ({engine_kind(self.cfg).describe()}) "
             f"disagrees with the trainer on the probe: k3 {m['weights/probe_k3']:.3g} (limit "
-            f"{self.limit:.3g}: {self.cfg.rollout.weight_check_factor:g} x the start's "
-            f"{self.baseline:.3g}, at least rollout.weight_check_floor="
-            f"{self.cfg.rollout.weight_check_floor:g}), max |log-prob difference| "
+            f"{self.limit:.3g}: {self.cfg.rollout.weight_check.factor:g} x the start's "
+            f"{self.baseline:.3g}, at least rollout.weight_check.floor="
+            f"{self.cfg.rollout.weight_check.floor:g}), max |log-prob difference| "
             f"{m['weights/probe_max_abs_diff']:.3g}"
             + (f", routing agreement {agree:.4f}" if agree is not None else "")
             + "; the engine's weights are wrong: the run stops rather than train on them")

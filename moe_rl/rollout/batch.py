@@ -20,11 +20,11 @@ def step_seed(seed: int, step: int) -> int:
 def extra_prompts(r: RolloutConfig, sampler, first: bool) -> list[int]:
     """The prompts a step's batch may use beyond its ``prompts_per_step``: with dynamic
     sampling up to ``rollout.max_oversample`` (to replace groups whose rewards are all equal);
-    with partial rollouts, on the first batch, ``partial_extra_groups`` (groups started ahead);
-    else none. Drawn from ``sampler`` in whole batches (default cap: one batch)."""
-    if not (r.dynamic_sampling or (r.partial and first)):
+    with partial rollouts, on the first batch, ``rollout.partial.extra_groups`` (groups started
+    ahead); else none. Drawn from ``sampler`` in whole batches (default cap: one batch)."""
+    if not (r.dynamic_sampling or (r.partial.enabled and first)):
         return []
-    cap = r.max_oversample if r.dynamic_sampling else r.partial_extra_groups
+    cap = r.max_oversample if r.dynamic_sampling else r.partial.extra_groups
     cap = r.prompts_per_step if cap is None else cap
     return [i for _ in range(-(-cap // r.prompts_per_step)) for i in sampler.next_batch()][:cap]
 
@@ -94,8 +94,9 @@ def make_batch(engine, cfg: Config, inputs, sampling, partial, indices: list[int
                 "timing/reward_s": groups.reward_s})
     if samples and errors < len(samples) and cfg.algorithm.pi_old == "engine_avg":
         t2 = time.perf_counter()
-        engine.score(samples, cfg.algorithm.pi_old_passes, temperature=cfg.rollout.temperature,
-                     window=cfg.rollout.score_window_tokens)
+        engine.score(samples, cfg.algorithm.pi_old_passes,
+                     temperature=cfg.rollout.sampling.temperature,
+                     window=cfg.rollout.scoring.window_tokens)
         summary.timing["timing/engine_scoring_s"] = time.perf_counter() - t2
     summary.timing["timing/collect_s"] = time.perf_counter() - t0
     return samples, summary

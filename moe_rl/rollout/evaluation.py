@@ -31,8 +31,9 @@ def eval_ks(e: EvalConfig) -> list[int]:
 def eval_sampling(e: EvalConfig, r: RolloutConfig) -> SamplingConfig:
     """The evaluation's sampling: ``eval.*`` where set, else the rollout's (temperature 0:
     greedy)."""
-    return SamplingConfig(r.temperature if e.temperature is None else e.temperature,
-                          r.top_p if e.top_p is None else e.top_p, r.top_k, r.min_p,
+    s = r.sampling
+    return SamplingConfig(s.temperature if e.temperature is None else e.temperature,
+                          s.top_p if e.top_p is None else e.top_p, s.top_k, s.min_p,
                           r.max_new_tokens if e.max_new_tokens is None else e.max_new_tokens)
 
 

@@ -21,7 +21,7 @@ restarted from its prompt (``partial_stale: drop``) or keeps going with those to
 loss (``partial_stale: mask``); both are counted. ``partial_mask_offpolicy`` keeps only the
 tokens of each response's newest version in the loss (slime's
 ``--mask-offpolicy-in-partial-rollout``). Each step starts ``prompts_per_step`` new groups; the
-first also ``partial_extra_groups`` more, so the engines always hold more work than one step
+first also ``rollout.partial.extra_groups`` more, so the engines always hold more work than one step
 needs.
 
 Multi-turn trajectories (``data.environment``) are continued the same way, in the middle of a
@@ -290,8 +290,8 @@ def partial_rollout(cfg, engine: Engine, inputs) -> PartialRollout:
     if inputs.environment is not None:
         environment = lambda: inputs.environment(inputs.tokenizer)   # noqa: E731
         limits = TrajectoryLimits(r.max_turns, response_cap(cfg), cfg.data.environment_timeout_s)
-    return PartialRollout(response_cap(cfg), r.max_staleness, r.partial_stale,
-                          r.partial_mask_offpolicy, engine.need_routing, engine.need_mask,
+    return PartialRollout(response_cap(cfg), r.max_staleness, r.partial.stale,
+                          r.partial.mask_offpolicy, engine.need_routing, engine.need_mask,
                           environment, limits, engine.moe_shape.vocab_size)
 
 

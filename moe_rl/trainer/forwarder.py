@@ -78,7 +78,7 @@ class Forwarder:
         ``temperature``: the logits' (None: the rollout's)."""
         a = self.cfg.algorithm
         if temperature is None:
-            temperature = self.cfg.rollout.temperature or 1.0
+            temperature = self.cfg.rollout.sampling.temperature or 1.0
         shape = mb.shape
         run = mb.padded_to(*self._ep_common_shape(shape), self.num_experts)
         B, S = run.shape

@@ -222,7 +222,7 @@ def test_rspo_through_moe_rl_train_with_the_routers_moving(tmp_path):
            f"model.path={model}", f"logging.dir={run}", "trainer.steps=2",
            "trainer.warmup.steps=0", "trainer.checkpoint.export_hf=false", "trainer.epochs=2",
            "trainer.mini_batches=2", "trainer.optim.lr=5e-3", "rollout.prompts_per_step=4",
-           "rollout.n_samples_per_prompt=4", f"rollout.base_port={engine_base_port()}",
+           "rollout.n_samples_per_prompt=4", f"rollout.servers.base_port={engine_base_port()}",
            "algorithm.replay=off", "algorithm.loss=gmpo", "algorithm.clip_low=0.4",
            "algorithm.clip_high=0.4", "algorithm.router_shift.enabled=true",
            "algorithm.router_shift.floor=0.9", "logging.progress=false",

@@ -239,7 +239,7 @@ class _OddEngine:
 
 @pytest.mark.parametrize("mode,expected", [
     ("silent", "no complete answer in 3 s (--engine-timeout)"),
-    ("huge", "the answer is larger than rollout.max_answer_mb=256 MB"),
+    ("huge", "the answer is larger than rollout.servers.max_answer_mb=256 MB"),
     ("garbage", "its answer is not SGLang's")])
 def test_a_silent_huge_or_garbage_engine_is_one_line_in_bounded_time(qwen, capsys, mode,
                                                                      expected):

@@ -143,7 +143,7 @@ def test_busy_engine_ports_warn_and_no_free_port_fails(capsys):
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        rc, found = doctor(capsys, f"rollout.base_port={port}")
+        rc, found = doctor(capsys, f"rollout.servers.base_port={port}")
         assert rc == 0 and found["ports"]["status"] == "warn" and str(port) in \
             found["ports"]["detail"]
     with socket.socket() as last:   # the last port, held here or by another program: busy
@@ -152,7 +152,7 @@ def test_busy_engine_ports_warn_and_no_free_port_fails(capsys):
             last.listen()
         except OSError:
             pass
-        rc, found = doctor(capsys, "rollout.base_port=65535")
+        rc, found = doctor(capsys, "rollout.servers.base_port=65535")
         assert rc == 1 and found["ports"]["status"] == "fail"
 
 
@@ -188,9 +188,9 @@ def test_without_a_config_a_gpu_node_is_checked_as_a_run_on_its_gpus(capsys, mon
 def test_an_unresolvable_or_foreign_host_is_named_not_counted_as_busy_ports(capsys, host,
                                                                             named):
     """It was reported as '0 free of ports ...' (every bind failed)."""
-    rc, found = doctor(capsys, f"rollout.host={host}")
+    rc, found = doctor(capsys, f"rollout.servers.host={host}")
     assert rc == 1 and found["ports"]["status"] == "fail"
-    assert f"rollout.host {host!r} {named}" in found["ports"]["detail"], found["ports"]
+    assert f"rollout.servers.host {host!r} {named}" in found["ports"]["detail"], found["ports"]
 
 
 @pytest.mark.parametrize("damage", ["garbage", "fifo"])

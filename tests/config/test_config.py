@@ -59,7 +59,7 @@ def test_unknown_key_in_yaml_file(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("rollout:\n  temprature: 0.7\n")
     msg = _err([], f)
-    assert "rollout.temprature" in msg and "rollout.temperature" in msg
+    assert "rollout.temprature" in msg and "rollout.sampling.temperature" in msg
 
 
 @pytest.mark.parametrize("override,expect", [
@@ -74,11 +74,11 @@ def test_wrong_type(override, expect):
 
 
 @pytest.mark.parametrize("override,key", [
-    ("rollout.top_p=1.5", "rollout.top_p"),
-    ("rollout.temperature=-1", "rollout.temperature"),
+    ("rollout.sampling.top_p=1.5", "rollout.sampling.top_p"),
+    ("rollout.sampling.temperature=-1", "rollout.sampling.temperature"),
     ("trainer.optim.lr=0", "trainer.optim.lr"),
     ("model.init.num_experts=0", "model.init.num_experts"),
-    ("rollout.base_port=70000", "rollout.base_port"),
+    ("rollout.servers.base_port=70000", "rollout.servers.base_port"),
 ])
 def test_out_of_range(override, key):
     msg = _err([override])
@@ -96,11 +96,11 @@ def test_replay_on_model_without_moe_layers(tmp_path):
 
 
 def test_sampling_mask_needs_finite_topk_within_cap():
-    assert "rollout.top_k" in _err(["algorithm.keep_sampling_mask=true"])
-    assert "sampling_mask_max_tokens" in _err(["algorithm.keep_sampling_mask=true",
-                                               "rollout.top_k=5000"])
-    assert "1 < top_k" in _err(["algorithm.keep_sampling_mask=true", "rollout.top_k=1"])
-    cfg = load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.top_k=50"])
+    assert "rollout.sampling.top_k" in _err(["algorithm.keep_sampling_mask=true"])
+    assert "rollout.sampling.mask_max_tokens" in _err(["algorithm.keep_sampling_mask=true",
+                                               "rollout.sampling.top_k=5000"])
+    assert "1 < top_k" in _err(["algorithm.keep_sampling_mask=true", "rollout.sampling.top_k=1"])
+    cfg = load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.sampling.top_k=50"])
     assert cfg.algorithm.keep_sampling_mask
 
 
@@ -186,8 +186,8 @@ def test_section_and_value_confusion():
 
 
 def test_config_from_dict_and_key_table():
-    cfg = config_from_dict({"rollout": {"top_k": 20}})
-    assert cfg.rollout.top_k == 20
+    cfg = config_from_dict({"rollout": {"sampling": {"top_k": 20}}})
+    assert cfg.rollout.sampling.top_k == 20
     keys = {k for k, *_ in iter_keys()}
     assert {"algorithm.replay", "algorithm.correction.mis_c", "rollout.sglang.tp_size"} <= keys
     assert all(doc for *_, doc in iter_keys())
@@ -268,24 +268,24 @@ def test_engine_avg_at_temperature_needs_the_mask_for_large_vocabularies(tmp_pat
         "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
         "vocab_size": 151936}))
     base = [f"model.path={tmp_path}", "algorithm.pi_old=engine_avg", "algorithm.pi_old_passes=2",
-            "rollout.temperature=0.7"]
-    with pytest.raises(ConfigError, match="algorithm.pi_old: engine_avg at rollout.temperature"
+            "rollout.sampling.temperature=0.7"]
+    with pytest.raises(ConfigError, match="algorithm.pi_old: engine_avg at rollout.sampling.temperature"
                                           "=0.7 .*keep_sampling_mask=true"):
         load_config(None, base)
     # exact alternatives are accepted: the kept-set renormalisation, T = 1, or a small vocabulary
-    load_config(None, base + ["algorithm.keep_sampling_mask=true", "rollout.top_k=20"])
-    load_config(None, base[:-1] + ["rollout.temperature=1.0"])
-    load_config(None, base + ["rollout.score_full_vocab_max=200000"])
+    load_config(None, base + ["algorithm.keep_sampling_mask=true", "rollout.sampling.top_k=20"])
+    load_config(None, base[:-1] + ["rollout.sampling.temperature=1.0"])
+    load_config(None, base + ["rollout.scoring.full_vocab_max=200000"])
 
 
 def test_refusals_sglang_and_megatron_would_fail_on():
     gpu = ["rollout.engine=sglang", "cluster.gpus_per_node=8"]
-    with pytest.raises(ConfigError, match="rollout.min_p: SGLang's deterministic inference"):
+    with pytest.raises(ConfigError, match="rollout.sampling.min_p: SGLang's deterministic inference"):
         load_config(None, gpu + ["rollout.sglang.deterministic_inference=true",
-                                 "rollout.min_p=0.05"])
-    with pytest.raises(ConfigError, match="rollout.top_k: 4096 must stay below"):
-        load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.top_k=4096"])
-    load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.top_k=4095"])
+                                 "rollout.sampling.min_p=0.05"])
+    with pytest.raises(ConfigError, match="rollout.sampling.top_k: 4096 must stay below"):
+        load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.sampling.top_k=4096"])
+    load_config(None, ["algorithm.keep_sampling_mask=true", "rollout.sampling.top_k=4095"])
     with pytest.raises(ConfigError, match="trainer.parallel.sequence: megatron-core's MoE"):
         load_config(None, gpu + ["trainer.parallel.tensor=2"])
     load_config(None, gpu + ["trainer.parallel.tensor=2", "trainer.parallel.sequence=true",
@@ -344,16 +344,16 @@ def test_a_16_bit_trainer_against_the_float32_engine_default_is_warned_about(eng
 
 @pytest.mark.parametrize("override,message", [
     ("trainer.optim.lr=nan", "trainer.optim.lr: expected a finite number"),
-    ("rollout.temperature=1e400", "rollout.temperature: expected a finite number"),
+    ("rollout.sampling.temperature=1e400", "rollout.sampling.temperature: expected a finite number"),
     ("algorithm.correction.mis_c=.inf", "algorithm.correction.mis_c: expected a finite number"),
-    ("rollout.concurrency=10000000", "rollout.concurrency: 10000000 is out of range, expected a "
+    ("rollout.servers.concurrency=10000000", "rollout.servers.concurrency: 10000000 is out of range, expected a "
      "value in [1, 65536] (requests in flight per server, each a task and a connection)"),
     ("eval.n=100000", "eval.n: 100000 is out of range"),
     ("trainer.optim.lr=" + "9" * 400, "trainer.optim.lr: expected a finite number, got an integer of 400 "
                                 "digits"),
     ("trainer.seed=-1", "trainer.seed: -1 is out of range"),
     ("trainer.seed=99999999999", "trainer.seed: 99999999999 is out of range"),
-    ("rollout.base_port=65535", "rollout.base_port: servers use ports 65535..65536"),
+    ("rollout.servers.base_port=65535", "rollout.servers.base_port: servers use ports 65535..65536"),
     ("logging.dir=''", "logging.dir: expected a directory path"),
 ])
 def test_careless_values_are_refused_naming_the_key(override, message, capsys):
@@ -370,17 +370,17 @@ def test_careless_values_are_refused_naming_the_key(override, message, capsys):
 def test_partial_extra_groups_is_bounded_by_what_the_steps_can_take(capsys):
     """1 000 000 extra groups took the rollout worker to 3.7 GB with no step done."""
     from moe_rl.cli import main
-    base = ["rollout.partial=true", "rollout.max_staleness=1", "rollout.prompts_per_step=8"]
-    assert load_config(None, base + ["rollout.partial_extra_groups=128"])
-    assert main(["config", "--no-inputs", *base, "rollout.partial_extra_groups=1000000"]) == 2
+    base = ["rollout.partial.enabled=true", "rollout.max_staleness=1", "rollout.prompts_per_step=8"]
+    assert load_config(None, base + ["rollout.partial.extra_groups=128"])
+    assert main(["config", "--no-inputs", *base, "rollout.partial.extra_groups=1000000"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("moe-rl config: rollout.partial_extra_groups: 1000000 is more than")
-    assert main(["config", "--no-inputs", *base, "rollout.partial_extra_groups=2000000"]) == 2
+    assert err.startswith("moe-rl config: rollout.partial.extra_groups: 1000000 is more than")
+    assert main(["config", "--no-inputs", *base, "rollout.partial.extra_groups=2000000"]) == 2
     assert "2000000 is out of range" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match=r"partial_extra_groups: 129 is more than 8 x rollout."
+    with pytest.raises(ConfigError, match=r"partial.extra_groups: 129 is more than 8 x rollout."
                                           r"prompts_per_step x \(rollout.max_staleness \+ 1\) "
                                           r"= 128"):
-        load_config(None, base + ["rollout.partial_extra_groups=129"])
+        load_config(None, base + ["rollout.partial.extra_groups=129"])
 
 
 def test_parallel_layout_and_batch_fit_the_trainer_world(tmp_path):
@@ -769,8 +769,8 @@ def test_moe_rl_config_prints_every_warning_moe_rl_train_prints(tmp_path):
 
 
 @pytest.mark.parametrize("command,overrides,refusals", [
-    ("config", ["trainer.optim.lr=nan", "rollout.temperature=-1"],
-     ["trainer.optim.lr: expected a finite number", "rollout.temperature: -1.0 is out of range"]),
+    ("config", ["trainer.optim.lr=nan", "rollout.sampling.temperature=-1"],
+     ["trainer.optim.lr: expected a finite number", "rollout.sampling.temperature: -1.0 is out of range"]),
     ("config", ["algorithm.loss=gspo", "algorithm.aggregation=token-mean",
                 "algorithm.clip_low=-0.1"],
      ["algorithm.clip_low/clip_high: GSPO needs positive clip ranges",

@@ -37,7 +37,32 @@ MOVES = [("trainer.ema_decay", "trainer.ema.decay", 0.9),
          ("trainer.adam_beta1", "trainer.optim.adam_beta1", 0.8),
          ("trainer.adam_beta2", "trainer.optim.adam_beta2", 0.95),
          ("trainer.grad_clip", "trainer.optim.grad_clip", 0.5),
-         ("trainer.distributed_optimizer", "trainer.optim.distributed", False)]
+         ("trainer.distributed_optimizer", "trainer.optim.distributed", False),
+         ("rollout.host", "rollout.servers.host", "0.0.0.0"),
+         ("rollout.base_port", "rollout.servers.base_port", 31000),
+         ("rollout.api_key", "rollout.servers.api_key", "k"),
+         ("rollout.request_timeout_s", "rollout.servers.request_timeout_s", 60.0),
+         ("rollout.max_retries", "rollout.servers.max_retries", 1),
+         ("rollout.concurrency", "rollout.servers.concurrency", 8),
+         ("rollout.health_timeout_s", "rollout.servers.health_timeout_s", 30.0),
+         ("rollout.startup_timeout_s", "rollout.servers.startup_timeout_s", 600.0),
+         ("rollout.weight_load_timeout_s", "rollout.servers.weight_load_timeout_s", 120.0),
+         ("rollout.max_answer_mb", "rollout.servers.max_answer_mb", 16.0),
+         ("rollout.temperature", "rollout.sampling.temperature", 0.7),
+         ("rollout.top_p", "rollout.sampling.top_p", 0.9),
+         ("rollout.top_k", "rollout.sampling.top_k", 20),
+         ("rollout.min_p", "rollout.sampling.min_p", 0.05),
+         ("rollout.sampling_mask_max_tokens", "rollout.sampling.mask_max_tokens", 512),
+         ("rollout.partial", "rollout.partial.enabled", True),
+         ("rollout.partial_extra_groups", "rollout.partial.extra_groups", 3),
+         ("rollout.partial_stale", "rollout.partial.stale", "mask"),
+         ("rollout.partial_mask_offpolicy", "rollout.partial.mask_offpolicy", True),
+         ("rollout.weight_check", "rollout.weight_check.enabled", False),
+         ("rollout.weight_check_prompts", "rollout.weight_check.prompts", 4),
+         ("rollout.weight_check_factor", "rollout.weight_check.factor", 5.0),
+         ("rollout.weight_check_floor", "rollout.weight_check.floor", 0.001),
+         ("rollout.score_window_tokens", "rollout.scoring.window_tokens", 16),
+         ("rollout.score_full_vocab_max", "rollout.scoring.full_vocab_max", 1024)]
 
 
 def _value(cfg, dotted):
@@ -64,7 +89,8 @@ NEEDS_DECAY = ("trainer.ema_policy", "trainer.ema_start_step")
 GPUS = ["cluster.gpus_per_node=8", "cluster.trainer_workers=8"]
 BESIDE = {"trainer.tensor_parallel": [*GPUS, "trainer.parallel.sequence=true"],
           "trainer.expert_parallel": GPUS, "trainer.context_parallel": GPUS,
-          "trainer.sequence_parallel": [*GPUS, "trainer.parallel.tensor=2"]}
+          "trainer.sequence_parallel": [*GPUS, "trainer.parallel.tensor=2"],
+          "rollout.partial": ["rollout.max_staleness=1"]}
 
 
 def test_every_moved_key_is_tested_here():
@@ -93,7 +119,8 @@ def test_an_old_key_loads_in_its_new_place_with_a_warning(old, new, value, tmp_p
     for part in parent.split("."):
         section = section[part]
     section.pop(name)
-    saved["trainer"][old.split(".")[1]] = value
+    top, flat = old.split(".")
+    saved[top][flat] = value
     assert _value(config_from_dict(saved), new) == value
     with pytest.raises(ConfigError, match=f"{old} and {new}: the same key under its old and new"):
         load_config(None, [f"{old}={value}", f"{new}={value}", *extra])
@@ -118,3 +145,19 @@ def test_the_cli_says_the_new_name_of_an_old_key(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stderr.count("warning: trainer.sft_warmup_steps is now trainer.warmup.steps") == 1
     assert "warmup:\n    steps: 4" in res.stdout
+
+
+def test_a_switch_that_became_a_section_loads_in_either_form(tmp_path, capsys):
+    """``rollout.partial`` / ``rollout.weight_check`` were switches and are sections: a value
+    under the name is the old switch (moved, warned), a mapping is the section (no warning)."""
+    path = tmp_path / "new.yaml"
+    path.write_text("rollout:\n  max_staleness: 1\n  partial:\n    enabled: true\n    stale: mask\n"
+                    "  weight_check:\n    enabled: false\n")
+    cfg = load_config(path)
+    assert cfg.rollout.partial.enabled and cfg.rollout.partial.stale == "mask"
+    assert not cfg.rollout.weight_check.enabled
+    assert "warning" not in capsys.readouterr().err
+    path.write_text("rollout:\n  max_staleness: 1\n  partial: true\n  partial_stale: mask\n")
+    cfg = load_config(path)
+    assert cfg.rollout.partial.enabled and cfg.rollout.partial.stale == "mask"
+    assert capsys.readouterr().err.count("warning: rollout.partial") == 2

@@ -64,8 +64,9 @@ def _matrix_configs():
                    "trainer_workers": servers * tp if colocate else 2}
         out.append(config_from_dict({
             "model": {"path": "/models/m", "init": FP8_SHAPE},
-            "rollout": {"engine": "sglang", "num_servers": servers, "top_k": 20,
-                        "quantization": "fp8" if fp8 else "none", "api_key": "k" if det else None,
+            "rollout": {"engine": "sglang", "num_servers": servers, "sampling": {"top_k": 20},
+                        "quantization": "fp8" if fp8 else "none",
+                        "servers": {"api_key": "k" if det else None},
                         "sglang": {"tp_size": tp, "ep_size": ep, "deterministic_inference": det}},
             "algorithm": {"replay": replay, "keep_sampling_mask": mask},
             "cluster": cluster}))

@@ -45,7 +45,7 @@ class Started:
 
     def __init__(self, kind: str, model: str, logs):
         gpus = 1 if kind == "sglang" else 0
-        engine = {"engine": kind.removesuffix("-cpu"), "num_servers": 2, "top_k": 8,
+        engine = {"engine": kind.removesuffix("-cpu"), "num_servers": 2, "sampling": {"top_k": 8},
                   "return_routing": True}
         if kind == "sglang-cpu":
             engine["sglang"] = {"device": "cpu", "python": sglang_cpu_python()}

@@ -73,7 +73,7 @@ class Pair:
                                    extra_args=["--sampling-backend", "pytorch"]).start(120)
         cfg = config_from_dict({
             "model": {"path": self.model}, "cluster": {"gpus_per_node": 0},
-            "rollout": {"engine": "sglang", "top_k": 8, "return_routing": True,
+            "rollout": {"engine": "sglang", "sampling": {"top_k": 8}, "return_routing": True,
                         "sglang": {"device": "cpu", "python": python}},
             "algorithm": {"replay": "r3", "keep_sampling_mask": True}})
         port = engine_base_port()   # SGLang binds it itself, after ~25 s of start-up

@@ -81,7 +81,7 @@ def _train(model, run_dir, *overrides):
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={model}",
            f"logging.dir={run_dir}", "trainer.steps=1", "trainer.warmup.steps=0",
            "trainer.checkpoint.export_hf=false", "rollout.prompts_per_step=2",
-           "rollout.n_samples_per_prompt=4", f"rollout.base_port={engine_base_port()}",
+           "rollout.n_samples_per_prompt=4", f"rollout.servers.base_port={engine_base_port()}",
            "logging.progress=false", "logging.tensorboard=false", "algorithm.pi_old=engine_avg",
            "algorithm.pi_old_passes=2", *overrides]
     res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600)
@@ -320,7 +320,7 @@ def test_demo_runs_on_fp8_and_reports_what_replay_removed(tmp_path):
     res = subprocess.run([sys.executable, "-m", "moe_rl.cli", "demo", "trainer.steps=3",
                           "trainer.warmup.steps=2", f"model.path={tmp_path / 'model'}",
                           f"logging.dir={tmp_path / 'run'}", "logging.progress=false",
-                          "trainer.checkpoint.export_hf=false", f"rollout.base_port={engine_base_port()}",
+                          "trainer.checkpoint.export_hf=false", f"rollout.servers.base_port={engine_base_port()}",
                           "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -302,7 +302,7 @@ def test_a_weight_call_is_bounded_by_the_weight_load_timeout():
             async with ServerPool([stub.url], timeout=0.1, weight_timeout=0.5,
                                   max_retries=0) as pool:
                 await pool.request("/update_weights_from_disk", {}, server=pool.servers[0])
-        with pytest.raises(EngineHTTPError, match="rollout.weight_load_timeout_s"):
+        with pytest.raises(EngineHTTPError, match="rollout.servers.weight_load_timeout_s"):
             asyncio.run(main())
         time.sleep(1.1)   # the stub's handler done before the next test (no thread left over)
     finally:
@@ -324,7 +324,7 @@ def test_joining_or_leaving_the_group_is_bounded_by_a_requests_timeout(path):
                 await pool.request(path, {}, server=pool.servers[0], resend=False)
         start = time.monotonic()
         with pytest.raises(EngineHTTPError, match=r"no answer in 0.3 s "
-                                                  r"\(rollout.request_timeout_s\)"):
+                                                  r"\(rollout.servers.request_timeout_s\)"):
             asyncio.run(main())
         assert time.monotonic() - start < 1.5
         time.sleep(1.6)   # the stub's handler done before the next test (no thread left over)

@@ -249,7 +249,7 @@ def test_the_weight_check_probe_never_lists_the_whole_vocabulary(mask, temperatu
     engine's prefill log-probs as they are; at 0.7 it listed every vocabulary id at every
     position); with the mask, at the rollout's temperature on the kept ids."""
     cfg = load_config(None, [f"algorithm.keep_sampling_mask={str(mask).lower()}",
-                             f"rollout.temperature={temperature}", "rollout.top_k=20"])
+                             f"rollout.sampling.temperature={temperature}", "rollout.sampling.top_k=20"])
     assert probe_temperature(cfg) == want
     if mask:
         return
@@ -263,10 +263,10 @@ def test_the_weight_check_probe_never_lists_the_whole_vocabulary(mask, temperatu
 
 
 def test_the_weight_load_bound_reaches_the_pool_from_the_config():
-    """``rollout.weight_load_timeout_s`` is the bound of every weight call of the engine's and
+    """``rollout.servers.weight_load_timeout_s`` is the bound of every weight call of the engine's and
     the weight receiver's pools."""
     from moe_rl.engines.factory import engine_kind
-    cfg = load_config(None, ["rollout.weight_load_timeout_s=12.5"])   # the reference engine
+    cfg = load_config(None, ["rollout.servers.weight_load_timeout_s=12.5"])   # the reference engine
     # speaks SGLang's protocol through the same pools
     kind = engine_kind(cfg)
     assert kind.receiver(["http://127.0.0.1:1"]).pool_factory().weight_timeout == 12.5
@@ -285,7 +285,7 @@ def test_a_server_whose_port_was_taken_before_its_own_bind_is_stopped_at_once(tm
     """A server that binds its port itself (SGLang) finds it taken by another process: uvicorn
     logs the bind error and its exit waits for the engine's other threads, so the process lives
     on without serving. The start fails at once, naming the cause, and the process is stopped
-    (before: the health wait ran to ``rollout.health_timeout_s``, 300 s by default)."""
+    (before: the health wait ran to ``rollout.servers.health_timeout_s``, 300 s by default)."""
     import socket
     import sys
     import time

@@ -280,8 +280,8 @@ def test_cpu_twin_config_trains_through_the_loop_with_r3_and_converts(tmp_path):
     subprocess.run([sys.executable, "-m", "moe_rl.cli", "init-model", "--config",
                     str(ROOT / "configs" / "deepseek_tiny_cpu.yaml"), "--out",
                     str(tmp_path / "model")], check=True, capture_output=True, timeout=120)
-    train_cli(tmp_path, 3, "algorithm.keep_sampling_mask=true", "rollout.top_k=8",
-              "rollout.top_p=0.9", config="deepseek_tiny_cpu.yaml")
+    train_cli(tmp_path, 3, "algorithm.keep_sampling_mask=true", "rollout.sampling.top_k=8",
+              "rollout.sampling.top_p=0.9", config="deepseek_tiny_cpu.yaml")
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:

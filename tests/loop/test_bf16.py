@@ -89,7 +89,7 @@ def test_bf16_every_replay_mode_and_correction(tmp_path, model_dir, replay, corr
 
 CPU_SCALE = ["rollout.engine=reference", "rollout.num_servers=1", "rollout.engine_dtype=bfloat16",
              "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
-             "rollout.max_new_tokens=8", "rollout.concurrency=16", "trainer.parallel.expert=2",
+             "rollout.max_new_tokens=8", "rollout.servers.concurrency=16", "trainer.parallel.expert=2",
              "cluster.num_nodes=1", "cluster.gpus_per_node=0", "cluster.trainer_workers=2",
              "data.source=toy", "data.path=null", "data.chat_template=false", "data.reward=toy"]
 
@@ -99,7 +99,7 @@ CPU_SCALE = ["rollout.engine=reference", "rollout.num_servers=1", "rollout.engin
 @pytest.mark.parametrize("config,model_config,extra", [
     ("qwen3_30b_a3b_r3_gspo.yaml", "tiny_cpu.yaml",
      ["rollout.max_oversample=8", "trainer.max_tokens_per_micro_batch=64"]),
-    pytest.param("deepseek_style_r3_grpo.yaml", "deepseek_tiny_cpu.yaml", ["rollout.top_k=16"],
+    pytest.param("deepseek_style_r3_grpo.yaml", "deepseek_tiny_cpu.yaml", ["rollout.sampling.top_k=16"],
                  marks=pytest.mark.slow),
     # the one-GPU config (colocated, tensor sync on the shared GPU): on CPU the reference engine
     # is colocated too and synced from disk (the tensor sync needs SGLang on GPUs)
@@ -109,15 +109,15 @@ CPU_SCALE = ["rollout.engine=reference", "rollout.num_servers=1", "rollout.engin
     # parallelism are GPU-only in megatron-core's local spec
     pytest.param("glm45_air_r3_gspo.yaml", "glm45_air_r3_gspo.yaml",
                  ["trainer.parallel.tensor=1", "trainer.parallel.sequence=false",
-                  "rollout.top_k=16", "trainer.max_tokens_per_micro_batch=64"],
+                  "rollout.sampling.top_k=16", "trainer.max_tokens_per_micro_batch=64"],
                  marks=pytest.mark.slow),
     # gpt-oss-20b's config on its tiny twin (32 experts, top-4, windows, sinks, YaRN)
     pytest.param("gpt_oss_20b_r3_gspo.yaml", "gpt_oss_20b_r3_gspo.yaml",
-                 ["rollout.top_k=16", "trainer.max_tokens_per_micro_batch=64"],
+                 ["rollout.sampling.top_k=16", "trainer.max_tokens_per_micro_batch=64"],
                  marks=pytest.mark.slow),
     # MiniMax-M2's config on its tiny twin (256 experts, top-8, the q/k norm over all heads)
     pytest.param("minimax_m2_r3_gspo.yaml", "minimax_m2_r3_gspo.yaml",
-                 ["rollout.top_k=16", "trainer.max_tokens_per_micro_batch=64"],
+                 ["rollout.sampling.top_k=16", "trainer.max_tokens_per_micro_batch=64"],
                  marks=pytest.mark.slow)])   # CI runs the Qwen3 config; make test-slow all
 def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_config, extra):
     """Each shipped GPU config, run as shipped except for its scale (tiny model, one reference
@@ -138,7 +138,7 @@ def test_each_shipped_gpu_config_trains_in_bf16_on_cpu(tmp_path, config, model_c
         [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(ROOT / "configs" / config),
          f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
          "logging.progress=false", "trainer.steps=3", "trainer.checkpoint.interval=3",
-         f"rollout.base_port={engine_base_port()}", *CPU_SCALE, *extra],
+         f"rollout.servers.base_port={engine_base_port()}", *CPU_SCALE, *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "weight sync (distributed) of version" not in res.stdout + res.stderr
@@ -164,9 +164,9 @@ def test_bf16_partial_rollouts(tmp_path, model_dir):
     weights): responses span weight versions, each segment scored at its own version (R3 with
     the kept set); the same-version mismatch stays at bf16's level and nothing goes unscored."""
     work = workdir(tmp_path, model_dir, "run")
-    train_cli(work, 6, *BF16, "rollout.partial=true", "rollout.max_staleness=2",
+    train_cli(work, 6, *BF16, "rollout.partial.enabled=true", "rollout.max_staleness=2",
               "rollout.max_new_tokens=40", "algorithm.keep_sampling_mask=true",
-              "rollout.top_k=20")
+              "rollout.sampling.top_k=20")
     rows = rows_of(work)
     assert max(r["rollout/partial_frac"] for r in rows) > 0.0
     for r in rows:

@@ -25,7 +25,7 @@ def train(model, run, *overrides, resume=()):
     got = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config",
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={model}", f"logging.dir={run}",
-         f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=2",
+         f"rollout.servers.base_port={engine_base_port()}", "rollout.prompts_per_step=2",
          "rollout.n_samples_per_prompt=2", "trainer.warmup.steps=2",
          "trainer.checkpoint.interval=1", "rollout.sglang.deterministic_inference=true",
          "logging.progress=false", *overrides, *resume],

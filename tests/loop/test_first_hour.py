@@ -23,7 +23,7 @@ def train(model, run, *overrides, env=None):
     got = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config",
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={model}", f"logging.dir={run}",
-         f"rollout.base_port={engine_base_port()}", *SMALL, *overrides],
+         f"rollout.servers.base_port={engine_base_port()}", *SMALL, *overrides],
         cwd=run.parent, capture_output=True, text=True, timeout=600, env=env)
     assert got.returncode == 0, got.stderr[-3000:]
     return got
@@ -79,7 +79,7 @@ def test_a_float16_run_whose_every_step_was_skipped_does_not_end_as_a_success(mo
     got = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config",
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={model}", f"logging.dir={run}",
-         f"rollout.base_port={engine_base_port()}", *SMALL, "trainer.steps=2",
+         f"rollout.servers.base_port={engine_base_port()}", *SMALL, "trainer.steps=2",
          "trainer.warmup.steps=0", "model.dtype=float16", "rollout.engine_dtype=float16",
          "trainer.loss_scale.initial=1e18", "trainer.loss_scale.hysteresis=1000",
          "data.reward=length_reward:by_length", "rollout.n_samples_per_prompt=4"],

@@ -88,7 +88,7 @@ def test_a_loss_scale_at_its_minimum_ends_the_run_with_one_line(tmp_path, model_
         [sys.executable, "-m", "moe_rl.cli", "train", "--config", "tiny_cpu.yaml",
          f"model.path={work / 'model'}", f"logging.dir={work / 'run'}", "trainer.steps=2",
          "trainer.warmup.steps=0", "logging.progress=false",
-         f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=4",
+         f"rollout.servers.base_port={engine_base_port()}", "rollout.prompts_per_step=4",
          "rollout.n_samples_per_prompt=4", "model.dtype=float16",
          "rollout.engine_dtype=float16", "trainer.loss_scale.initial=4294967296",
          "trainer.loss_scale.min=2147483648", "trainer.loss_scale.hysteresis=1"],

@@ -98,7 +98,7 @@ def _train(config, model, run_dir, *extra, steps=2, env=None):
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config", str(config),
            f"model.path={model}", f"logging.dir={run_dir}", f"trainer.steps={steps}",
            "trainer.checkpoint.export_hf=false", "rollout.prompts_per_step=2",
-           "rollout.n_samples_per_prompt=2", f"rollout.base_port={engine_base_port()}",
+           "rollout.n_samples_per_prompt=2", f"rollout.servers.base_port={engine_base_port()}",
            "logging.progress=false", "logging.tensorboard=false", *on_sglang(), *extra]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     res = subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=600,
@@ -153,10 +153,10 @@ def test_partial_rollouts_continue_responses_across_versions_on_sglang(model_dir
     weights; every segment compares with the trainer at its own version (R3, the kept set):
     k3 ~0 and agreement 1.0 at every step, every token at most 2 versions old."""
     run = tmp_path / "run"
-    _, rows = _train(CONFIG, model_dir, run, "rollout.partial=true", "rollout.max_staleness=2",
+    _, rows = _train(CONFIG, model_dir, run, "rollout.partial.enabled=true", "rollout.max_staleness=2",
                      "trainer.warmup.steps=0", "rollout.max_new_tokens=24",
                      "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
-                     "rollout.top_k=20", "rollout.partial_extra_groups=6",
+                     "rollout.sampling.top_k=20", "rollout.partial.extra_groups=6",
                      # 4 requests at a time: the groups finish one after another, not together
                      'rollout.sglang.extra_args=[--max-running-requests, "4"]', steps=4)
     assert sum(m["rollout/partial_aborted"] for m in rows) > 0
@@ -177,7 +177,7 @@ def test_the_demo_on_sglang_in_bfloat16(tmp_path):
          f"model.path={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
          "trainer.steps=2", "trainer.warmup.steps=5", "trainer.checkpoint.export_hf=false",
          "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
-         f"rollout.base_port={engine_base_port()}", "logging.progress=false"],
+         f"rollout.servers.base_port={engine_base_port()}", "logging.progress=false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -271,13 +271,13 @@ def test_retraction_under_a_small_kv_pool_stays_exact(model_dir, tmp_path, parti
         (tmp_path / "site" / "sitecustomize.py").write_text(RETRACT_AT_ABORT)
         env.update(PYTHONPATH=f"{tmp_path / 'site'}:{os.environ.get('PYTHONPATH', '')}",
                    RETRACT_AT_ABORT_LOG=str(retracted_log))
-    mode = (["rollout.partial=true", "rollout.max_staleness=2", "rollout.partial_extra_groups=12"]
+    mode = (["rollout.partial.enabled=true", "rollout.max_staleness=2", "rollout.partial.extra_groups=12"]
             if partial else ["rollout.retracted=mask", "rollout.prompts_per_step=8",
                              "rollout.n_samples_per_prompt=8"])
     _, rows = _train(CONFIG, model_dir, run, "trainer.warmup.steps=0",
                      "rollout.max_new_tokens=40", "rollout.sglang.max_total_tokens=192",
                      "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
-                     "rollout.top_k=20", *mode,
+                     "rollout.sampling.top_k=20", *mode,
                      'rollout.sglang.extra_args=[--schedule-conservativeness, "0.01"]',
                      steps=3 if partial else 2, env=env)
     if partial:   # the aborts met retracted requests: answered without routing, discarded
@@ -370,7 +370,7 @@ def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
     version 3 and one bucket of version 5's refused by one server (:data:`CHAOS_ENGINE`; the
     other server, left inside that bucket's collective, answers /health 503 until restarted),
     each sync then redone from disk, and the disk load of version 5 taking 18 s in SGLang's
-    scheduler against rollout.request_timeout_s=2 and health_timeout_s=12 (:data:`SLOW_LOAD`;
+    scheduler against rollout.servers.request_timeout_s=2 and health_timeout_s=12 (:data:`SLOW_LOAD`;
     SGLang's /health cannot answer during a load: the old pool waited 2 s, then 12 for /health,
     and killed both servers mid-load, again on every retry). The run finishes; every step is
     exact (k3 ~0, agreement 1.0, nothing unscored, no token more than two versions old); the
@@ -390,17 +390,17 @@ def test_a_chaos_run_on_sglang_finishes_exact(model_dir, tmp_path):
            "CHAOS_REFUSE_VERSION": "5", "CHAOS_REFUSED_MARK": str(tmp_path / "refused"),
            "SLOW_LOAD_VERSION": "5", "SLOW_LOAD_S": "18"}
     run = tmp_path / "run"
-    res, rows = _train(CONFIG, model_dir, run, "rollout.num_servers=2", "rollout.partial=true",
-                       "rollout.max_staleness=2", "rollout.partial_extra_groups=6",
+    res, rows = _train(CONFIG, model_dir, run, "rollout.num_servers=2", "rollout.partial.enabled=true",
+                       "rollout.max_staleness=2", "rollout.partial.extra_groups=6",
                        "trainer.warmup.steps=0",
                        "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=24",
                        "algorithm.replay=r3", "algorithm.keep_sampling_mask=true",
-                       "rollout.top_k=20", "cluster.weight_sync=distributed",
+                       "rollout.sampling.top_k=20", "cluster.weight_sync=distributed",
                        "logging.samples_per_step=64",
                        # the two servers' start-up, side by side, has its own wait (~40 s
                        # on 2 cores; 88 s on a slower machine, 2026-11-28)
-                       "rollout.request_timeout_s=2", "rollout.health_timeout_s=12",
-                       "rollout.startup_timeout_s=300",
+                       "rollout.servers.request_timeout_s=2", "rollout.servers.health_timeout_s=12",
+                       "rollout.servers.startup_timeout_s=300",
                        'rollout.sglang.extra_args=[--max-running-requests, "4"]', steps=8,
                        env=env)
     assert (tmp_path / "killed").exists() and (tmp_path / "refused").exists()

@@ -166,7 +166,7 @@ def _reward_run_command(tmp_path) -> list[str]:
     return [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
            f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.warmup.steps=0",
-           "logging.progress=false", f"rollout.base_port={engine_base_port()}",
+           "logging.progress=false", f"rollout.servers.base_port={engine_base_port()}",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2"]
 
 
@@ -250,7 +250,7 @@ def _run_with_a_killer_reward(tmp_path, reward: str, *overrides: str) -> tuple[l
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
            f"logging.dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.warmup.steps=0",
-           "logging.progress=false", f"rollout.base_port={engine_base_port()}",
+           "logging.progress=false", f"rollout.servers.base_port={engine_base_port()}",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
            "data.reward=killer_reward:score", "trainer.checkpoint.export_hf=false", *overrides]
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
@@ -296,7 +296,7 @@ def test_an_engine_killed_mid_batch_in_the_async_pipeline_serves_the_version_it_
     graded = KILLER_REWARD.replace("return toy_reward(prompt, response, answer, metadata)",
                                    "return (sum(map(ord, response)) % 101) / 100")
     rows, out = _run_with_a_killer_reward(tmp_path, graded, "cluster.weight_sync=distributed",
-                                          "rollout.concurrency=2", "rollout.max_new_tokens=8",
+                                          "rollout.servers.concurrency=2", "rollout.max_new_tokens=8",
                                           "rollout.max_staleness=1")
     assert rows[-1]["rollout/engine_restarts"] == 1.0
     # the next sync read the restart from the served-weights record and rebuilt the group
@@ -384,7 +384,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
                 str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",
                 f"logging.dir={run}", f"trainer.steps={steps}", "trainer.warmup.steps=1",
                 "trainer.checkpoint.interval=1", "logging.progress=false",
-                f"rollout.base_port={engine_base_port()}", "rollout.prompts_per_step=2",
+                f"rollout.servers.base_port={engine_base_port()}", "rollout.prompts_per_step=2",
                 "rollout.n_samples_per_prompt=2", "rollout.sglang.deterministic_inference=true",
                 *(["--resume"] if resume else [])]
 
@@ -448,7 +448,7 @@ def test_a_resume_refused_for_a_changed_key_gives_the_command_that_resumes(train
     import shutil
     shutil.copytree(trained_run, tmp_path, dirs_exist_ok=True)
     run = tmp_path / "run"
-    common = [f"rollout.base_port={engine_base_port()}"]
+    common = [f"rollout.servers.base_port={engine_base_port()}"]
     refused = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--config",
          str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'model'}",

@@ -83,7 +83,7 @@ def test_demo_from_the_wheel_twice_takes_a_fresh_run_directory_each_time(install
         res = subprocess.run([str(bin_dir / "moe-rl"), "demo", "trainer.steps=1",
                               "trainer.warmup.steps=0", "trainer.checkpoint.export_hf=false",
                               "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-                              f"rollout.base_port={engine_base_port()}"],
+                              f"rollout.servers.base_port={engine_base_port()}"],
                              cwd=work, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
         assert "run finished: 1 RL steps" in res.stdout

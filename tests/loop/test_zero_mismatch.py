@@ -81,7 +81,7 @@ def test_covering_set_covers_every_valid_pair():
 
 @pytest.mark.parametrize("combo", [c for c in all_combos() if refused(c)][:2], ids=name)
 def test_refused_combinations_name_the_reason(combo):
-    with pytest.raises(ConfigError, match="keep_sampling_mask: needs a finite rollout.top_k"):
+    with pytest.raises(ConfigError, match="keep_sampling_mask: needs a finite rollout.sampling.top_k"):
         load_config(CONFIG, overrides(combo))
 
 
@@ -169,7 +169,7 @@ def check_qae_advantages(run_dir, m):
 def test_zero_mismatch_full_product(model_dir, tmp_path):
     combos = [c for c in all_combos() if not refused(c)]
     for combo in [c for c in all_combos() if refused(c)]:
-        with pytest.raises(ConfigError, match="keep_sampling_mask: needs a finite rollout.top_k"):
+        with pytest.raises(ConfigError, match="keep_sampling_mask: needs a finite rollout.sampling.top_k"):
             load_config(CONFIG, overrides(combo))
     results = run_all(model_dir, tmp_path, combos)
     for combo in combos:

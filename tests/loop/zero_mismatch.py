@@ -35,8 +35,8 @@ SGLANG_FACTORS = {**{k: v for k, v in FACTORS.items() if k != "pack"},
                   "replay": ("off", "r2", "r3"), "sync": ("disk", "distributed")}
 
 
-SAMPLING = {"full": [], "top_k": ["rollout.top_k=5"],
-            "top_k_top_p_min_p": ["rollout.top_k=6", "rollout.top_p=0.9", "rollout.min_p=0.05"]}
+SAMPLING = {"full": [], "top_k": ["rollout.sampling.top_k=5"],
+            "top_k_top_p_min_p": ["rollout.sampling.top_k=6", "rollout.sampling.top_p=0.9", "rollout.sampling.min_p=0.05"]}
 
 
 CORRECTIONS = ("seq_mis", "icepop", "geo_rs", "trm")
@@ -85,12 +85,12 @@ def name(combo: dict) -> str:
 
 
 def overrides(combo: dict) -> list[str]:
-    out = [f"rollout.temperature={combo['temperature']}", *SAMPLING[combo["sampling"]],
+    out = [f"rollout.sampling.temperature={combo['temperature']}", *SAMPLING[combo["sampling"]],
            f"algorithm.keep_sampling_mask={str(combo['mask']).lower()}",
            f"algorithm.pi_old={combo['pi_old']}", f"algorithm.replay={combo['replay']}",
            f"algorithm.loss={combo['loss']}", f"algorithm.corrections=[{','.join(CORRECTIONS)}]",
            "algorithm.correction.trm_delta=1e-3", "algorithm.correction.trm_measure=k3",
-           "rollout.weight_check=true"]
+           "rollout.weight_check.enabled=true"]
     if combo["pi_old"] == "engine_avg":
         out.append(f"algorithm.pi_old_passes={combo.get('passes', 2)}")
     if "sync" in combo:
@@ -133,7 +133,7 @@ def train_steps(model: pathlib.Path, run_dir: pathlib.Path, combo: dict,
            f"model.path={model}", f"logging.dir={run_dir}", f"trainer.steps={steps}",
            "trainer.warmup.steps=0", "trainer.checkpoint.export_hf=false",
            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-           "rollout.max_new_tokens=3", f"rollout.base_port={engine_base_port()}",
+           "rollout.max_new_tokens=3", f"rollout.servers.base_port={engine_base_port()}",
            "logging.progress=false", "logging.tensorboard=false", *overrides(combo), *engine]
     env = None
     if combo.get("advantage"):   # the reward module in the directory the run starts from,

@@ -142,7 +142,7 @@ def test_train_with_max_staleness_1_through_the_loop(tmp_path):
     from moe_rl.data.prompts import PromptSampler
     init_tiny_model(str(tmp_path / "model"))
     train_cli(tmp_path, 4, "rollout.max_staleness=1", "rollout.dynamic_sampling=true",
-              "rollout.max_oversample=4", "rollout.weight_check=true")
+              "rollout.max_oversample=4", "rollout.weight_check.enabled=true")
     rows = _metrics(tmp_path / "run")
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     # the weight check of each version runs when its load is confirmed (the next sync): the

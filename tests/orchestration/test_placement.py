@@ -72,7 +72,7 @@ def test_cpu_runs_spread_over_nodes_and_bind_node_addresses():
     assert [(e.node, e.host) for e in plan.of("engine")] == [(0, "10.0.0.1"), (1, "10.0.0.2")]
     assert plan.weight_update_group is None
     single = make_plan(load_config(None, []), node_addresses=["10.0.0.1"])
-    assert single.of("engine")[0].host == "127.0.0.1"     # one node: rollout.host as given
+    assert single.of("engine")[0].host == "127.0.0.1"     # one node: rollout.servers.host as given
     assert single.of("engine")[0].argv[3] == "serve-reference"
 
 
@@ -100,7 +100,7 @@ def test_dp_attention_servers_on_one_node_get_port_ranges_that_do_not_overlap():
     port+239 (server_args.py:728,818-846): servers of one node spaced by 1 collide there; they
     are spaced by 240. Without DP attention the spacing stays 1."""
     dp = ["cluster.num_nodes=1", "cluster.trainer_workers=2", "rollout.num_servers=3",
-          "rollout.sglang.tp_size=2", "rollout.base_port=30000"]
+          "rollout.sglang.tp_size=2", "rollout.servers.base_port=30000"]
     plan = make_plan(load_config(None, GPU + dp + [
         "rollout.sglang.extra_args=[--enable-dp-attention]", "rollout.sglang.dp_size=2"]))
     ports = [p.port for p in plan.processes if p.role == "engine"]

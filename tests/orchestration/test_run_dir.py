@@ -51,7 +51,7 @@ def test_resume_changes_name_the_keys_that_shape_the_run(tmp_path):
     saved = _cfg(tmp_path, "trainer.optim.lr=1e-3", "trainer.steps=10")
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "config.yaml").write_text(dump_config(saved))
-    same_run = _cfg(tmp_path, "trainer.optim.lr=1e-3", "trainer.steps=50", "rollout.base_port=1234",
+    same_run = _cfg(tmp_path, "trainer.optim.lr=1e-3", "trainer.steps=50", "rollout.servers.base_port=1234",
                     "cluster.trainer_workers=2", "trainer.checkpoint.interval=5",
                     "data.reward_timeout_s=5", f"logging.dir={tmp_path / 'moved'}")
     assert run_dir.resume_changes(str(tmp_path / "ck" / "config.yaml"), same_run) == []

@@ -42,7 +42,7 @@ def steps_of(run) -> list[int]:
 def test_a_second_run_never_mixes_into_the_first(model, tmp_path):
     run = tmp_path / "run"
     base = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=1",
-            f"rollout.base_port={engine_base_port()}", "trainer.checkpoint.interval_minutes=0.0001", *SMALL]
+            f"rollout.servers.base_port={engine_base_port()}", "trainer.checkpoint.interval_minutes=0.0001", *SMALL]
     first = train(tmp_path, *base, "trainer.steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
     # not a terminal: one progress line per step, the warm start's too, then the summary
@@ -140,7 +140,7 @@ def test_a_signal_finishes_the_step_checkpoints_it_and_the_printed_command_resum
     run = tmp_path / "run"
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
             "trainer.steps=100", "trainer.checkpoint.interval=0", "trainer.checkpoint.interval_minutes=0",
-            "trainer.checkpoint.stop_grace_s=60", f"rollout.base_port={engine_base_port()}",
+            "trainer.checkpoint.stop_grace_s=60", f"rollout.servers.base_port={engine_base_port()}",
             "logging.log_interval=2", *SMALL]
     proc = _start(tmp_path, args, session=True)
     lines = _wait_for_line(proc, "RL step 2/100")
@@ -189,7 +189,7 @@ def test_ctrl_c_twice_abandons_the_step_and_stops_everything(model, tmp_path):
         "def slow(prompt, response, answer, metadata):\n"
         "    time.sleep(1.0)\n    return toy_reward(prompt, response, answer, metadata)\n")
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
-            "trainer.steps=100", "trainer.checkpoint.interval=2", f"rollout.base_port={engine_base_port()}",
+            "trainer.steps=100", "trainer.checkpoint.interval=2", f"rollout.servers.base_port={engine_base_port()}",
             "data.reward=slow_reward:slow", *SMALL]
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     proc = _start(tmp_path, args, session=True, env=env)
@@ -248,8 +248,8 @@ def test_ctrl_c_while_the_engines_load_stops_the_start_up_at_once(model, tmp_pat
     env = dict(os.environ, SLOW_ENGINE_START_S="600",
                PYTHONPATH=f"{tmp_path / 'site'}:{os.environ.get('PYTHONPATH', '')}")
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
-            "trainer.steps=5", "trainer.checkpoint.stop_grace_s=300", "rollout.startup_timeout_s=900",
-            f"rollout.base_port={engine_base_port()}", *SMALL]
+            "trainer.steps=5", "trainer.checkpoint.stop_grace_s=300", "rollout.servers.startup_timeout_s=900",
+            f"rollout.servers.base_port={engine_base_port()}", *SMALL]
     proc = _start(tmp_path, args, session=True, env=env)
 
     def loading_servers():
@@ -287,7 +287,7 @@ def test_a_run_whose_ray_is_stopped_from_outside_says_so(model, tmp_path):
     import psutil
     run = tmp_path / "run"
     args = [f"model.path={model}", f"logging.dir={run}", "trainer.warmup.steps=0",
-            "trainer.steps=100", "trainer.checkpoint.interval=1", f"rollout.base_port={engine_base_port()}",
+            "trainer.steps=100", "trainer.checkpoint.interval=1", f"rollout.servers.base_port={engine_base_port()}",
             *SMALL]
     proc = _start(tmp_path, args)
     _wait_for_line(proc, "RL step 2/100")

@@ -108,8 +108,8 @@ def _train(model, base, name: str, mode: str, check: bool, sync: str = "disk",
          f"model.path={model}", f"logging.dir={work / 'run'}", "trainer.steps=4",
          "trainer.warmup.steps=0", "trainer.checkpoint.export_hf=false", "logging.progress=false",
          "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-         f"rollout.base_port={engine_base_port()}", f"cluster.weight_sync={sync}",
-         f"rollout.weight_check={str(check).lower()}", *engine],
+         f"rollout.servers.base_port={engine_base_port()}", f"cluster.weight_sync={sync}",
+         f"rollout.weight_check.enabled={str(check).lower()}", *engine],
         cwd=work, env=env, capture_output=True, text=True, timeout=600)
     rows = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()] \
         if (work / "run" / "metrics.jsonl").exists() else []
@@ -155,7 +155,7 @@ def _broadcast_redone(res, rows):
 
 # run name: (corruption, weight check on, weight sync, overrides), what must hold ("once"
 # samples at temperature 0.7 without the sampling mask: both sides score the probe at 1)
-WRONG_UPDATES = {"once": (("once", True, "disk", ("rollout.temperature=0.7",)), _redone_once),
+WRONG_UPDATES = {"once": (("once", True, "disk", ("rollout.sampling.temperature=0.7",)), _redone_once),
                  "always": (("always", True), _stops),
                  "unchecked": (("always", False), _unchecked),
                  "distributed": (("once", True, "distributed"), _broadcast_redone)}

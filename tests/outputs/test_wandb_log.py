@@ -55,7 +55,7 @@ def _train(tmp, steps, *extra):
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "--config",
            str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp / 'model'}",
            f"logging.dir={tmp / 'run'}", f"trainer.steps={steps}", "trainer.warmup.steps=0",
-           "trainer.checkpoint.interval=1", "logging.progress=false", f"rollout.base_port={engine_base_port()}",
+           "trainer.checkpoint.interval=1", "logging.progress=false", f"rollout.servers.base_port={engine_base_port()}",
            "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=2",
            "logging.wandb.enabled=true", "logging.wandb.mode=offline",
            "logging.wandb.project=tiny", "logging.wandb.tags=[cpu,test]", *extra]

@@ -15,9 +15,9 @@ CONFIG = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu
     ([], True, 0),                                                  # synchronous: none
     (["rollout.dynamic_sampling=true", "rollout.max_oversample=5"], False, 5),
     (["rollout.dynamic_sampling=true"], False, 4),                  # default: one batch
-    (["rollout.partial=true", "rollout.max_staleness=1", "rollout.partial_extra_groups=3"],
+    (["rollout.partial.enabled=true", "rollout.max_staleness=1", "rollout.partial.extra_groups=3"],
      True, 3),
-    (["rollout.partial=true", "rollout.max_staleness=1", "rollout.partial_extra_groups=3"],
+    (["rollout.partial.enabled=true", "rollout.max_staleness=1", "rollout.partial.extra_groups=3"],
      False, 0),   # the first batch only
 ])
 def test_the_extra_prompts_follow_the_strategy(overrides, first, expected):

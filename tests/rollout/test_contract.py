@@ -258,9 +258,11 @@ def test_weight_update_changes_outputs_and_version(server, layout, tiny_dir, tmp
 def test_sglang_command_lines():
     cfg = config_from_dict({"model": {"path": "/m"}, "cluster": {"gpus_per_node": 8,
                                                                  "colocate": True},
-                            "rollout": {"engine": "sglang", "temperature": 0.7, "top_k": 50,
-                                        "api_key": "s", "sglang": {"tp_size": 4, "ep_size": 8,
-                                                                   "extra_args": ["--x", "1"]}},
+                            "rollout": {"engine": "sglang",
+                                        "sampling": {"temperature": 0.7, "top_k": 50},
+                                        "servers": {"api_key": "s"},
+                                        "sglang": {"tp_size": 4, "ep_size": 8,
+                                                   "extra_args": ["--x", "1"]}},
                             "algorithm": {"replay": "r3", "keep_sampling_mask": True}})
     argv, env = sglang_command(cfg, 30001, gpus=[4, 5, 6, 7])
     line = " ".join(argv)
@@ -389,7 +391,7 @@ def test_support_mode_and_listed_ids_follow_sglang(server):
 def test_sglang_is_started_with_every_flag_its_requests_need(replay, mask, pi_old):
     from moe_rl.engines.needs import requests_routing, requests_sampling_mask
     cfg = config_from_dict({"model": {"path": "/m"}, "cluster": {"gpus_per_node": 8},
-                            "rollout": {"engine": "sglang", "top_k": 20},
+                            "rollout": {"engine": "sglang", "sampling": {"top_k": 20}},
                             "algorithm": {"replay": replay, "keep_sampling_mask": mask,
                                           "pi_old": pi_old, "pi_old_passes": 2}})
     argv, _ = sglang_command(cfg, 30000)

@@ -377,7 +377,7 @@ def _train(model, run_dir, *overrides, env=None, steps=2):
     res = _cli("train", "--config", str(AGENTIC), f"model.path={model}",
                f"logging.dir={run_dir}", f"trainer.steps={steps}", "trainer.checkpoint.export_hf=false",
                "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4",
-               f"rollout.base_port={engine_base_port()}", "logging.progress=false", *overrides,
+               f"rollout.servers.base_port={engine_base_port()}", "logging.progress=false", *overrides,
                cwd=run_dir.parent, env=env)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] \
         if (run_dir / "metrics.jsonl").exists() else []
@@ -408,10 +408,10 @@ def test_agentic_config_trains_with_partial_rollouts(agentic_model, tmp_path):
     # k = 1: nothing launched ahead, so every continuation runs under the next version; one
     # group of 2 a step among 7 in flight: the abort finds trajectories mid-way
     res, rows = _train(agentic_model, tmp_path / "run", "trainer.warmup.steps=60",
-                       "rollout.partial=true", "rollout.max_staleness=1",
-                       "rollout.partial_stale=mask", "rollout.partial_mask_offpolicy=true",
+                       "rollout.partial.enabled=true", "rollout.max_staleness=1",
+                       "rollout.partial.stale=mask", "rollout.partial.mask_offpolicy=true",
                        "rollout.prompts_per_step=1", "rollout.n_samples_per_prompt=2",
-                       "rollout.partial_extra_groups=6", "rollout.max_new_tokens=24",
+                       "rollout.partial.extra_groups=6", "rollout.max_new_tokens=24",
                        "rollout.max_response_tokens=44", steps=5)
     assert res.returncode == 0, res.stderr[-3000:]
     assert max(m["rollout/turns_mean"] for m in rows) > 1.0
@@ -485,11 +485,11 @@ def env_module(tmp_path_factory):
 def test_two_turn_zero_mismatch_invariant(agentic_model, tmp_path, env_module, mode):
     """Float32 engine and trainer, two-turn trajectories: every mismatch metric ~0, nothing
     corrected away, routing agreement 1 with R3."""
-    extra = ["rollout.top_k=6", "algorithm.keep_sampling_mask=true", "algorithm.pi_old="
+    extra = ["rollout.sampling.top_k=6", "algorithm.keep_sampling_mask=true", "algorithm.pi_old="
              "engine_avg", "algorithm.pi_old_passes=2"] if mode.startswith("mask") else \
         ["algorithm.pi_old=trainer"]
     res, rows = _train(agentic_model, tmp_path / "run", "data.environment=two_turn_envs:TwoTurns",
-                       "trainer.warmup.steps=0", "rollout.temperature=0.8",
+                       "trainer.warmup.steps=0", "rollout.sampling.temperature=0.8",
                        "algorithm.corrections=[seq_mis,icepop]", *extra, env=env_module,
                        steps=1)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -367,13 +367,13 @@ def test_a_turn_whose_abort_came_with_its_last_token_goes_to_the_environment_who
 def test_partial_rollout_settings_are_checked():
     cfg = str(ROOT / "configs" / "tiny_cpu.yaml")
     with pytest.raises(ConfigError, match="rollout.max_staleness >= 1"):
-        load_config(cfg, ["rollout.partial=true"])
-    with pytest.raises(ConfigError, match="rollout.partial: dynamic sampling"):
-        load_config(cfg, ["rollout.partial=true", "rollout.max_staleness=1",
+        load_config(cfg, ["rollout.partial.enabled=true"])
+    with pytest.raises(ConfigError, match="rollout.partial.enabled: dynamic sampling"):
+        load_config(cfg, ["rollout.partial.enabled=true", "rollout.max_staleness=1",
                           "rollout.dynamic_sampling=true"])
-    with pytest.raises(ConfigError, match="rollout.partial_stale"):
-        load_config(cfg, ["rollout.partial=true", "rollout.max_staleness=1",
-                          "rollout.partial_stale=keep"])
+    with pytest.raises(ConfigError, match="rollout.partial.stale"):
+        load_config(cfg, ["rollout.partial.enabled=true", "rollout.max_staleness=1",
+                          "rollout.partial.stale=keep"])
 
 
 def _metrics(run_dir):
@@ -398,8 +398,8 @@ def test_train_with_partial_rollouts_keeps_every_segment_exact_and_resumes(tmp_p
     # 4 requests at a time, so the groups finish apart and some response is always in flight
     # when the step has its groups (with every request in one batch, whether one is depends on
     # how the engine happened to batch them: seen 0 partial responses beside another xdist run)
-    opts = ["rollout.partial=true", "rollout.max_staleness=2", "rollout.max_new_tokens=40",
-            "algorithm.keep_sampling_mask=true", "rollout.top_k=20", "rollout.concurrency=4"]
+    opts = ["rollout.partial.enabled=true", "rollout.max_staleness=2", "rollout.max_new_tokens=40",
+            "algorithm.keep_sampling_mask=true", "rollout.sampling.top_k=20", "rollout.servers.concurrency=4"]
     train_cli(tmp_path, 6, *opts)
     rows = _metrics(tmp_path / "run")
     assert max(r["rollout/partial_frac"] for r in rows) > 0.0, rows

@@ -28,9 +28,9 @@ class ReferenceKind(SGLangProtocolKind):
         """Server ``index`` is seeded ``trainer.seed + index``."""
         r = self.cfg.rollout
         return (reference_argv(model_path, host, port, dtype=r.engine_dtype,
-                               seed=self.cfg.trainer.seed + index, api_key=r.api_key,
+                               seed=self.cfg.trainer.seed + index, api_key=r.servers.api_key,
                                return_routed_experts=requests_routing(self.cfg.algorithm, r),
-                               sampling_mask_max_tokens=r.sampling_mask_max_tokens,
+                               sampling_mask_max_tokens=r.sampling.mask_max_tokens,
                                deterministic_inference=r.sglang.deterministic_inference,
                                # FP8 arrives as an FP8 checkpoint; MXFP4 is quantised at each load
                                quantization="mxfp4" if r.quantization == "mxfp4" else "none",

@@ -93,9 +93,10 @@ def check_lm_head(cfg: Config) -> None:
 def check_sampling(cfg: Config) -> None:
     """min_p is not supported by SGLang's deterministic inference."""
     r = cfg.rollout
-    if r.sglang.deterministic_inference and r.min_p > 0:
-        raise ConfigError("rollout.min_p: SGLang's deterministic inference does not support min_p "
-                          "sampling; set rollout.min_p=0 or turn deterministic_inference off")
+    if r.sglang.deterministic_inference and r.sampling.min_p > 0:
+        raise ConfigError("rollout.sampling.min_p: SGLang's deterministic inference does not "
+                          "support min_p sampling; set rollout.sampling.min_p=0 or turn "
+                          "deterministic_inference off")
 
 
 def check_fp8(cfg: Config) -> None:

@@ -237,7 +237,7 @@ class SGLangEngine(Engine):
         if n_passes < 1:
             raise ValueError(f"algorithm.pi_old_passes: expected >= 1, got {n_passes}")
         if window < 1:
-            raise ValueError(f"rollout.score_window_tokens: expected >= 1, got {window}")
+            raise ValueError(f"rollout.scoring.window_tokens: expected >= 1, got {window}")
         T = temperature if temperature > 0 else 1.0
         renorm = self.need_mask or T != 1.0
         if renorm and not self.need_mask and not self.moe_shape.vocab_size:

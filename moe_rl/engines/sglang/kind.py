@@ -31,12 +31,12 @@ class SGLangProtocolKind(EngineKind):
 
     def _pool_factory(self, urls: list[str], restarters=None) -> Callable[[], ServerPool]:
         from moe_rl.engines.sglang.pool import ServerPool
-        r = self.cfg.rollout
-        return lambda: ServerPool(urls, api_key=r.api_key, timeout=r.request_timeout_s,
-                                  max_retries=r.max_retries, concurrency=r.concurrency,
-                                  restarters=restarters, health_timeout=r.health_timeout_s,
-                                  weight_timeout=r.weight_load_timeout_s,
-                                  answer_limit_mb=r.max_answer_mb)
+        s = self.cfg.rollout.servers
+        return lambda: ServerPool(urls, api_key=s.api_key, timeout=s.request_timeout_s,
+                                  max_retries=s.max_retries, concurrency=s.concurrency,
+                                  restarters=restarters, health_timeout=s.health_timeout_s,
+                                  weight_timeout=s.weight_load_timeout_s,
+                                  answer_limit_mb=s.max_answer_mb)
 
     def connect(self, urls, moe_shape: MoEShape, restarters=None) -> SGLangEngine:
         from moe_rl.engines.sglang.client import SGLangEngine
@@ -57,7 +57,7 @@ class SGLangProtocolKind(EngineKind):
             return DistributedSender(self.receiver(urls), rank, fp8,
                                      backend="nccl" if c.gpus_per_node > 0 else "gloo",
                                      world=1 + len(urls) * self.weight_ranks_per_server(),
-                                     timeout_s=r.request_timeout_s)
+                                     timeout_s=r.servers.request_timeout_s)
         if c.weight_sync == "tensor":
             return TensorSender(self.receiver(urls), rank, fp8, sources)
         raise ConfigError(f"cluster.weight_sync: {c.weight_sync!r} has no in-memory sender; "

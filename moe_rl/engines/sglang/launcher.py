@@ -42,15 +42,15 @@ def sglang_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]
         if g.device == "cuda" and "--moe-runner-backend" not in g.extra_args:
             argv += ["--moe-runner-backend", ROUTING_RUNNER]
     if requests_sampling_mask(cfg.algorithm):
-        argv += ["--sampling-mask-max-tokens", str(r.sampling_mask_max_tokens)]
+        argv += ["--sampling-mask-max-tokens", str(r.sampling.mask_max_tokens)]
     if cfg.cluster.colocate:
         argv.append("--enable-memory-saver")
     if g.deterministic_inference:
         argv.append("--enable-deterministic-inference")
     if cfg.model.fp32_output_layer:   # the head's precision as the trainer's
         argv.append("--enable-fp32-lm-head")
-    if r.api_key:
-        argv += ["--api-key", r.api_key]
+    if r.servers.api_key:
+        argv += ["--api-key", r.servers.api_key]
     return argv + list(g.extra_args)
 
 
@@ -74,5 +74,5 @@ def sglang_env(gpus: list[int], device: str = "cuda") -> dict[str, str]:
 def sglang_command(cfg: Config, port: int, model_path: str | None = None,
                    host: str | None = None, gpus: list[int] = ()) -> tuple[list[str], dict]:
     """(argv, environment moe_rl sets) of one SGLang server."""
-    return (sglang_argv(cfg, model_path or cfg.model.path, host or cfg.rollout.host, port),
+    return (sglang_argv(cfg, model_path or cfg.model.path, host or cfg.rollout.servers.host, port),
             sglang_env(list(gpus), cfg.rollout.sglang.device))

@@ -42,7 +42,8 @@ def check_sglang_environment(cfg: Config, timeout: float = 600.0) -> tuple[str, 
     version = got.stdout.strip().splitlines()[-1]
     if not in_range(version, spec):
         return ("fail", f"sglang {version} in {python} is outside moe_rl's range {spec}", fix)
-    flags = [a for a in sglang_argv(cfg, "MODEL", cfg.rollout.host, cfg.rollout.base_port)
+    servers = cfg.rollout.servers
+    flags = [a for a in sglang_argv(cfg, "MODEL", servers.host, servers.base_port)
              if a.startswith("--")]
     try:
         helped = subprocess.run([python, "-m", "sglang.launch_server", "--help"],

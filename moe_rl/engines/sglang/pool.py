@@ -33,7 +33,7 @@ WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_dis
 
 # joining or leaving the trainer's group: a rendezvous of seconds once every rank has arrived;
 # a server stuck in it would hold the sync for SGLang's 30-minute group timeout, so each call is
-# bounded by a request's timeout (rollout.request_timeout_s), not a weight load's
+# bounded by a request's timeout (rollout.servers.request_timeout_s), not a weight load's
 GROUP_PATHS = frozenset({"/init_weights_update_group", "/destroy_weights_update_group"})
 
 
@@ -108,7 +108,8 @@ class ServerPool:
         self.health_timeout = timeout if health_timeout is None else health_timeout
         self.concurrency, self.backoff = concurrency, backoff
         self.weight_timeout = weight_timeout   # the longest one weight-update call may take
-        self.answer_limit_mb = answer_limit_mb   # the largest answer read (rollout.max_answer_mb)
+        # the largest answer read (rollout.servers.max_answer_mb)
+        self.answer_limit_mb = answer_limit_mb
         self.restarts = 0
         self.health_probes = 0   # /health asked of a server silent for `timeout` seconds
         self._client: httpx.AsyncClient | None = None
@@ -192,8 +193,9 @@ class ServerPool:
         send = asyncio.ensure_future(self._bounded(method, server.url + path, body))
         try:
             if path in WEIGHT_PATHS:
-                bound, key = ((self.timeout, "rollout.request_timeout_s") if path in GROUP_PATHS
-                              else (self.weight_timeout, "rollout.weight_load_timeout_s"))
+                bound, key = ((self.timeout, "rollout.servers.request_timeout_s")
+                              if path in GROUP_PATHS else
+                              (self.weight_timeout, "rollout.servers.weight_load_timeout_s"))
                 done, _ = await asyncio.wait({send}, timeout=bound)
                 if not done:
                     raise httpx.ReadTimeout(f"{server.url}{path}: no answer in {bound} s "
@@ -215,7 +217,7 @@ class ServerPool:
         answer raises EngineHTTPError at once, not retried: a broken or hostile server cannot
         fill this process's memory)."""
         limit = int(self.answer_limit_mb * (1 << 20))
-        too_large = (f"{url}: the answer is larger than rollout.max_answer_mb="
+        too_large = (f"{url}: the answer is larger than rollout.servers.max_answer_mb="
                      f"{self.answer_limit_mb:g} MB")
         no_read_limit = httpx.Timeout(self.timeout, read=None)
         async with self._client.stream(method, url, json=body, timeout=no_read_limit) as resp:
