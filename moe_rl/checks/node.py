@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from moe_rl.config import Config
-from moe_rl.config.schema import ServersConfig
+from moe_rl.config.schema import ClusterConfig, ModelConfig, ParallelConfig, ServersConfig
 from moe_rl.config.supported_versions import in_range, supported_range
 from moe_rl.safe_path import describe, shadowed_packages
 
@@ -42,8 +42,8 @@ class Finding:
         return asdict(self)
 
 
-def _gpu_run(cfg: Config) -> bool:
-    return cfg.cluster.gpus_per_node > 0
+def _gpu_run(cluster: ClusterConfig) -> bool:
+    return cluster.gpus_per_node > 0
 
 
 def check_python(version: tuple[int, int, int] | None = None) -> Finding:
@@ -54,25 +54,25 @@ def check_python(version: tuple[int, int, int] | None = None) -> Finding:
     return Finding("python", "ok", text)
 
 
-def check_torch(cfg: Config) -> Finding:
+def check_torch(cluster: ClusterConfig) -> Finding:
     import torch
     cuda = torch.version.cuda
     text = f"torch {torch.__version__}, CUDA build {cuda or 'none'}"
-    if not _gpu_run(cfg):
+    if not _gpu_run(cluster):
         return Finding("torch", "ok", text + "; CPU run (cluster.gpus_per_node=0)")
     if not torch.cuda.is_available():
         why = ("this torch is a CPU build" if cuda is None
                else "the CUDA driver or devices are not reachable")
         return Finding("torch", "fail", f"{text}: CUDA unavailable ({why}) but "
-                       f"cluster.gpus_per_node={cfg.cluster.gpus_per_node}",
+                       f"cluster.gpus_per_node={cluster.gpus_per_node}",
                        "install a CUDA build of torch matching the driver (nvidia-smi shows its "
                        "CUDA version), or set cluster.gpus_per_node=0 for a CPU run")
     return Finding("torch", "ok", text)
 
 
-def check_gpus(cfg: Config) -> Finding:
+def check_gpus(cluster: ClusterConfig) -> Finding:
     import torch
-    want = cfg.cluster.gpus_per_node
+    want = cluster.gpus_per_node
     if want == 0:
         return Finding("gpus", "skip", "CPU run (cluster.gpus_per_node=0)")
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -106,11 +106,11 @@ def check_package(check: str, module: str, dist: str, *, required: bool,
                                                         " (moe_rl not installed: range unchecked)"))
 
 
-def check_transformer_engine(cfg: Config) -> Finding:
-    if not _gpu_run(cfg):
+def check_transformer_engine(cluster: ClusterConfig, parallel: ParallelConfig) -> Finding:
+    if not _gpu_run(cluster):
         return Finding("transformer-engine", "skip", "CPU run: megatron's local layers")
     found = check_package("transformer-engine", "transformer_engine", "transformer-engine",
-                          required=cfg.trainer.parallel.context > 1, extra="te",
+                          required=parallel.context > 1, extra="te",
                           install="pip install 'moe_rl[te]' (Transformer Engine builds against "
                                   "the CUDA toolkit: use the NGC PyTorch image's own TE)")
     if found.status == "warn":
@@ -125,10 +125,10 @@ def check_engine(cfg: Config) -> Finding:
     return Finding("engine", status, detail, fix)
 
 
-def check_collectives(cfg: Config) -> Finding:
+def check_collectives(cluster: ClusterConfig) -> Finding:
     import torch
     import torch.distributed as dist
-    if not _gpu_run(cfg):
+    if not _gpu_run(cluster):
         ok = dist.is_available() and dist.is_gloo_available()
         return Finding("collectives", "ok" if ok else "fail",
                        f"gloo {'available' if ok else 'missing'} (CPU run)",
@@ -172,22 +172,22 @@ def _model_params(model_path: str) -> int | None:
     return total or None
 
 
-def check_disk(cfg: Config) -> Finding:
+def check_disk(log_dir: str, model: ModelConfig, keep: int) -> Finding:
     """Free space under logging.dir for ``trainer.checkpoint.keep`` + 1 checkpoints (one is
     written before the oldest goes) and the HF exports."""
-    where = _existing(cfg.logging.dir)
+    where = _existing(log_dir)
     free = shutil.disk_usage(where).free
     try:
-        params = _model_params(cfg.model.path)
+        params = _model_params(model.path)
     except ValueError as exc:
         return Finding("disk", "fail", f"model.path: {exc}", "replace the damaged file with "
                        "the checkpoint's own")
     if params is None:
         return Finding("disk", "ok", f"{free / 2**30:.1f} GiB free at {where} (model.path has "
                        f"no safetensors yet: need unknown)")
-    export = 4 if cfg.model.dtype == "float32" else 2
-    need = params * ((cfg.trainer.checkpoint.keep + 1) * CHECKPOINT_BYTES_PER_PARAM + 2 * export)
-    text = (f"{free / 2**30:.1f} GiB free at {where}; {cfg.trainer.checkpoint.keep + 1} "
+    export = 4 if model.dtype == "float32" else 2
+    need = params * ((keep + 1) * CHECKPOINT_BYTES_PER_PARAM + 2 * export)
+    text = (f"{free / 2**30:.1f} GiB free at {where}; {keep + 1} "
             f"checkpoints and 2 exports of {params / 1e9:.3g}B parameters need "
             f"~{need / 2**30:.1f} GiB")
     if free < need:
@@ -212,16 +212,17 @@ def filesystem_type(path: str, mounts_file: str = "/proc/mounts") -> str:
     return kind
 
 
-def check_shared_filesystem(cfg: Config, mounts_file: str = "/proc/mounts") -> Finding:
-    if cfg.cluster.num_nodes == 1:
+def check_shared_filesystem(cluster: ClusterConfig, log_dir: str,
+                            mounts_file: str = "/proc/mounts") -> Finding:
+    if cluster.num_nodes == 1:
         return Finding("shared-filesystem", "skip", "one node (cluster.num_nodes=1)")
-    kind = filesystem_type(cfg.logging.dir, mounts_file)
-    text = f"logging.dir={cfg.logging.dir} is on {kind}"
+    kind = filesystem_type(log_dir, mounts_file)
+    text = f"logging.dir={log_dir} is on {kind}"
     fix = ("put logging.dir (and model.path) on a filesystem every node mounts (NFS, Lustre, "
            "GPFS, ...): checkpoints and disk weight syncs are read from other nodes")
     if kind in LOCAL_FILESYSTEMS:
         return Finding("shared-filesystem", "fail", f"{text}, a local filesystem, with "
-                       f"cluster.num_nodes={cfg.cluster.num_nodes}", fix)
+                       f"cluster.num_nodes={cluster.num_nodes}", fix)
     if kind not in SHARED_FILESYSTEMS:
         return Finding("shared-filesystem", "warn", f"{text}: not known as shared", fix)
     return Finding("shared-filesystem", "ok", text)
@@ -297,10 +298,13 @@ def check_model(cfg: Config, named: bool = True) -> Finding:
 def run_checks(cfg: Config, model_named: bool = True) -> list[Finding]:
     """Every check, in the order a node is set up (``model_named``: the run's model.path was
     given, so a missing checkpoint fails)."""
-    return [check_python(), check_working_directory(), check_torch(cfg), check_gpus(cfg),
+    return [check_python(), check_working_directory(), check_torch(cfg.cluster),
+            check_gpus(cfg.cluster),
             check_model(cfg, model_named),
             check_package("megatron-core", "megatron.core", "megatron-core", required=True),
             check_package("transformers", "transformers", "transformers", required=True),
-            check_transformer_engine(cfg), check_engine(cfg), check_collectives(cfg),
-            check_disk(cfg), check_shared_filesystem(cfg),
+            check_transformer_engine(cfg.cluster, cfg.trainer.parallel), check_engine(cfg),
+            check_collectives(cfg.cluster),
+            check_disk(cfg.logging.dir, cfg.model, cfg.trainer.checkpoint.keep),
+            check_shared_filesystem(cfg.cluster, cfg.logging.dir),
             check_ports(cfg.rollout.servers, cfg.rollout.num_servers)]

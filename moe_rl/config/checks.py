@@ -9,25 +9,28 @@ from moe_rl.config.model_facts import (facts_context, model_hf_fields, model_moe
                                        response_cap)
 from moe_rl.families import FAMILIES, family
 from moe_rl.config.fields import ConfigError
-from moe_rl.config.schema import CORRECTIONS, Config
+from moe_rl.config.schema import (CORRECTIONS, AlgorithmConfig, ClusterConfig, Config,
+                                  DataConfig, EvalConfig, LoggingConfig, ModelConfig,
+                                  RolloutConfig, TrainerConfig)
 from moe_rl.families.shape import MoEShape, quantisation_refusal
 
 
 
-def check_model_init(cfg: Config) -> None:
+def check_model_init(model: ModelConfig) -> None:
     """model.init: the shape ``init-model`` would write (the first of the cross-field checks)."""
-    init = cfg.model.init
+    init = model.init
     if init.num_experts_per_tok > init.num_experts:
         raise ConfigError(f"model.init.num_experts_per_tok: {init.num_experts_per_tok} exceeds "
                           f"model.init.num_experts = {init.num_experts}")
     family(init.architecture).check_tiny_init(init)
 
-def engine_avg_refusal(cfg: Config, vocab_size: int | None) -> None:
+def engine_avg_refusal(algorithm: AlgorithmConfig, rollout: RolloutConfig, vocab_size: int | None
+        ) -> None:
     """engine_avg pi_old at temperature T != 1 without the sampling mask needs the engine's raw
     log-probs of the whole vocabulary at every position (SGLang's prefill log-probs ignore T):
     exact, but refused above ``rollout.scoring.full_vocab_max`` ids (``vocab_size`` None: unknown
     yet; the rollout worker checks again with the served model)."""
-    a, r = cfg.algorithm, cfg.rollout
+    a, r = algorithm, rollout
     temperature = r.sampling.temperature
     if a.pi_old != "engine_avg" or a.keep_sampling_mask or temperature in (0.0, 1.0):
         return
@@ -74,20 +77,21 @@ def check_family(cfg: Config) -> None:
         check(cfg, hf)
 
 
-def check_places(cfg: Config) -> None:
+def check_places(rollout: RolloutConfig, logging: LoggingConfig) -> None:
     """Ports and the run directory."""
-    r = cfg.rollout
+    r = rollout
     if r.servers.base_port + r.num_servers - 1 > 65535:
         raise ConfigError(f"rollout.servers.base_port: servers use ports {r.servers.base_port}.."
                           f"{r.servers.base_port + r.num_servers - 1}, beyond 65535")
-    if not cfg.logging.dir.strip():
+    if not logging.dir.strip():
         raise ConfigError("logging.dir: expected a directory path, got an empty string")
 
 
-def check_sampling(cfg: Config, moe_shape: MoEShape) -> None:
+def check_sampling(algorithm: AlgorithmConfig, rollout: RolloutConfig,
+                   moe_shape: MoEShape) -> None:
     """The sampling settings and the distribution pi_old is scored on (one rule for top_k
     against the mask's cap)."""
-    a, s = cfg.algorithm, cfg.rollout.sampling
+    a, s = algorithm, rollout.sampling
     if s.top_k == 0:
         raise ConfigError("rollout.sampling.top_k: 0 is not valid; use -1 for no top-k or a "
                           "value >= 1")
@@ -106,15 +110,15 @@ def check_sampling(cfg: Config, moe_shape: MoEShape) -> None:
             raise ConfigError("algorithm.keep_sampling_mask: greedy sampling "
                               "(rollout.sampling.temperature=0) keeps one token; turn the mask "
                               "off")
-    engine_avg_refusal(cfg, moe_shape.vocab_size)
+    engine_avg_refusal(algorithm, rollout, moe_shape.vocab_size)
     if a.pi_old_passes < 1:
         raise ConfigError(f"algorithm.pi_old_passes: expected n >= 1 scoring passes, got "
                           f"{a.pi_old_passes}")
 
 
-def check_loss(cfg: Config) -> None:
+def check_loss(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
     """The loss, its clip ranges, aggregation, KL and entropy control, the advantage's groups."""
-    a, r = cfg.algorithm, cfg.rollout
+    a, r = algorithm, rollout
     refusals = []
     if a.entropy_control.method == "kl_cov" and a.loss != "ppo":
         refusals.append("algorithm.entropy_control.method: kl_cov replaces the token PPO "
@@ -149,9 +153,9 @@ def check_loss(cfg: Config) -> None:
         raise ConfigError.of(refusals)
 
 
-def check_corrections(cfg: Config) -> None:
+def check_corrections(algorithm: AlgorithmConfig) -> None:
     """algorithm.corrections: known, once each, with their thresholds ordered."""
-    a = cfg.algorithm
+    a = algorithm
     for i, name in enumerate(a.corrections):
         if name not in CORRECTIONS:
             close = difflib.get_close_matches(name, CORRECTIONS, n=1)
@@ -173,10 +177,10 @@ def check_corrections(cfg: Config) -> None:
                               f" ({getattr(c, lo)} >= {getattr(c, hi)})")
 
 
-def check_loss_scale(cfg: Config) -> None:
+def check_loss_scale(trainer: TrainerConfig) -> None:
     """float16's loss scale: its floor at most its start (megatron asserts it, deep in the
     trainer, otherwise)."""
-    s = cfg.trainer.loss_scale
+    s = trainer.loss_scale
     if s.min > s.initial:
         raise ConfigError(f"trainer.loss_scale.min: {s.min:g} is above trainer.loss_scale."
                           f"initial ({s.initial:g}); the scale starts at initial and never "
@@ -198,20 +202,20 @@ def check_ema(cfg: Config) -> None:
                           "trainer.optim.distributed=false")
 
 
-def precision_pair_warning(cfg: Config) -> str | None:
+def precision_pair_warning(model: ModelConfig, rollout: RolloutConfig) -> str | None:
     """A float16 side against a bfloat16 side: allowed, said (each rounds to its own grid:
     10 mantissa bits against 7, so the two policies differ by bf16's rounding at least). A
     16-bit trainer against the engine's float32 default (``model.dtype`` set alone): said, on
     every engine and device."""
-    model, served = cfg.model.dtype, cfg.rollout.engine_dtype
-    if served == "float32" and model != "float32":
+    trained, served = model.dtype, rollout.engine_dtype
+    if served == "float32" and trained != "float32":
         return (f"warning: rollout.engine_dtype=float32: the engine serves in float32 while the "
-                f"trainer trains in {model}, so their log-probs differ by {model}'s rounding; "
-                f"set rollout.engine_dtype={model} to serve in the trainer's precision")
-    if {model, served} != {"float16", "bfloat16"}:
+                f"trainer trains in {trained}, so their log-probs differ by {trained}'s rounding; "
+                f"set rollout.engine_dtype={trained} to serve in the trainer's precision")
+    if {trained, served} != {"float16", "bfloat16"}:
         return None
-    return (f"warning: model.dtype={cfg.model.dtype} trains against rollout.engine_dtype="
-            f"{cfg.rollout.engine_dtype}: float16 and bfloat16 round to different grids, so "
+    return (f"warning: model.dtype={trained} trains against rollout.engine_dtype="
+            f"{served}: float16 and bfloat16 round to different grids, so "
             f"the engine's and the trainer's log-probs differ by bfloat16's rounding at least "
             f"(set both to float16, or both to bfloat16, to match them)")
 
@@ -222,11 +226,11 @@ GSPO_CLIP, PPO_CLIP = (3e-4, 4e-4), (0.2, 0.28)
 CLIP_SCALE_APART = 0.01   # ranges at or above it are token-sized, below it sequence-sized
 
 
-def clip_range_warning(cfg: Config) -> str | None:
+def clip_range_warning(algorithm: AlgorithmConfig) -> str | None:
     """A loss with the other loss's clip ranges (``algorithm.loss`` switched, its ranges kept):
     GSPO with token-sized ranges clips almost no sequence, PPO with sequence-sized ranges almost
     every token. Allowed (a range is the user's to choose), said."""
-    a = cfg.algorithm
+    a = algorithm
     widest = max(a.clip_low, a.clip_high)
     if a.loss == "gspo" and widest >= CLIP_SCALE_APART:
         sized, effect, (low, high), source = (
@@ -247,7 +251,8 @@ def clip_range_warning(cfg: Config) -> str | None:
 def config_warnings(cfg: Config) -> list[str]:
     """Every ``warning: ...`` line of a config that loads (``moe-rl train`` and ``moe-rl
     config`` print them)."""
-    return [w for w in (precision_pair_warning(cfg), clip_range_warning(cfg)) if w]
+    return [w for w in (precision_pair_warning(cfg.model, cfg.rollout),
+                        clip_range_warning(cfg.algorithm)) if w]
 
 
 # torch._grouped_mm's row strides: multiples of 16 bytes (checked on CPU too)
@@ -273,21 +278,21 @@ def expert_sizes(hf: dict, tensor_parallel: int) -> tuple[int, int]:
     return int(hf["hidden_size"]), width // tensor_parallel
 
 
-def check_experts(cfg: Config) -> None:
+def check_experts(trainer: TrainerConfig, model: ModelConfig) -> None:
     """``trainer.experts: grouped`` on sizes the grouped GEMM cannot take (``auto`` falls back
     to the loop there)."""
-    if cfg.trainer.experts != "grouped":
+    if trainer.experts != "grouped":
         return
-    why = grouped_misaligned(*expert_sizes(model_hf_fields(cfg.model),
-                                           cfg.trainer.parallel.tensor), cfg.model.dtype)
+    why = grouped_misaligned(*expert_sizes(model_hf_fields(model),
+                                           trainer.parallel.tensor), model.dtype)
     if why:
         raise ConfigError(f"trainer.experts: grouped cannot run this model: {why}; use auto "
                           f"(the loop where the grouped GEMM cannot run) or sequential")
 
 
-def check_micro_batches(cfg: Config) -> None:
+def check_micro_batches(trainer: TrainerConfig) -> None:
     """A micro-batch is bounded by rows, by tokens, or both."""
-    t = cfg.trainer
+    t = trainer
     if t.micro_batch_size is None and t.max_tokens_per_micro_batch is None:
         raise ConfigError("trainer.micro_batch_size: null needs trainer."
                           "max_tokens_per_micro_batch (a micro-batch needs a row cap or a token "
@@ -297,9 +302,9 @@ def check_micro_batches(cfg: Config) -> None:
                           "(the length of a packed row)")
 
 
-def check_optimiser_and_layout(cfg: Config, moe_shape: MoEShape) -> None:
+def check_optimiser_and_layout(trainer: TrainerConfig, moe_shape: MoEShape) -> None:
     """The learning-rate floor and the parallel layouts the trainer runs."""
-    t = cfg.trainer
+    t = trainer
     if t.optim.min_lr > t.optim.lr:
         raise ConfigError(f"trainer.optim.min_lr: {t.optim.min_lr} exceeds trainer.optim.lr = "
                           f"{t.optim.lr}")
@@ -322,10 +327,10 @@ CP_NEEDS_TE = ("trainer.parallel.context: > 1 needs Transformer Engine's attenti
                "or set trainer.parallel.context=1")
 
 
-def check_cpu(cfg: Config) -> None:
+def check_cpu(cluster: ClusterConfig, trainer: TrainerConfig) -> None:
     """What a CPU run (cluster.gpus_per_node 0) cannot do."""
-    t = cfg.trainer
-    if cfg.cluster.gpus_per_node == 0:
+    t = trainer
+    if cluster.gpus_per_node == 0:
         for key in ("tensor", "context"):
             if getattr(t.parallel, key) > 1:
                 raise ConfigError(f"trainer.parallel.{key}: > 1 is not supported on CPU "
@@ -333,24 +338,24 @@ def check_cpu(cfg: Config) -> None:
                                   "there); run it on GPUs")
 
 
-def check_weight_sync(cfg: Config) -> None:
+def check_weight_sync(cluster: ClusterConfig) -> None:
     """cluster.weight_sync against colocation and GPUs (the engine checks its own ranks)."""
-    if cfg.cluster.weight_sync == "tensor" and not (cfg.cluster.colocate
-                                                    and cfg.cluster.gpus_per_node > 0):
+    if cluster.weight_sync == "tensor" and not (cluster.colocate
+                                                    and cluster.gpus_per_node > 0):
         raise ConfigError("cluster.weight_sync: 'tensor' hands CUDA tensors to SGLang on the same "
                           "GPUs: it needs cluster.colocate=true, rollout.engine=sglang and GPUs; "
                           "use 'distributed' or 'disk' otherwise")
-    if (cfg.cluster.colocate and cfg.cluster.weight_sync == "distributed" and
-            cfg.cluster.gpus_per_node > 0):
+    if (cluster.colocate and cluster.weight_sync == "distributed" and
+            cluster.gpus_per_node > 0):
         raise ConfigError("cluster.weight_sync: 'distributed' with cluster.colocate=true puts "
                           "trainer rank 0 and an SGLang rank on the same GPU in one NCCL "
                           "communicator, which NCCL refuses; use weight_sync=tensor (CUDA "
                           "tensors handed over on the shared GPUs) or disk, or colocate=false")
 
 
-def check_model_parallel(cfg: Config, moe_shape: MoEShape) -> None:
+def check_model_parallel(trainer: TrainerConfig, moe_shape: MoEShape) -> None:
     """Tensor parallelism of a MoE model."""
-    t = cfg.trainer
+    t = trainer
     if t.parallel.tensor > 1 and moe_shape.moe_layers and not t.parallel.sequence:
         raise ConfigError("trainer.parallel.sequence: megatron-core's MoE layers need sequence "
                           "parallelism when trainer.parallel.tensor > 1; set it true")
@@ -370,9 +375,9 @@ def check_async(cfg: Config) -> None:
                           f"pre-update policy), and the corrections act on the lag")
 
 
-def check_partial(cfg: Config) -> None:
+def check_partial(rollout: RolloutConfig) -> None:
     """Partial rollouts (rollout.partial)."""
-    r = cfg.rollout
+    r = rollout
     if not r.partial.enabled:
         return
     if r.max_staleness < 1:
@@ -409,9 +414,9 @@ def check_ranks(cfg: Config) -> None:
                           f"least {data_parallel}")
 
 
-def check_data(cfg: Config) -> None:
+def check_data(data: DataConfig) -> None:
     """The prompt source and the row format."""
-    d = cfg.data
+    d = data
     if d.sets and (d.path or d.source != "toy"):
         raise ConfigError("data.sets: replaces data.source and data.path; leave those unset "
                           "(each set names its own path and source)")
@@ -448,34 +453,34 @@ def _check_sets(sets: list, key: str) -> None:
                               f"name")
 
 
-def check_rewards(cfg: Config) -> None:
+def check_rewards(data: DataConfig) -> None:
     """The reward service's address; the rewards a multi-turn run takes from its environment."""
-    svc = cfg.data.reward_service
+    svc = data.reward_service
     if svc.url is not None and not svc.url.startswith(("http://", "https://")):
         raise ConfigError(f"data.reward_service.url: expected an http:// or https:// address, "
                           f"got {svc.url!r}")
-    if svc.url is not None and cfg.data.environment is not None:
+    if svc.url is not None and data.environment is not None:
         raise ConfigError("data.reward_service.url: with data.environment the environment "
                           "gives the rewards; unset one of them")
 
 
-def check_eval(cfg: Config) -> None:
+def check_eval(evaluation: EvalConfig, data: DataConfig) -> None:
     """Held-out sets, the pass@k list, and what evaluation supports."""
-    e = cfg.eval
+    e = evaluation
     _check_sets(e.sets, "eval.sets")
     for k in e.pass_k:
         if not 1 <= k <= e.n:
             raise ConfigError(f"eval.pass_k: {k} is not in [1, eval.n={e.n}] (pass@k needs k "
                               f"of the n samples of a prompt)")
-    if e.sets and cfg.data.environment is not None:
+    if e.sets and data.environment is not None:
         raise ConfigError("eval.sets: evaluation scores single-turn completions with the "
                           "reward; multi-turn runs (data.environment) are not evaluated")
 
 
-def check_logging(cfg: Config) -> None:
+def check_logging(logging: LoggingConfig) -> None:
     """logging.wandb: the optional package is there when asked for."""
     import importlib.util
-    if (cfg.logging.wandb.enabled and cfg.logging.wandb.mode != "disabled" and
+    if (logging.wandb.enabled and logging.wandb.mode != "disabled" and
             importlib.util.find_spec("wandb") is None):
         raise ConfigError("logging.wandb.enabled: W&B logging needs the wandb package: "
                           "pip install 'moe_rl[wandb]' (or set logging.wandb.enabled=false)")
@@ -486,21 +491,23 @@ def validate(cfg: Config) -> None:
     model's shape first (the others read it), then every check below and the checks of the
     engine named by ``rollout.engine`` (:func:`check_engine`), each one's refusals collected, so
     one error names them all."""
-    check_model_init(cfg)
+    check_model_init(cfg.model)
     moe_shape = model_moe_shape(cfg.model)
     refusals: list[str] = []
-    for check, args in ((check_model_fit, (moe_shape,)), (check_family, ()), (check_places, ()),
-                        (check_sampling, (moe_shape,)), (check_loss, ()),
-                        (check_corrections, ()), (check_optimiser_and_layout, (moe_shape,)),
-                        (check_micro_batches, ()), (check_experts, ()),
-                        (check_loss_scale, ()), (check_ema, ()),
-                        (check_cpu, ()),
-                        (check_weight_sync, ()), (check_model_parallel, (moe_shape,)),
-                        (check_async, ()), (check_partial, ()), (check_ranks, ()),
-                        (check_data, ()), (check_rewards, ()), (check_eval, ()),
-                        (check_logging, ()), (check_engine, ())):
+    a, c, d, m, r, t = (cfg.algorithm, cfg.cluster, cfg.data, cfg.model, cfg.rollout,
+                        cfg.trainer)
+    for check, args in ((check_model_fit, (cfg, moe_shape)), (check_family, (cfg,)),
+                        (check_places, (r, cfg.logging)), (check_sampling, (a, r, moe_shape)),
+                        (check_loss, (a, r)), (check_corrections, (a,)),
+                        (check_optimiser_and_layout, (t, moe_shape)),
+                        (check_micro_batches, (t,)), (check_experts, (t, m)),
+                        (check_loss_scale, (t,)), (check_ema, (cfg,)), (check_cpu, (c, t)),
+                        (check_weight_sync, (c,)), (check_model_parallel, (t, moe_shape)),
+                        (check_async, (cfg,)), (check_partial, (r,)), (check_ranks, (cfg,)),
+                        (check_data, (d,)), (check_rewards, (d,)), (check_eval, (cfg.eval, d)),
+                        (check_logging, (cfg.logging,)), (check_engine, (cfg,))):
         try:
-            check(cfg, *args)
+            check(*args)
         except ConfigError as exc:
             refusals.extend(exc.refusals)
     if refusals:

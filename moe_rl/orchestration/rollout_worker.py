@@ -49,7 +49,7 @@ class RolloutWorker:
         self.hosts = hosts   # EngineHost actors, servers started (the driver placed them)
         self.server_urls = ray.get([h.url.remote() for h in hosts])
         shape = MoEShape.from_model_dir(cfg.model.path)
-        engine_avg_refusal(cfg, shape.vocab_size)
+        engine_avg_refusal(cfg.algorithm, cfg.rollout, shape.vocab_size)
         self.served = ServedWeights(cfg.cluster.weight_sync == "disk")
 
         def restarter(host, url):

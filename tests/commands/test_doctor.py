@@ -132,10 +132,11 @@ def test_a_multi_node_run_needs_logging_dir_on_a_shared_filesystem(tmp_path, kin
     mounts.write_text(f"rootfs / ext4 rw 0 0\nserver:/export {tmp_path}/shared {kind} rw 0 0\n")
     (tmp_path / "shared").mkdir()
     cfg = load_config(None, ["cluster.num_nodes=2", f"logging.dir={tmp_path}/shared/runs/a"])
-    found = node_checks.check_shared_filesystem(cfg, str(mounts))
+    found = node_checks.check_shared_filesystem(cfg.cluster, cfg.logging.dir, str(mounts))
     assert found.status == status and kind in found.detail
     one = load_config(None, ["cluster.num_nodes=1", f"logging.dir={tmp_path}/shared/runs/a"])
-    assert node_checks.check_shared_filesystem(one, str(mounts)).status == "skip"
+    assert node_checks.check_shared_filesystem(one.cluster, one.logging.dir,
+                                              str(mounts)).status == "skip"
 
 
 def test_busy_engine_ports_warn_and_no_free_port_fails(capsys):

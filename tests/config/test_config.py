@@ -311,6 +311,10 @@ def test_an_fp32_lm_head_on_one_side_only_is_refused():
                              "model.fp32_output_layer=true"])
 
 
+def _models(cfg):   # the two sections the precision pair's warning reads
+    return cfg.model, cfg.rollout
+
+
 @pytest.mark.parametrize("overrides,said", [
     (["model.dtype=float16", "rollout.engine_dtype=bfloat16"],
      "model.dtype=float16 trains against rollout.engine_dtype=bfloat16: float16 and bfloat16 "
@@ -323,7 +327,7 @@ def test_an_fp32_lm_head_on_one_side_only_is_refused():
 ])
 def test_a_mixed_16_bit_pair_is_allowed_with_a_warning(overrides, said):
     from moe_rl.config.checks import precision_pair_warning
-    got = precision_pair_warning(load_config(None, overrides))
+    got = precision_pair_warning(*_models(load_config(None, overrides)))
     assert (got is None) if said is None else (got.startswith("warning: ") and said in got)
 
 
@@ -333,13 +337,14 @@ def test_a_16_bit_trainer_against_the_float32_engine_default_is_warned_about(eng
     rollout.engine_dtype's float32 default, said on every engine."""
     from moe_rl.config.checks import precision_pair_warning
     for dtype in ("bfloat16", "float16"):
-        got = precision_pair_warning(load_config(None, engine + [f"model.dtype={dtype}"]))
+        got = precision_pair_warning(
+            *_models(load_config(None, engine + [f"model.dtype={dtype}"])))
         assert got == (f"warning: rollout.engine_dtype=float32: the engine serves in float32 "
                        f"while the trainer trains in {dtype}, so their log-probs differ by "
                        f"{dtype}'s rounding; set rollout.engine_dtype={dtype} to serve in the "
                        f"trainer's precision")
     for same in (["model.dtype=bfloat16", "rollout.engine_dtype=bfloat16"], []):
-        assert precision_pair_warning(load_config(None, engine + same)) is None
+        assert precision_pair_warning(*_models(load_config(None, engine + same))) is None
 
 
 @pytest.mark.parametrize("override,message", [
@@ -705,7 +710,7 @@ GSPO_KEYS = ["algorithm.loss=gspo", "algorithm.aggregation=seq-mean-token-mean"]
 def test_a_loss_with_the_other_losss_clip_ranges_is_warned_about(overrides, said):
     """Switching algorithm.loss between GSPO and PPO keeps the ranges of the other: said."""
     from moe_rl.config.checks import clip_range_warning
-    got = clip_range_warning(load_config(None, overrides))
+    got = clip_range_warning(load_config(None, overrides).algorithm)
     assert got is None if said is None else (got.startswith("warning: ") and said in got)
 
 
@@ -714,7 +719,7 @@ def test_no_shipped_config_pairs_a_loss_with_the_other_losss_clip_ranges():
     from moe_rl.config.checks import clip_range_warning
     files = sorted((pathlib.Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
     assert len(files) >= 6
-    assert [f.name for f in files if clip_range_warning(load_config(f))] == []
+    assert [f.name for f in files if clip_range_warning(load_config(f).algorithm)] == []
 
 
 def test_the_config_to_start_from_in_own_data_md_runs_its_checks_and_the_gpu_one_resolves(
