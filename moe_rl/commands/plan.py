@@ -14,6 +14,7 @@ from moe_rl.config import load_config, response_cap
 from moe_rl.engines.factory import engine_kind
 from moe_rl.config.memory_estimate import GIB, format_memory, param_counts, trainer_memory
 from moe_rl.config.release_shapes import release_shape
+from moe_rl.config.schema import ModelConfig, TrainerConfig
 from moe_rl.models.tiny import tiny_config_fields
 from moe_rl.orchestration.run_inputs import load_run_inputs
 
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(format_plan(plan))
     print(format_layout(trainer_layout(cfg)))
-    print(_experts_line(cfg))
+    print(_experts_line(cfg.model, cfg.trainer))
     for line in _memory_lines(cfg, inputs, args.gpu_memory_gib * GIB):
         print(line)
     idle = idle_gpus(plan)
@@ -64,34 +65,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_fields(cfg) -> tuple[dict, str | None]:
+def _model_fields(model: ModelConfig) -> tuple[dict, str | None]:
     """The model's config.json fields and, when the file is not at model.path yet, where the
     shape came from instead: the release model.path names, else the ``model.init`` shape
     (what ``moe-rl init-model`` writes there)."""
-    hf_file = os.path.join(cfg.model.path, "config.json")
+    hf_file = os.path.join(model.path, "config.json")
     if os.path.isfile(hf_file):
         with open(hf_file, encoding="utf-8") as fh:
             return json.load(fh), None
-    release = release_shape(cfg.model.path)
+    release = release_shape(model.path)
     if release is not None:
         return release[1], f"{release[0]}'s published shape"
-    return (tiny_config_fields(cfg.model.init), "the model.init shape (what `moe-rl "
+    return (tiny_config_fields(model.init), "the model.init shape (what `moe-rl "
             "init-model` writes there; the checkpoint's own config.json gives its own estimate)")
 
 
-def _experts_line(cfg) -> str:
+def _experts_line(model: ModelConfig, trainer: TrainerConfig) -> str:
     """How the trainer's MoE experts will compute (``trainer.experts``), as the trainer decides."""
     from moe_rl.rollout_record import MODEL_DTYPES
     from moe_rl.trainer.expert_path import model_expert_path
     from moe_rl.trainer.model_builder import te_available
-    hf, _ = _model_fields(cfg)
+    hf, _ = _model_fields(model)
     te = te_available()
-    requested = cfg.trainer.experts
+    requested = trainer.experts
     if requested == "te_grouped" and not te:   # decided on the trainer's machine
         return ("trainer experts: te_grouped where the trainer's machine has Transformer "
                 "Engine and CUDA (refused at its start otherwise; not on this machine)")
-    path, why = model_expert_path(requested, hf, cfg.trainer.parallel.tensor,
-                                  MODEL_DTYPES[cfg.model.dtype], te)
+    path, why = model_expert_path(requested, hf, trainer.parallel.tensor,
+                                  MODEL_DTYPES[model.dtype], te)
     if requested == "auto" and not te:
         why += "; te_grouped where the trainer's machine has Transformer Engine and CUDA"
     return f"trainer experts: {path} ({why})"
@@ -100,7 +101,7 @@ def _experts_line(cfg) -> str:
 def _memory_lines(cfg, inputs, gpu_bytes: float) -> list[str]:
     """The memory estimates; sequences as long as the longest prompt (when the inputs were
     read) plus the response cap, within the model's context."""
-    hf, source = _model_fields(cfg)
+    hf, source = _model_fields(cfg.model)
     said = ([] if source is None else
             [f"no config.json in model.path ({cfg.model.path}) yet: memory estimated for "
              f"{source}"])

@@ -56,5 +56,5 @@ def run(args: argparse.Namespace) -> int:
         warning = unknown_characters(inputs.tokenizer, inputs.prompt_sets())
         if warning:
             print(warning, file=sys.stderr)
-        print(inputs_summary(cfg, inputs), file=sys.stderr)
+        print(inputs_summary(cfg.data, cfg.model, inputs), file=sys.stderr)
     return 0

@@ -9,6 +9,7 @@ import time
 import ray
 
 from moe_rl.config import Config
+from moe_rl.config.schema import DataConfig, LoggingConfig, TrainerConfig
 from moe_rl.errors import first_line
 from moe_rl.rollout.evaluation import eval_due
 from moe_rl.outputs.metrics_log import MetricsLogger, PhaseTimer, StepProgress, step_fields
@@ -73,7 +74,7 @@ class StepLoop:
         self.bar.close()
         if not run.stop.signum:
             run.weights.wait()
-            export_final(cfg, run.trainers)
+            export_final(cfg.trainer, cfg.logging, run.trainers)
 
     def step(self, step: int) -> dict:
         """One RL step: its batch (launched ahead in the asynchronous pipeline), the update,
@@ -116,7 +117,7 @@ class StepLoop:
         rewards timed out, and when trajectories were dropped on environment errors."""
         self.failed_batches = (self.failed_batches + 1 if summary.reward_failed_everywhere
                                else 0)
-        check_batch(self.cfg, summary, self.failed_batches)
+        check_batch(self.cfg.data, summary, self.failed_batches)
         if summary.reward_timeouts_total and not self.timeouts_named:
             self.timeouts_named = True
             scorer, bound = reward_setting(self.cfg.data)
@@ -153,7 +154,8 @@ class StepLoop:
         """After step ``step``: the checkpoint when due (or when stopping), the evaluation and
         the HF export when due."""
         run, cfg = self.run_, self.cfg
-        if checkpoint_due(cfg, step + 1, time.monotonic() - self.last_save) or run.stop.signum:
+        since_save = time.monotonic() - self.last_save
+        if checkpoint_due(cfg.trainer, step + 1, since_save) or run.stop.signum:
             # the data order as of the consumed steps: in-flight batches are regenerated
             run.saved = checkpoint.save(run.trainers, {"step": step + 1,
                                                        "sampler": self.pipeline.sampler_state()},
@@ -250,43 +252,43 @@ def run_eval(rollout, logger: MetricsLogger, done: int) -> dict:
     return {"step": done, **metrics}
 
 
-def checkpoint_due(cfg: Config, done: int, since_save_s: float) -> bool:
+def checkpoint_due(trainer: TrainerConfig, done: int, since_save_s: float) -> bool:
     """Whether a checkpoint is due after ``done`` steps, ``since_save_s`` seconds after the last:
     at the last step, every ``trainer.checkpoint.interval`` steps, or ``interval_minutes`` after
     the last save, whichever comes first."""
-    t = cfg.trainer
+    t = trainer
     c = t.checkpoint
     return (done == t.steps or bool(c.interval and done % c.interval == 0)
             or bool(c.interval_minutes and since_save_s >= 60 * c.interval_minutes))
 
 
-def check_batch(cfg: Config, summary: BatchSummary, failed_batches: int) -> None:
+def check_batch(data: DataConfig, summary: BatchSummary, failed_batches: int) -> None:
     """Stop the run (RunFailed: one line naming the key, exit 1) when the reward or the
     environment failed on everything for ``data.max_failed_reward_batches`` batches in a row."""
-    if failed_batches < cfg.data.max_failed_reward_batches:
+    if failed_batches < data.max_failed_reward_batches:
         return
-    limit = f"data.max_failed_reward_batches={cfg.data.max_failed_reward_batches}"
-    if not summary.samples and cfg.data.environment is not None:
+    limit = f"data.max_failed_reward_batches={data.max_failed_reward_batches}"
+    if not summary.samples and data.environment is not None:
         raise RunFailed(
-            f"data.environment: {cfg.data.environment} failed on every trajectory of "
+            f"data.environment: {data.environment} failed on every trajectory of "
             f"{failed_batches} batch(es) in a row ({limit}); nothing is left to train on. "
             f"First error: {first_line(summary.first_env_error or '')}")
     raise RunFailed(
-        f"{reward_setting(cfg.data)[0]} failed on every sample of {failed_batches} batch(es) "
+        f"{reward_setting(data)[0]} failed on every sample of {failed_batches} batch(es) "
         f"in a row ({limit}); training on zero rewards would learn nothing. Last error: "
         f"{first_line(summary.last_reward_error or '')}")
 
 
-def export_final(cfg: Config, trainers: Trainers) -> None:
+def export_final(trainer: TrainerConfig, logging: LoggingConfig, trainers: Trainers) -> None:
     """The final policy as a HF model in ``<run>/final_hf`` (with an EMA: the EMA there, the raw
     weights in ``final_hf_raw``), when ``trainer.checkpoint.export_hf``."""
-    if not cfg.trainer.checkpoint.export_hf:
+    if not trainer.checkpoint.export_hf:
         return
-    final = os.path.join(cfg.logging.dir, "final_hf")
-    if cfg.trainer.ema.decay is not None and not cfg.trainer.ema.policy:   # EMA released
+    final = os.path.join(logging.dir, "final_hf")
+    if trainer.ema.decay is not None and not trainer.ema.policy:   # EMA released
         trainers.export(final, use_ema=True)
-        trainers.export(os.path.join(cfg.logging.dir, "final_hf_raw"))
-        print(f"final policy (EMA, decay {cfg.trainer.ema.decay}) exported to {final}; "
+        trainers.export(os.path.join(logging.dir, "final_hf_raw"))
+        print(f"final policy (EMA, decay {trainer.ema.decay}) exported to {final}; "
               f"the raw weights to {final}_raw", flush=True)
     else:
         trainers.export(final)

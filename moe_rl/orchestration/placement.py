@@ -26,6 +26,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from moe_rl.config import Config, ConfigError
+from moe_rl.config.schema import ClusterConfig
 from moe_rl.engines.factory import engine_kind
 
 LOOPBACK_HOSTS = ("localhost",)
@@ -84,13 +85,13 @@ class Plan:
         return out
 
 
-def ray_resources(cfg: Config, proc: PlannedProcess) -> dict[str, float]:
+def ray_resources(cluster: ClusterConfig, proc: PlannedProcess) -> dict[str, float]:
     """What ``proc``'s Ray actor reserves inside its node's bundle."""
     if proc.role == "trainer":
-        return {"num_cpus": cfg.cluster.cpus_per_worker, "num_gpus": float(len(proc.gpus))}
+        return {"num_cpus": cluster.cpus_per_worker, "num_gpus": float(len(proc.gpus))}
     if proc.role == "engine":   # colocated engines use the trainer's reservation
         return {"num_cpus": 0.0,
-                "num_gpus": 0.0 if cfg.cluster.colocate else float(len(proc.gpus))}
+                "num_gpus": 0.0 if cluster.colocate else float(len(proc.gpus))}
     return {"num_cpus": 1.0, "num_gpus": 0.0}
 
 
@@ -184,7 +185,7 @@ def make_plan(cfg: Config, nodes: int | None = None, gpus_per_node: int | None =
                                     port=r.servers.base_port + k * engine_kind(cfg).port_span()))
     procs.append(PlannedProcess("rollout", 0, 0, []))
     for p in procs:
-        res = ray_resources(cfg, p)
+        res = ray_resources(cfg.cluster, p)
         p.num_cpus, p.num_gpus = res["num_cpus"], res["num_gpus"]
     plan = Plan(nodes, G, procs)
     plan.weight_update_group = weight_group_plan(cfg, plan)

@@ -55,7 +55,8 @@ class Run:
         self.cfg, self.resume_command = cfg, resume_command
         self.inputs = inputs or load_run_inputs(cfg)
         self.dir = cfg.logging.dir
-        self.checkpoints = run_dir_checks.checkpoint_dir(cfg)
+        self.checkpoints = run_dir_checks.checkpoint_dir(cfg.trainer.checkpoint,
+                                                          cfg.logging.dir)
         self.resume_path = resume_from or (checkpoint.latest(self.checkpoints) if resume
                                            else None)
         self.sampler = make_sampler(cfg, self.inputs.set_sizes or [len(self.inputs.prompts)],

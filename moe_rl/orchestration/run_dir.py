@@ -11,6 +11,7 @@ import yaml
 
 from moe_rl.config import Config, ConfigError, dump_config, load_yaml
 from moe_rl.config.moved_keys import moved_flat
+from moe_rl.config.schema import CheckpointConfig
 from moe_rl.errors import UserError
 from moe_rl.owned_dirs import check_claimable
 
@@ -43,10 +44,10 @@ RESUMABLE_PREFIXES = ("cluster.", "logging.", "model.init.", "eval.",   # eval n
                       "rollout.servers.")
 
 
-def checkpoint_dir(cfg: Config) -> str:
+def checkpoint_dir(checkpoint: CheckpointConfig, log_dir: str) -> str:
     """Where the run's checkpoints go (``trainer.checkpoint.dir`` or
     ``<logging.dir>/checkpoints``)."""
-    return cfg.trainer.checkpoint.dir or os.path.join(cfg.logging.dir, "checkpoints")
+    return checkpoint.dir or os.path.join(log_dir, "checkpoints")
 
 
 def holds_run(path: str) -> bool:
@@ -72,7 +73,7 @@ def prepare(cfg: Config, resume: bool, overwrite: bool) -> None:
     ``trainer.checkpoint.dir``). A resumed run continues the run there. Otherwise a directory
     that holds a run is refused (UserError naming ``--resume``, a new ``logging.dir`` and
     ``--overwrite``) or, with ``overwrite``, moved aside to ``<dir>.old-N`` (said on stdout)."""
-    run, ckpt = cfg.logging.dir, checkpoint_dir(cfg)
+    run, ckpt = cfg.logging.dir, checkpoint_dir(cfg.trainer.checkpoint, cfg.logging.dir)
     for key, path in (("logging.dir", run), ("trainer.checkpoint.dir", ckpt)):
         _check_writable_dir(key, path)
         check_contents(key, path)

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from moe_rl.config import Config, ConfigError, facts_context
+from moe_rl.config.schema import ClusterConfig, DataConfig, ModelConfig
 from moe_rl.data.prompt_rules import check_answer_lengths, check_prompt_lengths, prompt_limit
 from moe_rl.data.prompts import PromptRecord, load_prompt_sets, load_prompts, set_source
 from moe_rl.envs import load_environment
@@ -54,7 +55,7 @@ def load_run_inputs(cfg: Config, training: bool = True) -> RunInputs:
     the key whose file, module or content is missing or unreadable. ``training=False``
     (``moe-rl eval``): the training data (``data.path``, ``data.sets``) and the warm start are
     neither read nor checked, and the inputs hold no training prompts."""
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.cluster)
     reward, environment = load_user_code(cfg, training)
     if not training:
         return RunInputs(tokenizer, [], reward, environment, [], load_eval_sets(cfg, tokenizer))
@@ -64,14 +65,14 @@ def load_run_inputs(cfg: Config, training: bool = True) -> RunInputs:
                      load_eval_sets(cfg, tokenizer))
 
 
-def load_tokenizer(cfg: Config):
+def load_tokenizer(model: ModelConfig, cluster: ClusterConfig):
     """The tokenizer of ``model.path`` (a local HF checkpoint), or ConfigError saying how to get
     one."""
     from transformers import AutoTokenizer
-    path = cfg.model.path
+    path = model.path
     if not os.path.isfile(os.path.join(path, "config.json")):
         hint = ("point model.path at your local copy of the model's Hugging Face checkpoint "
-                "(moe-rl init-model writes only the tiny CPU models)" if cfg.cluster.gpus_per_node
+                "(moe-rl init-model writes only the tiny CPU models)" if cluster.gpus_per_node
                 else "write the tiny one with `moe-rl init-model --config FILE`, or point "
                      "model.path at a Hugging Face checkpoint")
         raise ConfigError(f"model.path: no local HF model at {path!r} (a directory with "
@@ -133,13 +134,13 @@ def load_training_prompts(cfg: Config, tokenizer, with_answers: bool) -> tuple[l
     return prompts, sizes
 
 
-def inputs_summary(cfg: Config, inputs: RunInputs) -> str:
+def inputs_summary(data: DataConfig, model: ModelConfig, inputs: RunInputs) -> str:
     """What ``moe-rl config`` checked, in one line."""
     from moe_rl.rewards.service import reward_setting
     sets = f"{len(inputs.prompts)} training prompts" + (
-        f" in {len(inputs.set_sizes)} sets" if cfg.data.sets else "")
+        f" in {len(inputs.set_sizes)} sets" if data.sets else "")
     evals = "".join(f", eval set {name}: {len(p)} prompts" for name, p in inputs.eval_sets)
-    env = f", environment {cfg.data.environment}" if inputs.environment is not None else ""
-    return (f"inputs checked: model {cfg.model.path} (tokenizer loads), {sets}{evals}, "
-            f"{reward_setting(cfg.data)[0]}{env}; every prompt fits the context")
+    env = f", environment {data.environment}" if inputs.environment is not None else ""
+    return (f"inputs checked: model {model.path} (tokenizer loads), {sets}{evals}, "
+            f"{reward_setting(data)[0]}{env}; every prompt fits the context")
 

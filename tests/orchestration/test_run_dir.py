@@ -66,11 +66,12 @@ def test_resume_changes_name_the_keys_that_shape_the_run(tmp_path):
 def test_checkpoint_due_by_steps_or_minutes_whichever_first(tmp_path):
     cfg = _cfg(tmp_path, "trainer.steps=100", "trainer.checkpoint.interval=10",
                "trainer.checkpoint.interval_minutes=5")
-    assert [d for d in range(1, 101) if checkpoint_due(cfg, d, 0.0)] == list(range(10, 101, 10))
-    assert checkpoint_due(cfg, 3, 5 * 60) and not checkpoint_due(cfg, 3, 5 * 60 - 1)
+    assert [d for d in range(1, 101) if checkpoint_due(cfg.trainer, d, 0.0)] == list(range(10, 101, 10))
+    assert checkpoint_due(cfg.trainer, 3, 5 * 60)
+    assert not checkpoint_due(cfg.trainer, 3, 5 * 60 - 1)
     only_end = _cfg(tmp_path, "trainer.steps=7", "trainer.checkpoint.interval=0",
                     "trainer.checkpoint.interval_minutes=0")
-    assert [d for d in range(1, 8) if checkpoint_due(only_end, d, 1e9)] == [7]
+    assert [d for d in range(1, 8) if checkpoint_due(only_end.trainer, d, 1e9)] == [7]
 
 
 def test_a_checkpoint_dir_inside_the_run_moves_aside_with_it(tmp_path):

@@ -6,6 +6,8 @@ run needs it."""
 from __future__ import annotations
 
 from moe_rl.config import Config, ConfigError
+from moe_rl.config.schema import (AlgorithmConfig, ClusterConfig, ModelConfig,
+                                  RolloutConfig)
 from moe_rl.engines.needs import requests_routing
 from moe_rl.engines.sglang.launcher import ROUTING_BLIND_RUNNERS, ROUTING_RUNNER
 from moe_rl.config.model_facts import model_hf_fields
@@ -68,44 +70,44 @@ def check_gpus(cfg: Config) -> None:
                           f"attention fails on MLA's prefill; use rollout.engine=reference")
 
 
-def check_weight_updates(cfg: Config) -> None:
+def check_weight_updates(cluster: ClusterConfig, rollout: RolloutConfig) -> None:
     """SGLang asserts dp_size 1 for updates from a process group or from tensors."""
-    r = cfg.rollout
-    if cfg.cluster.weight_sync in ("distributed", "tensor") and r.sglang.dp_size > 1:
+    r = rollout
+    if cluster.weight_sync in ("distributed", "tensor") and r.sglang.dp_size > 1:
         raise ConfigError(f"rollout.sglang.dp_size: SGLang updates weights from a process group "
                           f"or from tensors only with dp_size 1 (it asserts so); got "
-                          f"{r.sglang.dp_size} with cluster.weight_sync={cfg.cluster.weight_sync}"
+                          f"{r.sglang.dp_size} with cluster.weight_sync={cluster.weight_sync}"
                           f"; use more servers (rollout.num_servers) or weight_sync=disk")
 
 
-def check_lm_head(cfg: Config) -> None:
+def check_lm_head(rollout: RolloutConfig, model: ModelConfig) -> None:
     """An fp32 LM head on the engine only is refused: each side's head then rounds to another
     grid, a larger gap than bf16 on both (NeMo-RL's finding); ``model.fp32_output_layer`` sets
     it on both."""
-    one_sided = "--enable-fp32-lm-head" in cfg.rollout.sglang.extra_args
-    if one_sided and not cfg.model.fp32_output_layer:
+    one_sided = "--enable-fp32-lm-head" in rollout.sglang.extra_args
+    if one_sided and not model.fp32_output_layer:
         raise ConfigError("rollout.sglang.extra_args: --enable-fp32-lm-head puts the engine's "
                           "LM head in float32 while the trainer's stays in model.dtype (a head "
                           "precision on one side only widens the mismatch); set "
                           "model.fp32_output_layer=true, which sets it on both sides")
 
 
-def check_sampling(cfg: Config) -> None:
+def check_sampling(rollout: RolloutConfig) -> None:
     """min_p is not supported by SGLang's deterministic inference."""
-    r = cfg.rollout
+    r = rollout
     if r.sglang.deterministic_inference and r.sampling.min_p > 0:
         raise ConfigError("rollout.sampling.min_p: SGLang's deterministic inference does not "
                           "support min_p sampling; set rollout.sampling.min_p=0 or turn "
                           "deterministic_inference off")
 
 
-def check_fp8(cfg: Config) -> None:
+def check_fp8(rollout: RolloutConfig, model: ModelConfig) -> None:
     """Block-wise FP8 needs every TP/EP shard of a quantised weight to hold whole blocks."""
-    r = cfg.rollout
+    r = rollout
     if r.quantization != "fp8":
         return
     from moe_rl.engines.sglang.fp8_shapes import fp8_shape_errors
-    errors = fp8_shape_errors(model_hf_fields(cfg.model), r.sglang.tp_size, r.sglang.ep_size)
+    errors = fp8_shape_errors(model_hf_fields(model), r.sglang.tp_size, r.sglang.ep_size)
     if errors:
         raise ConfigError(f"rollout.quantization: SGLang refuses block-wise FP8 for this model "
                           f"at rollout.sglang.tp_size={r.sglang.tp_size}, ep_size="
@@ -114,10 +116,10 @@ def check_fp8(cfg: Config) -> None:
                           f"rollout.quantization=none")
 
 
-def check_mxfp4(cfg: Config) -> None:
+def check_mxfp4(rollout: RolloutConfig) -> None:
     """MXFP4 rollouts are the reference engine's emulation (SGLang serves MXFP4 only from
     checkpoints quantised that way, such as gpt-oss's, not by quantising at load)."""
-    if cfg.rollout.quantization == "mxfp4":
+    if rollout.quantization == "mxfp4":
         raise ConfigError("rollout.quantization: mxfp4 is emulated by the reference engine "
                           "(rollout.engine=reference); with SGLang use fp8 or none")
 
@@ -135,11 +137,11 @@ def check_tensor_sync_ranks(cfg: Config) -> None:
                           f"({r.num_servers * r.sglang.tp_size}); got {c.trainer_workers}")
 
 
-def check_moe_runner(cfg: Config) -> None:
+def check_moe_runner(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
     """A MoE runner of ``rollout.sglang.extra_args`` that routes inside its kernel, where the
     run needs the engine's routing (it would come back all zeros)."""
-    args = list(cfg.rollout.sglang.extra_args)
-    if not requests_routing(cfg.algorithm, cfg.rollout) or "--moe-runner-backend" not in args:
+    args = list(rollout.sglang.extra_args)
+    if not requests_routing(algorithm, rollout) or "--moe-runner-backend" not in args:
         return
     at = args.index("--moe-runner-backend")
     runner = args[at + 1] if at + 1 < len(args) else ""
@@ -153,11 +155,11 @@ def check_moe_runner(cfg: Config) -> None:
 
 def check_config(cfg: Config) -> None:
     """Every SGLang refusal, in this order."""
-    check_moe_runner(cfg)
+    check_moe_runner(cfg.algorithm, cfg.rollout)
     check_gpus(cfg)
-    check_weight_updates(cfg)
+    check_weight_updates(cfg.cluster, cfg.rollout)
     check_tensor_sync_ranks(cfg)
-    check_sampling(cfg)
-    check_lm_head(cfg)
-    check_fp8(cfg)
-    check_mxfp4(cfg)
+    check_sampling(cfg.rollout)
+    check_lm_head(cfg.rollout, cfg.model)
+    check_fp8(cfg.rollout, cfg.model)
+    check_mxfp4(cfg.rollout)
