@@ -8,7 +8,8 @@ import os
 
 import ray
 
-from moe_rl.config import config_from_dict, engine_avg_refusal, probe_temperature
+from moe_rl.config import (config_from_dict, engine_avg_refusal, probe_temperature,
+                           response_cap)
 from moe_rl.families.shape import MoEShape
 from moe_rl.orchestration.run_inputs import load_run_inputs
 from moe_rl.rollout.served import ServedWeights
@@ -70,7 +71,8 @@ class RolloutWorker:
         self.partial = None   # rollout.partial: the responses in flight between steps
         if r.partial.enabled and training:
             from moe_rl.rollout.partial import partial_rollout
-            self.partial = partial_rollout(cfg, self.engine, self.inputs)
+            self.partial = partial_rollout(r, response_cap(cfg), cfg.data.environment_timeout_s,
+                                           self.engine, self.inputs)
 
     def _served(self, path: str) -> str:
         return served_checkpoint(self.cfg, path)

@@ -21,9 +21,10 @@ import time
 import ray
 
 from moe_rl.orchestration import run_dir as run_dir_checks
-from moe_rl.config import Config, dump_config
+from moe_rl.config import Config, as_dict, dump_config
 from moe_rl.data.mixture import make_sampler
 from moe_rl.errors import first_line
+from moe_rl.engines.factory import engine_kind
 from moe_rl.outputs.metrics_log import MetricsLogger
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.failures import RunFailed, lost_process
@@ -98,7 +99,7 @@ class Run:
         if not self.cfg.logging.wandb.enabled:
             return []
         from moe_rl.outputs.wandb_log import WandbLog
-        return [WandbLog(self.cfg, self.dir)]
+        return [WandbLog(self.cfg.logging.wandb, self.dir, as_dict(self.cfg))]
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Run":
@@ -133,7 +134,9 @@ class Run:
             warm_start(cfg, self.trainers, self.inputs, self.stop)
             self.weights.sync(0)
         if cfg.rollout.weight_check.enabled:   # the probe, and what the engine's precision explains
-            self.weights.check = WeightCheck(cfg, self.trainers, self.rollout)
+            self.weights.check = WeightCheck(
+                cfg.rollout.weight_check, self.trainers, self.rollout, cfg.cluster.weight_sync,
+                engine_kind(cfg).describe())
             self.weights.check.record_trainer(self.start_step)
             self.weights.check.passes(self.start_step)
         self.stop.starting = False

@@ -22,18 +22,19 @@ import time
 import ray
 import torch
 
-from moe_rl.config import Config
-from moe_rl.engines.factory import engine_kind
+from moe_rl.config.schema import WeightCheckConfig
 from moe_rl.orchestration.failures import RunFailed
 from moe_rl.rollout_record import RolloutBatch
 
 
 class WeightCheck:
     """The probe and its figures; the weight sync calls :meth:`record_trainer` when the trainer
-    holds a version's weights and :meth:`passes` once the engines load them."""
+    holds a version's weights and :meth:`passes` once the engines load them. ``sync`` and
+    ``engine`` name the weight sync and the engine in the stop's line."""
 
-    def __init__(self, cfg: Config, trainers, rollout):
-        self.cfg, self.trainers, self.rollout = cfg, trainers, rollout
+    def __init__(self, settings: WeightCheckConfig, trainers, rollout, sync: str, engine: str):
+        self.settings, self.trainers, self.rollout = settings, trainers, rollout
+        self.sync, self.engine = sync, engine
         self.trainer_side: dict[int, list] = {}
         self.baseline: float | None = None
         self.resyncs = 0
@@ -43,8 +44,7 @@ class WeightCheck:
 
     @property
     def limit(self) -> float:
-        r = self.cfg.rollout
-        return max(r.weight_check.factor * (self.baseline or 0.0), r.weight_check.floor)
+        return max(self.settings.factor * (self.baseline or 0.0), self.settings.floor)
 
     def record_trainer(self, version: int) -> None:
         """The trainer's side of ``version``'s check, taken while it holds those weights."""
@@ -73,12 +73,12 @@ class WeightCheck:
         m = self.metrics
         agree = m.get("weights/probe_routing_agreement")
         return RunFailed(
-            f"weight check: after syncing version {version} ({self.cfg.cluster.weight_sync}) and "
-            f"again after reloading it from disk, the engine ({engine_kind(self.cfg).describe()}) "
+            f"weight check: after syncing version {version} ({self.sync}) and "
+            f"again after reloading it from disk, the engine ({self.engine}) "
             f"disagrees with the trainer on the probe: k3 {m['weights/probe_k3']:.3g} (limit "
-            f"{self.limit:.3g}: {self.cfg.rollout.weight_check.factor:g} x the start's "
+            f"{self.limit:.3g}: {self.settings.factor:g} x the start's "
             f"{self.baseline:.3g}, at least rollout.weight_check.floor="
-            f"{self.cfg.rollout.weight_check.floor:g}), max |log-prob difference| "
+            f"{self.settings.floor:g}), max |log-prob difference| "
             f"{m['weights/probe_max_abs_diff']:.3g}"
             + (f", routing agreement {agree:.4f}" if agree is not None else "")
             + "; the engine's weights are wrong: the run stops rather than train on them")

@@ -8,7 +8,7 @@ import math
 import os
 import secrets
 
-from moe_rl.config import Config, as_dict
+from moe_rl.config.schema import WandbConfig
 
 RUN_ID_FILE = "wandb_run_id"
 
@@ -27,15 +27,14 @@ def run_id(run_dir: str) -> str:
 
 class WandbLog:
     """A metrics sink: ``log(step, metrics)`` and ``close()``, as :class:`MetricsLogger` calls
-    them."""
+    them; the W&B run records ``config`` (the resolved configuration, as a mapping)."""
 
-    def __init__(self, cfg: Config, run_dir: str):
+    def __init__(self, w: WandbConfig, run_dir: str, config: dict):
         import wandb
-        w = cfg.logging.wandb
         self.run = wandb.init(project=w.project, entity=w.entity,
                               name=w.name or os.path.basename(os.path.abspath(run_dir)),
                               mode=w.mode, tags=list(w.tags), dir=run_dir,
-                              config=as_dict(cfg), id=run_id(run_dir), resume="allow")
+                              config=config, id=run_id(run_dir), resume="allow")
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
         """The step's finite scalars at ``step``; an evaluation's also as the table

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_rl.config import response_cap
+from moe_rl.config.schema import RolloutConfig
 from moe_rl.engines.base import Engine, EngineSession, SamplingConfig
 from moe_rl.envs import EnvError
 from moe_rl.rewards.functions import score_samples
@@ -282,15 +282,16 @@ class PartialRollout:
         return s
 
 
-def partial_rollout(cfg, engine: Engine, inputs) -> PartialRollout:
-    """The configuration's :class:`PartialRollout` over ``engine`` (``inputs``: the run's
-    tokenizer and environment)."""
-    r = cfg.rollout
+def partial_rollout(r: RolloutConfig, cap: int, environment_timeout_s: float, engine: Engine,
+                    inputs) -> PartialRollout:
+    """The :class:`PartialRollout` of ``rollout`` over ``engine``, responses capped at ``cap``
+    tokens (``inputs``: the run's tokenizer and environment, whose calls may each take
+    ``environment_timeout_s``)."""
     environment = limits = None
     if inputs.environment is not None:
         environment = lambda: inputs.environment(inputs.tokenizer)   # noqa: E731
-        limits = TrajectoryLimits(r.max_turns, response_cap(cfg), cfg.data.environment_timeout_s)
-    return PartialRollout(response_cap(cfg), r.max_staleness, r.partial.stale,
+        limits = TrajectoryLimits(r.max_turns, cap, environment_timeout_s)
+    return PartialRollout(cap, r.max_staleness, r.partial.stale,
                           r.partial.mask_offpolicy, engine.need_routing, engine.need_mask,
                           environment, limits, engine.moe_shape.vocab_size)
 
