@@ -6,6 +6,9 @@ import argparse
 import importlib
 import os
 import sys
+from moe_rl.errors import UserError
+from moe_rl.orchestration.failures import RunFailed
+from moe_rl.orchestration.stop import RunStopped
 
 # sub-command -> (module under moe_rl.commands, or a full module path; one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -59,9 +62,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``moe-rl`` console script."""
-    from moe_rl.errors import UserError
-    from moe_rl.orchestration.failures import RunFailed
-    from moe_rl.orchestration.stop import RunStopped
     if not sys.stderr.isatty():   # progress bars only on a terminal (logs keep no redraws)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     args = parse_args(argv)

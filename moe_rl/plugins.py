@@ -1,10 +1,13 @@
 """Loading user code named in the configuration (``module:name``), with errors naming the key."""
 from __future__ import annotations
 
+import asyncio
 import importlib
 import io
 import os
+import queue
 import sys
+import threading
 
 
 def import_user_module(module: str):
@@ -69,7 +72,6 @@ def _start_daemon(fn, args, deliver) -> None:
     """Run ``fn(*args)`` on a daemon thread (one that never returns cannot hold up the
     process's exit) and hand ``deliver`` (ok, result-or-exception; a BaseException that is not
     an Exception comes as :class:`PluginExit`)."""
-    import threading
 
     def target():
         try:
@@ -89,7 +91,6 @@ def _start_daemon(fn, args, deliver) -> None:
 def call_bounded(fn, *args, timeout_s: float):
     """``fn(*args)``, or PluginTimeout when it has not returned after ``timeout_s`` seconds
     (the call is abandoned on its thread); its own exceptions are raised here."""
-    import queue
     box: queue.Queue = queue.Queue(maxsize=1)
     _start_daemon(fn, args, lambda ok, value: box.put((ok, value)))
     try:
@@ -103,7 +104,6 @@ def call_bounded(fn, *args, timeout_s: float):
 
 async def call_bounded_async(fn, *args, timeout_s: float):
     """:func:`call_bounded` for a coroutine: the event loop runs on meanwhile."""
-    import asyncio
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 

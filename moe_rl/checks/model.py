@@ -13,6 +13,8 @@ import json
 import os
 import threading
 from collections.abc import Iterator
+import shutil
+import tempfile
 
 import torch
 
@@ -22,6 +24,12 @@ from moe_rl.errors import UserError
 from moe_rl.families.shape import MoEShape
 from moe_rl.weights.mxfp4_checkpoint import transformers_dequantising
 from moe_rl.rollout_record import Sample, routing_dtype
+from moe_rl.trainer.parallel import free_port, init_distributed, init_model_parallel
+from moe_rl.families import family, transformers_config
+from moe_rl.trainer.forward import forward_logprobs
+from moe_rl.trainer.packing import pack_one
+from moe_rl.trainer.replay import ReplayController
+from moe_rl.weights.hf import load_hf_into_megatron
 
 # SGLang 0.5.23 takes an input of fewer than min(context - 1, KV pool - 1) - 5 tokens
 # (managers/tp_worker.py, managers/utils.py)
@@ -102,7 +110,6 @@ def transformers_reference(path: str, prompts: list[list[int]], moe_shape: MoESh
     ``HF_ROUTER``, ``gate`` or gpt-oss's ``router``)."""
     from transformers import AutoModelForCausalLM
 
-    from moe_rl.families import family, transformers_config
     with open(os.path.join(path, "config.json")) as fh:
         hf = json.load(fh)
     config = transformers_config(hf)
@@ -155,12 +162,7 @@ def _samples(ref: Reference, routing: list[torch.Tensor] | None = None) -> list[
 def check_trainer(path: str, ref: Reference, moe_shape: MoEShape) -> tuple[SideReport, SideReport]:
     """moe_rl's megatron-core model of ``path`` (one process): transformers' routing replayed
     (R3), then its own routing; the agreement is its routers' own choice either way."""
-    from moe_rl.trainer.packing import pack_one
-    from moe_rl.trainer.forward import forward_logprobs
     from moe_rl.trainer.model_builder import build_model
-    from moe_rl.trainer.parallel import init_distributed, init_model_parallel
-    from moe_rl.trainer.replay import ReplayController
-    from moe_rl.weights.hf import load_hf_into_megatron
     init_distributed()
     init_model_parallel()
     model, spec = build_model(path)
@@ -265,12 +267,9 @@ def started_engine(kind: str, model_path: str, *, dtype: str = "float32", device
     with its routing returned, as ``moe-rl train`` starts one; yields its URL, and stops it.
     What the engine refuses, or a server that does not come up (its log kept and named), is
     one UserError line."""
-    import shutil
-    import tempfile
 
     from moe_rl.config import ConfigError, config_from_dict
     from moe_rl.engines.factory import engine_kind
-    from moe_rl.trainer.parallel import free_port
     tree = {"model": {"path": model_path}, "algorithm": {"replay": "r3"},
             "cluster": {"gpus_per_node": int(device == "cuda")},
             "rollout": dict(engine=kind, engine_dtype=dtype,

@@ -13,6 +13,8 @@ import typing
 
 from moe_rl.config.schema import RolloutConfig
 from moe_rl.errors import UserError
+from moe_rl.families import family
+from moe_rl.families.shape import MoEShape
 
 ENGINES = typing.get_args(typing.get_type_hints(RolloutConfig)["engine"])   # rollout.engine's
 # the verdict's thresholds: float32 on both sides; a 16-bit engine's rounding alone moves its
@@ -89,10 +91,8 @@ def _read_config(path: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_rl.families import family
     from moe_rl.checks.model import (check_engine, check_trainer, format_report, prompt_ids,
                                     started_engine, transformers_reference, verdict)
-    from moe_rl.families.shape import MoEShape
     config = os.path.join(args.path, "config.json")
     if not os.path.isfile(config):
         raise UserError(f"PATH: expected a Hugging Face checkpoint directory with config.json, "

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 
 from moe_rl.errors import UserError, first_line
-from moe_rl.orchestration.checkpoint import CheckpointError
+from moe_rl.orchestration.checkpoint import CheckpointError, read_json
+from moe_rl.config import ConfigError, load_yaml
+from moe_rl.orchestration import checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _checkpoint_step(path: str) -> str:
     """The saved step ``path`` names (a run's checkpoint folder: its latest complete one)."""
-    from moe_rl.orchestration import checkpoint
     if not os.path.isfile(os.path.join(path, checkpoint.MANIFEST)):
         latest = checkpoint.latest(path)
         if latest is None:
@@ -46,7 +48,6 @@ def _checkpoint_step(path: str) -> str:
 
 
 def _layout(step_dir: str) -> dict:
-    from moe_rl.orchestration.checkpoint import CheckpointError, read_json
     layout = read_json(os.path.join(step_dir, "layout.json"))
     if not isinstance(layout, dict):
         raise CheckpointError(f"{step_dir}/layout.json: expected a JSON object")
@@ -56,8 +57,6 @@ def _layout(step_dir: str) -> dict:
 def _source_model(step_dir: str) -> str:
     """The HF model a run was trained from (``model.path`` of the checkpoint's config)."""
     import yaml
-    from moe_rl.config import ConfigError, load_yaml
-    from moe_rl.orchestration.checkpoint import CheckpointError
     path = os.path.join(step_dir, "config.yaml")
     try:
         with open(path, encoding="utf-8") as fh:
@@ -78,7 +77,6 @@ def _hf_dir(path: str, flag: str = "--hf") -> str:
 def _read_megatron(path: str) -> dict:
     """The state dict of a Megatron file ``convert --to megatron`` wrote: tensors and plain
     containers only (a crafted file cannot run code); UserError for anything else."""
-    import pickle
     import torch
     if not os.path.isfile(path):
         raise UserError(f"--megatron {path}: no such file")

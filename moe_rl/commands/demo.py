@@ -10,6 +10,8 @@ import shlex
 
 from moe_rl.config import load_config
 from moe_rl.config.shipped import DEFAULT_CONFIG, config_path
+from moe_rl.models.tiny import write_tiny_model
+from moe_rl.orchestration.run_dir import fresh
 
 # the demo's engine differs from the float32 trainer as production engines do: FP8 weights and
 # activations (block-wise E4M3), bfloat16 elsewhere; the user's overrides come after these
@@ -28,9 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = config_path(args.config)
     cfg = load_config(config, [*DEMO_OVERRIDES, *args.overrides])
-    from moe_rl.models.tiny import write_tiny_model
     from moe_rl.orchestration.loop import run_training
-    from moe_rl.orchestration.run_dir import fresh
     from moe_rl.outputs.run_summary import replay_summary
     cfg.logging.dir = fresh(cfg.logging.dir)   # each demo is a run of its own
     if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):

@@ -9,6 +9,7 @@ import argparse
 import json
 
 from moe_rl.config import load_config
+from moe_rl.checks.node import run_checks
 
 MARKS = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 
@@ -29,7 +30,6 @@ def node_gpus() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_rl.checks.node import run_checks
     overrides = list(args.overrides)
     gpus = node_gpus()
     if args.config is None and gpus and not any(o.startswith("cluster.gpus_per_node=")

@@ -17,6 +17,8 @@ from moe_rl.config.release_shapes import release_shape
 from moe_rl.config.schema import ModelConfig, TrainerConfig
 from moe_rl.models.tiny import tiny_config_fields
 from moe_rl.orchestration.run_inputs import load_run_inputs
+from moe_rl.orchestration.placement import format_plan, idle_gpus, make_plan
+from moe_rl.orchestration.trainer_layout import format_layout, trainer_layout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_rl.orchestration.placement import format_plan, idle_gpus, make_plan
-    from moe_rl.orchestration.trainer_layout import format_layout, trainer_layout
     overrides = list(args.overrides)
     if args.nodes is not None:
         overrides.append(f"cluster.num_nodes={args.nodes}")

@@ -9,6 +9,7 @@ from moe_rl.data.prompt_rules import unknown_characters
 from moe_rl.orchestration.run_inputs import inputs_summary, load_run_inputs
 from moe_rl.config import Config, ConfigError, dump_config, iter_keys, load_config
 from moe_rl.config.checks import config_warnings
+from moe_rl.engines.factory import engine_kind
 
 
 def config_value(cfg: Config, key: str) -> str:
@@ -48,7 +49,6 @@ def run(args: argparse.Namespace) -> int:
         print(config_value(cfg, args.get))
         return 0
     print(dump_config(cfg), end="", flush=True)
-    from moe_rl.engines.factory import engine_kind
     for warning in (*config_warnings(cfg), *engine_kind(cfg).config_warnings()):   # as train
         print(warning, file=sys.stderr)
     if not args.no_inputs:   # on stderr: stdout stays the YAML alone

@@ -10,6 +10,8 @@ from moe_rl.config.checks import config_warnings
 from moe_rl.errors import UserError
 from moe_rl.data.prompt_rules import unknown_characters
 from moe_rl.orchestration.run_inputs import load_run_inputs
+from moe_rl.engines.factory import engine_kind
+from moe_rl.orchestration.placement import make_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,12 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     inputs = load_run_inputs(cfg)
-    from moe_rl.engines.factory import engine_kind
     unreadable = unknown_characters(inputs.tokenizer, inputs.prompt_sets())
     for warning in (unreadable, *config_warnings(cfg), *engine_kind(cfg).config_warnings()):
         if warning:
             print(warning, file=sys.stderr, flush=True)
-    from moe_rl.orchestration.placement import make_plan
     make_plan(cfg)   # the run must fit its cluster before anything starts
     from moe_rl.orchestration.loop import run_training
     if args.overwrite and (args.resume or args.resume_from):

@@ -4,14 +4,16 @@ the key."""
 from __future__ import annotations
 
 import difflib
+import importlib
+import importlib.util
 
 from moe_rl.config.model_facts import (facts_context, model_hf_fields, model_moe_shape,
                                        response_cap)
 from moe_rl.families import FAMILIES, family
 from moe_rl.config.fields import ConfigError
-from moe_rl.config.schema import (CORRECTIONS, AlgorithmConfig, ClusterConfig, Config,
-                                  DataConfig, EvalConfig, LoggingConfig, ModelConfig,
-                                  RolloutConfig, TrainerConfig)
+from moe_rl.config.schema import (AlgorithmConfig, ClusterConfig, Config, CORRECTIONS, DataConfig,
+                                  EvalConfig, LoggingConfig, ModelConfig, RolloutConfig, set_name,
+                                  TrainerConfig)
 from moe_rl.families.shape import MoEShape, quantisation_refusal
 
 
@@ -441,7 +443,6 @@ def check_data(data: DataConfig) -> None:
 
 def _check_sets(sets: list, key: str) -> None:
     """Every entry names a file, and names are unique (they key the metrics)."""
-    from moe_rl.config.schema import set_name
     names = []
     for i, entry in enumerate(sets):
         if not entry.path:
@@ -479,7 +480,6 @@ def check_eval(evaluation: EvalConfig, data: DataConfig) -> None:
 
 def check_logging(logging: LoggingConfig) -> None:
     """logging.wandb: the optional package is there when asked for."""
-    import importlib.util
     if (logging.wandb.enabled and logging.wandb.mode != "disabled" and
             importlib.util.find_spec("wandb") is None):
         raise ConfigError("logging.wandb.enabled: W&B logging needs the wandb package: "
@@ -522,5 +522,4 @@ def check_engine(cfg: Config) -> None:
     (``moe_rl.engines.<name>.checks.check_config``, which the engine kind applies too); the
     module is found by name, as a reward function is, so the configuration does not depend on
     the engines (nor imports what they need)."""
-    import importlib
     importlib.import_module(ENGINE_CHECKS.format(cfg.rollout.engine)).check_config(cfg)

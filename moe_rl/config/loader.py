@@ -18,6 +18,7 @@ from moe_rl.config.checks import validate
 from moe_rl.config.fields import ConfigError, as_dict
 from moe_rl.config.moved_keys import move_keys, moved_key
 from moe_rl.config.schema import Config
+from moe_rl.config.shipped import config_path, shipped_configs
 
 
 def _is_dataclass_type(tp: Any) -> bool:
@@ -286,7 +287,6 @@ def load_config(path: str | os.PathLike | None = None,
     """Read YAML ``path`` (optional), apply ``overrides`` and return a validated :class:`Config`."""
     tree: dict = {}
     if path is not None:
-        from moe_rl.config.shipped import config_path, shipped_configs
         path = config_path(os.fspath(path))
         if not os.path.exists(path):
             raise ConfigError(f"config file not found: {path} (shipped configs, usable by name: "

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_rl.config import Config
+from moe_rl.families import transformers_config
+from moe_rl.families.shape import MoEShape
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -33,7 +35,6 @@ def param_counts(hf_config: dict) -> ParamCounts:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from moe_rl.families import transformers_config
     config = transformers_config(hf_config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -83,7 +84,6 @@ class TrainerMemory:
 def _ffn_widths(hf: dict) -> list[int]:
     """Each layer's feed-forward width per token: the dense layers' intermediate size, the MoE
     layers' top-k x expert size (+ the shared experts')."""
-    from moe_rl.families.shape import MoEShape
     moe_shape = MoEShape.from_hf(hf)
     moe = set(moe_shape.moe_layers)
     expert = int(hf.get("moe_intermediate_size") or hf.get("intermediate_size"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal
+import os
 
 from moe_rl.config.fields import _f, _rng, _sub
 from moe_rl.config.init_model import ModelInitConfig
@@ -483,7 +484,6 @@ class DataSetConfig:
 
 def set_name(entry: DataSetConfig) -> str:
     """The name a set's metrics carry: ``name``, else the file name without its extension."""
-    import os
     return entry.name or os.path.splitext(os.path.basename(entry.path))[0]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
+import dataclasses
 
 from moe_rl.config import DataConfig, DataSetConfig
 
@@ -162,7 +163,6 @@ def _record(cfg: DataConfig, tokenizer, row, n: int, limit: PromptLimit | None =
 
 def set_source(cfg: DataConfig, entry: DataSetConfig) -> DataConfig:
     """``cfg`` reading the one file of ``entry`` (its keys, those it leaves null from ``cfg``)."""
-    import dataclasses
     source = entry.source or ("parquet" if entry.path.endswith(".parquet") else "jsonl")
     keys = {k: getattr(entry, k) for k in ("prompt_key", "messages_key", "answer_key")
             if getattr(entry, k) is not None}

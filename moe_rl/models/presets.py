@@ -8,6 +8,7 @@ import random
 
 from moe_rl.config import ModelInitConfig
 from moe_rl.data.prompts import toy_problems
+from moe_rl.models.tiny import write_tiny_model
 
 PRESETS = {
     # Qwen3-30B-A3B's MoE shape at CPU scale: 64 routed experts, top-8, GQA 4:1, every layer MoE
@@ -72,7 +73,6 @@ def warm_up(model_dir: str, steps: int, seed: int = 0, batch_size: int = 64,
 def write_preset(name: str, out_dir: str | None = None, warmup_steps: int | None = None) -> str:
     """Write preset ``name`` (initialised, then warmed up) to ``out_dir`` (default: the preset's
     folder under outputs/); a folder already holding that preset with those steps is reused."""
-    from moe_rl.models.tiny import write_tiny_model
     init = preset_init(name)
     out = out_dir or PRESETS[name]["out"]
     steps = PRESETS[name]["warmup_steps"] if warmup_steps is None else warmup_steps

@@ -9,6 +9,7 @@ import string
 from moe_rl.config import ConfigError, ModelInitConfig, init_hf_fields
 from moe_rl.families import family
 from moe_rl.families.shape import MoEShape
+from moe_rl.config.memory_estimate import param_counts
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 CHARSET = (string.digits + string.ascii_letters + " +-*/=().,:;!?'\"#%&<>[]_\n" + "\\{}")
@@ -65,7 +66,6 @@ def check_tiny_size(hf_fields: dict) -> None:
     """ConfigError naming the key when the model ``hf_fields`` describe is past the sizes moe_rl
     reads (config.json's tops) or past :data:`TINY_MAX_PARAMS`, before anything is allocated
     (a huge shape ended in an allocation traceback after minutes of growing memory)."""
-    from moe_rl.config.memory_estimate import param_counts
     try:
         MoEShape.from_hf(hf_fields)
     except ValueError as exc:

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from moe_rl.config import Config, dump_config
 from moe_rl.errors import UserError
@@ -226,7 +227,6 @@ def _sha256(path: str) -> str:
 
 def _file_records(root: str) -> dict[str, dict]:
     """Every file under ``root``: its size and SHA-256 (hashed on several threads)."""
-    from concurrent.futures import ThreadPoolExecutor
     paths = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names)
     with ThreadPoolExecutor(max_workers=8) as pool:
         digests = list(pool.map(_sha256, paths))

@@ -14,10 +14,10 @@ from moe_rl.engines.process import ServerExited
 from moe_rl.errors import LossScaleCollapsed, first_line
 from moe_rl.orchestration import checkpoint
 from moe_rl.orchestration.failures import RunFailed, lost_process
-from moe_rl.orchestration.placement import Plan, PlannedProcess
+from moe_rl.orchestration.placement import at_addresses, Plan, PlannedProcess
 from moe_rl.orchestration.sharding import per_rank
 from moe_rl.orchestration.engine_host import EngineHost
-from moe_rl.orchestration.rollout_worker import RolloutWorker
+from moe_rl.orchestration.rollout_worker import RolloutWorker, served_checkpoint
 from moe_rl.orchestration.trainer_worker import TrainerWorker
 from moe_rl.trainer.parallel import free_port
 from moe_rl.rollout_record import RolloutBatch, Sample
@@ -96,8 +96,6 @@ class ServedEngines:
         ``work_dir/fp8_start``; a released MXFP4 checkpoint's bfloat16 copy, to
         ``work_dir/bf16_start``; server logs in ``work_dir/logs``); returns the plan with the
         servers' addresses and ports."""
-        from moe_rl.orchestration.placement import at_addresses
-        from moe_rl.orchestration.rollout_worker import served_checkpoint
         cfg = self.cfg
         served = served_checkpoint(cfg, model_path, work_dir)
         self.plan = at_addresses(self.plan, cfg, self.reservation.addresses, served)

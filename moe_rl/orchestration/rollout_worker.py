@@ -4,7 +4,10 @@ scoring passes, data-parallel shards: rollout-record bytes that cross to the tra
 reference through Ray's object store)."""
 from __future__ import annotations
 
+import asyncio
+import copy
 import os
+import time
 
 import ray
 
@@ -14,6 +17,17 @@ from moe_rl.families.shape import MoEShape
 from moe_rl.orchestration.run_inputs import load_run_inputs
 from moe_rl.rollout.served import ServedWeights
 from moe_rl.rollout_record import RolloutBatch
+from moe_rl.engines.base import SamplingConfig
+from moe_rl.engines.factory import engine_kind
+from moe_rl.orchestration.sharding import shard_by_group
+from moe_rl.rewards.service import reward_scorer
+from moe_rl.rollout.batch import make_batch
+from moe_rl.rollout.evaluation import evaluate
+from moe_rl.rollout.partial import partial_rollout
+from moe_rl.rollout.trajectories import generate_samples
+from moe_rl.weights.fp8 import write_fp8_checkpoint
+from moe_rl.weights.hf import write_dequantised_mxfp4
+from moe_rl.weights.mxfp4_checkpoint import is_mxfp4_checkpoint
 
 
 def served_checkpoint(cfg, path: str, work_dir: str | None = None) -> str:
@@ -22,13 +36,10 @@ def served_checkpoint(cfg, path: str, work_dir: str | None = None) -> str:
     without ``work_dir`` to ``path/fp8``, so it is dropped with its export); for a released
     MXFP4 checkpoint its bfloat16 copy (``work_dir/bf16_start``: every weight update hands the
     engines unquantised tensors)."""
-    from moe_rl.weights.mxfp4_checkpoint import is_mxfp4_checkpoint
     if work_dir is not None and is_mxfp4_checkpoint(path):   # (exports are never MXFP4)
-        from moe_rl.weights.hf import write_dequantised_mxfp4
         return write_dequantised_mxfp4(path, os.path.join(work_dir, "bf16_start"))
     if cfg.rollout.quantization != "fp8":
         return path
-    from moe_rl.weights.fp8 import write_fp8_checkpoint
     return write_fp8_checkpoint(path, os.path.join(work_dir, "fp8_start") if work_dir
                                 else os.path.join(path, "fp8"))
 
@@ -41,8 +52,6 @@ class RolloutWorker:
     except the status reads (``restarts``), which answer at once from their own thread."""
 
     def __init__(self, cfg_tree: dict, hosts: list, training: bool = True):
-        from moe_rl.engines.base import SamplingConfig
-        from moe_rl.engines.factory import engine_kind
         cfg = config_from_dict(cfg_tree)
         kind = engine_kind(cfg)
         self.cfg = cfg
@@ -70,7 +79,6 @@ class RolloutWorker:
         self.served.record_start(self.engine.weight_versions())   # version 0, unsynced
         self.partial = None   # rollout.partial: the responses in flight between steps
         if r.partial.enabled and training:
-            from moe_rl.rollout.partial import partial_rollout
             self.partial = partial_rollout(r, response_cap(cfg), cfg.data.environment_timeout_s,
                                            self.engine, self.inputs)
 
@@ -108,8 +116,6 @@ class RolloutWorker:
         data-parallel shards. Returns (its :class:`BatchSummary`, shard bytes ...); call it
         with ``num_returns = shards + 1`` and hand the shard references to the trainer ranks.
         The engines must serve weight ``version`` (:meth:`_check_serving`)."""
-        from moe_rl.orchestration.sharding import shard_by_group
-        from moe_rl.rollout.batch import make_batch
         self._check_serving(version, step)
         samples, summary = make_batch(self.engine, self.cfg, self.inputs, self.sampling,
                                       self.partial, indices, extra, step, seed)
@@ -120,9 +126,6 @@ class RolloutWorker:
         """The ``eval/*`` metrics of the held-out sets with the engines at weight ``version``
         (the policy after ``done`` updates); rewards by ``eval.reward``, else the run's reward,
         counted apart from the training's reward errors."""
-        import time
-        from moe_rl.rollout.evaluation import evaluate
-        from moe_rl.rewards.service import reward_scorer
         self._check_serving(version, done)
         if self.eval_scorer is None:
             self.eval_scorer = reward_scorer(self.cfg.data, self.cfg.eval.reward)
@@ -137,7 +140,6 @@ class RolloutWorker:
         the trainer's side): one response to each of the first ``rollout.weight_check.prompts``
         training prompts, sampled (seeded) as the run samples, by the weights the engines serve
         at the run's start."""
-        from moe_rl.rollout.trajectories import generate_samples
         n = min(self.cfg.rollout.weight_check.prompts, len(self.inputs.prompts))
         self.probe = generate_samples(self.engine, [p.ids for p in self.inputs.prompts[:n]], 1,
                                       self.sampling, seed=self.cfg.trainer.seed + 7_000_003)
@@ -148,8 +150,6 @@ class RolloutWorker:
         row j of sample i by server (i + j) % servers (one pass per server), as pi_old's
         engine passes are scored; with routing, each sample's routing refetched from server
         i % servers. Returns the rollout-batch bytes for the trainer's side."""
-        import asyncio
-        import copy
         samples = [copy.deepcopy(s) for s in self.probe]
         servers = len(self.server_urls)
         self.engine.score(samples, servers, temperature=probe_temperature(self.cfg),

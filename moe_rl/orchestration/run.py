@@ -39,6 +39,7 @@ from moe_rl.orchestration.run_inputs import RunInputs, load_run_inputs
 from moe_rl.outputs.run_summary import run_summary
 from moe_rl.owned_dirs import write_atomic
 from moe_rl.outputs.sample_log import SampleLog
+from moe_rl.outputs.wandb_log import WandbLog
 
 
 class Run:
@@ -98,7 +99,6 @@ class Run:
     def _sinks(self) -> list:
         if not self.cfg.logging.wandb.enabled:
             return []
-        from moe_rl.outputs.wandb_log import WandbLog
         return [WandbLog(self.cfg.logging.wandb, self.dir, as_dict(self.cfg))]
 
     # ------------------------------------------------------------------ lifecycle

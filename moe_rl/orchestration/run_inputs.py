@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from moe_rl.config import Config, ConfigError, facts_context
+from moe_rl.config import Config, ConfigError, facts_context, set_name
 from moe_rl.config.schema import ClusterConfig, DataConfig, ModelConfig
 from moe_rl.data.prompt_rules import check_answer_lengths, check_prompt_lengths, prompt_limit
 from moe_rl.data.prompts import PromptRecord, load_prompt_sets, load_prompts, set_source
 from moe_rl.envs import load_environment
-from moe_rl.rewards.service import reward_scorer
+from moe_rl.rewards.service import reward_scorer, reward_setting
 
 
 @dataclass
@@ -30,7 +30,6 @@ class RunInputs:
 def load_eval_sets(cfg: Config, tokenizer) -> list[tuple[str, list[PromptRecord]]]:
     """(name, prompts) of every ``eval.sets`` entry (its first ``eval.max_prompts``); a prompt
     that cannot fit the model's context with the evaluation's new tokens is refused."""
-    from moe_rl.config import set_name
     out = []
     new_tokens, key = ((cfg.eval.max_new_tokens, "eval.max_new_tokens")
         if cfg.eval.max_new_tokens is not None else (cfg.rollout.max_new_tokens,
@@ -136,7 +135,6 @@ def load_training_prompts(cfg: Config, tokenizer, with_answers: bool) -> tuple[l
 
 def inputs_summary(data: DataConfig, model: ModelConfig, inputs: RunInputs) -> str:
     """What ``moe-rl config`` checked, in one line."""
-    from moe_rl.rewards.service import reward_setting
     sets = f"{len(inputs.prompts)} training prompts" + (
         f" in {len(inputs.set_sizes)} sets" if data.sets else "")
     evals = "".join(f", eval set {name}: {len(p)} prompts" for name, p in inputs.eval_sets)

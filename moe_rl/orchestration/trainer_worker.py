@@ -9,6 +9,8 @@ import ray
 
 from moe_rl.config import config_from_dict
 from moe_rl.rollout_record import RolloutBatch
+from moe_rl.trainer.parallel import free_port, init_distributed, init_model_parallel, ParallelSizes
+from moe_rl.trainer.policy import PolicyTrainer
 
 
 @ray.remote
@@ -17,8 +19,6 @@ class TrainerWorker:
 
     def __init__(self, cfg_tree: dict, rank: int, world: int, master_addr: str,
                  master_port: int, gpu: int | None = None):
-        from moe_rl.trainer.parallel import ParallelSizes, init_distributed, init_model_parallel
-        from moe_rl.trainer.policy import PolicyTrainer
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         cfg = config_from_dict(cfg_tree)
         t = cfg.trainer
@@ -46,7 +46,6 @@ class TrainerWorker:
     def free_port(self, host: str | None = None) -> int:
         """A port free on ``host`` of this rank's node (default: the node's address; the
         weight-update group's rendezvous)."""
-        from moe_rl.trainer.parallel import free_port
         return free_port(host or ray.util.get_node_ip_address())
 
     def train_step(self, data: bytes) -> dict:

@@ -9,13 +9,13 @@ from moe_rl.data.prompts import PromptSampler
 from moe_rl.outputs.metrics_log import StepProgress
 from moe_rl.orchestration.run_inputs import RunInputs
 from moe_rl.rollout_record import Sample
+from moe_rl.envs import demonstration_segments
 
 
 def sft_samples(prompts, indices: list[int], tokenizer, environment: type | None = None,
                 vocab_size: int | None = None) -> list[Sample]:
     """Supervised warm-start examples: prompt + reference answer + end of text; with an
     environment, prompt + its demonstration, the observation segments loss-masked."""
-    from moe_rl.envs import demonstration_segments
     out = []
     for k, i in enumerate(indices):
         rec = prompts[i]

@@ -19,7 +19,7 @@ import os
 import httpx
 
 from moe_rl.config import RewardServiceConfig
-from moe_rl.rewards.functions import RewardCounts
+from moe_rl.rewards.functions import RewardCounts, RewardFunction
 
 
 class AnswerTooLarge(ValueError):
@@ -138,7 +138,6 @@ def reward_setting(data_cfg) -> tuple[str, str]:
 def reward_scorer(data_cfg, spec: str | None = None):
     """What scores a run's samples: the reward service when ``data.reward_service.url`` is set
     (and no ``spec`` is given), else the Python reward ``spec`` (default ``data.reward``)."""
-    from moe_rl.rewards.functions import RewardFunction
     if spec is None and data_cfg.reward_service.url:
         return RewardService(data_cfg.reward_service, abs_max=data_cfg.reward_abs_max)
     return RewardFunction(spec or data_cfg.reward, data_cfg.reward_timeout_s,

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from moe_rl.config import Config, RolloutConfig, set_name
 from moe_rl.rollout.groups import build_groups, retraction_counts, reward_by_set
+from moe_rl.outputs.sample_log import shown_samples
+from moe_rl.rollout.partial import score_with
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -64,12 +66,10 @@ def make_batch(engine, cfg: Config, inputs, sampling, partial, indices: list[int
     """Step ``step``'s samples and summary: the groups of ``indices`` (and of ``extra`` as the
     strategy uses them; ``partial``: the run's :class:`PartialRollout`, or None) with their
     rewards, then the engine's scoring passes (``pi_old: engine_avg``)."""
-    from moe_rl.outputs.sample_log import shown_samples
     reward = inputs.reward
     t0 = time.perf_counter()
     errors_before, timeouts_before = reward.errors, reward.timeouts
     if partial is not None:   # extra: groups started beyond this step's
-        from moe_rl.rollout.partial import score_with
         groups = partial.collect(engine, inputs.prompts, list(indices) + list(extra),
                                  cfg.rollout.n_samples_per_prompt, sampling, step, seed,
                                  cfg.rollout.prompts_per_step, score_with(inputs))

@@ -8,6 +8,7 @@ import math
 
 from moe_rl.config import Config, EvalConfig, RolloutConfig
 from moe_rl.engines.base import SamplingConfig
+from moe_rl.rewards.functions import reward_items
 
 METRICS = ("reward_mean", "pass@1", "response_len_mean", "truncated_frac")
 
@@ -58,7 +59,6 @@ def evaluate(cfg: Config, engine, tokenizer, eval_sets: list, scorer, seed: int)
     prompt, sample k of a set seeded ``seed + k`` (the same samples' randomness at every
     evaluation), rewards from ``scorer`` requested as each prompt's samples finish. Returns
     the ``eval/*`` metrics."""
-    from moe_rl.rewards.functions import reward_items
     from moe_rl.rollout.trajectories import generate_samples
     sampling, ks, n = eval_sampling(cfg.eval, cfg.rollout), eval_ks(cfg.eval), cfg.eval.n
     out: dict[str, float] = {}

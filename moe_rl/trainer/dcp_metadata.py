@@ -9,6 +9,7 @@ global, before any of it is called. Every other file of a checkpoint is already 
 code (safetensors, or ``torch.load(weights_only=True)``)."""
 from __future__ import annotations
 
+import os
 import pickle
 
 import torch
@@ -57,7 +58,6 @@ def check(checkpoint_dir: str) -> None:
     """Read ``checkpoint_dir``'s ``.metadata`` through the allow-list before torch does, so a
     crafted file is refused here (UnsafeMetadata naming it), not inside DCP's load (which logs a
     traceback and wraps the error)."""
-    import os
     read_metadata(os.path.join(checkpoint_dir, ".metadata"))
 
 

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+from importlib.metadata import version
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,8 @@ from moe_rl.families.shape import ModelSpec, model_spec
 from moe_rl.trainer.cpu_compat import apply_cpu_shims, check_cpu_settings, cuda_absent
 from moe_rl.trainer.expert_path import choose_expert_path
 from moe_rl.trainer.parallel import ParallelSizes
+from moe_rl.trainer.full_width_qk_norm import use_full_width_qk_norm
+from moe_rl.trainer.local_expert_bias import copy_expert_outputs
 
 
 def load_hf_config(path_or_dict) -> dict:
@@ -108,7 +111,6 @@ def te_permute_fusion() -> bool:
     """Whether the installed Transformer Engine has the fused token permutation megatron's
     ``moe_permute_fusion`` needs (TE >= 2.1; ``moe_router_fusion`` stays off: it skips routing
     replay)."""
-    from importlib.metadata import version
     te = version("transformer_engine")
     return tuple(int(x) for x in re.findall(r"\d+", te)[:2]) >= TE_PERMUTE_FUSION
 
@@ -150,7 +152,6 @@ def mla_packing_warning(config, packed: bool) -> str | None:
     import megatron.core.transformer.multi_latent_attention as mla
     if hasattr(mla, "_prepare_mla_core_attention_value"):   # megatron pads V on packed rows
         return None
-    from importlib.metadata import version
     te = version("transformer_engine")
     if tuple(int(x) for x in re.findall(r"\d+", te)[:2]) >= TE_THD_UNEQUAL_HEAD_DIMS:
         return None
@@ -243,7 +244,6 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                 raise ValueError(f"trainer.experts: grouped cannot run here: {NO_EXPERT_SLOT}")
             expert_path = ("sequential", f"megatron's loop over the experts ({NO_EXPERT_SLOT})")
     if spec.family.QK_NORM_ACROSS_HEADS:
-        from moe_rl.trainer.full_width_qk_norm import use_full_width_qk_norm
         use_full_width_qk_norm(block)
     model = GPTModel(config=config, transformer_layer_spec=block,
                      vocab_size=spec.vocab_size,
@@ -252,7 +252,6 @@ def build_model(hf_config, *, sizes: ParallelSizes = ParallelSizes(),
                      share_embeddings_and_output_weights=spec.tie_word_embeddings,
                      **spec.family.rotary(hf))
     if not te_available() and config.add_bias_linear:
-        from moe_rl.trainer.local_expert_bias import copy_expert_outputs
         copy_expert_outputs(model)
     for p in model.parameters():   # every weight in ``dtype``, the norms' too (megatron-core's
         if p.is_floating_point() and p.dtype != dtype:   # Float16Module; SGLang serves them so)

@@ -20,6 +20,8 @@ learnable softmax offset) and sliding windows, which torch's kernel does not tak
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -40,7 +42,6 @@ def varlen_kernel():
     """torch's variable-length attention as ``f(q, k, v, cu, max_len, scale, gqa)`` (causal
     within each slot of the cumulative bounds ``cu``), or None where this torch has none or
     one whose causal switch it does not know (2.10's ``is_causal``, 2.13's ``window_size``)."""
-    import inspect
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

@@ -16,6 +16,7 @@ import queue
 from typing import Iterator
 
 import torch
+from moe_rl.trainer.dcp_metadata import check, install
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 # seen on an H100 without Transformer Engine: megatron's load sets a per-parameter "step" for
@@ -182,7 +183,6 @@ def load_sharded(path: str, model, optimizer, ema: dict | None, step: int) -> No
     parallel layout wrote it (collective over every trainer rank). The DCP metadata is read
     without running code from it (:mod:`moe_rl.trainer.dcp_metadata`)."""
     from megatron.core import dist_checkpointing
-    from moe_rl.trainer.dcp_metadata import check, install
     if _uses_distributed_optimizer(optimizer):
         from megatron.core.optimizer import distrib_optimizer
         if not distrib_optimizer.HAVE_APEX_OR_TE:
@@ -209,7 +209,6 @@ def load_sharded_weights(path: str, model, use_ema: bool = False) -> None:
     :func:`load_sharded`)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
-    from moe_rl.trainer.dcp_metadata import check, install
     install()
     check(path)
     model_sd = model.sharded_state_dict()

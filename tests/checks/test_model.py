@@ -97,8 +97,8 @@ def test_an_engine_serving_other_weights_is_not_aligned(qwen, tmp_path, capsys):
 def test_a_trainer_loaded_wrong_is_not_aligned(qwen, capsys, monkeypatch):
     """A conversion that gets the first MoE layer's router wrong (its rows permuted: the experts
     renamed) is named: that layer's agreement falls, the log-probs move."""
-    from moe_rl.weights import hf
-    load = hf.load_hf_into_megatron
+    from moe_rl.checks import model as check_model
+    load = check_model.load_hf_into_megatron
 
     def wrong(model, spec, path):
         load(model, spec, path)
@@ -106,7 +106,7 @@ def test_a_trainer_loaded_wrong_is_not_aligned(qwen, capsys, monkeypatch):
                       if hasattr(layer.mlp, "router"))
         with torch.no_grad():
             router.weight.copy_(router.weight.roll(1, 0))
-    monkeypatch.setattr(hf, "load_hf_into_megatron", wrong)
+    monkeypatch.setattr(check_model, "load_hf_into_megatron", wrong)
     code, out, _ = _check(capsys, qwen)
     assert code == 1
     last = out.splitlines()[-1]

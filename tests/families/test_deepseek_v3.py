@@ -442,13 +442,12 @@ def test_packing_an_mla_model_warns_where_neither_megatron_nor_te_handles_its_he
     warning naming trainer.pack_sequences when megatron-core does not pad the values itself
     (0.16.1) and TE is older than 2.20; none with TE 2.20, with a megatron that pads, unpacked,
     or with equal head sizes."""
-    import importlib.metadata
     import types
     import megatron.core.transformer.multi_latent_attention as mla
     from moe_rl.trainer import model_builder
     monkeypatch.setattr(model_builder, "te_available", lambda: True)
     te = ["2.19.0"]
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: te[0])
+    monkeypatch.setattr(model_builder, "version", lambda name: te[0])
     monkeypatch.delattr(mla, "_prepare_mla_core_attention_value", raising=False)
     config = types.SimpleNamespace(multi_latent_attention=True, qk_head_dim=16,
                                    qk_pos_emb_head_dim=8, v_head_dim=16)

@@ -369,3 +369,69 @@ def test_readmes_layout_table_is_the_house_plan():
         assert layers == sorted(layers), f"{page}: out of layer order: {units}"
     with pytest.raises(AssertionError):
         assert sorted(layout_row_units("| `moe_rl/` | `cli`, `errors` |")) == sorted(LAYER_OF)
+
+
+# a function-local import buys start-up time or breaks a cycle, or it is noise: the standard
+# library never (hoisted); third-party packages only the heavy or optional ones; moe_rl's own
+# modules only where they keep a heavy dependency out of the importing module (measured on
+# 2026-12-04 by importing every module alone: what each loads of torch, megatron, ray, httpx,
+# yaml, ...) or break a cycle (families/__init__.py <-> families/defaults.py). The list may
+# only shrink.
+LOCAL_THIRD_PARTY = {"math_verify", "matplotlib", "megatron", "moe_rl_kernels", "packaging",
+                     "pyarrow", "ray", "safetensors", "tensorboard", "tokenizers", "torch",
+                     "transformers", "uvicorn", "wandb", "yaml"}
+LOCAL_OWN_ALLOWED = {
+    "checks/model.py:moe_rl.config", "checks/model.py:moe_rl.data.prompts",
+    "checks/model.py:moe_rl.engines.factory", "checks/model.py:moe_rl.trainer.model_builder",
+    "checks/node.py:moe_rl.engines.factory", "commands/check_model.py:moe_rl.checks.model",
+    "commands/convert.py:moe_rl.trainer.model_builder",
+    "commands/convert.py:moe_rl.trainer.parallel",
+    "commands/convert.py:moe_rl.trainer.sharded_state", "commands/convert.py:moe_rl.weights.hf",
+    "commands/demo.py:moe_rl.orchestration.loop", "commands/demo.py:moe_rl.outputs.run_summary",
+    "commands/eval.py:moe_rl.config", "commands/eval.py:moe_rl.orchestration.placement",
+    "commands/eval.py:moe_rl.orchestration.processes",
+    "commands/eval.py:moe_rl.orchestration.ray_placement",
+    "commands/eval.py:moe_rl.orchestration.run_inputs", "commands/plan.py:moe_rl.rollout_record",
+    "commands/plan.py:moe_rl.trainer.expert_path", "commands/plan.py:moe_rl.trainer.model_builder",
+    "commands/report.py:moe_rl.outputs.report", "commands/train.py:moe_rl.orchestration.loop",
+    "engines/reference/command.py:moe_rl.engines.reference.server",
+    "engines/sglang/kind.py:moe_rl.engines.sglang.client",
+    "engines/sglang/kind.py:moe_rl.engines.sglang.sender", "families/__init__.py:moe_rl.families",
+    "orchestration/engine_host.py:moe_rl.engines.factory",
+    "orchestration/engine_host.py:moe_rl.engines.process",
+    "orchestration/engine_host.py:moe_rl.orchestration.placement",
+    "orchestration/trainer_worker.py:moe_rl.engines.factory",
+    "rollout/evaluation.py:moe_rl.rollout.trajectories",
+    "trainer/model_builder.py:moe_rl.trainer.grouped_experts",
+    "trainer/model_builder.py:moe_rl.trainer.local_attention",
+    "trainer/model_builder.py:moe_rl.trainer.local_mla",
+    "trainer/model_builder.py:moe_rl.trainer.mla_query",
+    "trainer/model_builder.py:moe_rl.trainer.sdpa_attention",
+    "trainer/model_builder.py:moe_rl.trainer.sort_dispatcher"}
+
+
+def _local_imports(tree: ast.AST) -> list[str]:
+    """The modules imported inside the functions of ``tree``."""
+    return [node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+            for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def test_function_local_imports_buy_start_up_time_or_break_a_cycle():
+    import sys
+    std, third, own = [], set(), set()
+    for path in sorted(ROOT.rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        for module in _local_imports(parse_python(path.read_text())):
+            top = module.split(".")[0]
+            if top in sys.stdlib_module_names:
+                std.append(f"{name}: {module}")
+            elif top == "moe_rl":
+                own.add(f"{name}:{module}")
+            else:
+                third.add(top)
+    assert std == []   # hoist them to the module's imports
+    assert sorted(third - LOCAL_THIRD_PARTY) == []
+    assert sorted(own - LOCAL_OWN_ALLOWED) == []
+    assert sorted(LOCAL_OWN_ALLOWED - own) == []   # gone: strike it from the list
+    assert _local_imports(parse_python("def f():\n    import os\n")) == ["os"]

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import threading
 from dataclasses import dataclass, field
+import gc
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ from moe_rl.engines.reference.prefix_cache import CacheHit, PrefixCache
 from moe_rl.rollout_record import MODEL_DTYPES
 from moe_rl.weights.fp8 import is_fp8_checkpoint, read_fp8_checkpoint, write_dequantised_checkpoint
 from moe_rl.weights.serialize import parse_dtype
+from moe_rl.engines.sglang.weights import close_group, open_group, receive_tensors
 
 # unquantised float dtypes a weight update may announce for one another (received, then cast to
 # the served checkpoint's dtype, as SGLang's load_weights does); FP8 weights must match exactly
@@ -470,7 +472,6 @@ class ReferenceEngine:
     def release_memory(self) -> None:
         """Drop the model's weights from memory (colocated training); /generate is refused until
         :meth:`resume_memory`."""
-        import gc
         with self.lock:
             self.model = None
             self.prefix_cache.flush()
@@ -486,7 +487,6 @@ class ReferenceEngine:
         """Join the trainer's weight-update group (blocks until every member joined, at most
         ``group_timeout_s``: past it the attempt is abandoned on its thread and RequestError
         says so). Rank 0 hosts the group's store and belongs to the trainer."""
-        from moe_rl.engines.sglang.weights import open_group
         if rank_offset < 1 or rank_offset >= world_size:
             raise RequestError(f"rank_offset: expected 1 <= rank_offset < world_size "
                                f"({world_size}); rank 0 is the trainer, which hosts the group")
@@ -505,7 +505,6 @@ class ReferenceEngine:
 
     def destroy_update_group(self, group_name: str) -> None:
         """Leave weight-update group ``group_name``."""
-        from moe_rl.engines.sglang.weights import close_group
         if group_name not in self.groups:
             raise RequestError(f"group_name: no weight-update group {group_name!r}")
         close_group(self.groups.pop(group_name))
@@ -576,7 +575,6 @@ class ReferenceEngine:
         served checkpoint's, exactly, all finite, and replaces the served weights atomically;
         on any refusal the staged buckets are dropped and the served weights stay. Returns
         whether this request committed."""
-        from moe_rl.engines.sglang.weights import receive_tensors
         with self._update_lock:
             if not self.in_update_session:
                 raise RequestError("update_weights_from_distributed: outside a weight-update "

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import itertools
 import json
 import secrets
+import socket
+import sys
 import time
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -588,8 +590,6 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: st
           weight_group_timeout_s: float = 120.0) -> None:
     """Load the model and serve until interrupted (on the inherited bound socket ``fd`` when
     given, else on host:port)."""
-    import socket
-    import sys
     import uvicorn
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {host} without --api-key: anyone who reaches the port can "

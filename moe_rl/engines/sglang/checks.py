@@ -12,6 +12,7 @@ from moe_rl.engines.needs import requests_routing
 from moe_rl.engines.sglang.launcher import ROUTING_BLIND_RUNNERS, ROUTING_RUNNER
 from moe_rl.config.model_facts import model_hf_fields
 from moe_rl.families import FAMILIES
+from moe_rl.engines.sglang.fp8_shapes import fp8_shape_errors
 
 
 def check_gpus(cfg: Config) -> None:
@@ -106,7 +107,6 @@ def check_fp8(rollout: RolloutConfig, model: ModelConfig) -> None:
     r = rollout
     if r.quantization != "fp8":
         return
-    from moe_rl.engines.sglang.fp8_shapes import fp8_shape_errors
     errors = fp8_shape_errors(model_hf_fields(model), r.sglang.tp_size, r.sglang.ep_size)
     if errors:
         raise ConfigError(f"rollout.quantization: SGLang refuses block-wise FP8 for this model "

@@ -13,11 +13,12 @@ from moe_rl.engines.sglang.checks import check_config
 from moe_rl.engines.sglang.launcher import sglang_argv, sglang_env
 from moe_rl.engines.sglang.node_check import check_sglang_environment
 from moe_rl.families import FAMILIES
+from moe_rl.config.memory_estimate import DTYPE_BYTES, EngineMemory
+from moe_rl.engines.sglang.pool import ServerPool
 
-if TYPE_CHECKING:   # the client, pool and senders (torch) load where a run connects: the
-    # process that only starts a server (the engine host) goes without torch
+if TYPE_CHECKING:   # the client and senders (torch) load where a run connects: the process
+    # that only starts a server (the engine host) goes without torch
     from moe_rl.engines.sglang.client import SGLangEngine, SGLangWeightReceiver
-    from moe_rl.engines.sglang.pool import ServerPool
     from moe_rl.families.shape import MoEShape
 
 # SGLang 0.5.23 under --enable-dp-attention on one node also binds port+233 (its ZMQ_TCP_PORT_DELTA)
@@ -30,7 +31,6 @@ class SGLangProtocolKind(EngineKind):
     set serves them all."""
 
     def _pool_factory(self, urls: list[str], restarters=None) -> Callable[[], ServerPool]:
-        from moe_rl.engines.sglang.pool import ServerPool
         s = self.cfg.rollout.servers
         return lambda: ServerPool(urls, api_key=s.api_key, timeout=s.request_timeout_s,
                                   max_retries=s.max_retries, concurrency=s.concurrency,
@@ -86,7 +86,6 @@ class SGLangKind(SGLangProtocolKind):
         """One GPU of a server of ``tp_size`` GPUs: its share of the weights, and the KV pool
         ``--mem-fraction-static`` of the GPU leaves beside them (KV heads split over the GPUs;
         an MLA model's latent is not split); none on CPU."""
-        from moe_rl.config.memory_estimate import DTYPE_BYTES, EngineMemory
         g = self.cfg.rollout.sglang
         if g.device == "cpu":
             return None

@@ -16,6 +16,8 @@ order of the update request's ``names``; nothing is pickled.
 from __future__ import annotations
 
 import datetime
+import inspect
+import time
 
 import torch
 from torch.distributed import PrefixStore
@@ -51,8 +53,6 @@ def open_group(backend: str, master_address: str, master_port: int, rank: int, w
     with the identity rank map. Any other construction waits on other store keys and hangs.
     Blocks until every member has joined, ``timeout_s`` at most in all (rendezvous and the
     backend's connection share one deadline); the group's collectives then wait ``timeout_s``."""
-    import inspect
-    import time
 
     from torch.distributed import distributed_c10d as c10d
     if backend not in ("nccl", "gloo"):
@@ -116,7 +116,6 @@ def broadcast_tensors(group, named: list[tuple[str, torch.Tensor]], answer=None)
     when it fails while a broadcast waits (the server refused the bucket and will never join),
     its error is raised at once instead of waiting out the group's timeout (the group is then
     unusable: the caller rebuilds it)."""
-    import time
     for _, t in named:
         work = group.broadcast(_wire(t.contiguous()), 0)
         while answer is not None and not work.is_completed():
