@@ -191,8 +191,8 @@ def test_rollout_engines_and_trainer_take_their_section_not_the_whole_config():
 
 
 # the library's functions above radon's rank C today (complexity), and those over 100 lines:
-# the caps may only fall (issue 79: the reference engine's app next; its request parsing, 63,
-# has left)
+# the caps may only fall (issue 79: the reference engine's request parsing, 63, and its 315-line
+# app have left)
 COMPLEXITY_ALLOWED = {
     "config/loader.py:_coerce": 39,
     "rollout_record.py:to_bytes": 32, "engines/reference/engine.py:step": 26,
@@ -200,8 +200,7 @@ COMPLEXITY_ALLOWED = {
     "engines/reference/engine.py:parse_sampling_params": 23, "config/checks.py:check_loss": 23,
     "weights/hf.py:save_hf_checkpoint": 22, "trainer/packing.py:pack_one": 22,
     "rollout_record.py:validate": 21, "commands/convert.py:run": 21}
-LENGTH_ALLOWED = {"engines/reference/server.py:build_app": 315,
-                  "engines/sglang/client.py:score": 114}
+LENGTH_ALLOWED = {"engines/sglang/client.py:score": 114}
 
 
 def test_the_library_keeps_radon_c_and_100_line_functions_outside_an_allow_list():

@@ -244,74 +244,71 @@ def _as_requests(body: dict, engine: ReferenceEngine, counter, limits: Limits = 
     return out, batch
 
 
-def build_app(engine: ReferenceEngine, api_key: str | None = None,
-              max_running_requests: int = 64, max_total_tokens: int = 1 << 18,
-              limits: Limits = Limits()) -> FastAPI:
-    """The FastAPI application serving ``engine``.
+class _Scheduler:
+    """SGLang's continuous batching over ``engine``: between two decode iterations, waiting
+    requests join the running batch (first come, first served) while at most
+    ``max_running_requests`` run and the running ones reserve at most ``max_total_tokens``
+    tokens (input + max_new_tokens each). A finished request leaves at once; a request whose
+    client went away is dropped at the next iteration; an abort answers the requests it names
+    with what they generated so far."""
 
-    Scheduling is SGLang's continuous batching: between two decode iterations, waiting requests
-    join the running batch (first come, first served) while at most ``max_running_requests`` run
-    and the running ones reserve at most ``max_total_tokens`` tokens (input + max_new_tokens
-    each); a request that alone needs more is refused with 400. A finished request leaves at
-    once, so a short request never waits for a long one, and a request whose client went away is
-    dropped at the next iteration. A call's body is read, parsed and expanded off the event
-    loop within ``limits``; weight updates and session changes hold :class:`ModelUpdateLock`
-    alone, as SGLang's."""
-    if max_running_requests < 1 or max_total_tokens < 1:
-        raise ValueError("max_running_requests and max_total_tokens: expected >= 1")
-    app = FastAPI(title="moe_rl reference engine")
-    queue: asyncio.Queue = asyncio.Queue()
-    waiting: collections.deque = collections.deque()
-    counter = itertools.count()
-    app.state.limits = {"max_running_requests": max_running_requests,
-                        "max_total_num_tokens": max_total_tokens, **dataclasses.asdict(limits)}
-    model_update = ModelUpdateLock()
+    def __init__(self, engine: ReferenceEngine, max_running_requests: int,
+                 max_total_tokens: int):
+        self.engine = engine
+        self.max_running, self.max_tokens = max_running_requests, max_total_tokens
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.waiting: collections.deque = collections.deque()
+        self.aborts: list = []   # /abort_request calls not yet applied: a predicate each
+        self.live: dict[int, Request] = {}   # the requests of the calls being answered, by id
 
-    def admissions() -> list:
+    def pending(self) -> int:
+        """Requests waiting to run."""
+        return len(self.waiting) + self.queue.qsize()
+
+    def admissions(self) -> list:
         """Waiting requests that fit, in arrival order (a cancelled one is skipped)."""
-        admit, room = [], max_total_tokens - engine.tokens_in_flight()
-        slots = max_running_requests - len(engine.running)
-        while waiting and len(admit) < slots:
-            req, fut = waiting[0]
+        admit, room = [], self.max_tokens - self.engine.tokens_in_flight()
+        slots = self.max_running - len(self.engine.running)
+        while self.waiting and len(admit) < slots:
+            req, fut = self.waiting[0]
             if fut.done():
-                waiting.popleft()
+                self.waiting.popleft()
                 continue
             need = len(req.input_ids) + req.params.max_new_tokens
             if need > room:
                 break
-            waiting.popleft()
+            self.waiting.popleft()
             admit.append((req, fut))
             room -= need
         return admit
 
-    aborts: list = []   # /abort_request calls not yet applied: a predicate each
-    live: dict[int, Request] = {}   # the requests of the calls being answered, by id
-
-    def take_aborts():
+    def take_aborts(self):
         """The predicate of the aborts asked since the last iteration (None: none); waiting
         requests it names are answered now, with nothing generated."""
-        if not aborts:
+        if not self.aborts:
             return None
-        asked = list(aborts)
-        aborts.clear()
+        asked = list(self.aborts)
+        self.aborts.clear()
         match = lambda req: any(a(req) for a in asked)   # noqa: E731
-        while not queue.empty():
-            waiting.append(queue.get_nowait())
-        for item in [w for w in waiting if match(w[0])]:
-            waiting.remove(item)
+        while not self.queue.empty():
+            self.waiting.append(self.queue.get_nowait())
+        for item in [w for w in self.waiting if match(w[0])]:
+            self.waiting.remove(item)
             if not item[1].done():
-                item[1].set_result(engine.aborted_response(item[0]))
+                item[1].set_result(self.engine.aborted_response(item[0]))
         return match
 
-    async def worker():
+    async def worker(self) -> None:
+        """The decode loop: admit, step, answer; forever."""
         loop = asyncio.get_running_loop()
+        engine, waiting = self.engine, self.waiting
         while True:
             if not engine.running and not waiting:
-                waiting.append(await queue.get())
-            while not queue.empty():
-                waiting.append(queue.get_nowait())
-            abort = take_aborts()
-            admit = admissions()
+                waiting.append(await self.queue.get())
+            while not self.queue.empty():
+                waiting.append(self.queue.get_nowait())
+            abort = self.take_aborts()
+            admit = self.admissions()
             gone = {id(r.handle) for r in engine.running if r.handle.done()}
             if not admit and not engine.running:   # only cancelled requests were waiting
                 continue
@@ -324,81 +321,16 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
                 else:
                     fut.set_result(result)
 
-    @app.on_event("startup")
-    async def _start():
-        app.state.worker = asyncio.create_task(worker())
-
-    @app.on_event("shutdown")
-    async def _stop():   # uvicorn re-raises SIGTERM after this: atexit handlers never run
-        engine.close()
-
-    if api_key is not None:
-        app.add_middleware(_BearerAuth, key=api_key)
-
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200)   # SGLang: an empty 200
-
-    @app.get("/get_model_info")
-    @app.get("/model_info")
-    async def model_info():
-        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path,
-                "is_generation": True, "weight_version": engine.weight_version}
-
-    @app.get("/get_server_info")
-    async def server_info():
-        return {**app.state.limits, "model_path": engine.model_path,
-                "weight_version": engine.weight_version,
-                "internal_states": [{"num_running_reqs": len(engine.running),
-                                     "num_waiting_reqs": len(waiting) + queue.qsize(),
-                                     "tokens_in_flight": engine.tokens_in_flight()}]}
-
-    async def read_body(request: HTTPRequest) -> bytes:
-        """The body, refused (RequestError) past ``limits.max_request_bytes``."""
-        too_big = RequestError(f"body: over the server's limit of {limits.max_request_bytes} "
-                               f"bytes (--max-request-bytes)")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limits.max_request_bytes:
-            raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_request_bytes:
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def parse(raw: bytes) -> tuple[list[Request], bool]:
-        body = _read_json(raw)
-        reqs, batch = _as_requests(body, engine, counter, limits)
-        for r in reqs:
-            need = len(r.input_ids) + r.params.max_new_tokens
-            if need > max_total_tokens:
-                raise RequestError(
-                    f"input_ids: {len(r.input_ids)} tokens + sampling_params.max_new_tokens "
-                    f"{r.params.max_new_tokens} exceed the server's token budget "
-                    f"(--max-total-tokens {max_total_tokens})")
-        return reqs, batch
-
-    @app.post("/generate")
-    async def generate(request: HTTPRequest):
-        try:   # parsed on a thread: a large call never holds the event loop (/health answers)
-            reqs, batch = await asyncio.to_thread(parse, await read_body(request))
-        except UnreadableBody as exc:
-            return _unreadable_body(str(exc))
-        except RequestError as exc:
-            return JSONResponse(_error(str(exc)), status_code=400)
-        async with model_update.shared():   # a weight update waits for these requests
-            return await run_requests(request, reqs, batch)
-
-    async def run_requests(request: HTTPRequest, reqs: list[Request], batch: bool):
+    async def run(self, request: HTTPRequest, reqs: list[Request], batch: bool):
+        """Queue ``reqs`` and answer them (a list when ``batch``), or 499 when the client goes
+        away first (their work stops)."""
         loop = asyncio.get_running_loop()
         futures = []
         for r in reqs:
             fut = loop.create_future()
-            live[id(r)] = r
-            fut.add_done_callback(lambda _, key=id(r): live.pop(key, None))
-            queue.put_nowait((r, fut))
+            self.live[id(r)] = r
+            fut.add_done_callback(lambda _, key=id(r): self.live.pop(key, None))
+            self.queue.put_nowait((r, fut))
             futures.append(fut)
         gathered = asyncio.gather(*futures)
         while not gathered.done():   # stop the work when the client goes away
@@ -414,36 +346,151 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
             return JSONResponse(_error(f"engine failure: {exc}"), status_code=500)
         return results if batch else results[0]
 
-    async def _json_object(request: HTTPRequest):
-        """The body as a JSON object, or the 400 answer naming what is wrong."""
-        try:
-            body = _read_json(await read_body(request))
+    def abort(self, rid: str, everything: bool) -> None:
+        """SGLang's: every request whose id starts with ``rid`` (all with ``everything``)
+        stops at the next iteration; an empty rid without ``everything`` names none."""
+        if everything or rid:
+            asked = {i for i, req in self.live.items()   # a request after this call stays
+                     if everything or str(req.rid).startswith(rid)}
+            self.aborts.append(lambda req: id(req) in asked)
+
+
+async def _read_body(request: HTTPRequest, limits: Limits) -> bytes:
+    """The body, refused (RequestError) past ``limits.max_request_bytes``."""
+    too_big = RequestError(f"body: over the server's limit of {limits.max_request_bytes} "
+                           f"bytes (--max-request-bytes)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_request_bytes:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_request_bytes:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_object(request: HTTPRequest, limits: Limits):
+    """The body as a JSON object, or the 400 answer naming what is wrong."""
+    try:
+        body = _read_json(await _read_body(request, limits))
+    except UnreadableBody as exc:
+        return _unreadable_body(str(exc))
+    except RequestError as exc:
+        return _refusal(str(exc))
+    if not isinstance(body, dict):
+        return _refusal("body: expected a JSON object")
+    return body
+
+
+def _refusal(message: str) -> JSONResponse:
+    """SGLang's 400 answer of a control endpoint."""
+    return JSONResponse({"success": False, "message": message}, status_code=400)
+
+
+def build_app(engine: ReferenceEngine, api_key: str | None = None,
+              max_running_requests: int = 64, max_total_tokens: int = 1 << 18,
+              limits: Limits = Limits()) -> FastAPI:
+    """The FastAPI application serving ``engine``, scheduled by :class:`_Scheduler`; a request
+    that alone needs more than ``max_total_tokens`` is refused with 400. A call's body is read,
+    parsed and expanded off the event loop within ``limits``; weight updates and session
+    changes hold :class:`ModelUpdateLock` alone, as SGLang's."""
+    if max_running_requests < 1 or max_total_tokens < 1:
+        raise ValueError("max_running_requests and max_total_tokens: expected >= 1")
+    app = FastAPI(title="moe_rl reference engine")
+    sched = _Scheduler(engine, max_running_requests, max_total_tokens)
+    app.state.limits = {"max_running_requests": max_running_requests,
+                        "max_total_num_tokens": max_total_tokens, **dataclasses.asdict(limits)}
+    model_update = ModelUpdateLock()
+    control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="control")
+
+    @app.on_event("startup")
+    async def _start():
+        app.state.worker = asyncio.create_task(sched.worker())
+
+    @app.on_event("shutdown")
+    async def _stop():   # uvicorn re-raises SIGTERM after this: atexit handlers never run
+        engine.close()
+
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, key=api_key)
+    _info_routes(app, engine, sched)
+    _generate_route(app, engine, sched, model_update, limits)
+    _session_routes(app, engine, sched, model_update, control, limits)
+    _weight_routes(app, engine, model_update, control, limits)
+    return app
+
+
+def _info_routes(app: FastAPI, engine: ReferenceEngine, sched: _Scheduler) -> None:
+    """/health, /model_info and /get_server_info, as SGLang answers them."""
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)   # SGLang: an empty 200
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info():
+        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path,
+                "is_generation": True, "weight_version": engine.weight_version}
+
+    @app.get("/get_server_info")
+    async def server_info():
+        return {**app.state.limits, "model_path": engine.model_path,
+                "weight_version": engine.weight_version,
+                "internal_states": [{"num_running_reqs": len(engine.running),
+                                     "num_waiting_reqs": sched.pending(),
+                                     "tokens_in_flight": engine.tokens_in_flight()}]}
+
+
+def _generate_route(app: FastAPI, engine: ReferenceEngine, sched: _Scheduler,
+                    model_update: ModelUpdateLock, limits: Limits) -> None:
+    """/generate: its body parsed and expanded on a thread, its requests scheduled."""
+    counter = itertools.count()
+
+    def parse(raw: bytes) -> tuple[list[Request], bool]:
+        reqs, batch = _as_requests(_read_json(raw), engine, counter, limits)
+        for r in reqs:
+            need = len(r.input_ids) + r.params.max_new_tokens
+            if need > sched.max_tokens:
+                raise RequestError(
+                    f"input_ids: {len(r.input_ids)} tokens + sampling_params.max_new_tokens "
+                    f"{r.params.max_new_tokens} exceed the server's token budget "
+                    f"(--max-total-tokens {sched.max_tokens})")
+        return reqs, batch
+
+    @app.post("/generate")
+    async def generate(request: HTTPRequest):
+        try:   # parsed on a thread: a large call never holds the event loop (/health answers)
+            reqs, batch = await asyncio.to_thread(parse, await _read_body(request, limits))
         except UnreadableBody as exc:
             return _unreadable_body(str(exc))
         except RequestError as exc:
-            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
-        if not isinstance(body, dict):
-            return JSONResponse({"success": False, "message": "body: expected a JSON object"},
-                                status_code=400)
-        return body
+            return JSONResponse(_error(str(exc)), status_code=400)
+        async with model_update.shared():   # a weight update waits for these requests
+            return await sched.run(request, reqs, batch)
 
-    control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="control")
-    group_setup = asyncio.Lock()
 
-    async def _blocking(fn, *args):
-        """Control work on its own threads, so it can never starve /generate's."""
-        try:
-            await asyncio.get_running_loop().run_in_executor(control, fn, *args)
-        except (RequestError, ValueError, KeyError, TypeError) as exc:
-            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
-        return None
+async def _on_control_threads(control: ThreadPoolExecutor, fn, *args):
+    """Control work on its own threads, so it can never starve /generate's: None, or the 400
+    answer of its refusal."""
+    try:
+        await asyncio.get_running_loop().run_in_executor(control, fn, *args)
+    except (RequestError, ValueError, KeyError, TypeError) as exc:
+        return _refusal(str(exc))
+    return None
 
+
+def _session_routes(app: FastAPI, engine: ReferenceEngine, sched: _Scheduler,
+                    model_update: ModelUpdateLock, control: ThreadPoolExecutor,
+                    limits: Limits) -> None:
+    """Memory release and resume, weight-update sessions, /abort_request, /flush_cache."""
     def control_endpoint(path: str, action, done: str, exclusive: bool) -> None:
         """A body-less control endpoint: run ``action`` on the control threads (holding the
         model-update lock alone when ``exclusive``)."""
         async def endpoint(request: HTTPRequest):
             async with (model_update.exclusive() if exclusive else contextlib.nullcontext()):
-                failed = await _blocking(action)
+                failed = await _on_control_threads(control, action)
                 return failed or (None if done is None else {"success": True, "message": done})
         app.post(path)(endpoint)
 
@@ -458,62 +505,71 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
     async def abort_request(request: HTTPRequest):
         """SGLang's: every request whose id starts with ``rid`` (all with ``abort_all``) stops
         and answers with what it generated so far, finish_reason ``abort``."""
-        b = await _json_object(request)
+        b = await _json_object(request, limits)
         if not isinstance(b, dict):
             return b
         rid, everything = b.get("rid") or "", b.get("abort_all", False)
         if not isinstance(everything, bool) or not isinstance(rid, str):
-            return JSONResponse({"success": False, "message": "abort_all: expected a boolean "
-                                 "and rid a string"}, status_code=400)
-        if everything or rid:   # SGLang ignores an empty rid without abort_all; a request
-            asked = {i for i, req in live.items()   # that comes after it is not aborted
-                     if everything or str(req.rid).startswith(rid)}
-            aborts.append(lambda req: id(req) in asked)
+            return _refusal("abort_all: expected a boolean and rid a string")
+        sched.abort(rid, everything)
         return Response(status_code=200)
+
+    @app.post("/flush_cache")
+    async def flush_cache(timeout: float = 0.0):
+        # SGLang answers in plain text and refuses while busy; with `timeout` > 0 it first
+        # waits up to that long for no request to be queued or running
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while sched.waiting or not engine.flush_cache():
+            if time.monotonic() >= deadline:
+                return PlainTextResponse("Cache not flushed: there are running or waiting "
+                                         "requests.\n", status_code=400)
+            await asyncio.sleep(0.02)
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
+                                 "(When there are running or waiting requests, the operation "
+                                 "will not be performed.)\n")
+
+
+def _weight_routes(app: FastAPI, engine: ReferenceEngine, model_update: ModelUpdateLock,
+                   control: ThreadPoolExecutor, limits: Limits) -> None:
+    """The weight-update group (join, leave, broadcast) and /update_weights_from_disk."""
+    group_setup = asyncio.Lock()
 
     @app.post("/init_weights_update_group")
     async def init_group(request: HTTPRequest):
-        b = await _json_object(request)
+        b = await _json_object(request, limits)
         if isinstance(b, JSONResponse):
             return b
         try:
             args = _group_fields(b)
         except RequestError as exc:
-            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+            return _refusal(str(exc))
         if group_setup.locked():
-            return JSONResponse({"success": False, "message": "init_weights_update_group: a "
-                                 "group setup is already in progress"}, status_code=400)
+            return _refusal("init_weights_update_group: a group setup is already in progress")
         async with group_setup:   # one at a time, each bounded by the engine's group timeout
-            return await _blocking(engine.init_update_group, *args) or {
+            return await _on_control_threads(control, engine.init_update_group, *args) or {
                 "success": True, "message": "joined"}
 
     @app.post("/destroy_weights_update_group")
     async def destroy_group(request: HTTPRequest):
-        b = await _json_object(request)
+        b = await _json_object(request, limits)
         if isinstance(b, JSONResponse):
             return b
-        return await _blocking(engine.destroy_update_group,
-                               b.get("group_name", "weight_update_group")) or {
+        return await _on_control_threads(control, engine.destroy_update_group,
+                                          b.get("group_name", "weight_update_group")) or {
             "success": True, "message": "left the group"}
 
     @app.post("/update_weights_from_distributed")
     async def update_distributed(request: HTTPRequest):
-        b = await _json_object(request)
+        b = await _json_object(request, limits)
         if isinstance(b, JSONResponse):
             return b
-        if not all(isinstance(b.get(k), list) for k in ("names", "dtypes", "shapes")):
-            return JSONResponse({"success": False, "message": "names, dtypes, shapes: expected "
-                                 "lists"}, status_code=400)
-        if not isinstance(b.get("flush_cache", True), bool):
-            return JSONResponse({"success": False, "message": "flush_cache: expected a boolean"},
-                                status_code=400)
-        if not isinstance(b.get("group_name", ""), str):
-            return JSONResponse({"success": False, "message": "group_name: expected a string"},
-                                status_code=400)
+        refused = _distributed_fields_refusal(b)
+        if refused:
+            return _refusal(refused)
         committed = []
         async with model_update.exclusive():
-            err = await _blocking(
-                lambda *a: committed.append(engine.update_from_distributed(*a)),
+            err = await _on_control_threads(
+                control, lambda *a: committed.append(engine.update_from_distributed(*a)),
                 b["names"], b["dtypes"], b["shapes"], b.get("group_name", "weight_update_group"),
                 b.get("flush_cache", True))
         if err is not None:
@@ -525,40 +581,33 @@ def build_app(engine: ReferenceEngine, api_key: str | None = None,
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: HTTPRequest):
-        body = await _json_object(request)
+        body = await _json_object(request, limits)
         if isinstance(body, JSONResponse):
             return body
         path = body.get("model_path")
         if not isinstance(path, str):
-            return JSONResponse({"success": False, "message": "model_path: expected a string"},
-                                status_code=400)
+            return _refusal("model_path: expected a string")
         loop = asyncio.get_running_loop()
         async with model_update.exclusive():   # running requests finish on the old weights
             try:
                 await loop.run_in_executor(control, engine.load, path)
             except Exception as exc:
-                return JSONResponse({"success": False, "message": f"{path}: {exc}"},
-                                    status_code=400)
+                return _refusal(f"{path}: {exc}")
         version = body.get("weight_version")
         engine.weight_version = str(version) if version is not None else str(
             int(engine.weight_version) + 1 if engine.weight_version.isdigit() else 1)
         return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
-    @app.post("/flush_cache")
-    async def flush_cache(timeout: float = 0.0):
-        # SGLang answers in plain text and refuses while busy; with `timeout` > 0 it first
-        # waits up to that long for no request to be queued or running
-        deadline = time.monotonic() + max(timeout, 0.0)
-        while waiting or not engine.flush_cache():
-            if time.monotonic() >= deadline:
-                return PlainTextResponse("Cache not flushed: there are running or waiting "
-                                         "requests.\n", status_code=400)
-            await asyncio.sleep(0.02)
-        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
-                                 "(When there are running or waiting requests, the operation "
-                                 "will not be performed.)\n")
 
-    return app
+def _distributed_fields_refusal(b: dict) -> str | None:
+    """What is wrong with an /update_weights_from_distributed body's fields (None: nothing)."""
+    if not all(isinstance(b.get(k), list) for k in ("names", "dtypes", "shapes")):
+        return "names, dtypes, shapes: expected lists"
+    if not isinstance(b.get("flush_cache", True), bool):
+        return "flush_cache: expected a boolean"
+    if not isinstance(b.get("group_name", ""), str):
+        return "group_name: expected a string"
+    return None
 
 
 def _group_fields(b: dict) -> tuple:
