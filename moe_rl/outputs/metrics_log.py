@@ -64,7 +64,6 @@ class MetricsLogger:
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.sinks = list(sinks or [])
-        self.skipped_nonfinite = 0
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if jsonl else None
         self.earlier: list[dict] = []
         if self.jsonl_path and os.path.lexists(self.jsonl_path):
@@ -83,11 +82,8 @@ class MetricsLogger:
             v = float(v)
             finite = math.isfinite(v)
             clean[k] = v if finite else None
-            if self.writer is not None:
-                if finite:
-                    self.writer.add_scalar(k, v, step)
-                else:
-                    self.skipped_nonfinite += 1
+            if self.writer is not None and finite:   # JSONL records it as null
+                self.writer.add_scalar(k, v, step)
         if self.jsonl_path:
             with open(self.jsonl_path, "a", encoding="utf-8") as fh:
                 mark = {"kind": kind} if kind != "train" else {}

@@ -93,8 +93,13 @@ BESIDE = {"trainer.tensor_parallel": [*GPUS, "trainer.parallel.sequence=true"],
           "rollout.partial": ["rollout.max_staleness=1"]}
 
 
-def test_every_moved_key_is_tested_here():
+def test_every_moved_key_is_tested_here_and_listed_in_the_manual():
+    import pathlib
     assert MOVED_KEYS == {old: new for old, new, _ in MOVES}
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    table = page.split("### Keys that moved", 1)[1].split("### Every key", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert rows == [f"| `{old}` | `{new}` |" for old, new in MOVED_KEYS.items()]
 
 
 @pytest.mark.parametrize("old,new,value", MOVES, ids=[m[0] for m in MOVES])

@@ -22,7 +22,7 @@ from moe_rl.engines.sglang.pool import EngineHTTPError, ServerPool
 from moe_rl.engines.reference.engine import kept_set
 from moe_rl.engines.reference.kind import ReferenceKind
 from moe_rl.engines.reference.launcher import ReferenceServer
-from moe_rl.engines.sglang.launcher import sglang_command
+from moe_rl.engines.sglang.launcher import sglang_argv, sglang_env
 from moe_rl.trainer.parallel import free_port
 
 pytestmark = pytest.mark.e2e
@@ -47,6 +47,12 @@ def server(tiny_dir, tmp_path_factory):
     proc = ReferenceServer(tiny_dir, free_port(), api_key="k3y", log_path=str(log)).start()
     yield proc
     proc.stop()
+
+
+def sglang_command(cfg, port: int, model_path: str | None = None, gpus: list[int] = ()):
+    """(argv, environment moe_rl sets) of one SGLang server, as the engine host starts it."""
+    return (sglang_argv(cfg, model_path or cfg.model.path, cfg.rollout.servers.host, port),
+            sglang_env(list(gpus), cfg.rollout.sglang.device))
 
 
 def engine_for(urls, layout, need_mask=True, api_key="k3y"):

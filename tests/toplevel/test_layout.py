@@ -163,7 +163,7 @@ WHOLE_CONFIG_ALLOWED = {
     "engines/base.py:__init__", "engines/factory.py:engine_kind",
     "engines/reference/checks.py:check_config", "engines/sglang/checks.py:check_gpus",
     "engines/sglang/checks.py:check_tensor_sync_ranks", "engines/sglang/checks.py:check_config",
-    "engines/sglang/launcher.py:sglang_argv", "engines/sglang/launcher.py:sglang_command",
+    "engines/sglang/launcher.py:sglang_argv",
     "engines/sglang/node_check.py:check_sglang_environment", "trainer/forwarder.py:__init__",
     "trainer/passes.py:__init__", "trainer/policy.py:__init__", "trainer/state.py:__init__",
     "trainer/update.py:__init__"}

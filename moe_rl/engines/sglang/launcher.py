@@ -69,10 +69,3 @@ def sglang_env(gpus: list[int], device: str = "cuda") -> dict[str, str]:
     elif gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     return env
-
-
-def sglang_command(cfg: Config, port: int, model_path: str | None = None,
-                   host: str | None = None, gpus: list[int] = ()) -> tuple[list[str], dict]:
-    """(argv, environment moe_rl sets) of one SGLang server."""
-    return (sglang_argv(cfg, model_path or cfg.model.path, host or cfg.rollout.servers.host, port),
-            sglang_env(list(gpus), cfg.rollout.sglang.device))
