@@ -34,7 +34,7 @@ class EngineHost:
         cfg = config_from_dict(cfg_tree)
         self.cfg = cfg
         proc = PlannedProcess(**planned)
-        proc.host = engine_host(cfg, nodes, ray.util.get_node_ip_address())
+        proc.host = engine_host(cfg.rollout.servers, nodes, ray.util.get_node_ip_address())
         # the port is held from here to the launch: hosts sharing an address never collide
         self.sock = bind_first_free(proc.host, proc.port)
         proc.port = self.sock.getsockname()[1]

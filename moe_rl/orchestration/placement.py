@@ -26,7 +26,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from moe_rl.config import Config, ConfigError
-from moe_rl.config.schema import ClusterConfig
+from moe_rl.config.schema import ClusterConfig, ServersConfig
 from moe_rl.engines.factory import engine_kind
 
 LOOPBACK_HOSTS = ("localhost",)
@@ -102,10 +102,10 @@ def is_loopback(host: str) -> bool:
         return host in LOOPBACK_HOSTS
 
 
-def engine_host(cfg: Config, nodes: int, node_address: str) -> str:
+def engine_host(servers: ServersConfig, nodes: int, node_address: str) -> str:
     """The address a server binds: ``rollout.servers.host``; on a multi-node run a loopback
     ``rollout.servers.host`` is replaced by the node's address."""
-    host = cfg.rollout.servers.host
+    host = servers.host
     return node_address if nodes > 1 and is_loopback(host) else host
 
 
@@ -202,7 +202,8 @@ def at_addresses(plan: Plan, cfg: Config, node_addresses: list[str],
     processes = []
     for p in plan.processes:
         if p.role == "engine":
-            p = dataclasses.replace(p, host=engine_host(cfg, plan.nodes, node_addresses[p.node]))
+            p = dataclasses.replace(p, host=engine_host(cfg.rollout.servers, plan.nodes,
+                                                         node_addresses[p.node]))
             p.argv, p.env = engine_command(cfg, p, model_path or cfg.model.path)
         processes.append(p)
     return dataclasses.replace(plan, processes=processes)

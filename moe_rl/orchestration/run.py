@@ -204,8 +204,8 @@ class Run:
             raise RunStopped(f"stopped by {self.stop.name}, {what}: {where}{again}",
                              self.stop.signum)
         before = self.logger.earlier   # a resumed run's summary covers the whole run
-        print(run_summary([r for r in before if "kind" not in r] + self.history, cfg,
-                          time.perf_counter() - self.started, saved,
+        print(run_summary([r for r in before if "kind" not in r] + self.history, cfg.trainer,
+                          cfg.logging.dir, time.perf_counter() - self.started, saved,
                           [r for r in before if r.get("kind") == "eval"] + self.evals,
                           resumed_at=self.start_step), flush=True)
         per_step = cfg.trainer.epochs * cfg.trainer.mini_batches

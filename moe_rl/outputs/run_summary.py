@@ -6,6 +6,7 @@ import math
 import os
 
 from moe_rl.engines.factory import engine_kind
+from moe_rl.config.schema import TrainerConfig
 
 
 def _mean(history: list[dict], key: str, rows: slice = slice(None)) -> float:
@@ -28,14 +29,14 @@ def eval_line(evals: list[dict]) -> str | None:
     return "  eval: " + "; ".join(parts) if parts else None
 
 
-def run_summary(history: list[dict], cfg, seconds: float, checkpoint: str | None,
-                evals: list[dict] = (), resumed_at: int = 0) -> str:
-    """What the run did, in a few lines (``history``: the per-step metrics of the whole run,
-    the steps before a resume included; ``evals``: its evaluation rows; ``seconds``: this
-    process's time, which began at step ``resumed_at``)."""
+def run_summary(history: list[dict], trainer: TrainerConfig, log_dir: str, seconds: float,
+                checkpoint: str | None, evals: list[dict] = (), resumed_at: int = 0) -> str:
+    """What the run in ``log_dir`` did, in a few lines (``history``: the per-step metrics of
+    the whole run, the steps before a resume included; ``evals``: its evaluation rows;
+    ``seconds``: this process's time, which began at step ``resumed_at``)."""
     done = len(history)
     if not done:
-        return (f"run finished: no RL step left to do (trainer.steps={cfg.trainer.steps}); "
+        return (f"run finished: no RL step left to do (trainer.steps={trainer.steps}); "
                 f"checkpoint {checkpoint or 'none'}")
     k = max(1, min(10, done // 2))
     first, last = _mean(history, "reward/mean", slice(0, k)), _mean(history, "reward/mean",
@@ -50,11 +51,11 @@ def run_summary(history: list[dict], cfg, seconds: float, checkpoint: str | None
              f"{rise}",
              f"  mismatch/k3 {_mean(history, 'mismatch/k3'):.2e} (mean), routing/agreement "
              f"{_mean(history, 'routing/agreement'):.4f} (mean)",
-             f"  run directory {cfg.logging.dir}; last checkpoint {checkpoint or 'none'}"]
+             f"  run directory {log_dir}; last checkpoint {checkpoint or 'none'}"]
     if eval_line(list(evals)):
         lines.insert(2, eval_line(list(evals)))
-    if cfg.trainer.checkpoint.export_hf:
-        lines.append(f"  final policy (HF) {os.path.join(cfg.logging.dir, 'final_hf')}")
+    if trainer.checkpoint.export_hf:
+        lines.append(f"  final policy (HF) {os.path.join(log_dir, 'final_hf')}")
     return "\n".join(lines)
 
 
