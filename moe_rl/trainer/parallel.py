@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 
@@ -20,9 +21,35 @@ class ParallelSizes:
     context: int = 1
 
 
+# rendezvous ports are picked here, outside the kernel's ephemeral range and Ray's worker ports
+# (10002-19999), below SGLang's own NCCL picks (22000-29999) and moe_rl's engine ports (30000+)
+RENDEZVOUS_PORTS = range(20000, 22000)
+
+
+def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The kernel's ephemeral port range (bind(0), outgoing connections' source ports)."""
+    try:
+        low, high = map(int, open(path).read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999   # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A free TCP port on ``host`` (an address of this machine)."""
-    with socket.socket() as s:
+    """A free TCP port on ``host`` (an address of this machine) outside the ephemeral range: no
+    bind(0) or outgoing connection of another process (gloo's pairs, NCCL, Ray) takes it between
+    this pick and its listener's bind, so no one else's client connects to it and a client that
+    connects before the listener is up cannot connect to itself."""
+    low, high = ephemeral_range()
+    pool = [p for p in (*RENDEZVOUS_PORTS, *range(high + 1, 65536)) if not low <= p <= high]
+    for port in random.sample(pool, min(64, len(pool))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:   # every candidate taken: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -1,5 +1,6 @@
 """Expert parallel and data parallel over two gloo processes (multiproc)."""
 import os
+import socket
 import subprocess
 import sys
 
@@ -235,3 +236,20 @@ def test_routing_agreement_counts_every_ranks_positions(tmp_path, sizes):
         got = ast.literal_eval((tmp_path / f"agree{rank}.txt").read_text())
         assert got == pytest.approx({"routing/agreement": 0.75, "routing/token_differs_frac": 0.25,
                                      "routing/agreement_layer_0": 0.75})
+
+
+def test_a_rendezvous_port_lies_outside_the_ephemeral_range(tmp_path, monkeypatch):
+    """A port picked for a listener another rank connects to is never one the kernel hands out
+    to bind(0) or to an outgoing connection (another test's or process's gloo pairs took such a
+    port between its pick and its bind once: 'Connection reset by peer' in CI)."""
+    from moe_rl.trainer import parallel
+    low, high = parallel.ephemeral_range()
+    ports = [parallel.free_port() for _ in range(40)]
+    assert not [p for p in ports if low <= p <= high]
+    (tmp_path / "range").write_text("40000\t50000\n")
+    assert parallel.ephemeral_range(str(tmp_path / "range")) == (40000, 50000)
+    assert parallel.ephemeral_range(str(tmp_path / "missing")) == (32768, 60999)
+    monkeypatch.setattr(parallel, "ephemeral_range", lambda: (1024, 65535))   # nothing outside
+    port = parallel.free_port()   # the kernel's choice, still free
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
